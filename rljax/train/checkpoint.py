@@ -1,0 +1,184 @@
+"""Checkpoints: any pytree of jax arrays plus JSON metadata, saved with orbax.
+
+`Checkpointer` wraps `orbax.checkpoint.CheckpointManager` (orbax-checkpoint 0.12):
+
+- every `save_every` steps it saves `state` (a pytree of jax arrays, sharded or not:
+  params, optimiser states, the step, PRNG keys) with `StandardSave` and a JSON dict `meta`
+  (step, data-iterator position, PRNG key data, config hash...) with `JsonSave`, as two items
+  of one `Composite` checkpoint;
+- saves are asynchronous: `save` returns once the arrays are copied off the devices, and the
+  write to disk finishes in a background thread (`wait_until_finished` blocks on it);
+- only the last `keep` checkpoints are kept;
+- orbax writes each step into a temporary directory and renames it when complete, so a run
+  killed mid-save leaves the previous checkpoint intact and the half-written one is ignored.
+  Restores also skip any step directory that lacks orbax's finalisation metadata;
+- used as a context manager, leaving the block (normally, or by an exception such as the
+  KeyboardInterrupt of Ctrl-C) waits for the pending save before closing, so a Ctrl-C never
+  loses the save that was in flight.
+
+`restore(target)` reads the latest valid step into `target`, a pytree of arrays or
+`jax.ShapeDtypeStruct`s whose `.sharding` says where each restored array goes
+(`abstract_like(state)` builds one from a live state).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+__all__ = ["Checkpointer", "abstract_like", "key_to_json", "key_from_json"]
+
+_ITEMS = ("state", "meta")
+# Orbax writes this file last in a step directory (after the rename from the tmp dir).
+_FINAL_MARKER = "_CHECKPOINT_METADATA"
+
+
+def abstract_like(tree: Any) -> Any:
+    """A pytree of `jax.ShapeDtypeStruct`s (with shardings) matching `tree`'s arrays."""
+
+    def one(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        x = jax.numpy.asarray(x) if not isinstance(x, jax.Array) else x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+    return jax.tree.map(one, tree)
+
+
+def key_to_json(key: jax.Array) -> dict[str, Any]:
+    """JSON-able form of a typed PRNG key (`jax.random.key`): implementation name and data."""
+    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        raise TypeError(f"key must be a typed PRNG key (jax.random.key), got dtype {key.dtype}")
+    data = np.asarray(jax.random.key_data(key))
+    return {"impl": str(jax.random.key_impl(key)), "shape": list(data.shape),
+            "data": data.reshape(-1).tolist()}
+
+
+def key_from_json(obj: dict[str, Any]) -> jax.Array:
+    """Inverse of `key_to_json`."""
+    try:
+        data = np.asarray(obj["data"], dtype=np.uint32).reshape(obj["shape"])
+        return jax.random.wrap_key_data(data, impl=obj["impl"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not a saved PRNG key (needs impl, shape, data): {e}") from None
+
+
+class Checkpointer:
+    """Asynchronous orbax checkpoints of `(state pytree, JSON meta)`, keeping the last `keep`.
+
+    Args:
+      directory: where step directories `0/`, `10/`, ... are written (created if absent).
+      save_every: save only steps divisible by this (`save(..., force=True)` overrides).
+      keep: number of most recent checkpoints kept (older ones are deleted).
+      async_save: write in a background thread (True) or block in `save` (False).
+    """
+
+    def __init__(self, directory: str | pathlib.Path, *, save_every: int = 1, keep: int = 3,
+                 async_save: bool = True):
+        if not isinstance(save_every, int) or save_every < 1:
+            raise ValueError(f"save_every must be an int >= 1, got {save_every!r}")
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+        self.directory = pathlib.Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=save_every,
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+        self._closed = False
+
+    # -- saving ---------------------------------------------------------------------------
+    def save(self, step: int, state: Any, meta: dict[str, Any] | None = None, *,
+             force: bool = False) -> bool:
+        """Start saving `state` and `meta` as checkpoint `step`; True if a save was started.
+
+        `meta` must be JSON-serialisable (checked here, before any write); `step` is added
+        to it. Returns False when `step` is not a multiple of `save_every` (unless `force`)
+        or is already saved.
+        """
+        if not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        step = int(step)
+        meta = dict(meta or {})
+        meta["step"] = step
+        try:
+            json.dumps(meta)
+        except TypeError as e:
+            raise TypeError(f"meta must be JSON-serialisable: {e}") from None
+        if step in self._mgr.all_steps():
+            return False
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        return bool(self._mgr.save(step, args=args, force=force))
+
+    def wait_until_finished(self) -> None:
+        """Block until every started save is on disk and finalised."""
+        self._mgr.wait_until_finished()
+
+    # -- reading --------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """Steps with a complete (finalised) checkpoint, ascending."""
+        steps = []
+        for step in self._mgr.all_steps(read=True):
+            if (self.directory / str(step) / _FINAL_MARKER).exists():
+                steps.append(int(step))
+        return sorted(steps)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """Read checkpoint `step` (default: the latest complete one) into `target`.
+
+        `target` is a pytree with the saved structure whose leaves are arrays or
+        `jax.ShapeDtypeStruct`s; each restored array gets that leaf's dtype and sharding.
+        Returns `(state, meta)`. Raises FileNotFoundError when there is nothing to restore.
+        """
+        self.wait_until_finished()
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(
+                f"no complete checkpoint for step {step} in {self.directory}; have {steps}")
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_like(target)), meta=ocp.args.JsonRestore()
+        )
+        out = self._mgr.restore(step, args=args)
+        return out["state"], dict(out["meta"])
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """Only the JSON metadata of checkpoint `step` (default latest), without the arrays."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        path = self.directory / str(step) / "meta" / "metadata"
+        if path.exists():
+            return json.loads(path.read_text())
+        out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"])
+
+    # -- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for pending saves and release orbax's threads (idempotent)."""
+        if not self._closed:
+            self._mgr.wait_until_finished()
+            self._mgr.close()
+            self._closed = True
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # Also on KeyboardInterrupt: the in-flight save completes before we leave.
+        self.close()
