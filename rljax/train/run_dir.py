@@ -1,0 +1,339 @@
+"""A run directory: resolved config, per-step metrics, TensorBoard events, plots, summary.
+
+Layout of `RunDir(path, config)`:
+
+    path/config.json        the resolved config (dataclasses.asdict) and its hash
+    path/metrics.jsonl      one JSON object per step, flushed as written
+    path/tb/                tensorboardX event files (scalars)
+    path/checkpoints/       orbax checkpoints (see `rljax.train.checkpoint`)
+    path/plots/*.png        `RunDir.plot()` (see `rljax.train.plots`)
+    path/<name>.json        evaluation results and other records (`write_json`)
+
+A directory that already holds a run is refused unless `resume=True` (continue it; the
+config may differ, e.g. more steps, and the difference is reported) or `overwrite=True`
+(delete it and start afresh). A non-empty directory that is not a run directory is never
+deleted. The hash ignores the run-control fields `run.dir`, `run.resume`, `run.overwrite`.
+
+`Progress` prints a progress line with key metrics to stderr; `format_summary` builds the
+end-of-run screen whose last line is `RESULT accuracy_before=... accuracy_after=... wall_s=...`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import shutil
+import sys
+import time
+from typing import Any, TextIO
+
+from rljax.train import plots as _plots
+
+__all__ = [
+    "RunDir", "RunDirError", "Progress", "config_to_dict", "config_hash", "format_summary",
+    "read_metrics",
+]
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+DEFAULT_HASH_EXCLUDE = ("run.dir", "run.resume", "run.overwrite")
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked (holds another run, not a run dir...)."""
+
+
+def _jsonable(x: Any) -> Any:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)  # "inf", "-inf", "nan": strict JSON has no such numbers
+    if x is None or isinstance(x, (str, int, float, bool)):
+        return x
+    if hasattr(x, "item") and getattr(x, "ndim", None) == 0:  # numpy / jax scalars
+        return _jsonable(x.item())
+    return repr(x)
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """The config (a dataclass, or a dict) as strict-JSON-able nested dicts."""
+    if not (isinstance(config, dict) or dataclasses.is_dataclass(config)):
+        raise TypeError(f"config must be a dataclass instance or dict, got {type(config).__name__}")
+    return _jsonable(config)
+
+
+def _drop(d: dict[str, Any], dotted: str) -> None:
+    *head, last = dotted.split(".")
+    for part in head:
+        d = d.get(part)
+        if not isinstance(d, dict):
+            return
+    d.pop(last, None)
+
+
+def config_hash(config: Any, exclude: tuple[str, ...] = DEFAULT_HASH_EXCLUDE) -> str:
+    """16 hex digits of SHA-256 over the canonical JSON of `config` minus `exclude` keys."""
+    d = config_to_dict(config)
+    for key in exclude:
+        _drop(d, key)
+    blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+
+
+def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
+    """The records of a run's `metrics.jsonl` (a run dir or the file itself).
+
+    A torn last line (a run killed mid-write) is skipped; a bad line elsewhere is an error
+    naming the file and line.
+    """
+    path = pathlib.Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no metrics file at {path}")
+    lines = path.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON object: {e}") from None
+    return out
+
+
+class RunDir:
+    """One run's directory (see the module docstring for its layout and refusal rules).
+
+    Args:
+      path: the directory (created if absent).
+      config: the resolved config (dataclass or dict), written to `config.json`.
+      resume: continue the run already in `path` (its metrics are kept).
+      overwrite: delete the run already in `path` first.
+      tensorboard: write tensorboardX event files under `tb/`.
+      wandb_project: also log to Weights & Biases under this project (needs `wandb`).
+      hash_exclude: config keys left out of the hash.
+    """
+
+    def __init__(self, path: str | pathlib.Path, config: Any, *, resume: bool = False,
+                 overwrite: bool = False, tensorboard: bool = True,
+                 wandb_project: str | None = None,
+                 hash_exclude: tuple[str, ...] = DEFAULT_HASH_EXCLUDE):
+        if resume and overwrite:
+            raise RunDirError("resume and overwrite are exclusive: choose one")
+        self.path = pathlib.Path(path).absolute()
+        self.config = config_to_dict(config)
+        self.config_hash = config_hash(config, hash_exclude)
+        self.resumed = self._prepare(resume, overwrite)
+        self.path.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.path / CONFIG_FILE, json.dumps(
+            {"config_hash": self.config_hash, "config": self.config}, indent=2, sort_keys=True))
+        self._metrics = open(self.path / METRICS_FILE, "a", encoding="utf-8")
+        self._tb = self._open_tensorboard() if tensorboard else None
+        self._wandb = self._open_wandb(wandb_project) if wandb_project else None
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _prepare(self, resume: bool, overwrite: bool) -> bool:
+        """Apply the refusal rules; returns whether an existing run is being continued."""
+        if not self.path.exists() or not any(self.path.iterdir()):
+            return False
+        cfg_file = self.path / CONFIG_FILE
+        if not cfg_file.exists():
+            raise RunDirError(
+                f"{self.path} is not empty and holds no run ({CONFIG_FILE} missing); "
+                "choose another run directory (run.dir=PATH)")
+        old_hash = json.loads(cfg_file.read_text()).get("config_hash")
+        if overwrite:
+            shutil.rmtree(self.path)
+            return False
+        if resume:
+            if old_hash != self.config_hash:
+                print(f"[rljax] resuming {self.path} with a changed config "
+                      f"(hash {old_hash} -> {self.config_hash})", file=sys.stderr)
+            return True
+        what = "this run" if old_hash == self.config_hash else (
+            f"a different run (config hash {old_hash}, this config {self.config_hash})")
+        raise RunDirError(
+            f"{self.path} already holds {what}; set run.resume=true to continue it, "
+            "run.overwrite=true to replace it, or choose another run.dir")
+
+    def _open_tensorboard(self):
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter(logdir=str(self.path / "tb"), flush_secs=10)
+
+    def _open_wandb(self, project: str):
+        try:
+            import wandb
+        except ImportError:
+            raise RunDirError(
+                "wandb logging was asked for (wandb_project) but wandb is not installed; "
+                "pip install wandb or leave it unset") from None
+        return wandb.init(project=project, config=self.config, dir=str(self.path),
+                          name=self.path.name, resume="allow")
+
+    # -- paths ----------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> pathlib.Path:
+        """Where the run's orbax checkpoints go."""
+        return self.path / "checkpoints"
+
+    @property
+    def plots_dir(self) -> pathlib.Path:
+        """Where `plot()` writes PNGs."""
+        return self.path / "plots"
+
+    # -- writing --------------------------------------------------------------------------
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append one `metrics.jsonl` line (flushed) and the scalars to TensorBoard/wandb."""
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"step must be an int, got {step!r}")
+        record = {"step": step, **{str(k): _jsonable(v) for k, v in metrics.items()}}
+        self._metrics.write(json.dumps(record, sort_keys=False) + "\n")
+        self._metrics.flush()
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def truncate_metrics(self, after_step: int) -> None:
+        """Drop metric lines with step > `after_step` (resuming from that checkpoint)."""
+        self._metrics.close()
+        path = self.path / METRICS_FILE
+        keep = [r for r in read_metrics(path) if r.get("step", -1) <= after_step]
+        _write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
+        self._metrics = open(path, "a", encoding="utf-8")
+
+    def write_json(self, name: str, obj: Any) -> pathlib.Path:
+        """Write `obj` to `path/name.json` atomically (e.g. evaluation results)."""
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"name must be a plain file stem, got {name!r}")
+        out = self.path / f"{name}.json"
+        _write_atomic(out, json.dumps(_jsonable(obj), indent=2))
+        return out
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """All records logged so far (including before a resume)."""
+        self._metrics.flush()
+        return read_metrics(self.path)
+
+    def plot(self) -> list[pathlib.Path]:
+        """Draw the PNG plots of the metrics so far into `plots/`."""
+        return _plots.plot_metrics(self.metrics(), self.plots_dir)
+
+    def close(self) -> None:
+        """Flush and close the metric writers (idempotent)."""
+        if not self._metrics.closed:
+            self._metrics.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class Progress:
+    """A plain-text progress line: `[ 12/100  12%] reward=0.41 accuracy=0.38 | 1.2s/step eta 1m45s`.
+
+    On a terminal the line is redrawn in place; otherwise one line is printed every
+    `min_interval_s` seconds (and for the last step), so logs stay short.
+    """
+
+    def __init__(self, total: int, keys: tuple[str, ...] = (), *, stream: TextIO | None = None,
+                 min_interval_s: float = 5.0, desc: str = ""):
+        if not isinstance(total, int) or total < 1:
+            raise ValueError(f"total must be an int >= 1, got {total!r}")
+        self.total, self.keys, self.desc = total, tuple(keys), desc
+        self.stream = stream if stream is not None else sys.stderr
+        self.min_interval_s = min_interval_s
+        self._t0 = time.perf_counter()
+        self._last_print = -math.inf
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def line(self, done: int, metrics: dict[str, Any]) -> str:
+        """The progress text after `done` of `total` steps."""
+        elapsed = time.perf_counter() - self._t0
+        per = elapsed / done if done else 0.0
+        shown = " ".join(f"{k}={_fmt(metrics[k])}" for k in self.keys if k in metrics)
+        width = len(str(self.total))
+        head = f"{self.desc} " if self.desc else ""
+        return (f"{head}[{done:>{width}}/{self.total} {100 * done // self.total:>3}%] {shown}"
+                f" | {per:.2f}s/step eta {_fmt_time(per * (self.total - done))}")
+
+    def update(self, done: int, metrics: dict[str, Any]) -> None:
+        """Show progress after `done` steps with the chosen `keys` of `metrics`."""
+        now = time.perf_counter()
+        last = done >= self.total
+        if self._tty:
+            end = "\n" if last else ""
+            self.stream.write("\r" + self.line(done, metrics) + "\x1b[K" + end)
+        elif last or now - self._last_print >= self.min_interval_s:
+            self.stream.write(self.line(done, metrics) + "\n")
+            self._last_print = now
+        self.stream.flush()
+
+
+def format_summary(*, accuracy_before: float, accuracy_after: float, wall_s: float,
+                   run_dir: str | pathlib.Path | None = None, title: str = "rljax run",
+                   details: dict[str, Any] | None = None) -> str:
+    """The end-of-run screen; its last line is `RESULT accuracy_before=.. accuracy_after=.. wall_s=..`.
+
+    Accuracies are fractions in [0, 1] (ValueError otherwise). `details` are extra lines
+    (e.g. tokens/s, steps) shown above the RESULT line.
+    """
+    for name, value in (("accuracy_before", accuracy_before), ("accuracy_after", accuracy_after)):
+        if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be a fraction in [0, 1], got {value!r}")
+    if not isinstance(wall_s, (int, float)) or not wall_s >= 0:
+        raise ValueError(f"wall_s must be a number >= 0, got {wall_s!r}")
+    rule = "=" * 60
+    lines = [rule, title, rule,
+             f"  accuracy before : {accuracy_before:.4f}",
+             f"  accuracy after  : {accuracy_after:.4f}  ({accuracy_after - accuracy_before:+.4f})",
+             f"  wall time       : {wall_s:.1f} s ({_fmt_time(wall_s)})"]
+    for key, value in (details or {}).items():
+        lines.append(f"  {key:<16}: {_fmt(value)}")
+    if run_dir is not None:
+        lines.append(f"  run directory   : {run_dir}")
+    lines.append(rule)
+    lines.append(f"RESULT accuracy_before={accuracy_before:.4f} "
+                 f"accuracy_after={accuracy_after:.4f} wall_s={wall_s:.1f}")
+    return "\n".join(lines)

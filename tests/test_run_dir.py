@@ -1,0 +1,146 @@
+"""RunDir: config + hash, metrics.jsonl, TensorBoard, plots, refusal rules, progress, summary."""
+
+import dataclasses
+import io
+import json
+import math
+
+import pytest
+
+from rljax.train.plots import metric_series, plot_metrics
+from rljax.train.run_dir import (
+    Progress,
+    RunDir,
+    RunDirError,
+    config_hash,
+    config_to_dict,
+    format_summary,
+    read_metrics,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    dir: str = "runs/a"
+    seed: int = 0
+    resume: bool = False
+    overwrite: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    lr: float = 1e-3
+    clip: float = math.inf
+    stops: tuple[str, ...] = ("</answer>",)
+    run: Run = Run()
+
+
+def _records(n=6):
+    return [{"step": s, "reward_mean": 0.1 * s, "accuracy": s / 10, "kl": 0.01 * s,
+             "entropy": 1.0 - 0.1 * s, "response_length_mean": 10 + s,
+             "zero_variance_fraction": 0.5, "rollout_tokens_per_s": 1000.0 + s,
+             "note": "text"} for s in range(n)]
+
+
+def test_config_json_and_hash(tmp_path):
+    d = config_to_dict(Cfg())
+    assert d == {"lr": 1e-3, "clip": "inf", "stops": ["</answer>"],
+                 "run": {"dir": "runs/a", "seed": 0, "resume": False, "overwrite": False}}
+    # Run-control fields do not change the hash; anything else does.
+    assert config_hash(Cfg()) == config_hash(Cfg(run=Run(dir="elsewhere", resume=True)))
+    assert config_hash(Cfg()) != config_hash(Cfg(run=Run(seed=1)))
+    assert config_hash(Cfg()) != config_hash(Cfg(lr=2e-3))
+    with pytest.raises(TypeError, match="config"):
+        config_to_dict(3)
+
+
+def test_metrics_tensorboard_plots(tmp_path):
+    path = tmp_path / "run"
+    with RunDir(path, Cfg()) as rd:
+        for rec in _records():
+            rd.log(rec["step"], {k: v for k, v in rec.items() if k != "step"})
+        # flushed as written: readable while the run is still open
+        assert len(read_metrics(path)) == 6
+        pngs = rd.plot()
+        rd.write_json("eval_final", {"accuracy": 0.5})
+    saved = json.loads((path / "config.json").read_text())
+    assert saved["config_hash"] == config_hash(Cfg()) and saved["config"]["lr"] == 1e-3
+    assert read_metrics(path)[3]["kl"] == pytest.approx(0.03)
+    assert list((path / "tb").glob("events.out.tfevents.*"))
+    names = sorted(p.name for p in pngs)
+    assert names == sorted(["reward.png", "accuracy.png", "kl.png", "entropy.png",
+                            "response_length.png", "zero_variance.png", "throughput.png",
+                            "overview.png"])
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((path / "eval_final.json").read_text()) == {"accuracy": 0.5}
+
+
+def test_refuses_other_runs_unless_resume_or_overwrite(tmp_path):
+    path = tmp_path / "run"
+    with RunDir(path, Cfg()) as rd:
+        rd.log(0, {"reward": 1.0})
+        rd.log(1, {"reward": 2.0})
+        rd.log(2, {"reward": 3.0})
+    with pytest.raises(RunDirError, match="a different run .*run.resume=true"):
+        RunDir(path, Cfg(lr=5.0))
+    with pytest.raises(RunDirError, match="already holds this run"):
+        RunDir(path, Cfg())
+    with pytest.raises(RunDirError, match="exclusive"):
+        RunDir(path, Cfg(), resume=True, overwrite=True)
+    with RunDir(path, Cfg(), resume=True) as rd:
+        assert rd.resumed
+        rd.truncate_metrics(after_step=1)  # resumed from the step-1 checkpoint
+        rd.log(2, {"reward": 30.0})
+        assert [r["reward"] for r in rd.metrics()] == [1.0, 2.0, 30.0]
+    with RunDir(path, Cfg(lr=5.0), overwrite=True) as rd:
+        assert not rd.resumed and rd.metrics() == []
+    other = tmp_path / "not_a_run"
+    other.mkdir()
+    (other / "precious.txt").write_text("x")
+    for kw in ({}, {"overwrite": True}):
+        with pytest.raises(RunDirError, match="holds no run"):
+            RunDir(other, Cfg(), **kw)
+    assert (other / "precious.txt").exists()
+
+
+def test_torn_last_line_is_skipped_but_other_bad_lines_fail(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "rew')
+    assert [r["step"] for r in read_metrics(f)] == [0, 1]
+    f.write_text('{"step": 0}\nnope\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        read_metrics(f)
+
+
+def test_plots_pick_only_present_families(tmp_path):
+    recs = [{"step": s, "reward": float(s)} for s in range(3)] + [{"step": 3, "eval/accuracy": 0.4}]
+    series = metric_series(recs)
+    assert series["eval/accuracy"] == ([3], [0.4])
+    names = sorted(p.name for p in plot_metrics(recs, tmp_path))
+    assert names == ["accuracy.png", "overview.png", "reward.png"]
+    assert plot_metrics([{"step": 0, "note": "x"}], tmp_path / "none") == []
+
+
+def test_progress_line():
+    buf = io.StringIO()
+    bar = Progress(4, ("reward", "accuracy"), stream=buf, min_interval_s=0.0, desc="rl")
+    bar.update(1, {"reward": 0.123456, "accuracy": 0.5, "other": 1})
+    bar.update(4, {"reward": 0.9, "accuracy": 0.75})
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("rl [1/4  25%] reward=0.1235 accuracy=0.5 |")
+    assert "other" not in lines[0] and lines[1].startswith("rl [4/4 100%] reward=0.9")
+    with pytest.raises(ValueError, match="total"):
+        Progress(0)
+
+
+def test_summary_last_line():
+    text = format_summary(accuracy_before=0.25, accuracy_after=0.8125, wall_s=173.04,
+                          run_dir="/tmp/r", details={"tokens/s": 5123.4})
+    lines = text.splitlines()
+    assert lines[-1] == "RESULT accuracy_before=0.2500 accuracy_after=0.8125 wall_s=173.0"
+    assert len(lines) <= 24 and any("/tmp/r" in ln for ln in lines)
+    with pytest.raises(ValueError, match="accuracy_after must be a fraction"):
+        format_summary(accuracy_before=0.2, accuracy_after=81.0, wall_s=1.0)
+    with pytest.raises(ValueError, match="wall_s"):
+        format_summary(accuracy_before=0.2, accuracy_after=0.3, wall_s=-1)
