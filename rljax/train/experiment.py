@@ -1,0 +1,305 @@
+"""The top-level experiment config and the loader of experiment files.
+
+An experiment is a small Python file under `experiments/` with a function
+`config() -> ExperimentConfig` (and optionally `smoke(cfg) -> ExperimentConfig`, the
+settings `--set smoke=true` switches to: two steps on CPU with a tiny model).
+`load_experiment("arithmetic_grpo", ["optim.lr=1e-5"])` imports the file with importlib,
+calls `config()`, applies the typed overrides (see `rljax.train.overrides`) and, when
+`smoke` is set, the file's `smoke` function (the overrides are applied again after it, so
+the command line always wins). Nothing is `exec`'d from strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from rljax.models import ModelConfig
+from rljax.sharding import MeshConfig
+from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig
+from rljax.train.overrides import apply_overrides
+
+__all__ = [
+    "ExperimentConfig", "RewardConfig", "RunConfig", "TaskConfig", "available_experiments",
+    "experiments_dir", "load_experiment",
+]
+
+
+def _fail(cls: str, field: str, value, allowed: str):
+    raise ValueError(f"{cls}.{field}={value!r} is invalid; allowed: {allowed}")
+
+
+def _check_int(cls, field, value, lo):
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        _fail(cls, field, value, f"an int >= {lo}")
+
+
+def _check_bool(cls, field, value):
+    if not isinstance(value, bool):
+        _fail(cls, field, value, "True or False")
+
+
+def _check_str(cls, field, value, *, optional=False):
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value:
+        _fail(cls, field, value, "a non-empty string" + (" or None" if optional else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """Where prompts come from and how they are turned into model input.
+
+    Attributes:
+      name: the prompt source: a procedural task ("arithmetic", "countdown"), a file format
+        ("jsonl", "parquet"), "tfds" (e.g. GSM8K prepared locally), or a task the data
+        package registers; interpreted by `rljax.data`.
+      path: local file or TFDS data directory (None for procedural tasks).
+      dataset: TFDS dataset name (e.g. "gsm8k") when name="tfds".
+      split, eval_split: training and held-out splits.
+      prompt_field, answer_field: field mapping for file/TFDS records.
+      difficulty: procedural tasks' difficulty knob (e.g. digits, numbers to combine).
+      chat_template: wrap prompts with the tokenizer's chat template.
+      system_prompt: optional system message (chat template) or prefix.
+      max_prompt_tokens: longer prompts are filtered out, counted and reported.
+    """
+
+    name: str = "arithmetic"
+    path: str | None = None
+    dataset: str | None = None
+    split: str = "train"
+    eval_split: str = "test"
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    difficulty: int = 3
+    chat_template: bool = False
+    system_prompt: str | None = None
+    max_prompt_tokens: int = 256
+
+    def __post_init__(self):
+        c = "TaskConfig"
+        for f in ("name", "split", "eval_split", "prompt_field", "answer_field"):
+            _check_str(c, f, getattr(self, f))
+        for f in ("path", "dataset", "system_prompt"):
+            _check_str(c, f, getattr(self, f), optional=True)
+        _check_int(c, "difficulty", self.difficulty, 0)
+        _check_bool(c, "chat_template", self.chat_template)
+        _check_int(c, "max_prompt_tokens", self.max_prompt_tokens, 1)
+
+
+REWARD_KINDS = ("accuracy", "format", "accuracy+format", "reward_model", "custom")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """The reward: verifiers from `rljax.rewards`, a learned reward model, or a function.
+
+    Attributes:
+      kind: "accuracy" (verified answer), "format" (R1-Zero tags), "accuracy+format"
+        (weighted sum), "reward_model" (`rljax.train.reward_model`, from `model_path`) or
+        "custom" (`function`, an import path "pkg.mod:fn" with the reward-function contract
+        `(completions, metadata) -> rewards`).
+      accuracy_weight, format_weight: weights of the two terms.
+      correct_reward: reward of a verified answer (Tülu 3's RLVR uses 10; default 1).
+      answer_mode: how answers are extracted ("default" = boxed / #### / "the answer is").
+      think_tag, answer_tag: R1-Zero format tags.
+      model_path: saved reward model directory (kind="reward_model").
+      function: import path of a custom reward function (kind="custom").
+      timeout_s: per-call time limit of a check.
+    """
+
+    kind: str = "accuracy"
+    accuracy_weight: float = 1.0
+    format_weight: float = 0.0
+    correct_reward: float = 1.0
+    answer_mode: str = "default"
+    think_tag: str = "think"
+    answer_tag: str = "answer"
+    model_path: str | None = None
+    function: str | None = None
+    timeout_s: float = 5.0
+
+    def __post_init__(self):
+        c = "RewardConfig"
+        if self.kind not in REWARD_KINDS:
+            _fail(c, "kind", self.kind, "one of " + ", ".join(map(repr, REWARD_KINDS)))
+        for f in ("accuracy_weight", "format_weight", "correct_reward"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                _fail(c, f, v, "a number")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            _fail(c, "timeout_s", self.timeout_s, "a number > 0")
+        if self.kind == "reward_model" and not self.model_path:
+            _fail(c, "model_path", self.model_path, "a directory when kind='reward_model'")
+        if self.kind == "custom" and (not self.function or self.function.count(":") != 1):
+            _fail(c, "function", self.function, "an import path 'pkg.mod:fn' when kind='custom'")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Where and how a run is recorded.
+
+    Attributes:
+      dir: the run directory (config, metrics, TensorBoard, checkpoints, plots).
+      seed: the run's seed (model init, data order, sampling).
+      save_every: checkpoint every N steps (0 = only at the end).
+      keep: checkpoints kept.
+      resume: continue the run in `dir` from its latest checkpoint.
+      overwrite: delete the run in `dir` and start afresh.
+      log_every: print a progress line every N steps.
+      tensorboard: write tensorboardX event files.
+      wandb_project: also log to Weights & Biases (needs `wandb` installed).
+      plots: write PNG plots at the end (and at each evaluation).
+    """
+
+    dir: str = "runs/default"
+    seed: int = 0
+    save_every: int = 0
+    keep: int = 3
+    resume: bool = False
+    overwrite: bool = False
+    log_every: int = 1
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    plots: bool = True
+
+    def __post_init__(self):
+        c = "RunConfig"
+        _check_str(c, "dir", self.dir)
+        _check_int(c, "seed", self.seed, 0)
+        _check_int(c, "save_every", self.save_every, 0)
+        _check_int(c, "keep", self.keep, 1)
+        _check_int(c, "log_every", self.log_every, 1)
+        for f in ("resume", "overwrite", "tensorboard", "plots"):
+            _check_bool(c, f, getattr(self, f))
+        if self.resume and self.overwrite:
+            _fail(c, "overwrite", self.overwrite, "False when resume=True (choose one)")
+        _check_str(c, "wandb_project", self.wandb_project, optional=True)
+
+
+_SECTIONS = dict(task=TaskConfig, reward=RewardConfig, algorithm=AlgorithmConfig,
+                 optim=OptimConfig, sampling=SamplingConfig, rl=RLConfig, mesh=MeshConfig,
+                 run=RunConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """Everything one run needs: model, tokenizer, data, reward, algorithm, schedule, mesh.
+
+    Attributes:
+      name: the experiment's name (used in the run summary).
+      model: a `ModelConfig` for a randomly initialised model, or None with `hf_path`.
+      hf_path: a local Hugging Face checkpoint folder to start from (exclusive with `model`).
+      tokenizer: a tokenizer folder, or "char" for `rljax.models`' character tokenizer
+        (None: the one in `hf_path`).
+      task, reward, algorithm, optim, sampling, rl: see their classes.
+      sft: an optional supervised warm-up before RL (None = none).
+      mesh: device mesh sizes (`rljax.sharding.MeshConfig`).
+      run: run directory, seed, checkpoints.
+      smoke: a quick run (two steps on CPU with a tiny model) for testing a recipe.
+    """
+
+    name: str = "experiment"
+    model: ModelConfig | None = None
+    hf_path: str | None = None
+    tokenizer: str | None = "char"
+    task: TaskConfig = TaskConfig()
+    reward: RewardConfig = RewardConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    optim: OptimConfig = OptimConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    sft: SFTConfig | None = None
+    rl: RLConfig = RLConfig()
+    mesh: MeshConfig = MeshConfig()
+    run: RunConfig = RunConfig()
+    smoke: bool = False
+
+    def __post_init__(self):
+        c = "ExperimentConfig"
+        _check_str(c, "name", self.name)
+        if (self.model is None) == (self.hf_path is None):
+            _fail(c, "model", self.model,
+                  "exactly one of model (a ModelConfig, random init) and hf_path (a folder)")
+        if self.model is not None and not isinstance(self.model, ModelConfig):
+            _fail(c, "model", self.model, "a rljax.models.ModelConfig or None")
+        _check_str(c, "hf_path", self.hf_path, optional=True)
+        _check_str(c, "tokenizer", self.tokenizer, optional=True)
+        if self.tokenizer is None and self.hf_path is None:
+            _fail(c, "tokenizer", None, "a folder or 'char' when there is no hf_path")
+        for field, cls in _SECTIONS.items():
+            if not isinstance(getattr(self, field), cls):
+                _fail(c, field, getattr(self, field), f"a {cls.__name__}")
+        if self.sft is not None and not isinstance(self.sft, SFTConfig):
+            _fail(c, "sft", self.sft, "a SFTConfig or None")
+        _check_bool(c, "smoke", self.smoke)
+
+
+def experiments_dir() -> pathlib.Path:
+    """`./experiments` when it exists, else the one next to the installed package."""
+    here = pathlib.Path.cwd() / "experiments"
+    if here.is_dir():
+        return here
+    return pathlib.Path(__file__).resolve().parents[2] / "experiments"
+
+
+def available_experiments(directory: pathlib.Path | None = None) -> list[str]:
+    """Names of the experiment files (`*.py` defining `def config(`) in `directory`."""
+    directory = directory or experiments_dir()
+    if not directory.is_dir():
+        return []
+    return sorted(p.stem for p in directory.glob("*.py")
+                  if not p.name.startswith("_") and "def config(" in p.read_text())
+
+
+def _resolve(name_or_path: str | pathlib.Path) -> pathlib.Path:
+    path = pathlib.Path(name_or_path)
+    if path.suffix == ".py" and path.is_file():
+        return path.resolve()
+    candidate = experiments_dir() / f"{path.stem if path.suffix == '.py' else name_or_path}.py"
+    if candidate.is_file():
+        return candidate.resolve()
+    raise FileNotFoundError(
+        f"no experiment {str(name_or_path)!r}: not a .py file, and not in {experiments_dir()}; "
+        f"available experiments: {available_experiments() or 'none'}")
+
+
+def _import_file(path: pathlib.Path):
+    mod_name = f"rljax_experiment_{path.stem}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import experiment file {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # dataclasses defined in the file need their module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_experiment(name_or_path: str | pathlib.Path,
+                    overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Import an experiment file, call its `config()`, apply `overrides` (and `smoke`).
+
+    `name_or_path` is a file path ending in `.py` or the name of a file in
+    `experiments/`. Raises FileNotFoundError (listing the available experiments) when
+    there is no such file, TypeError when `config()` is missing or returns something
+    else, and `OverrideError` for bad overrides.
+    """
+    path = _resolve(name_or_path)
+    module = _import_file(path)
+    make = getattr(module, "config", None)
+    if not callable(make):
+        raise TypeError(f"experiment file {path} must define config() -> ExperimentConfig")
+    cfg = make()
+    if not isinstance(cfg, ExperimentConfig):
+        raise TypeError(f"{path}: config() returned {type(cfg).__name__}, not ExperimentConfig")
+    cfg = apply_overrides(cfg, overrides)
+    if cfg.smoke:
+        smoke = getattr(module, "smoke", None)
+        if callable(smoke):
+            cfg = smoke(cfg)
+            if not isinstance(cfg, ExperimentConfig):
+                raise TypeError(f"{path}: smoke() returned {type(cfg).__name__}")
+            cfg = apply_overrides(cfg, overrides)
+    return cfg
