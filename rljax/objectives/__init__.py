@@ -19,26 +19,46 @@ from rljax.objectives.advantages import (
 from rljax.objectives.aggregation import AGGREGATIONS, aggregate, masked_mean_pair
 from rljax.objectives.batch import DIFFERENTIABLE_FIELDS, Coef, ObjectiveBatch
 from rljax.objectives.kl import KL_KINDS, kl_estimate, kl_penalized_rewards
+from rljax.objectives.library import grpo, gspo, ppo, reinforce
 from rljax.objectives.logits import token_entropy, token_logprobs
+from rljax.objectives.surrogates import (
+    clip_indicators,
+    gspo_token_ratio,
+    policy_gradient_objective,
+    ppo_clip_objective,
+    truncated_is_weights,
+)
+from rljax.objectives.value import clipped_value_loss, explained_variance
 
 __all__ = [
     "AGGREGATIONS",
-    "Coef",
     "DIFFERENTIABLE_FIELDS",
     "KL_KINDS",
-    "ObjectiveBatch",
     "STD_MODES",
+    "Coef",
+    "ObjectiveBatch",
     "aggregate",
     "broadcast_to_tokens",
+    "clip_indicators",
+    "clipped_value_loss",
+    "explained_variance",
     "final_token_rewards",
     "gae",
     "group_advantages",
+    "grpo",
+    "gspo",
+    "gspo_token_ratio",
     "kl_estimate",
     "kl_penalized_rewards",
     "masked_mean_pair",
+    "policy_gradient_objective",
+    "ppo",
+    "ppo_clip_objective",
+    "reinforce",
     "rloo_advantages",
     "token_entropy",
     "token_logprobs",
+    "truncated_is_weights",
     "whiten",
     "zero_variance_fraction",
 ]

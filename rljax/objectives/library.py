@@ -1,0 +1,241 @@
+"""Complete objectives: `reinforce`, `grpo`, `gspo`, `ppo`.
+
+Each follows the objective contract, `objective(batch, coef, *, static options) ->
+(loss_sum, count, metrics)`, with metrics `name -> (sum, count)` (token-level pairs unless
+noted), computed under stop_gradient. Bind static options with `functools.partial`:
+
+  dapo = functools.partial(grpo, aggregation="token-mean", kl_kind=None)  # + Coef(clip_high=0.28)
+  dr_grpo = functools.partial(grpo, aggregation="seq-mean-token-sum-norm", norm_const=1024)
+  rloo = reinforce  # with rloo_advantages in adv_BxT
+
+Optional batch fields switch terms on: `ref_logp_BxT` the KL-to-reference term (when a
+`kl_kind` is set), `sampler_logp_BxT` truncated importance sampling, `entropy_BxT` the
+entropy bonus (weight `coef.entropy`) and its metric. Whatever masked positions hold is
+replaced by 0 first, so junk padding never reaches exp or log and gets zero gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rljax.objectives._validate import check_choice
+from rljax.objectives.aggregation import AGGREGATIONS, aggregate
+from rljax.objectives.batch import Coef, ObjectiveBatch
+from rljax.objectives.kl import KL_KINDS, kl_estimate
+from rljax.objectives.surrogates import (
+    clip_indicators,
+    gspo_token_ratio,
+    policy_gradient_objective,
+    ppo_clip_objective,
+    truncated_is_weights,
+)
+from rljax.objectives.value import clipped_value_loss
+
+Array = Any
+Metrics = dict[str, tuple[Array, Array]]
+sg = jax.lax.stop_gradient
+
+
+def _check_options(aggregation: str, kl_kind: str | None) -> None:
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    if kl_kind is not None:
+        check_choice("kl_kind", kl_kind, KL_KINDS + (None,))
+
+
+def _clean(batch: ObjectiveBatch) -> tuple[ObjectiveBatch, Array]:
+    """Validate shapes; zero every field at masked positions; return (batch, bool mask)."""
+    batch.validate()
+    m = jnp.asarray(batch.mask_BxT, jnp.float32) > 0
+    fields = {
+        f.name: jnp.where(m, jnp.asarray(getattr(batch, f.name), jnp.float32), 0.0)
+        for f in dataclasses.fields(batch)
+        if f.name != "mask_BxT" and getattr(batch, f.name) is not None
+    }
+    return dataclasses.replace(batch, mask_BxT=m.astype(jnp.float32), **fields), m
+
+
+class _Terms:
+    """Accumulates the per-token loss and the metric pairs of one objective call."""
+
+    def __init__(self, m: Array):
+        self.m = m
+        self.n_tokens = m.sum().astype(jnp.float32)
+        self.loss = jnp.zeros(m.shape, jnp.float32)
+        self.metrics: Metrics = {}
+
+    def metric(self, name: str, x: Array) -> None:
+        self.metrics[name] = (jnp.where(self.m, sg(x), 0.0).sum(), self.n_tokens)
+
+    def finish(self, aggregation: str, norm_const: Any) -> tuple[Array, Array, Metrics]:
+        loss_sum, count = aggregate(self.loss, self.m, aggregation, norm_const=norm_const)
+        self.metrics["loss"] = (sg(loss_sum), sg(count))
+        return loss_sum, sg(count), self.metrics
+
+
+def _common_terms(t: _Terms, b: ObjectiveBatch, coef: Coef, kl_kind: str | None, kl_clamp: Any) -> None:
+    """KL-to-reference loss term, entropy bonus, and their metrics (when present)."""
+    if b.ref_logp_BxT is not None:
+        if kl_kind is not None:
+            kl = kl_estimate(b.logp_BxT, b.ref_logp_BxT, kl_kind, clamp=kl_clamp)
+            t.loss = t.loss + coef.kl * kl
+        # Reported as k3 whatever the loss uses: unbiased and non-negative.
+        t.metric("kl_ref", kl_estimate(b.logp_BxT, b.ref_logp_BxT, "k3"))
+    if b.entropy_BxT is not None:
+        t.loss = t.loss - coef.entropy * b.entropy_BxT
+        t.metric("entropy", b.entropy_BxT)
+    # KL(old || new) from tokens sampled by pi_old: k3 with log r = logp - old_logp.
+    t.metric("approx_kl_old", kl_estimate(b.old_logp_BxT, b.logp_BxT, "k3"))
+    zero_adv_B = jnp.all(jnp.where(t.m, b.adv_BxT == 0, True), axis=1) & t.m.any(axis=1)
+    t.metrics["zero_adv_seq_frac"] = (zero_adv_B.sum().astype(jnp.float32), t.m.any(axis=1).sum().astype(jnp.float32))
+
+
+def _tis(t: _Terms, b: ObjectiveBatch, coef: Coef, obj: Array) -> Array:
+    """Weight a per-token objective by truncated IS weights when sampler log-probs exist."""
+    if b.sampler_logp_BxT is None:
+        return obj
+    w = truncated_is_weights(b.old_logp_BxT, b.sampler_logp_BxT, coef.tis_cap)
+    t.metric("tis_weight", w)
+    return obj * w
+
+
+def _clipped(t: _Terms, b: ObjectiveBatch, coef: Coef, ratio: Array) -> Array:
+    """PPO clipped surrogate with Coef's clip range and dual clip, plus clip metrics."""
+    opts = dict(eps_low=coef.clip_low, eps_high=coef.clip_high, dual_clip=coef.dual_clip)
+    obj = ppo_clip_objective(ratio, b.adv_BxT, **opts)
+    low, high, dual = clip_indicators(ratio, b.adv_BxT, **opts)
+    t.metric("clip_frac_low", low)
+    t.metric("clip_frac_high", high)
+    t.metric("dual_clip_frac", dual)
+    t.metric("ratio", ratio)
+    return obj
+
+
+def reinforce(
+    batch: ObjectiveBatch,
+    coef: Coef,
+    *,
+    aggregation: str = "token-mean",
+    kl_kind: str | None = "k3",
+    kl_clamp: float | None = None,
+    norm_const: float | None = None,
+) -> tuple[Array, Array, Metrics]:
+    """REINFORCE with a baseline: loss = -A_t log pi(a_t) [+ beta KL_t - alpha H_t].
+
+    The advantage carries the baseline (R - b, e.g. `rloo_advantages`: RLOO,
+    arXiv:2402.14740). On-policy: no ratio, no clipping; with `sampler_logp_BxT` each token
+    is weighted by truncated IS weights pi_old / pi_sampler.
+    """
+    _check_options(aggregation, kl_kind)
+    b, m = _clean(batch)
+    t = _Terms(m)
+    obj = _tis(t, b, coef, policy_gradient_objective(b.logp_BxT, b.adv_BxT))
+    t.loss = -obj
+    t.metric("pg_objective", obj)
+    _common_terms(t, b, coef, kl_kind, kl_clamp)
+    return t.finish(aggregation, norm_const)
+
+
+def grpo(
+    batch: ObjectiveBatch,
+    coef: Coef,
+    *,
+    aggregation: str = "seq-mean-token-mean",
+    kl_kind: str | None = "k3",
+    kl_clamp: float | None = None,
+    norm_const: float | None = None,
+) -> tuple[Array, Array, Metrics]:
+    """GRPO (DeepSeekMath arXiv:2402.03300 §4.1, Eq. 3), to minimise:
+
+      L = -1/G sum_i 1/|o_i| sum_t [ min(r_it A_it, clip(r_it, 1-eps_lo, 1+eps_hi) A_it)
+                                      - beta * KL_t(pi || ref) ],
+      r_it = pi(o_it) / pi_old(o_it),
+
+    with the k3 estimator of Eq. 4 by default (as a loss term its gradient follows
+    KL(ref || pi); see `rljax.objectives.kl`). Variants by options: DAPO (token-mean,
+    kl_kind=None, clip_high 0.28; arXiv:2503.14476), Dr.GRPO ("seq-mean-token-sum-norm"
+    with `norm_const` and group_advantages(std="none"); arXiv:2503.20783), dual clip via
+    `coef.dual_clip`, TIS via `sampler_logp_BxT`.
+    """
+    _check_options(aggregation, kl_kind)
+    b, m = _clean(batch)
+    t = _Terms(m)
+    ratio = jnp.exp(b.logp_BxT - b.old_logp_BxT)
+    obj = _tis(t, b, coef, _clipped(t, b, coef, ratio))
+    t.loss = -obj
+    _common_terms(t, b, coef, kl_kind, kl_clamp)
+    return t.finish(aggregation, norm_const)
+
+
+def gspo(
+    batch: ObjectiveBatch,
+    coef: Coef,
+    *,
+    aggregation: str = "seq-mean-token-mean",
+    kl_kind: str | None = None,
+    kl_clamp: float | None = None,
+    norm_const: float | None = None,
+) -> tuple[Array, Array, Metrics]:
+    """GSPO (arXiv:2507.18071): GRPO with the length-normalised sequence ratio.
+
+      L = -1/G sum_i min(s_i A_i, clip(s_i, 1-eps_lo, 1+eps_hi) A_i),
+      s_i = exp(1/|y_i| sum_t log(pi(y_it) / pi_old(y_it))),
+
+    computed per token in the GSPO-token form (`gspo_token_ratio`), so the gradient flows
+    through each token's log-prob. The paper uses far smaller clip ranges than GRPO
+    (3e-4 / 4e-4): set them in `Coef`. No KL term by default (the paper drops it).
+    """
+    _check_options(aggregation, kl_kind)
+    b, m = _clean(batch)
+    t = _Terms(m)
+    ratio = gspo_token_ratio(b.logp_BxT, b.old_logp_BxT, b.mask_BxT)
+    obj = _tis(t, b, coef, _clipped(t, b, coef, ratio))
+    t.loss = -obj
+    _common_terms(t, b, coef, kl_kind, kl_clamp)
+    return t.finish(aggregation, norm_const)
+
+
+def _value_terms(t: _Terms, b: ObjectiveBatch, coef: Coef) -> None:
+    b.require("values_BxT", "old_values_BxT", "returns_BxT", by="ppo")
+    vloss, vclipped = clipped_value_loss(b.values_BxT, b.old_values_BxT, b.returns_BxT, coef.value_clip)
+    t.loss = t.loss + coef.value * vloss
+    t.metric("value_loss", vloss)
+    t.metric("value_clip_frac", vclipped)
+    residual = b.returns_BxT - b.values_BxT
+    t.metric("ev_returns", b.returns_BxT)
+    t.metric("ev_returns_sq", jnp.square(b.returns_BxT))
+    t.metric("ev_residual", residual)
+    t.metric("ev_residual_sq", jnp.square(residual))
+
+
+def ppo(
+    batch: ObjectiveBatch,
+    coef: Coef,
+    *,
+    aggregation: str = "token-mean",
+    kl_kind: str | None = None,
+    kl_clamp: float | None = None,
+    norm_const: float | None = None,
+) -> tuple[Array, Array, Metrics]:
+    """PPO with a value model; the loss is minus the objective of arXiv:1707.06347 Eq. 9:
+
+      L_t = -min(r_t A_t, clip(r_t, 1-eps_lo, 1+eps_hi) A_t) + c_v * L^V_t - c_e * H_t,
+
+    with the PPO2 clipped value loss L^V (`clipped_value_loss`) on `values_BxT`,
+    `old_values_BxT`, `returns_BxT` (required). The KL to the reference normally enters
+    the reward (`kl_penalized_rewards`, DeepSeekMath Eq. 2) before GAE, so by default it
+    is only reported; `kl_kind` adds it as a loss term too. Metrics include the pieces
+    of the value model's explained variance (`explained_variance`).
+    """
+    _check_options(aggregation, kl_kind)
+    b, m = _clean(batch)
+    t = _Terms(m)
+    ratio = jnp.exp(b.logp_BxT - b.old_logp_BxT)
+    obj = _tis(t, b, coef, _clipped(t, b, coef, ratio))
+    t.loss = -obj
+    _value_terms(t, b, coef)
+    _common_terms(t, b, coef, kl_kind, kl_clamp)
+    return t.finish(aggregation, norm_const)
