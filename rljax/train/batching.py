@@ -1,0 +1,96 @@
+"""Host-side batching: text -> padded token arrays in the trainer's sequence layout.
+
+Prompts are left-padded to width P, completions right-padded to width T (with EOS
+appended when it fits), masks float32 0/1. Every training and evaluation batch is a dict
+``{"prompt_BxP", "prompt_mask_BxP", "completion_BxT", "completion_mask_BxT"}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (HF tokenizers or a plain encode)."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except TypeError:
+        return list(tokenizer.encode(text))
+
+
+def special_ids(tokenizer: Any) -> tuple[int, int]:
+    """``(pad_id, eos_id)`` of a tokenizer; pad falls back to EOS. Raises if EOS is missing."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ValueError("tokenizer has no eos_token_id; the trainer needs one to end completions")
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return (eos if pad is None else int(pad)), int(eos)
+
+
+def pad_left(seqs: Sequence[Sequence[int]], width: int, pad_id: int, what: str = "prompt"):
+    """Left-pad id lists to ``width``: ``(ids_BxW int32, mask_BxW float32)``."""
+    ids = np.full((len(seqs), width), pad_id, np.int32)
+    mask = np.zeros((len(seqs), width), np.float32)
+    for i, s in enumerate(seqs):
+        if len(s) > width:
+            raise ValueError(f"{what} {i} has {len(s)} tokens; the limit is {width}")
+        if len(s) == 0:
+            raise ValueError(f"{what} {i} is empty; prompts need at least one token")
+        ids[i, width - len(s):] = s
+        mask[i, width - len(s):] = 1.0
+    return ids, mask
+
+
+def pad_right(seqs: Sequence[Sequence[int]], width: int, pad_id: int):
+    """Right-pad (truncate) id lists to ``width``: ``(ids_BxW int32, mask_BxW float32)``."""
+    ids = np.full((len(seqs), width), pad_id, np.int32)
+    mask = np.zeros((len(seqs), width), np.float32)
+    for i, s in enumerate(seqs):
+        s = list(s)[:width]
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1.0
+    return ids, mask
+
+
+def encode_pairs(tokenizer: Any, prompts: Sequence[str], completions: Sequence[str],
+                 prompt_len: int, completion_len: int) -> dict:
+    """SFT batch from (prompt, completion) text pairs; EOS ends each completion.
+
+    Completions longer than ``completion_len - 1`` are truncated (and lose their EOS).
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(
+            f"encode_pairs: {len(prompts)} prompts but {len(completions)} completions"
+        )
+    pad, eos = special_ids(tokenizer)
+    p_ids, p_mask = pad_left([encode_text(tokenizer, p) for p in prompts], prompt_len, pad)
+    c_ids, c_mask = pad_right(
+        [encode_text(tokenizer, c) + [eos] for c in completions], completion_len, pad
+    )
+    return {"prompt_BxP": p_ids, "prompt_mask_BxP": p_mask,
+            "completion_BxT": c_ids, "completion_mask_BxT": c_mask}
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str], prompt_len: int):
+    """Left-padded prompt ids and mask ``(ids_BxP, mask_BxP)``."""
+    pad, _ = special_ids(tokenizer)
+    return pad_left([encode_text(tokenizer, p) for p in prompts], prompt_len, pad)
+
+
+def completion_mask_from_tokens(tokens_BxT: np.ndarray, eos_id: int) -> np.ndarray:
+    """1 up to and including the first EOS of each row, 0 after it (float32)."""
+    is_eos = tokens_BxT == eos_id
+    after = np.cumsum(is_eos, axis=1) - is_eos  # EOSes strictly before each position
+    return (after == 0).astype(np.float32)
+
+
+def decode_completions(tokenizer: Any, tokens_BxT: np.ndarray, mask_BxT: np.ndarray,
+                       eos_id: int) -> list[str]:
+    """Text of each completion's real tokens, EOS excluded."""
+    out = []
+    for row, m in zip(np.asarray(tokens_BxT), np.asarray(mask_BxT)):
+        ids = [int(t) for t, keep in zip(row, m) if keep > 0 and t != eos_id]
+        out.append(tokenizer.decode(ids))
+    return out

@@ -1,0 +1,351 @@
+"""The jitted update step shared by SFT and RL: exact micro-batch accumulation, optax
+update, non-finite skipping, and the train state pytree.
+
+A *loss function* here has the objective contract lifted to parameters:
+``loss_fn(params, micro_batch, coef) -> (loss_sum, count, metrics)`` with metrics a dict
+``name -> (sum, count)``. Accumulation over M micro-batches is exact:
+
+    loss = (sum_m loss_sum_m) / (sum_m count_m)
+    grad = (sum_m d loss_sum_m / d params) / (sum_m count_m)
+
+because ``d(sum/count)/dθ = (d sum/dθ)/count`` when the count does not depend on θ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rljax.train.config import OptimConfig
+
+Array = Any
+LossFn = Callable[[Any, dict, Any], tuple[Array, Array, dict]]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a checkpoint must hold to continue a run identically.
+
+    Fields:
+      params: dict name -> NNX state of each trained model ("policy", and "value" for PPO).
+      opt_state: dict name -> optax state, same keys as ``params``.
+      step: int32, loop steps completed (RL steps or SFT updates attempted).
+      updates: int32, optimiser updates applied (the learning-rate schedule's clock).
+      nonfinite_run: int32, consecutive updates skipped for a non-finite loss/gradient.
+      skipped: int32, total skipped updates.
+      key: uint32[2] PRNG key data (raw, so checkpoints need no key type).
+      data_pos: int32, index of the next prompt/example to read from the data source.
+      kl_coef: float32, the current KL coefficient (adaptive controller state).
+      ref_params: NNX state of the frozen reference policy, or None.
+    """
+
+    params: dict
+    opt_state: dict
+    step: Array
+    updates: Array
+    nonfinite_run: Array
+    skipped: Array
+    key: Array
+    data_pos: Array
+    kl_coef: Array
+    ref_params: Any = None
+
+
+def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warm-up to ``cfg.lr`` then constant / cosine / linear decay to
+    ``cfg.lr * cfg.min_lr_ratio`` at update ``total_steps``."""
+    if not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"make_schedule: total_steps must be an int >= 1, got {total_steps!r}")
+    warm = min(cfg.warmup_steps, total_steps)
+    end = cfg.lr * cfg.min_lr_ratio
+    decay = max(total_steps - warm, 1)
+    if cfg.schedule == "constant":
+        after = optax.constant_schedule(cfg.lr)
+    elif cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, decay, alpha=cfg.min_lr_ratio)
+    else:
+        after = optax.linear_schedule(cfg.lr, end, decay)
+    if warm == 0:
+        return after
+    # Warm-up starts at lr / warm (not 0) so that the first update moves the weights.
+    ramp = optax.linear_schedule(cfg.lr / warm, cfg.lr, warm - 1) if warm > 1 else (
+        optax.constant_schedule(cfg.lr))
+    return optax.join_schedules([ramp, after], [warm])
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, lr_scale: float = 1.0):
+    """AdamW with global-norm clipping and the schedule; returns ``(tx, schedule)``."""
+    base = make_schedule(cfg, total_steps)
+    schedule = (lambda n: base(n) * lr_scale) if lr_scale != 1.0 else base
+    parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
+    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay))
+    return optax.chain(*parts), schedule
+
+
+def split_micro(x_BxN: Array, num_micro: int) -> Array:
+    """``[B, ...] -> [M, B/M, ...]`` with micro-batch i = rows i, i+M, i+2M, ...
+
+    Strided rows keep every micro-batch spread across the devices a batch-sharded array
+    lives on (contiguous blocks would put a small micro-batch on a single device).
+    """
+    b = x_BxN.shape[0]
+    return x_BxN.reshape(b // num_micro, num_micro, *x_BxN.shape[1:]).swapaxes(0, 1)
+
+
+def _add_metrics(acc: dict, new: dict) -> dict:
+    return {k: (acc[k][0] + new[k][0], acc[k][1] + new[k][1]) for k in acc}
+
+
+def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
+               constrain: Callable | None = None):
+    """Sum of loss sums, counts, metric pairs and loss-sum gradients over micro-batches.
+
+    Returns ``(grads_sum, loss_sum, count, metrics)`` (all sums; divide once).
+    ``constrain`` re-applies the batch sharding to each micro-batch slice.
+    """
+
+    def one(mb):
+        if constrain is not None:
+            mb = constrain(mb)
+
+        def f(p):
+            loss_sum, count, metrics = loss_fn(p, mb, coef)
+            return loss_sum, (count, metrics)
+
+        (loss_sum, (count, metrics)), grads = jax.value_and_grad(f, has_aux=True)(params)
+        metrics = {k: (jnp.asarray(s, jnp.float32), jnp.asarray(c, jnp.float32))
+                   for k, (s, c) in metrics.items()}
+        return grads, loss_sum, jnp.asarray(count, jnp.float32), metrics
+
+    if num_micro == 1:
+        return one(batch)
+    micro = jax.tree.map(lambda x: split_micro(x, num_micro), batch)
+    first = jax.tree.map(lambda x: x[0], micro)
+    rest = jax.tree.map(lambda x: x[1:], micro)
+    init = one(first)
+
+    def body(carry, mb):
+        g, ls, c, m = carry
+        g2, ls2, c2, m2 = one(mb)
+        return (jax.tree.map(jnp.add, g, g2), ls + ls2, c + c2, _add_metrics(m, m2)), None
+
+    out, _ = jax.lax.scan(body, init, rest)
+    return out
+
+
+def check_divisible(batch_size: int, num_micro: int, what: str = "batch") -> None:
+    """Raise ValueError unless ``batch_size`` splits into ``num_micro`` equal parts."""
+    if num_micro < 1 or batch_size % num_micro:
+        raise ValueError(
+            f"{what} of {batch_size} sequences does not divide into {num_micro} "
+            f"micro-batches; choose micro_batch_size dividing {batch_size}"
+        )
+
+
+def num_micro_batches(batch_size: int, micro_batch_size: int, what: str = "batch") -> int:
+    """Micro-batches per update (``micro_batch_size`` 0 means one); validates division."""
+    if micro_batch_size == 0 or micro_batch_size >= batch_size:
+        return 1
+    if batch_size % micro_batch_size:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} does not divide the {what} of "
+            f"{batch_size} sequences; allowed: a divisor of {batch_size} or 0 (no split)"
+        )
+    return batch_size // micro_batch_size
+
+
+def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
+                constrain: Callable | None = None):
+    """Build ``update(params, opt_state, counters, batch, coef) -> (params, opt_state,
+    counters, metrics)``, the pure function the trainer jits with donation.
+
+    ``counters`` is ``(updates, nonfinite_run, skipped)`` int32 scalars. A non-finite loss
+    or gradient norm leaves params and optimiser state unchanged, does not advance
+    ``updates``, increments ``nonfinite_run`` and ``skipped``; a finite one resets
+    ``nonfinite_run``. Metrics: ``loss``, ``grad_norm`` (before clipping), ``lr`` (of the
+    first model), ``skipped_update``, and each loss metric's mean.
+    """
+
+    def update(params, opt_state, counters, batch, coef):
+        updates, run, skipped = counters
+        grads, loss_sum, count, msums = accumulate(loss_fn, params, batch, coef, num_micro,
+                                                   constrain)
+        denom = jnp.where(count > 0, count, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        loss = loss_sum / denom
+        gnorm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        # Zero non-finite gradients so the (discarded) candidate update stays finite.
+        safe = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+        new_params, new_opt = {}, {}
+        for name in params:
+            upd, new_opt[name] = txs[name].update(safe[name], opt_state[name], params[name])
+            new_params[name] = optax.apply_updates(params[name], upd)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        params_out, opt_out = keep(new_params, params), keep(new_opt, opt_state)
+        first = next(iter(params))
+        metrics = {k: s / jnp.where(c > 0, c, 1.0) for k, (s, c) in msums.items()}
+        metrics.update(
+            loss=loss, grad_norm=gnorm, lr=jnp.asarray(schedules[first](updates), jnp.float32),
+            skipped_update=(~finite).astype(jnp.float32),
+        )
+        for name in params:
+            if len(params) > 1:
+                metrics[f"grad_norm_{name}"] = optax.global_norm(grads[name])
+        counters = (
+            updates + finite.astype(jnp.int32),
+            jnp.where(finite, 0, run + 1).astype(jnp.int32),
+            skipped + (~finite).astype(jnp.int32),
+        )
+        return params_out, opt_out, counters, metrics
+
+    return update
+
+
+def jit_update(update, mesh, params, opt_state, batch_example: dict):
+    """``jax.jit`` the update with explicit shardings; params and optimiser state donated.
+
+    Params and optimiser state keep the shardings they already have; batch arrays are
+    split over ("data", "fsdp") on their leading axis; coefficients and counters are
+    replicated. Without a mesh, plain ``jax.jit`` with donation.
+    """
+    if mesh is None:
+        return jax.jit(update, donate_argnums=(0, 1))
+    from rljax.sharding import batch_sharding, replicated
+
+    rep = replicated(mesh)
+    p_sh = jax.tree.map(lambda x: x.sharding, params)
+    o_sh = jax.tree.map(lambda x: x.sharding, opt_state)
+    b_sh = jax.tree.map(lambda x: batch_sharding(mesh, max(x.ndim, 1)), batch_example)
+    return jax.jit(
+        update,
+        in_shardings=(p_sh, o_sh, rep, b_sh, rep),
+        out_shardings=(p_sh, o_sh, rep, rep),
+        donate_argnums=(0, 1),
+    )
+
+
+def batch_constrainer(mesh):
+    """A function re-applying the batch sharding to a micro-batch dict (None without mesh)."""
+    if mesh is None:
+        return None
+    from rljax.sharding import batch_sharding
+
+    def constrain(mb):
+        return jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, max(x.ndim, 1))),
+            mb,
+        )
+
+    return constrain
+
+
+def init_opt_state(txs: dict, params: dict, mesh=None) -> dict:
+    """Optimiser states for ``params`` (dict name -> NNX state), placed by jit like them."""
+    init = jax.jit(lambda p: {k: txs[k].init(p[k]) for k in p})
+    if mesh is None:
+        return init(params)
+    with jax.set_mesh(mesh):
+        return init(params)
+
+
+def new_train_state(params: dict, opt_state: dict, seed: int, *, ref_params=None,
+                    kl_coef: float = 0.0) -> TrainState:
+    """A fresh ``TrainState`` at step 0 with PRNG key ``seed``."""
+    z = jnp.zeros((), jnp.int32)
+    return TrainState(
+        params=params, opt_state=opt_state, step=z, updates=z, nonfinite_run=z, skipped=z,
+        key=jax.random.key_data(jax.random.key(seed)), data_pos=z,
+        kl_coef=jnp.asarray(kl_coef, jnp.float32), ref_params=ref_params,
+    )
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+class Learner:
+    """Applies jitted, donated, micro-batched updates of a loss function to a TrainState.
+
+    Args:
+      loss_fn: ``(params, micro_batch, coef) -> (loss_sum, count, metrics)``.
+      optims: dict name -> ``(optax tx, schedule)``, one per entry of ``state.params``.
+      micro_batch_size: rows per micro-batch (0 = whole batch).
+      max_nonfinite: stop after this many consecutive skipped updates.
+      mesh: device mesh or None (one device).
+    """
+
+    def __init__(self, loss_fn: LossFn, optims: dict, *, micro_batch_size: int = 0,
+                 max_nonfinite: int = 5, mesh=None):
+        self.loss_fn = loss_fn
+        self.txs = {k: v[0] for k, v in optims.items()}
+        self.schedules = {k: v[1] for k, v in optims.items()}
+        self.micro_batch_size = micro_batch_size
+        self.max_nonfinite = max_nonfinite
+        self.mesh = mesh
+        self._jitted: dict[int, Callable] = {}
+
+    def init_opt_state(self, params: dict) -> dict:
+        """Fresh optimiser states for ``params``."""
+        return init_opt_state(self.txs, params, self.mesh)
+
+    def put_batch(self, batch: dict) -> dict:
+        """Place host arrays on the mesh, leading axis over ("data", "fsdp")."""
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, batch)
+        from rljax.sharding import batch_sharding
+
+        n = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        for k, v in batch.items():
+            if v.shape[0] % n:
+                raise ValueError(
+                    f"batch field {k!r} has {v.shape[0]} rows, not divisible by the "
+                    f"data x fsdp = {n} devices it is split over"
+                )
+        return {k: jax.device_put(v, batch_sharding(self.mesh, max(v.ndim, 1)))
+                for k, v in batch.items()}
+
+    def _fn(self, state: TrainState, batch: dict, num_micro: int):
+        if num_micro not in self._jitted:
+            upd = make_update(self.loss_fn, self.txs, self.schedules, num_micro,
+                              batch_constrainer(self.mesh))
+            self._jitted[num_micro] = jit_update(upd, self.mesh, state.params,
+                                                 state.opt_state, batch)
+        return self._jitted[num_micro]
+
+    def update(self, state: TrainState, batch: dict, coef, *, what: str = "batch"):
+        """One optimiser update on ``batch``; returns ``(state, metrics)`` (device scalars).
+
+        Raises NonFiniteError naming the step when ``max_nonfinite`` consecutive updates
+        were skipped.
+        """
+        b = next(iter(batch.values())).shape[0]
+        num_micro = num_micro_batches(b, self.micro_batch_size, what)
+        if self.mesh is not None:
+            n = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+            if (b // num_micro) % n:
+                raise ValueError(
+                    f"micro-batches of {b // num_micro} rows do not split over the data x "
+                    f"fsdp = {n} devices; choose micro_batch_size as a multiple of {n}"
+                )
+        batch = self.put_batch(batch)
+        fn = self._fn(state, batch, num_micro)
+        counters = (state.updates, state.nonfinite_run, state.skipped)
+        params, opt_state, counters, metrics = fn(state.params, state.opt_state, counters,
+                                                   batch, coef)
+        state = dataclasses.replace(state, params=params, opt_state=opt_state,
+                                    updates=counters[0], nonfinite_run=counters[1],
+                                    skipped=counters[2])
+        run = int(counters[1])
+        if run >= self.max_nonfinite:
+            raise NonFiniteError(
+                f"step {int(state.step)}: {run} consecutive updates had a non-finite loss or "
+                f"gradient (limit max_nonfinite_steps={self.max_nonfinite}); stopping"
+            )
+        return state, metrics
