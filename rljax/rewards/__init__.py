@@ -1,1 +1,33 @@
-"""rljax.rewards"""
+"""rljax.rewards: verifiable rewards, safe against hostile model output.
+
+Math answers (`extract_answer`, `math_equal`), the R1-Zero format reward, IFEval-style
+constraints, composition (weighted sums, Tülu 3's 10/0), and `score_batch`, the batch
+interface the trainer calls (in process, or in a worker pool with per-call time limits).
+Host-side plain Python + numpy; imports nothing from rljax above `rljax.objectives`.
+"""
+
+from rljax.rewards.answers import math_equal
+from rljax.rewards.batch import (BatchScores, RewardError, RewardPool, RewardTimeout,
+                                 score_batch)
+from rljax.rewards.compose import (Batched, ConstraintReward, FormatReward, ItemReward,
+                                   MathAccuracy, RewardFn, Verified, WeightedSum,
+                                   accuracy_plus_format, batched, reward_name)
+from rljax.rewards.constraints import (CONSTRAINT_TYPES, AllLowercase, AllOf, AnyOf,
+                                       BulletCount, Constraint, EndsWith, ForbiddenKeywords,
+                                       IncludeKeywords, NoCommas, ValidJson, WordCount,
+                                       constraint_from_dict)
+from rljax.rewards.extract import MODES as EXTRACT_MODES
+from rljax.rewards.extract import extract_answer
+from rljax.rewards.format import TagFormat, follows_format, format_reward, tagged_answer
+from rljax.rewards import limits
+
+__all__ = [
+    "math_equal", "extract_answer", "EXTRACT_MODES", "limits",
+    "TagFormat", "follows_format", "format_reward", "tagged_answer",
+    "Constraint", "WordCount", "IncludeKeywords", "ForbiddenKeywords", "NoCommas",
+    "AllLowercase", "BulletCount", "EndsWith", "ValidJson", "AllOf", "AnyOf",
+    "CONSTRAINT_TYPES", "constraint_from_dict",
+    "ItemReward", "RewardFn", "MathAccuracy", "FormatReward", "ConstraintReward",
+    "WeightedSum", "Verified", "accuracy_plus_format", "Batched", "batched", "reward_name",
+    "score_batch", "BatchScores", "RewardError", "RewardPool", "RewardTimeout",
+]
