@@ -101,3 +101,23 @@ def test_prng_key_json_round_trip():
         key_to_json(jnp.zeros(2, jnp.uint32))
     with pytest.raises(ValueError, match="PRNG"):
         key_from_json({"data": [1]})
+
+
+def test_restore_raw_gives_pure_nnx_dicts(tmp_path):
+    from flax import nnx
+
+    from rljax.train.checkpoint import pure_params
+
+    src = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+    with Checkpointer(tmp_path) as ck:
+        ck.save(2, {"params": {"policy": nnx.state(src)}, "step": jnp.int32(2)}, {"x": 1})
+    with Checkpointer(tmp_path) as ck:
+        raw, meta = ck.restore_raw()
+        assert meta == {"x": 1, "step": 2}
+        with pytest.raises(FileNotFoundError, match="step 5"):
+            ck.restore_raw(5)
+    dst = nnx.Linear(3, 4, rngs=nnx.Rngs(1))
+    state = nnx.state(dst)
+    nnx.replace_by_pure_dict(state, pure_params(raw["params"]["policy"]))
+    nnx.update(dst, state)
+    np.testing.assert_array_equal(np.asarray(dst.kernel[...]), np.asarray(src.kernel[...]))

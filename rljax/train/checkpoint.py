@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer", "abstract_like", "key_to_json", "key_from_json"]
+__all__ = ["Checkpointer", "abstract_like", "key_from_json", "key_to_json", "pure_params"]
 
 _ITEMS = ("state", "meta")
 # Orbax writes this file last in a step directory (after the rename from the tmp dir).
@@ -66,6 +66,15 @@ def key_from_json(obj: dict[str, Any]) -> jax.Array:
         return jax.random.wrap_key_data(data, impl=obj["impl"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"not a saved PRNG key (needs impl, shape, data): {e}") from None
+
+
+def pure_params(tree: Any) -> Any:
+    """Collapse NNX variable wrappers `{"value": x}` of a raw-restored state into `x`."""
+    if isinstance(tree, dict):
+        if set(tree) == {"value"} and not isinstance(tree["value"], dict):
+            return tree["value"]
+        return {k: pure_params(v) for k, v in tree.items()}
+    return tree
 
 
 class Checkpointer:
@@ -154,6 +163,24 @@ class Checkpointer:
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_like(target)), meta=ocp.args.JsonRestore()
         )
+        out = self._mgr.restore(step, args=args)
+        return out["state"], dict(out["meta"])
+
+    def restore_raw(self, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """Read checkpoint `step` (default latest) without a target: nested dicts of arrays.
+
+        NNX states come back as `{name: {"value": array}}`; `pure_params` turns them into
+        the pure dicts `flax.nnx.replace_by_pure_dict` takes. Use `restore` with a target
+        when the layout (shardings, dtypes) matters.
+        """
+        self.wait_until_finished()
+        steps = self.all_steps()
+        step = (steps[-1] if steps else None) if step is None else step
+        if step is None or step not in steps:
+            raise FileNotFoundError(
+                f"no complete checkpoint {'' if step is None else f'for step {step} '}"
+                f"in {self.directory}; have {steps}")
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
         out = self._mgr.restore(step, args=args)
         return out["state"], dict(out["meta"])
 
