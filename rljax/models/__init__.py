@@ -1,1 +1,30 @@
-"""rljax.models"""
+"""rljax.models: the Flax NNX decoder (Llama / Qwen2 / Qwen3), KV cache, value head,
+Hugging Face checkpoint import/export and tokenizer helpers.
+
+Functional use: `graphdef, state = nnx.split(model)`; `nnx.merge(graphdef, state)`
+inside jitted functions. Shardings of a state: `rljax.sharding.state_shardings`.
+"""
+
+from rljax.models.attention import Attention, attend
+from rljax.models.config import ARCHITECTURES, Llama3RopeScaling, ModelConfig
+from rljax.models.decoder import Block, Decoder, default_positions
+from rljax.models.kv_cache import KVCache, init_kv_cache, kv_cache_shardings
+from rljax.models.layers import MLP, RMSNorm, annotated_param, rope_inv_freq
+
+__all__ = [
+    "ARCHITECTURES",
+    "Attention",
+    "Block",
+    "Decoder",
+    "KVCache",
+    "Llama3RopeScaling",
+    "MLP",
+    "ModelConfig",
+    "RMSNorm",
+    "annotated_param",
+    "attend",
+    "default_positions",
+    "init_kv_cache",
+    "kv_cache_shardings",
+    "rope_inv_freq",
+]

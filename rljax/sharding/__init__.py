@@ -1,1 +1,31 @@
-"""rljax.sharding"""
+"""rljax.sharding: device meshes and the logical-axis -> mesh-axis rule table.
+
+Layer 2: knows nothing of models. Parameters and batches name their dimensions
+logically; `LOGICAL_RULES` maps those names to the mesh axes ("data", "fsdp", "tensor").
+"""
+
+from rljax.sharding.mesh import MESH_AXES, MeshConfig, make_mesh
+from rljax.sharding.rules import (
+    LOGICAL_RULES,
+    batch_sharding,
+    fitted_spec,
+    logical_sharding,
+    logical_spec,
+    replicated,
+    shard_params,
+    state_shardings,
+)
+
+__all__ = [
+    "LOGICAL_RULES",
+    "MESH_AXES",
+    "MeshConfig",
+    "batch_sharding",
+    "fitted_spec",
+    "logical_sharding",
+    "logical_spec",
+    "make_mesh",
+    "replicated",
+    "shard_params",
+    "state_shardings",
+]

@@ -1,0 +1,92 @@
+"""Grouped-query self-attention with rotary embeddings, Qwen2 biases and Qwen3 q/k norm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rljax.models.config import ModelConfig
+from rljax.models.layers import RMSNorm, annotated_param, apply_rope, compute_dtype, normal_param
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def attend(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, allowed_BxTxS):
+    """softmax(q k^T / sqrt(H) + mask) v with G = N / K query heads per kv head.
+
+    Vaswani et al. 2017 eq. (1); grouped-query attention, Ainslie et al. 2023. Scores
+    and softmax are float32; masked slots get the most negative float32 (not -inf, so a
+    row with nothing allowed stays finite).
+    """
+    b, t, n, h = q_BxTxNxH.shape
+    k = k_BxKxHxS.shape[1]
+    q = q_BxTxNxH.reshape(b, t, k, n // k, h)
+    s = jnp.einsum("btkgh,bkhs->bkgts", q, k_BxKxHxS, preferred_element_type=jnp.float32)
+    s = jnp.where(allowed_BxTxS[:, None, None], s * (h**-0.5), _NEG)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BxKxSxH.dtype)
+    o = jnp.einsum("bkgts,bksh->btkgh", p, v_BxKxSxH, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, n, h)
+
+
+class Attention(nnx.Module):
+    """Self-attention block: q/k/v projections, (q/k norm), RoPE, GQA, output projection.
+
+    Weights: q `[D, N, H]`, k and v `[D, K, H]`, o `[N, H, D]`.
+    """
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, n, kv, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.q = normal_param(rngs, (d, n, h), ("embed", "heads", "head_dim"))
+        self.k = normal_param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"))
+        self.v = normal_param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"))
+        self.o = normal_param(rngs, (n, h, d), ("heads", "head_dim", "embed"))
+        if config.qkv_bias:
+            self.q_bias = annotated_param(jnp.zeros((n, h)), ("heads", "head_dim"))
+            self.k_bias = annotated_param(jnp.zeros((kv, h)), ("kv_heads", "head_dim"))
+            self.v_bias = annotated_param(jnp.zeros((kv, h)), ("kv_heads", "head_dim"))
+        if config.qk_norm:
+            self.q_norm = RMSNorm(h, config.rms_norm_eps, names=("head_dim",))
+            self.k_norm = RMSNorm(h, config.rms_norm_eps, names=("head_dim",))
+        self.qkv_bias = config.qkv_bias
+        self.qk_norm = config.qk_norm
+        self.dtype = compute_dtype(config)
+
+    def _project(self, x, w, bias_name):
+        y = jnp.einsum("btd,dnh->btnh", x, w[...].astype(self.dtype),
+                       preferred_element_type=jnp.float32)
+        if self.qkv_bias:
+            y = y + getattr(self, bias_name)[...]
+        return y
+
+    def qkv(self, x_BxTxD, cos_sin):
+        """Queries `[B,T,N,H]`, keys and values `[B,T,K,H]` (rotated, compute dtype)."""
+        x = x_BxTxD.astype(self.dtype)
+        q = self._project(x, self.q, "q_bias")
+        k = self._project(x, self.k, "k_bias")
+        v = self._project(x, self.v, "v_bias")
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos_sin).astype(self.dtype)
+        k = apply_rope(k, cos_sin).astype(self.dtype)
+        return q, k, v.astype(self.dtype)
+
+    def __call__(self, x_BxTxD, cos_sin, allowed_BxTxS, cache_kv=None, slot=None):
+        """Attention output `[B,T,D]` (float32) and this layer's (keys, values) buffers.
+
+        Without `cache_kv` the keys/values are the T new ones (S = T). With it, the new
+        keys/values are written at slots [slot, slot + T) of the given buffers first.
+        """
+        q, k, v = self.qkv(x_BxTxD, cos_sin)
+        k_BxKxHxT = jnp.transpose(k, (0, 2, 3, 1))
+        v_BxKxTxH = jnp.transpose(v, (0, 2, 1, 3))
+        if cache_kv is None:
+            keys, values = k_BxKxHxT, v_BxKxTxH
+        else:
+            ck, cv = cache_kv
+            keys = jax.lax.dynamic_update_slice(ck, k_BxKxHxT.astype(ck.dtype), (0, 0, 0, slot))
+            values = jax.lax.dynamic_update_slice(cv, v_BxKxTxH.astype(cv.dtype), (0, 0, slot, 0))
+        o = attend(q, keys, values, allowed_BxTxS).astype(self.dtype)
+        out = jnp.einsum("btnh,nhd->btd", o, self.o[...].astype(self.dtype),
+                         preferred_element_type=jnp.float32)
+        return out, (keys, values)

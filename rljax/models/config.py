@@ -1,0 +1,120 @@
+"""Model configuration: one frozen, validated dataclass for the Llama / Qwen2 / Qwen3 family."""
+
+from __future__ import annotations
+
+import dataclasses
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def _check_positive(obj, names):
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(
+                f"{type(obj).__name__}.{name} must be a positive int, got {value!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3 rope scaling (HF `rope_type: "llama3"`).
+
+    Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are
+    divided by `factor`; shorter than `... / high_freq_factor` are kept; in between the
+    inverse frequency is interpolated linearly in `original / wavelength`.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if not self.factor > 0:
+            raise ValueError(f"Llama3RopeScaling.factor must be > 0, got {self.factor!r}")
+        if not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(
+                "Llama3RopeScaling needs high_freq_factor > low_freq_factor > 0, got "
+                f"low_freq_factor={self.low_freq_factor!r}, "
+                f"high_freq_factor={self.high_freq_factor!r}"
+            )
+        _check_positive(self, ("original_max_position_embeddings",))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder hyper-parameters (names follow the HF config fields they come from).
+
+    head_dim: per-head width; None means hidden_size // num_heads (Llama / Qwen2 default;
+      Qwen3 sets it explicitly).
+    qkv_bias: Qwen2's biases on the q/k/v projections.
+    qk_norm: Qwen3's per-head RMSNorm on queries and keys (before rotary embeddings).
+    compute_dtype: dtype of matmul inputs in the forward ("float32" | "bfloat16");
+      parameters are always float32, norms, softmax and logits are computed in float32.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    compute_dtype: str = "float32"
+    architecture: str = "llama"
+
+    def __post_init__(self):
+        _check_positive(
+            self,
+            ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+             "num_kv_heads", "max_position_embeddings"),
+        )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"ModelConfig: hidden_size={self.hidden_size} is not divisible by "
+                    f"num_heads={self.num_heads}; set head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        _check_positive(self, ("head_dim",))
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even (rotary), got {self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig: num_heads={self.num_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if not self.rope_theta > 0:
+            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise TypeError(
+                "ModelConfig.rope_scaling must be None or Llama3RopeScaling, got "
+                f"{type(self.rope_scaling).__name__}"
+            )
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"ModelConfig.compute_dtype={self.compute_dtype!r}; allowed: {COMPUTE_DTYPES}"
+            )
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"ModelConfig.architecture={self.architecture!r}; allowed: {ARCHITECTURES}"
+            )
+        for name in ("tie_word_embeddings", "qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head (G = N / K)."""
+        return self.num_heads // self.num_kv_heads

@@ -1,0 +1,142 @@
+"""The decoder-only transformer (Llama / Qwen2 / Qwen3) as a Flax NNX module."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rljax.models.attention import Attention
+from rljax.models.config import ModelConfig
+from rljax.models.kv_cache import KVCache, init_kv_cache
+from rljax.models.layers import MLP, RMSNorm, compute_dtype, normal_param, rope_cos_sin
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, rngs)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, rngs)
+
+    def __call__(self, x, cos_sin, allowed, cache_kv=None, slot=None):
+        a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), kv
+
+
+def _check_ids(input_ids_BxT, positions_BxT, mask_BxT):
+    ids = jnp.asarray(input_ids_BxT)
+    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(
+            f"input_ids_BxT must be an integer array of rank 2, got {ids.dtype}{ids.shape}"
+        )
+    for name, a in (("positions_BxT", positions_BxT), ("mask_BxT", mask_BxT)):
+        if a is not None and tuple(a.shape) != tuple(ids.shape):
+            raise ValueError(f"{name} has shape {tuple(a.shape)}; expected {tuple(ids.shape)}")
+    return ids
+
+
+def default_positions(mask_BxT):
+    """Positions of real tokens counted from 0 within each row: cumsum(mask) - 1 (>= 0)."""
+    return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=1) - 1, 0)
+
+
+class Decoder(nnx.Module):
+    """Decoder-only LM: embed -> L x Block -> final RMSNorm -> output projection.
+
+    Parameters are float32 with logical axis names (`logical_axes` metadata); matmuls run
+    in `config.compute_dtype`; logits and softmax in float32. Build it inside
+    `jax.set_mesh(mesh)` to create each parameter already sharded.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"Decoder: config must be a ModelConfig, got {type(config).__name__}")
+        self.config = config
+        v, d = config.vocab_size, config.hidden_size
+        self.embed = normal_param(rngs, (v, d), ("vocab", "embed"))
+        self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(d, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = normal_param(rngs, (d, v), ("embed", "vocab"))
+
+    def _embed(self, ids_BxT):
+        return jnp.take(self.embed[...], ids_BxT, axis=0)
+
+    def hidden_states(self, input_ids_BxT, positions_BxT=None, mask_BxT=None):
+        """Final-norm hidden states `[B, T, D]` (float32) of a full (causal) forward.
+
+        mask_BxT marks real tokens (padding left or right); padding slots are never
+        attended to. positions_BxT defaults to `cumsum(mask) - 1`.
+        """
+        ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
+        t = ids.shape[1]
+        mask = jnp.ones(ids.shape, bool) if mask_BxT is None else jnp.asarray(mask_BxT, bool)
+        pos = default_positions(mask) if positions_BxT is None else jnp.asarray(positions_BxT)
+        i = jnp.arange(t)
+        causal = i[None, :, None] >= i[None, None, :]
+        # A query may always see itself, so padding rows stay finite (their output is unused).
+        allowed = (causal & mask[:, None, :]) | (i[:, None] == i[None, :])[None]
+        cos_sin = rope_cos_sin(self.config, pos)
+        x = self._embed(ids)
+        for layer in self.layers:
+            x, _ = layer(x, cos_sin, allowed)
+        return self.final_norm(x)
+
+    def logits_from_hidden(self, h_xD):
+        """Output projection of hidden states `[..., D]` to float32 logits `[..., V]`."""
+        cd = compute_dtype(self.config)
+        h = h_xD.astype(cd)
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(cd),
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(cd),
+                          preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxT=None):
+        """Float32 logits `[B, T, V]`; see `hidden_states` for the arguments."""
+        return self.logits_from_hidden(self.hidden_states(input_ids_BxT, positions_BxT, mask_BxT))
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache for `batch` rows and `max_len` slots (compute dtype)."""
+        c = self.config
+        return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
+                             compute_dtype(c))
+
+    def forward_cached(self, input_ids_BxT, positions_BxT, mask_BxT, cache: KVCache, slot):
+        """Run T new tokens against the cache: returns (final hidden `[B,T,D]`, new cache).
+
+        The new keys/values go to slots [slot, slot + T) (slot: int32 scalar shared by all
+        rows), marked valid where mask_BxT; the query at slot s attends to valid slots
+        j <= s. Prefill: one call with the padded prompts at slot 0; decode: T = 1 calls
+        at slots P, P + 1, ...
+        """
+        ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"forward_cached: cache must be a KVCache, got {type(cache).__name__}")
+        if cache.batch_size != ids.shape[0] or ids.shape[1] > cache.max_len:
+            raise ValueError(
+                f"forward_cached: input_ids shape {tuple(ids.shape)} does not fit a cache "
+                f"of batch {cache.batch_size} and {cache.max_len} slots"
+            )
+        t, s = ids.shape[1], cache.max_len
+        slot = jnp.asarray(slot, jnp.int32)
+        mask = jnp.asarray(mask_BxT, bool)
+        valid = jax.lax.dynamic_update_slice(cache.valid_BxS, mask, (0, slot))
+        q_slot = slot + jnp.arange(t)
+        j = jnp.arange(s)
+        allowed = (valid[:, None, :] & (j[None, None, :] <= q_slot[None, :, None])) | (
+            j[None, None, :] == q_slot[None, :, None]
+        )
+        cos_sin = rope_cos_sin(self.config, jnp.asarray(positions_BxT))
+        x = self._embed(ids)
+        keys, values = [], []
+        for layer, ck, cv in zip(self.layers, cache.keys, cache.values):
+            x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot)
+            keys.append(k)
+            values.append(v)
+        new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid_BxS=valid)
+        return self.final_norm(x), new_cache

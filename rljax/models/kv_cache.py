@@ -1,0 +1,73 @@
+"""The KV cache: a pytree dataclass of per-layer key/value buffers and a valid-slot mask.
+
+Layout (per layer): keys `[B, K, H, S]` and values `[B, K, S, H]` -- the sequence axis
+last for keys and second-to-last for values, so both attention dots (q.k over H, p.v over
+S) contract without transposing the cache; with `[B, S, K, H]` XLA:CPU spent most of a
+decode step on transposes (measured, see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from rljax.sharding import fitted_spec
+
+KEY_AXES = ("batch", "kv_heads", "head_dim", "cache_length")
+VALUE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
+VALID_AXES = ("batch", "cache_length")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys, values and the valid-slot mask of a batch of sequences.
+
+    keys: tuple over layers of `[B, K, H, S]` arrays (compute dtype).
+    values: tuple over layers of `[B, K, S, H]` arrays.
+    valid_BxS: bool, True where a slot holds a real (non-padding) token.
+    """
+
+    keys: tuple
+    values: tuple
+    valid_BxS: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        """B."""
+        return self.valid_BxS.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        """S, the number of slots."""
+        return self.valid_BxS.shape[1]
+
+
+def init_kv_cache(num_layers, batch, max_len, num_kv_heads, head_dim, dtype) -> KVCache:
+    """An empty cache (zeros, no valid slots)."""
+    for name, v in (("batch", batch), ("max_len", max_len)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"init_cache: {name} must be a positive int, got {v!r}")
+    k = jnp.zeros((batch, num_kv_heads, head_dim, max_len), dtype)
+    v = jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype)
+    return KVCache(
+        keys=tuple(k for _ in range(num_layers)),
+        values=tuple(v for _ in range(num_layers)),
+        valid_BxS=jnp.zeros((batch, max_len), bool),
+    )
+
+
+def kv_cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
+    """NamedShardings for a cache (batch over ("data","fsdp"), kv heads over "tensor")."""
+
+    def sh(x, names):
+        return NamedSharding(mesh, fitted_spec(names, x.shape, mesh))
+
+    return KVCache(
+        keys=tuple(sh(k, KEY_AXES) for k in cache.keys),
+        values=tuple(sh(v, VALUE_AXES) for v in cache.values),
+        valid_BxS=sh(cache.valid_BxS, VALID_AXES),
+    )

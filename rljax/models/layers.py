@@ -1,0 +1,124 @@
+"""Building blocks: annotated float32 parameters, RMSNorm, rotary embeddings, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from rljax.models.config import ModelConfig
+from rljax.sharding import fitted_spec
+
+INIT_STD = 0.02
+
+
+def _place(value, names):
+    """Constrain `value` to its logical sharding when a mesh is set (`jax.set_mesh`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return value
+    spec = fitted_spec(names, value.shape, mesh)
+    return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
+
+
+def annotated_param(value, names) -> nnx.Param:
+    """A float32 `nnx.Param` carrying its logical axis names as `logical_axes` metadata.
+
+    The names are turned into mesh axes by `rljax.sharding.LOGICAL_RULES` (see
+    `rljax.sharding.state_shardings`). Flax's own eager sharding is turned off so the
+    same code builds a model with or without a mesh.
+    """
+    names = tuple(names)
+    if len(names) != value.ndim:
+        raise ValueError(f"logical names {names} do not match parameter shape {value.shape}")
+    value = _place(jnp.asarray(value, jnp.float32), names)
+    return nnx.Param(value, eager_sharding=False, logical_axes=names)
+
+
+def normal_param(rngs: nnx.Rngs, shape, names) -> nnx.Param:
+    """N(0, 0.02^2) initialised float32 parameter (the HF initializer_range default)."""
+    return annotated_param(INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32), names)
+
+
+def compute_dtype(config: ModelConfig):
+    """The jnp dtype matmul inputs are cast to."""
+    return jnp.bfloat16 if config.compute_dtype == "bfloat16" else jnp.float32
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm, y = w * x / sqrt(mean(x^2) + eps), computed in float32.
+
+    Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. (4).
+    """
+
+    def __init__(self, dim: int, eps: float, names=("norm",)):
+        self.scale = annotated_param(jnp.ones((dim,), jnp.float32), names)
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        return self.scale[...] * (x32 * jax.lax.rsqrt(var + self.eps))
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse rotary frequencies theta^(-2i/H), i < H/2, in float32, with Llama 3 scaling.
+
+    Su et al. 2021 (RoFormer) eq. (15); Llama 3 scaling as in Meta's Llama 3.1 reference:
+    low frequencies (wavelength > original / low_freq_factor) are divided by `factor`,
+    high frequencies (wavelength < original / high_freq_factor) are kept, and in between
+    inv_freq = (1 - a) * f / factor + a * f with a = (original / wavelength - low) / (high - low).
+    """
+    h = config.head_dim
+    exponent = np.arange(0, h, 2, dtype=np.float32) / np.float32(h)
+    inv = (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponent)).astype(np.float32)
+    sc = config.rope_scaling
+    if sc is None:
+        return inv
+    orig = float(sc.original_max_position_embeddings)
+    wavelen = 2 * np.pi / inv
+    low_wavelen = orig / sc.low_freq_factor
+    high_wavelen = orig / sc.high_freq_factor
+    scaled = np.where(wavelen > low_wavelen, inv / sc.factor, inv)
+    alpha = (orig / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+    smoothed = (1 - alpha) * scaled / sc.factor + alpha * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(config: ModelConfig, positions_BxT):
+    """(cos, sin) tables of shape [B, T, H/2] in float32 for integer positions."""
+    angles = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config))
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x_BxTxNxH, cos_sin):
+    """Rotate pairs (x_i, x_{i+H/2}) by the position angle (the HF "rotate_half" layout)."""
+    cos, sin = (c[:, :, None, :] for c in cos_sin)
+    x = x_BxTxNxH.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxH.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(x W_gate) * (x W_up)) (Shazeer 2020, eq. 6)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate = normal_param(rngs, (d, f), ("embed", "mlp"))
+        self.up = normal_param(rngs, (d, f), ("embed", "mlp"))
+        self.down = normal_param(rngs, (f, d), ("mlp", "embed"))
+        self.dtype = compute_dtype(config)
+
+    def __call__(self, x_BxTxD):
+        cd = self.dtype
+        x = x_BxTxD.astype(cd)
+        g = jnp.einsum("btd,df->btf", x, self.gate[...].astype(cd))
+        u = jnp.einsum("btd,df->btf", x, self.up[...].astype(cd))
+        hidden = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(cd)
+        return jnp.einsum(
+            "btf,fd->btd", hidden, self.down[...].astype(cd), preferred_element_type=jnp.float32
+        )

@@ -1,0 +1,79 @@
+"""Device meshes: the three named axes ("data", "fsdp", "tensor") with Auto axis types."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the mesh axes; at most one may be -1, meaning "the remaining devices".
+
+    data: pure data parallelism (batch split, parameters replicated).
+    fsdp: batch split AND parameters sharded along their "embed" dimension (ZeRO-3 style).
+    tensor: parameters sharded along heads / mlp / vocab (Megatron-style tensor parallelism).
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = self.sizes()
+        for name, size in zip(MESH_AXES, sizes):
+            if not isinstance(size, int) or isinstance(size, bool):
+                raise TypeError(f"MeshConfig.{name} must be an int, got {size!r}")
+            if size == 0 or size < -1:
+                raise ValueError(
+                    f"MeshConfig.{name}={size} is invalid: use a positive size or -1 (the rest)"
+                )
+        if sum(s == -1 for s in sizes) > 1:
+            raise ValueError(
+                f"MeshConfig has more than one axis set to -1 ({sizes}); at most one may be -1"
+            )
+
+    def sizes(self) -> tuple[int, int, int]:
+        """The (data, fsdp, tensor) sizes as given (may contain one -1)."""
+        return (self.data, self.fsdp, self.tensor)
+
+    def resolve(self, num_devices: int) -> tuple[int, int, int]:
+        """Concrete axis sizes for `num_devices` devices (replaces -1 by the rest)."""
+        sizes = list(self.sizes())
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % known:
+                raise ValueError(
+                    f"MeshConfig{tuple(sizes)}: {num_devices} devices are not divisible by "
+                    f"the fixed axis sizes (product {known})"
+                )
+            sizes[sizes.index(-1)] = num_devices // known
+        if math.prod(sizes) != num_devices:
+            raise ValueError(
+                f"MeshConfig{tuple(sizes)} needs {math.prod(sizes)} devices but "
+                f"{num_devices} were given; set one axis to -1 to use the rest"
+            )
+        return tuple(sizes)
+
+
+def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
+    """Build a `Mesh` with axes ("data", "fsdp", "tensor"), all `AxisType.Auto`.
+
+    Auto axes let GSPMD propagate shardings from the parameter and batch annotations.
+    `devices` defaults to `jax.devices()`.
+    """
+    cfg = MeshConfig() if cfg is None else cfg
+    if not isinstance(cfg, MeshConfig):
+        raise TypeError(f"make_mesh: cfg must be a MeshConfig, got {type(cfg).__name__}")
+    devices = jax.devices() if devices is None else list(devices)
+    sizes = cfg.resolve(len(devices))
+    if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
+        return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    array = np.asarray(devices, dtype=object).reshape(sizes)
+    return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * 3)

@@ -1,0 +1,189 @@
+"""Decoder invariances: KV cache vs full forward, padding, GQA ratios, sharded vs single."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rljax.models import Decoder, Llama3RopeScaling, ModelConfig, kv_cache_shardings
+from rljax.sharding import MeshConfig, batch_sharding, make_mesh, state_shardings
+
+TOL = 1e-5  # float32 invariances (same math, different batching / caching)
+
+BASE = ModelConfig(
+    vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+    num_kv_heads=2, rope_theta=500.0,
+)
+QWEN3 = dataclasses.replace(BASE, head_dim=16, qk_norm=True, architecture="qwen3",
+                            num_kv_heads=1, tie_word_embeddings=True)
+QWEN2 = dataclasses.replace(BASE, qkv_bias=True, architecture="qwen2", num_kv_heads=4)
+
+
+def _model(cfg, seed=0):
+    model = Decoder(cfg, rngs=nnx.Rngs(seed))
+    if cfg.qkv_bias:  # zero-initialised biases would not test anything
+        for layer in model.layers:
+            for name in ("q_bias", "k_bias", "v_bias"):
+                p = getattr(layer.attn, name)
+                p[...] = 0.1 * jax.random.normal(jax.random.key(seed + 7), p[...].shape)
+    return model
+
+
+@nnx.jit
+def _full(model, ids, pos, mask):
+    return model(ids, pos, mask)
+
+
+@nnx.jit
+def _default(model, ids, mask=None):
+    return model(ids, mask_BxT=mask)
+
+
+@nnx.jit(static_argnums=(4, 5))
+def _cached_run(model, ids, pos, mask, prompt_len, max_len):
+    """Prefill the first `prompt_len` tokens, then decode the rest one at a time."""
+    cache = model.init_cache(ids.shape[0], max_len)
+    h, cache = model.forward_cached(ids[:, :prompt_len], pos[:, :prompt_len],
+                                    mask[:, :prompt_len], cache, 0)
+    outs = [model.logits_from_hidden(h)]
+    for t in range(prompt_len, ids.shape[1]):
+        h, cache = model.forward_cached(ids[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1],
+                                        cache, t)
+        outs.append(model.logits_from_hidden(h))
+    return jnp.concatenate(outs, axis=1)
+
+
+def _left_padded(rng, lens, t, vocab):
+    ids = np.zeros((len(lens), t), np.int32)
+    mask = np.zeros((len(lens), t), bool)
+    for b, n in enumerate(lens):
+        ids[b, t - n:] = rng.integers(1, vocab, n)
+        mask[b, t - n:] = True
+    return jnp.asarray(ids), jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("cfg", [BASE, QWEN3, QWEN2], ids=["llama", "qwen3", "qwen2"])
+def test_cached_prefill_decode_equals_full_forward(cfg):
+    model = _model(cfg)
+    rng = np.random.default_rng(0)
+    ids, mask = _left_padded(rng, [9, 6, 3], 9, cfg.vocab_size)
+    pos = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    full = _full(model, ids, pos, mask)
+    # prompt of 5 padded slots, 4 decode steps, cache longer than needed (stale slots)
+    cached = _cached_run(model, ids, pos, mask, 5, 12)
+    m = np.asarray(mask)
+    np.testing.assert_array_less(np.abs(np.asarray(full - cached))[m], TOL)
+
+
+@pytest.mark.parametrize("cfg", [BASE, QWEN3], ids=["llama", "qwen3"])
+def test_left_padded_batch_equals_rows_alone(cfg):
+    model = _model(cfg, seed=1)
+    rng = np.random.default_rng(1)
+    ids, mask = _left_padded(rng, [7, 4, 1], 7, cfg.vocab_size)
+    batch = _default(model, ids, mask)  # default positions from the mask
+    for b, n in enumerate([7, 4, 1]):
+        alone = _default(model, ids[b:b + 1, 7 - n:])
+        diff = np.abs(np.asarray(batch[b, 7 - n:] - alone[0]))
+        assert diff.max() <= TOL, (b, diff.max())
+
+
+def test_right_padding_and_positions_shift():
+    model = _model(BASE, seed=2)
+    ids = jnp.asarray([[5, 6, 7, 0, 0]], jnp.int32)
+    mask = jnp.asarray([[1, 1, 1, 0, 0]], bool)
+    right = _default(model, ids, mask)[0, :3]
+    alone = model(ids[:, :3])[0]  # eager call on a plain int32 array works too
+    assert np.abs(np.asarray(right - alone)).max() <= TOL
+    # RoPE makes attention depend only on relative positions: shifting all positions by a
+    # constant leaves the logits unchanged (up to float32 rounding of the angles).
+    pos = jnp.arange(3)[None] + 11
+    shifted = _full(model, ids[:, :3], pos, jnp.ones((1, 3), bool))[0]
+    assert np.abs(np.asarray(shifted - alone)).max() <= 1e-4
+    # ... while the tokens' order matters (the test can fail).
+    assert np.abs(np.asarray(_default(model, ids[:, 2::-1])[0, -1] - alone[-1])).max() > 1e-3
+
+
+def test_tied_and_hidden_states_projection():
+    model = _model(QWEN3)
+    ids = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+    h = nnx.jit(lambda m, i: m.hidden_states(i))(model, ids)
+    assert h.shape == (1, 4, QWEN3.hidden_size) and h.dtype == jnp.float32
+    logits = model.logits_from_hidden(h)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(_default(model, ids)), atol=TOL)
+    np.testing.assert_allclose(
+        np.asarray(logits), np.asarray(h @ model.embed[...].T), atol=1e-5
+    )
+    assert not hasattr(model, "lm_head")
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits():
+    cfg = dataclasses.replace(BASE, compute_dtype="bfloat16")
+    m16, m32 = _model(cfg), _model(BASE)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(m16, nnx.Param)))
+    ids = jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32)
+    l16, l32 = _default(m16, ids), _default(m32, ids)
+    assert l16.dtype == jnp.float32
+    assert m16.init_cache(1, 4).keys[0].dtype == jnp.bfloat16
+    assert 0 < np.abs(np.asarray(l16 - l32)).max() < 5e-2
+
+
+def test_llama3_rope_scaling_changes_long_range_only():
+    sc = Llama3RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                           original_max_position_embeddings=16)
+    from rljax.models import rope_inv_freq
+    plain = rope_inv_freq(BASE)
+    scaled = rope_inv_freq(dataclasses.replace(BASE, rope_scaling=sc))
+    wavelen = 2 * np.pi / plain
+    np.testing.assert_array_equal(scaled[wavelen < 4], plain[wavelen < 4])
+    np.testing.assert_allclose(scaled[wavelen > 16], plain[wavelen > 16] / 4, rtol=1e-6)
+    assert np.any(scaled != plain)
+
+
+def test_sharded_model_matches_single_device(mesh8):
+    cfg = QWEN2
+    single = _model(cfg, seed=3)
+    rng = np.random.default_rng(3)
+    ids, mask = _left_padded(rng, [6, 2, 5, 6], 6, cfg.vocab_size)
+    pos = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    ref = _full(single, ids, pos, mask)
+    graphdef, state = nnx.split(single)
+    with jax.set_mesh(mesh8):
+        shardings = state_shardings(state, mesh8)
+        state8 = jax.device_put(state, shardings)
+        q = state8["layers"][0]["attn"]["q"][...]
+        assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+        bs = batch_sharding(mesh8, 2)
+        fwd = jax.jit(lambda s, i, p, m: nnx.merge(graphdef, s)(i, p, m),
+                      in_shardings=(shardings, bs, bs, bs))
+        out = fwd(state8, ids, pos, mask)
+        cache = single.init_cache(4, 8)
+        cs = kv_cache_shardings(cache, mesh8)
+        assert cs.keys[0].spec == jax.sharding.PartitionSpec(("data", "fsdp"), "tensor", None,
+                                                              None)
+    assert np.abs(np.asarray(out - ref))[np.asarray(mask)].max() <= TOL
+
+
+def test_build_under_mesh_and_bad_input(mesh8):
+    with jax.set_mesh(mesh8):
+        model = Decoder(BASE, rngs=nnx.Rngs(0))
+    assert model.embed[...].sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp") or \
+        model.embed[...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+    with pytest.raises(ValueError, match="input_ids_BxT"):
+        model(jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="mask_BxT"):
+        model(jnp.zeros((1, 3), jnp.int32), mask_BxT=jnp.ones((1, 4), bool))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        dataclasses.replace(BASE, num_kv_heads=3)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        dataclasses.replace(BASE, compute_dtype="float16")
+    with pytest.raises(ValueError, match="architecture"):
+        dataclasses.replace(BASE, architecture="gpt2")
+    with pytest.raises(ValueError, match="MeshConfig"):
+        make_mesh(MeshConfig(data=3, fsdp=-1))
+    with pytest.raises(ValueError, match="more than one"):
+        MeshConfig(data=-1, fsdp=-1)
+    assert make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2)).shape == {
+        "data": 2, "fsdp": 2, "tensor": 2}
