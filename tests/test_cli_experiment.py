@@ -100,3 +100,22 @@ def test_config_is_replaceable_and_hashable():
     cfg = ExperimentConfig(model=TINY)
     cfg2 = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, steps=3))
     assert cfg2.rl.steps == 3 and hash(cfg2) != hash(cfg)
+
+
+def test_config_round_trips_through_run_dir_json(tmp_path):
+    import math
+
+    from rljax.train.config import SFTConfig
+    from rljax.train.experiment import config_from_dict, load_run_config
+    from rljax.train.run_dir import RunDir, config_to_dict
+
+    cfg = ExperimentConfig(model=TINY, sft=SFTConfig(steps=7),
+                           run=RunConfig(dir=str(tmp_path / "r")))
+    assert math.isinf(cfg.algorithm.dual_clip)  # written as "inf" in JSON
+    assert config_from_dict(ExperimentConfig, config_to_dict(cfg)) == cfg
+    RunDir(tmp_path / "r", cfg).close()
+    assert load_run_config(tmp_path / "r") == cfg
+    with pytest.raises(ValueError, match=r"unknown keys \['bogus'\]"):
+        config_from_dict(RunConfig, {"bogus": 1})
+    with pytest.raises(FileNotFoundError, match="not a run directory"):
+        load_run_config(tmp_path)

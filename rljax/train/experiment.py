@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import pathlib
 import sys
+import typing
 from collections.abc import Sequence
+from typing import Any
 
 from rljax.models import ModelConfig
 from rljax.sharding import MeshConfig
 from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig
-from rljax.train.overrides import apply_overrides
+from rljax.train.overrides import _dataclass_in, apply_overrides
 
 __all__ = [
     "ExperimentConfig", "RewardConfig", "RunConfig", "TaskConfig", "available_experiments",
-    "experiments_dir", "load_experiment",
+    "config_from_dict", "experiments_dir", "load_experiment", "load_run_config",
 ]
 
 
@@ -235,6 +238,47 @@ class ExperimentConfig:
         if self.sft is not None and not isinstance(self.sft, SFTConfig):
             _fail(c, "sft", self.sft, "a SFTConfig or None")
         _check_bool(c, "smoke", self.smoke)
+
+
+def _from_json(tp, value):
+    """Rebuild a value of annotated type `tp` from its `config_to_dict` JSON form."""
+    if value is None:
+        return None
+    cls = _dataclass_in(tp)
+    if cls is not None and isinstance(value, dict):
+        return config_from_dict(cls, value)
+    if isinstance(value, list):
+        tuples = [a for a in (typing.get_args(tp) or (tp,)) if typing.get_origin(a) is tuple]
+        args = typing.get_args(tuples[0]) if tuples else ()
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_from_json(args[0], v) for v in value)
+        if len(args) == len(value):
+            return tuple(_from_json(a, v) for a, v in zip(args, value))
+        return tuple(value)
+    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
+        return float(value)  # config_to_dict writes non-finite floats as text
+    return value
+
+
+def config_from_dict(cls: type, d: dict[str, Any]) -> Any:
+    """Rebuild dataclass `cls` from the nested dicts of `run_dir.config_to_dict` (config.json)."""
+    if not isinstance(d, dict):
+        raise TypeError(f"{cls.__name__}: expected a dict, got {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; valid: {sorted(names)}")
+    return cls(**{k: _from_json(hints[k], v) for k, v in d.items()})
+
+
+def load_run_config(run_dir: str | pathlib.Path) -> ExperimentConfig:
+    """The `ExperimentConfig` a run directory was made with (from its config.json)."""
+    path = pathlib.Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
+    blob = json.loads(path.read_text())
+    return config_from_dict(ExperimentConfig, blob.get("config", blob))
 
 
 def experiments_dir() -> pathlib.Path:
