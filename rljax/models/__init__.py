@@ -9,6 +9,8 @@ from rljax.models.attention import Attention, attend
 from rljax.models.config import ARCHITECTURES, Llama3RopeScaling, ModelConfig
 from rljax.models.decoder import Block, Decoder, default_positions
 from rljax.models.kv_cache import KVCache, init_kv_cache, kv_cache_shardings
+from rljax.models.hf_config import config_from_hf, config_to_hf
+from rljax.models.hf_io import from_pretrained, save_pretrained, weight_map
 from rljax.models.layers import MLP, RMSNorm, annotated_param, rope_inv_freq
 
 __all__ = [
@@ -23,6 +25,11 @@ __all__ = [
     "RMSNorm",
     "annotated_param",
     "attend",
+    "config_from_hf",
+    "config_to_hf",
+    "from_pretrained",
+    "save_pretrained",
+    "weight_map",
     "default_positions",
     "init_kv_cache",
     "kv_cache_shardings",

@@ -1,0 +1,226 @@
+"""Hugging Face checkpoints: `from_pretrained` and `save_pretrained` for the Decoder.
+
+HF stores linear weights `[out, in]`; rljax stores `[in, out]` with heads split out
+(q `[D, N, H]`, o `[N, H, D]`). Loading builds the model abstractly (no random init),
+then reads one tensor at a time from memory-mapped safetensors straight to its device
+placement, so peak host memory is about the float32 model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rljax.models.config import ModelConfig
+from rljax.models.decoder import Decoder
+from rljax.models.hf_config import config_from_hf, config_to_hf
+from rljax.models.safetensors_io import SafetensorsFile, write_safetensors
+from rljax.models.writes import atomic_dir
+from rljax.sharding import state_shardings
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _linear(*out_dims):
+    """HF `[prod(out_dims), in]` <-> rljax `[in, *out_dims]`."""
+    def to_ours(w):
+        return w.T.reshape(w.shape[1], *out_dims)
+
+    def to_hf(w):
+        return w.reshape(w.shape[0], -1).T
+
+    return to_ours, to_hf
+
+
+def _out_proj(n, h):
+    """HF o_proj `[D, N*H]` <-> rljax `[N, H, D]`."""
+    return (lambda w: w.T.reshape(n, h, w.shape[0])), (lambda w: w.reshape(n * h, -1).T)
+
+
+_SAME = (lambda w: w, lambda w: w)
+_TRANSPOSE = (lambda w: w.T, lambda w: w.T)
+
+
+def weight_map(config: ModelConfig) -> list[tuple[str, tuple, tuple[int, ...], tuple]]:
+    """(HF name, rljax state path, HF shape, (to_ours, to_hf)) for every tensor."""
+    c = config
+    d, f, v, h = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    n, k = c.num_heads, c.num_kv_heads
+    out = [("model.embed_tokens.weight", ("embed",), (v, d), _SAME),
+           ("model.norm.weight", ("final_norm", "scale"), (d,), _SAME)]
+    if not c.tie_word_embeddings:
+        out.append(("lm_head.weight", ("lm_head",), (v, d), _TRANSPOSE))
+    for i in range(c.num_layers):
+        p, s = f"model.layers.{i}.", ("layers", i)
+        out += [
+            (p + "input_layernorm.weight", s + ("attn_norm", "scale"), (d,), _SAME),
+            (p + "post_attention_layernorm.weight", s + ("mlp_norm", "scale"), (d,), _SAME),
+            (p + "self_attn.q_proj.weight", s + ("attn", "q"), (n * h, d), _linear(n, h)),
+            (p + "self_attn.k_proj.weight", s + ("attn", "k"), (k * h, d), _linear(k, h)),
+            (p + "self_attn.v_proj.weight", s + ("attn", "v"), (k * h, d), _linear(k, h)),
+            (p + "self_attn.o_proj.weight", s + ("attn", "o"), (d, n * h), _out_proj(n, h)),
+            (p + "mlp.gate_proj.weight", s + ("mlp", "gate"), (f, d), _TRANSPOSE),
+            (p + "mlp.up_proj.weight", s + ("mlp", "up"), (f, d), _TRANSPOSE),
+            (p + "mlp.down_proj.weight", s + ("mlp", "down"), (d, f), _TRANSPOSE),
+        ]
+        if c.qkv_bias:
+            reshape = lambda m: (lambda b: b.reshape(m, h), lambda b: b.reshape(-1))  # noqa: E731
+            out += [(p + "self_attn.q_proj.bias", s + ("attn", "q_bias"), (n * h,), reshape(n)),
+                    (p + "self_attn.k_proj.bias", s + ("attn", "k_bias"), (k * h,), reshape(k)),
+                    (p + "self_attn.v_proj.bias", s + ("attn", "v_bias"), (k * h,), reshape(k))]
+        if c.qk_norm:
+            out += [(p + "self_attn.q_norm.weight", s + ("attn", "q_norm", "scale"), (h,), _SAME),
+                    (p + "self_attn.k_norm.weight", s + ("attn", "k_norm", "scale"), (h,), _SAME)]
+    return out
+
+
+def _read_config(path: pathlib.Path) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"from_pretrained: {file} does not exist")
+    with open(file) as fh:
+        return json.load(fh)
+
+
+def _open_weights(path: pathlib.Path) -> dict[str, SafetensorsFile]:
+    """Tensor name -> open file, from model.safetensors or model.safetensors.index.json."""
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.is_file():
+        with open(index) as fh:
+            names = json.load(fh).get("weight_map")
+        if not isinstance(names, dict):
+            raise ValueError(f"{index}: missing or malformed 'weight_map'")
+        files = {}
+        for fname in sorted(set(names.values())):
+            if not (path / fname).is_file():
+                raise FileNotFoundError(f"{index} names {fname}, which does not exist")
+            files[fname] = SafetensorsFile(path / fname)
+        return {name: files[fname] for name, fname in names.items()}
+    if single.is_file():
+        f = SafetensorsFile(single)
+        return {name: f for name in f.names()}
+    raise FileNotFoundError(
+        f"from_pretrained: {path} has neither model.safetensors nor "
+        "model.safetensors.index.json (only safetensors weights are supported)"
+    )
+
+
+def _check_names(wmap, tensors, config):
+    expected = {name for name, *_ in wmap}
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ValueError(f"checkpoint lacks tensors {missing[:5]} (total {len(missing)} missing)")
+    extra = sorted(
+        t for t in set(tensors) - expected
+        if not t.endswith(_IGNORED_SUFFIXES) and not (t == "lm_head.weight" and config.tie_word_embeddings)
+    )
+    if extra:
+        raise ValueError(
+            f"checkpoint has tensors this {config.architecture} config does not use: "
+            f"{extra[:5]} (total {len(extra)}); is config.json for these weights?"
+        )
+
+
+def _load_tensor(file: SafetensorsFile, name, hf_shape, to_ours, target):
+    shape = file.shape(name)
+    if shape != hf_shape:
+        raise ValueError(
+            f"tensor {name!r} in {file.path} has shape {shape}, but config.json implies "
+            f"{hf_shape}"
+        )
+    ours = np.asarray(to_ours(file.get(name)), dtype=np.float32)  # the one host copy
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        return jnp.array(ours)
+    return jax.make_array_from_callback(ours.shape, sharding, lambda idx: ours[idx])
+
+
+def _parse_dtype(dtype) -> str:
+    name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"from_pretrained: dtype={dtype!r}; allowed: float32, bfloat16")
+    return name
+
+
+def from_pretrained(path, *, dtype=jnp.float32, mesh=None) -> Decoder:
+    """Load an HF Llama / Qwen2 / Qwen3 checkpoint folder as a `Decoder`.
+
+    dtype: the compute dtype (parameters are always float32). mesh: when given, every
+    tensor is placed straight to its sharding (per `rljax.sharding.LOGICAL_RULES`).
+    """
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"from_pretrained: {path} is not a directory")
+    config = config_from_hf(_read_config(path), compute_dtype=_parse_dtype(dtype))
+    tensors = _open_weights(path)
+    wmap = weight_map(config)
+    _check_names(wmap, tensors, config)
+    abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    graphdef, abs_state = nnx.split(abstract)
+    targets = dict(nnx.to_flat_state(abs_state))
+    if mesh is not None:
+        shardings = dict(nnx.to_flat_state(state_shardings(abs_state, mesh)))
+    values = {}
+    for name, spath, hf_shape, (to_ours, _) in wmap:
+        want = targets[spath].get_value()
+        target = jax.ShapeDtypeStruct(want.shape, want.dtype,
+                                      sharding=shardings[spath].get_value() if mesh else None)
+        values[spath] = targets[spath].replace(
+            _load_tensor(tensors[name], name, hf_shape, to_ours, target))
+    state = nnx.from_flat_state(sorted(values.items()))
+    return nnx.merge(graphdef, state)
+
+
+def save_pretrained(model: Decoder, path, *, max_shard_bytes: int | None = None) -> None:
+    """Write `model` as an HF checkpoint (config.json + float32 safetensors) to `path`.
+
+    max_shard_bytes: split the weights over several files with model.safetensors.index.json.
+    Atomic: everything is written to a temporary folder first (see `atomic_dir`).
+    """
+    if not isinstance(model, Decoder):
+        raise TypeError(f"save_pretrained: model must be a Decoder, got {type(model).__name__}")
+    config = model.config
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    specs = []
+    for name, spath, hf_shape, (_, to_hf) in weight_map(config):
+        var = flat[spath]
+        specs.append((name, hf_shape, np.float32,
+                      lambda v=var, f=to_hf: f(np.asarray(jax.device_get(v.get_value())))))
+    groups = _shard_groups(specs, max_shard_bytes)
+    with atomic_dir(path) as tmp:
+        with open(tmp / "config.json", "w") as fh:
+            json.dump(config_to_hf(config), fh, indent=2)
+        if len(groups) == 1:
+            write_safetensors(tmp / "model.safetensors", groups[0])
+            return
+        weight_names = {}
+        for i, group in enumerate(groups):
+            fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            write_safetensors(tmp / fname, group)
+            weight_names.update({name: fname for name, *_ in group})
+        total = sum(int(np.prod(s)) * 4 for _, s, _, _ in specs)
+        with open(tmp / "model.safetensors.index.json", "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_names}, fh, indent=2)
+
+
+def _shard_groups(specs, max_shard_bytes):
+    if max_shard_bytes is None:
+        return [specs]
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+        raise ValueError(f"save_pretrained: max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    groups, size = [[]], 0
+    for spec in specs:
+        nbytes = int(np.prod(spec[1])) * 4
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += nbytes
+    return groups
