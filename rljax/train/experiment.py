@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rljax.models import ModelConfig
+from rljax.rewards.extract import MODES as EXTRACT_MODES
 from rljax.sharding import MeshConfig
 from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig
 from rljax.train.overrides import _dataclass_in, apply_overrides
@@ -101,14 +102,18 @@ class RewardConfig:
     """The reward: verifiers from `rljax.rewards`, a learned reward model, or a function.
 
     Attributes:
-      kind: "accuracy" (verified answer), "format" (R1-Zero tags), "accuracy+format"
+      kind: "accuracy" (the task's verifier: math-answer equivalence against the reference,
+        or a procedural task's own checker such as Countdown's), "format" (R1-Zero tags),
+        "accuracy+format"
         (weighted sum), "reward_model" (`rljax.train.reward_model`, from `model_path`) or
         "custom" (`function`, an import path "pkg.mod:fn" with the reward-function contract
         `(completions, metadata) -> rewards`).
       accuracy_weight, format_weight: weights of the two terms.
       correct_reward: reward of a verified answer (Tülu 3's RLVR uses 10; default 1).
-      answer_mode: how answers are extracted ("default" = boxed / #### / "the answer is").
-      think_tag, answer_tag: R1-Zero format tags.
+      answer_mode: `rljax.rewards.extract_answer` mode ("auto" = last boxed, else GSM8K's
+        "####", else "the answer is"; or "boxed", "gsm8k", "answer_is", "last_number").
+      think_tag, answer_tag: R1-Zero format tag names (`<think>...</think>` etc.).
+      think_in_prompt: the prompt already opens the think tag (TinyZero's template).
       model_path: saved reward model directory (kind="reward_model").
       function: import path of a custom reward function (kind="custom").
       timeout_s: per-call time limit of a check.
@@ -118,9 +123,10 @@ class RewardConfig:
     accuracy_weight: float = 1.0
     format_weight: float = 0.0
     correct_reward: float = 1.0
-    answer_mode: str = "default"
+    answer_mode: str = "auto"
     think_tag: str = "think"
     answer_tag: str = "answer"
+    think_in_prompt: bool = False
     model_path: str | None = None
     function: str | None = None
     timeout_s: float = 5.0
@@ -133,6 +139,13 @@ class RewardConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
                 _fail(c, f, v, "a number")
+        if self.answer_mode not in EXTRACT_MODES:
+            _fail(c, "answer_mode", self.answer_mode, "one of " + ", ".join(map(repr, EXTRACT_MODES)))
+        for f in ("think_tag", "answer_tag"):
+            _check_str(c, f, getattr(self, f))
+        if self.think_tag == self.answer_tag:
+            _fail(c, "answer_tag", self.answer_tag, "a name different from think_tag")
+        _check_bool(c, "think_in_prompt", self.think_in_prompt)
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             _fail(c, "timeout_s", self.timeout_s, "a number > 0")
         if self.kind == "reward_model" and not self.model_path:
