@@ -1,0 +1,111 @@
+"""Algorithm configs -> the pure pieces the loop plugs in: objective, coefficients,
+advantage estimator and reward shaping.
+
+| name      | objective (rljax.objectives) | advantages                            | KL            |
+|-----------|------------------------------|---------------------------------------|---------------|
+| reinforce | reinforce                    | r - group mean (batch mean if G = 1)  | none          |
+| rloo      | reinforce                    | rloo_advantages (Ahmadian et al. 2024) | none         |
+| grpo      | grpo, seq-mean-token-mean    | group_advantages (DeepSeekMath §4.1.2) | k3 in loss    |
+| dr_grpo   | grpo, seq-mean-token-sum-norm| group mean only (std "none")           | none          |
+| dapo      | grpo, token-mean, clip-higher| group_advantages + dynamic sampling    | none          |
+| gspo      | gspo (sequence ratio)        | group_advantages                       | none          |
+| ppo       | ppo (+ clipped value loss)   | GAE on KL-penalised token rewards      | k1 in reward  |
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import objectives as obj
+from rljax.train.config import AlgorithmConfig
+
+
+def load_import_path(path: str, field: str) -> Callable:
+    """Resolve ``"package.module:function"``; errors name the config field."""
+    mod_name, _, fn_name = path.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"AlgorithmConfig.{field}={path!r}: cannot import module "
+                         f"{mod_name!r} ({e})") from e
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"AlgorithmConfig.{field}={path!r}: module {mod_name!r} has no "
+                         f"callable {fn_name!r}")
+    return fn
+
+
+def make_objective(cfg: AlgorithmConfig, max_new_tokens: int) -> Callable:
+    """The objective ``(ObjectiveBatch, Coef) -> (loss_sum, count, metrics)`` for ``cfg``.
+
+    KL enters the loss only when ``kl_in == "loss"`` and ``kl_coef > 0``; Dr.GRPO's
+    constant normaliser is the generation budget ``max_new_tokens``.
+    """
+    if cfg.objective is not None:
+        return load_import_path(cfg.objective, "objective")
+    kl_kind = cfg.kl_kind if (cfg.kl_in == "loss" and cfg.kl_coef > 0) else None
+    norm = float(max_new_tokens) if cfg.aggregation == "seq-mean-token-sum-norm" else None
+    base = {"reinforce": obj.reinforce, "rloo": obj.reinforce, "gspo": obj.gspo,
+            "ppo": obj.ppo}.get(cfg.name, obj.grpo)
+    return functools.partial(base, aggregation=cfg.aggregation, kl_kind=kl_kind,
+                             norm_const=norm)
+
+
+def make_coef(cfg: AlgorithmConfig, kl_coef: Any | None = None) -> obj.Coef:
+    """``Coef`` from the config; ``kl_coef`` overrides the weight (adaptive controller)."""
+    kl = cfg.kl_coef if kl_coef is None else kl_coef
+    return obj.Coef(
+        kl=kl if cfg.kl_in == "loss" else 0.0, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip, entropy=cfg.entropy_coef, value=cfg.value_coef,
+        value_clip=cfg.value_clip, tis_cap=cfg.tis_cap,
+    )
+
+
+def sequence_advantages(cfg: AlgorithmConfig, rewards_B: np.ndarray) -> np.ndarray:
+    """Per-completion advantages for the group-baseline algorithms (not PPO).
+
+    Rewards are grouped consecutively, ``group_size`` completions per prompt.
+    """
+    g = cfg.group_size
+    if rewards_B.shape[0] % g:
+        raise ValueError(f"{rewards_B.shape[0]} rewards do not divide into groups of "
+                         f"group_size={g}")
+    if cfg.advantages is not None:
+        fn = load_import_path(cfg.advantages, "advantages")
+        return np.asarray(fn(jnp.asarray(rewards_B), g), np.float32)
+    if cfg.name == "rloo":
+        return np.asarray(obj.rloo_advantages(rewards_B, g))
+    if cfg.name == "reinforce" and g == 1:
+        return (rewards_B - rewards_B.mean()).astype(np.float32)
+    return np.asarray(obj.group_advantages(rewards_B, g, std=cfg.adv_std))
+
+
+def overlong_shaping(lengths_B: np.ndarray, max_new_tokens: int, buffer: int,
+                     penalty: float) -> np.ndarray:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476 §3.4, Eq. 13).
+
+    With L_max = ``max_new_tokens`` and L_cache = ``buffer`` (tokens):
+      0                                       if |y| <= L_max - L_cache
+      ((L_max - L_cache) - |y|) / L_cache      if L_max - L_cache < |y| <= L_max
+    scaled by ``penalty`` (the paper's -1 at the limit). Added to the task reward.
+    """
+    if buffer <= 0:
+        return np.zeros_like(lengths_B, np.float32)
+    start = max_new_tokens - buffer
+    over = np.clip(lengths_B.astype(np.float32) - start, 0.0, float(buffer))
+    return (-penalty * over / buffer).astype(np.float32)
+
+
+def resolve_overlong_buffer(cfg: AlgorithmConfig, max_new_tokens: int) -> int:
+    """The overlong window in tokens: None means 20% of ``max_new_tokens`` (DAPO's
+    4096 of 20480); it must be smaller than ``max_new_tokens``."""
+    buf = max_new_tokens // 5 if cfg.overlong_buffer is None else cfg.overlong_buffer
+    if buf >= max_new_tokens:
+        raise ValueError(f"AlgorithmConfig.overlong_buffer={buf} must be < "
+                         f"SamplingConfig.max_new_tokens={max_new_tokens}")
+    return buf
