@@ -1,6 +1,6 @@
 """The `rljax` command line (also `python -m rljax`).
 
-    rljax train EXPERIMENT [--set a.b=value ...] [--dry-run]
+    rljax train EXPERIMENT [--set a.b=value ...] [--dry-run] [--distributed]
     rljax eval SOURCE [--experiment EXP] [--set ...] [--num-prompts N] [--k K]
     rljax sample SOURCE --prompt TEXT [--prompt ...] [--num-samples N] [--max-new-tokens N]
     rljax export SOURCE OUT_DIR [--step N]
@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config as JSON and exit")
+    p.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first (multi-host TPU pod slices: "
+                        "run the same command on every host)")
 
     p = sub.add_parser("eval", help="greedy accuracy and pass@k (rljax.train.artifacts.evaluate_source)")
     p.add_argument("source", help="run directory or HF model folder")
@@ -76,6 +79,10 @@ def _cmd_train(args) -> int:
 
         print(json.dumps({"config_hash": config_hash(cfg), "config": config_to_dict(cfg)}, indent=2))
         return 0
+    if args.distributed:
+        import jax
+
+        jax.distributed.initialize()  # Cloud TPU: coordinator and process ids auto-detected
     from rljax import train
 
     run = getattr(train, "run", None)
