@@ -27,6 +27,17 @@ __all__ = ["check_objective", "default_batch"]
 Objective = Callable[[ObjectiveBatch, Any], tuple[Any, Any, dict]]
 
 
+# Errors that mean "this code is not jit-compatible" (Python control flow on traced
+# values, leaked tracers); ValueError/TypeError from bad input pass through unchanged.
+_TRACING_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.UnexpectedTracerError,
+)
+
+
 def _fail(check: str, msg: str) -> AssertionError:
     return AssertionError(f"check_objective [{check}]: {msg}")
 
@@ -188,15 +199,27 @@ def _check_micro_batches(h: _Harness, batch, coef, ref, n_micro: int, rtol: floa
     _compare_grads(check, ref[3], total[3], rtol)
 
 
-def _perturb(coef: Any) -> Any:
-    """Every finite leaf of `coef` changed (x -> 1.5 x + 0.05), types and dtypes kept."""
-    def one(x):
-        if isinstance(x, float):
-            return 1.5 * x + 0.05 if np.isfinite(x) else x
-        a = np.asarray(x)
-        return np.where(np.isfinite(a), 1.5 * a + 0.05, a).astype(a.dtype)
+def _perturb_leaf(x: Any) -> Any:
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.ndarray, np.generic, jax.Array)):
+        return x
+    if isinstance(x, (int, float)):
+        return 1.5 * x + 0.05 if np.isfinite(x) else x
+    a = np.asarray(x)
+    return np.where(np.isfinite(a), 1.5 * a + 0.05, a).astype(a.dtype)
 
-    return jax.tree.map(one, coef)
+
+def _perturb(coef: Any) -> Any:
+    """Every finite number in `coef` changed (x -> 1.5 x + 0.05), types and dtypes kept.
+
+    Dataclass fields are replaced one by one, so a coefficient a user made static pytree
+    metadata (which `tree.map` would not visit) changes too and is caught retracing.
+    """
+    if dataclasses.is_dataclass(coef) and not isinstance(coef, type):
+        fields = {f.name: _perturb(getattr(coef, f.name)) for f in dataclasses.fields(coef) if f.init}
+        return dataclasses.replace(coef, **fields)
+    if isinstance(coef, (list, tuple, dict)) or coef is None:
+        return jax.tree.map(_perturb_leaf, coef)
+    return _perturb_leaf(coef)
 
 
 def _check_no_recompile(h: _Harness, batch, coef) -> None:
@@ -270,9 +293,7 @@ def check_objective(
     h = _Harness(fn)
     try:
         ref = h(batch, coef)
-    except (AssertionError, ValueError, TypeError):
-        raise
-    except Exception as e:  # tracer leaks, concretisation errors, ...
+    except _TRACING_ERRORS as e:
         raise _fail("jit", f"the objective fails under jax.jit/jax.grad: {type(e).__name__}: {e}") from e
     _check_grads(ref, batch, require_logp_grad)
     _check_no_recompile(h, batch, coef)
