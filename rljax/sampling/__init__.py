@@ -2,7 +2,15 @@
 
 - :class:`SamplingParams` and the ops in :mod:`rljax.sampling.ops` (temperature, top-k,
   top-p, greedy, exact inverse-CDF sampling, log-probs of chosen tokens).
+- :func:`generate`: prefill once, decode in one jitted ``lax.while_loop`` with a donated
+  KV cache; returns a :class:`SampleResult`.
+- :func:`compiled_count`: programs compiled by the sampler so far (to check bucketing).
 """
+
+from rljax.sampling.generate import generate
+from rljax.sampling.prompts import PackedPrompts, bucket_length, pack_prompts
+from rljax.sampling.result import SampleResult
+from rljax.sampling.sampler import DecodeSpec, DecodeState, compiled_count
 
 from rljax.sampling.ops import (
     SamplingParams,
@@ -14,6 +22,14 @@ from rljax.sampling.ops import (
 )
 
 __all__ = [
+    "DecodeSpec",
+    "DecodeState",
+    "PackedPrompts",
+    "SampleResult",
+    "bucket_length",
+    "compiled_count",
+    "generate",
+    "pack_prompts",
     "SamplingParams",
     "filter_logits",
     "greedy",

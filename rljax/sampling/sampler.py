@@ -1,0 +1,213 @@
+"""The jitted KV-cache sampler: prefill once, then decode in one ``lax.while_loop``.
+
+``generate`` packs the prompts on the host (left padding, length buckets), then runs two
+compiled programs:
+
+1. ``_prefill``: one forward of the ``B`` padded prompts writing the cache at slots
+   ``[0, P)``, the cache and the next-token logits repeated ``G = num_samples`` times (each
+   prompt is prefilled once, its group shares the copies), and the first token drawn.
+2. ``_decode``: a ``lax.while_loop`` that feeds the last token at slot ``P + t - 1``,
+   draws token ``t`` and stops once ``max_new_tokens`` are drawn or every row has emitted
+   a stop id. Its state (the cache included) is donated, so the buffers are updated in
+   place and never reallocated per step.
+
+The model is split into ``graphdef`` (static) and ``state`` (an argument) outside jit and
+merged inside, so the trainer can pass the current policy's state without a copy. On a
+mesh, rows are split over ("data", "fsdp") and kv heads over "tensor" (the cache follows
+``rljax.models.kv_cache_shardings``); the draws do not depend on the sharding (threefry
+keys are partitionable), so results equal the single-device ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from rljax.models import kv_cache_shardings
+from rljax.sampling.ops import SamplingParams, sample_tokens
+from rljax.sampling.result import SampleResult
+from rljax.sharding import logical_sharding
+
+__all__ = ["DecodeSpec", "DecodeState", "compiled_count"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """Static (hashable) settings of one compiled sampler program."""
+
+    params: SamplingParams
+    stop_ids: tuple[int, ...]
+    num_samples: int
+    max_new_tokens: int
+    cache_len: int
+    pad_id: int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The while-loop carry (``R = B * G`` rows, ``N = max_new_tokens``).
+
+    step: int32 scalar, tokens drawn so far. slot: the cache slot of ``last_R``.
+    last_R: the token to feed next; feed_pos_R: its position. done_R: emitted a stop id.
+    lengths_R: completion lengths so far. tokens/logp/sampling_logp: ``[R, N]`` outputs.
+    """
+
+    cache: object
+    key: jax.Array
+    step: jax.Array
+    slot: jax.Array
+    last_R: jax.Array
+    feed_pos_R: jax.Array
+    done_R: jax.Array
+    lengths_R: jax.Array
+    tokens_RxN: jax.Array
+    logp_RxN: jax.Array
+    sampling_logp_RxN: jax.Array
+
+
+def _constrain(x, mesh, names):
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_sharding(names, x.shape, mesh))
+
+
+def _constrain_state(s: DecodeState, mesh) -> DecodeState:
+    if mesh is None:
+        return s
+    cache = jax.lax.with_sharding_constraint(s.cache, kv_cache_shardings(s.cache, mesh))
+    rows = {
+        f.name: _constrain(getattr(s, f.name), mesh, ("batch",) + (None,) * (getattr(s, f.name).ndim - 1))
+        for f in dataclasses.fields(s)
+        if f.name.endswith(("_R", "_RxN"))
+    }
+    return dataclasses.replace(s, cache=cache, **rows)
+
+
+def _record(s: DecodeState, spec: DecodeSpec, cache, tok_R, logp_R, slogp_R) -> DecodeState:
+    """Write the drawn tokens at column ``step`` (pad / 0 for rows already done)."""
+    active_R = ~s.done_R
+    tok_R = jnp.where(active_R, tok_R, spec.pad_id).astype(jnp.int32)
+    zero = jnp.zeros_like(logp_R)
+
+    def put(buf_RxN, col_R):
+        return jax.lax.dynamic_update_slice(buf_RxN, col_R[:, None].astype(buf_RxN.dtype), (0, s.step))
+
+    stop = jnp.asarray(spec.stop_ids or (-1,), jnp.int32)
+    hit_R = jnp.any(tok_R[:, None] == stop[None, :], axis=-1) & active_R
+    return dataclasses.replace(
+        s,
+        cache=cache,
+        step=s.step + 1,
+        slot=s.slot + 1,
+        last_R=tok_R,
+        feed_pos_R=s.feed_pos_R + 1,
+        done_R=s.done_R | hit_R,
+        lengths_R=jnp.where(active_R, s.step + 1, s.lengths_R),
+        tokens_RxN=put(s.tokens_RxN, tok_R),
+        logp_RxN=put(s.logp_RxN, jnp.where(active_R, logp_R, zero)),
+        sampling_logp_RxN=put(s.sampling_logp_RxN, jnp.where(active_R, slogp_R, zero)),
+    )
+
+
+def _repeat_rows(x, g):
+    return x if g == 1 else jnp.repeat(x, g, axis=0)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _prefill(graphdef, spec: DecodeSpec, mesh, params, tokens_BxP, mask_BxP, pos_BxP, key):
+    """Prefill the prompts once, repeat for the group, draw the first token."""
+    model = nnx.merge(graphdef, params)
+    b, p = tokens_BxP.shape
+    cache = model.init_cache(b, spec.cache_len)
+    if mesh is not None:
+        cache = jax.lax.with_sharding_constraint(cache, kv_cache_shardings(cache, mesh))
+    h_BxPxD, cache = model.forward_cached(tokens_BxP, pos_BxP, mask_BxP, cache, 0)
+    logits_BxV = model.logits_from_hidden(h_BxPxD[:, -1])
+    g, n = spec.num_samples, spec.max_new_tokens
+    cache = jax.tree.map(lambda x: _repeat_rows(x, g), cache)
+    r = b * g
+    plen_R = _repeat_rows(jnp.sum(mask_BxP, axis=1, dtype=jnp.int32), g)
+    zeros_RxN = jnp.zeros((r, n), jnp.float32)
+    s = DecodeState(
+        cache=cache, key=key, step=jnp.int32(0), slot=jnp.int32(p - 1),
+        last_R=jnp.zeros((r,), jnp.int32), feed_pos_R=plen_R - 1,
+        done_R=jnp.zeros((r,), bool), lengths_R=jnp.zeros((r,), jnp.int32),
+        tokens_RxN=jnp.full((r, n), spec.pad_id, jnp.int32),
+        logp_RxN=zeros_RxN, sampling_logp_RxN=zeros_RxN,
+    )
+    logits_RxV = _repeat_rows(logits_BxV, g)
+    tok, lp, slp = sample_tokens(jax.random.fold_in(key, 0), logits_RxV, spec.params)
+    s = _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
+    prompt = tuple(_repeat_rows(x, g) for x in (tokens_BxP, mask_BxP, pos_BxP))
+    return s, prompt
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _decode(graphdef, spec: DecodeSpec, mesh, params, s: DecodeState):
+    """Decode until ``max_new_tokens`` or every row stopped; the state is donated."""
+    model = nnx.merge(graphdef, params)
+    r = s.last_R.shape[0]
+    ones_Rx1 = jnp.ones((r, 1), bool)
+
+    def cond(s):
+        return (s.step < spec.max_new_tokens) & ~jnp.all(s.done_R)
+
+    def body(s):
+        h_Rx1xD, cache = model.forward_cached(
+            s.last_R[:, None], s.feed_pos_R[:, None], ones_Rx1, s.cache, s.slot
+        )
+        logits_RxV = model.logits_from_hidden(h_Rx1xD[:, 0])
+        tok, lp, slp = sample_tokens(jax.random.fold_in(s.key, s.step), logits_RxV, spec.params)
+        return _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
+
+    return jax.lax.while_loop(cond, body, s)
+
+
+def compiled_count() -> int:
+    """How many programs the sampler has compiled in this process (prefill + decode).
+
+    Repeated ``generate`` calls with prompts in the same length bucket, the same batch
+    size and settings must not raise it.
+    """
+    return _prefill._cache_size() + _decode._cache_size()
+
+
+def _mesh_of(params):
+    """The mesh the parameters live on (None for a single device / unsharded)."""
+    for leaf in jax.tree.leaves(params):
+        sh = getattr(leaf, "sharding", None)
+        if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
+            return sh.mesh
+    return None
+
+
+def run(graphdef, params, packed, spec: DecodeSpec, key, mesh=None) -> SampleResult:
+    """Prefill + decode packed prompts; see ``rljax.sampling.generate`` for the API."""
+    mesh = _mesh_of(params) if mesh is None else mesh
+    host = (packed.tokens_BxP, packed.mask_BxP, packed.positions_BxP)
+    if mesh is not None:
+        host = tuple(
+            jax.device_put(x, logical_sharding(("batch", None), x.shape, mesh)) for x in host
+        )
+    s, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, *host, key)
+    s = _decode(graphdef, spec, mesh, params, s)
+    n = spec.max_new_tokens
+    cols_N = jnp.arange(n, dtype=jnp.int32)
+    plen_R = jnp.sum(pmask, axis=1, dtype=jnp.int32)
+    g = spec.num_samples
+    return SampleResult(
+        prompt_tokens=ptok, prompt_mask=pmask, prompt_positions=ppos,
+        tokens=s.tokens_RxN,
+        completion_mask=cols_N[None, :] < s.lengths_R[:, None],
+        positions=plen_R[:, None] + cols_N[None, :],
+        lengths=s.lengths_R, truncated=~s.done_R,
+        logprobs=s.logp_RxN, sampling_logprobs=s.sampling_logp_RxN,
+        prompt_index=jnp.asarray(np.repeat(np.arange(len(packed.lengths_B), dtype=np.int32), g)),
+    )
