@@ -1,1 +1,30 @@
-"""rljax.data"""
+"""rljax.data: prompt sources for RL and SFT (host side, plain Python + numpy).
+
+Procedural verifiable tasks (arithmetic, Countdown) with their checkers, local JSONL /
+Parquet prompt sets with a field mapping, TFDS `array_record` datasets read without
+TensorFlow, chat-template prompt building, length filtering with an explicit policy, a
+deterministic resumable shuffled iterator, and prompt difficulty tracking.
+Imports nothing from rljax above `rljax.objectives` except `rljax.rewards` (same layer).
+"""
+
+from rljax.data.arithmetic import (OPS, ArithmeticProblem, ArithmeticReward, ArithmeticTask,
+                                   check_arithmetic)
+from rljax.data.countdown import (CountdownReward, CountdownTask, check_countdown,
+                                  evaluate_equation)
+from rljax.data.difficulty import DifficultyTracker, mixed_group_prob
+from rljax.data.files import gsm8k_transform, load_jsonl, load_parquet, load_prompts, map_record
+from rljax.data.iterator import IteratorState, ShuffledIterator
+from rljax.data.prompts import (LengthPolicy, LengthReport, build_chat_prompt,
+                                build_chat_prompts, chat_messages, filter_by_length)
+from rljax.data.tfds_source import TfdsPromptSource, prepare_tfds_prompts
+
+__all__ = [
+    "OPS", "ArithmeticProblem", "ArithmeticReward", "ArithmeticTask", "check_arithmetic",
+    "CountdownReward", "CountdownTask", "check_countdown", "evaluate_equation",
+    "DifficultyTracker", "mixed_group_prob",
+    "gsm8k_transform", "load_jsonl", "load_parquet", "load_prompts", "map_record",
+    "IteratorState", "ShuffledIterator",
+    "LengthPolicy", "LengthReport", "build_chat_prompt", "build_chat_prompts",
+    "chat_messages", "filter_by_length",
+    "TfdsPromptSource", "prepare_tfds_prompts",
+]
