@@ -12,6 +12,7 @@ from rljax.models.kv_cache import KVCache, init_kv_cache, kv_cache_shardings
 from rljax.models.hf_config import config_from_hf, config_to_hf
 from rljax.models.hf_io import from_pretrained, save_pretrained, weight_map
 from rljax.models.layers import MLP, RMSNorm, annotated_param, rope_inv_freq
+from rljax.models.value import ValueModel
 
 __all__ = [
     "ARCHITECTURES",
@@ -23,6 +24,7 @@ __all__ = [
     "MLP",
     "ModelConfig",
     "RMSNorm",
+    "ValueModel",
     "annotated_param",
     "attend",
     "config_from_hf",
@@ -35,3 +37,16 @@ __all__ = [
     "kv_cache_shardings",
     "rope_inv_freq",
 ]
+
+_TOKENIZER_NAMES = ("apply_chat_template", "build_char_tokenizer", "check_vocab",
+                    "encode_prompts", "load_tokenizer")
+__all__ += list(_TOKENIZER_NAMES)
+
+
+def __getattr__(name):
+    # Tokenizer helpers import transformers; load them only when asked for.
+    if name in _TOKENIZER_NAMES:
+        from rljax.models import tokenizer
+
+        return getattr(tokenizer, name)
+    raise AttributeError(f"module 'rljax.models' has no attribute {name!r}")

@@ -39,6 +39,14 @@ def _check_ids(input_ids_BxT, positions_BxT, mask_BxT):
     return ids
 
 
+def _run_layer(layer, x, cos_sin, allowed, remat):
+    if not remat:
+        return layer(x, cos_sin, allowed)[0]
+    graphdef, state = nnx.split(layer)
+    fn = jax.checkpoint(lambda st, xx: nnx.merge(graphdef, st)(xx, cos_sin, allowed)[0])
+    return fn(state, x)
+
+
 def default_positions(mask_BxT):
     """Positions of real tokens counted from 0 within each row: cumsum(mask) - 1 (>= 0)."""
     return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=1) - 1, 0)
@@ -66,11 +74,13 @@ class Decoder(nnx.Module):
     def _embed(self, ids_BxT):
         return jnp.take(self.embed[...], ids_BxT, axis=0)
 
-    def hidden_states(self, input_ids_BxT, positions_BxT=None, mask_BxT=None):
+    def hidden_states(self, input_ids_BxT, positions_BxT=None, mask_BxT=None, *,
+                      remat: bool = False):
         """Final-norm hidden states `[B, T, D]` (float32) of a full (causal) forward.
 
         mask_BxT marks real tokens (padding left or right); padding slots are never
-        attended to. positions_BxT defaults to `cumsum(mask) - 1`.
+        attended to. positions_BxT defaults to `cumsum(mask) - 1`. remat: run each layer
+        under `jax.checkpoint` (only layer inputs are kept for the backward pass).
         """
         ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
         t = ids.shape[1]
@@ -83,7 +93,7 @@ class Decoder(nnx.Module):
         cos_sin = rope_cos_sin(self.config, pos)
         x = self._embed(ids)
         for layer in self.layers:
-            x, _ = layer(x, cos_sin, allowed)
+            x = _run_layer(layer, x, cos_sin, allowed, remat)
         return self.final_norm(x)
 
     def logits_from_hidden(self, h_xD):

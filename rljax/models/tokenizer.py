@@ -1,0 +1,113 @@
+"""Tokenizer helpers: HF tokenizers from local folders, a local character tokenizer,
+chat templates and prompt encoding. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import string
+from collections.abc import Sequence
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from rljax.models.config import ModelConfig
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+DEFAULT_ALPHABET = string.ascii_letters + string.digits + string.punctuation + " \n"
+# One line per message, "role: content", each opened by <bos> and closed by <eos>.
+CHAR_CHAT_TEMPLATE = (
+    "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}<eos>\n{% endfor %}"
+    "{% if add_generation_prompt %}<bos>assistant: {% endif %}"
+)
+
+
+def load_tokenizer(path):
+    """`transformers.AutoTokenizer` from a local folder (never the Hub)."""
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"load_tokenizer: {path} is not a directory")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, path=None) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: ids 0-3 are <pad> <bos> <eos> <unk>, then one id per
+    character of `alphabet` in order. Has a simple chat template (`CHAR_CHAT_TEMPLATE`).
+
+    Built with the `tokenizers` library (WordLevel over single characters) and wrapped as
+    a `PreTrainedTokenizerFast`; with `path`, it is also saved there (loadable with
+    `load_tokenizer` / `AutoTokenizer`).
+    """
+    if not isinstance(alphabet, str) or not alphabet:
+        raise ValueError(f"build_char_tokenizer: alphabet must be a non-empty str, got {alphabet!r}")
+    if len(set(alphabet)) != len(alphabet):
+        raise ValueError("build_char_tokenizer: alphabet has repeated characters")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(alphabet)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        unk_token="<unk>", padding_side="left",
+    )
+    fast.chat_template = CHAR_CHAT_TEMPLATE
+    if path is not None:
+        fast.save_pretrained(str(path))
+    return fast
+
+
+def apply_chat_template(tokenizer, messages_list, *, add_generation_prompt: bool = True) -> list[str]:
+    """Render each conversation (a list of {"role", "content"} dicts) to prompt text."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("apply_chat_template: the tokenizer has no chat_template")
+    out = []
+    for i, messages in enumerate(messages_list):
+        if not isinstance(messages, Sequence) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
+            raise ValueError(
+                f"apply_chat_template: conversation {i} must be a list of dicts with "
+                "'role' and 'content'"
+            )
+        out.append(tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt))
+    return out
+
+
+def encode_prompts(tokenizer, texts: Sequence[str], *, max_len: int | None = None,
+                   truncate: str = "error") -> list[list[int]]:
+    """Token ids of each text (special tokens only where the text spells them out).
+
+    max_len: longest allowed prompt. truncate="error" raises for a longer prompt (naming
+    it); "left" keeps its last `max_len` tokens (the end holds the generation prompt).
+    """
+    if truncate not in ("error", "left"):
+        raise ValueError(f"encode_prompts: truncate={truncate!r}; allowed: 'error', 'left'")
+    if max_len is not None and (not isinstance(max_len, int) or max_len <= 0):
+        raise ValueError(f"encode_prompts: max_len must be a positive int, got {max_len!r}")
+    if isinstance(texts, str):
+        raise TypeError("encode_prompts: texts must be a list of str, got one str")
+    out = []
+    for i, text in enumerate(texts):
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        if max_len is not None and len(ids) > max_len:
+            if truncate == "error":
+                raise ValueError(
+                    f"encode_prompts: prompt {i} has {len(ids)} tokens, more than "
+                    f"max_len={max_len}; shorten it or pass truncate='left'"
+                )
+            ids = ids[-max_len:]
+        out.append(ids)
+    return out
+
+
+def check_vocab(tokenizer, config: ModelConfig) -> None:
+    """Raise if the tokenizer can produce ids outside the model's embedding table."""
+    n = len(tokenizer)
+    if n > config.vocab_size:
+        raise ValueError(
+            f"tokenizer has {n} tokens but the model's vocab_size is {config.vocab_size}; "
+            f"the model needs vocab_size >= {n}"
+        )

@@ -1,0 +1,77 @@
+"""Value / reward model: the decoder backbone with a scalar head, `value_BxT`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rljax.models.config import ModelConfig
+from rljax.models.decoder import Decoder
+from rljax.models.layers import annotated_param
+
+
+class ValueModel(nnx.Module):
+    """Scalar head on the decoder's final hidden states: v_t = h_t . w + b (float32).
+
+    Used as PPO's value function V(s_t) (Schulman et al. 2017) and as a learned reward
+    model (score at the last real token). The backbone has no output projection (its
+    config is the policy's with `tie_word_embeddings=True`, so the only vocab-sized
+    parameter is the input embedding). `config` is the policy config it was built from.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"ValueModel: config must be a ModelConfig, got {type(config).__name__}")
+        self.config = config
+        self.backbone = Decoder(dataclasses.replace(config, tie_word_embeddings=True), rngs=rngs)
+        d = config.hidden_size
+        w = jax.random.normal(rngs.params(), (d,), jnp.float32) / jnp.sqrt(d)
+        self.head = annotated_param(w, ("embed",))
+        self.head_bias = annotated_param(jnp.zeros(()), ())
+
+    def hidden_states(self, input_ids_BxT, positions_BxT=None, mask_BxT=None, *, remat=False):
+        """Backbone final-norm hidden states `[B, T, D]` (see `Decoder.hidden_states`)."""
+        return self.backbone.hidden_states(input_ids_BxT, positions_BxT, mask_BxT, remat=remat)
+
+    def values_from_hidden(self, h_xD):
+        """Scalar values `[...]` (float32) from hidden states `[..., D]`."""
+        return jnp.einsum("...d,d->...", h_xD.astype(jnp.float32), self.head[...]) + \
+            self.head_bias[...]
+
+    def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxT=None):
+        """value_BxT, float32."""
+        return self.values_from_hidden(self.hidden_states(input_ids_BxT, positions_BxT, mask_BxT))
+
+    @classmethod
+    def from_policy(cls, policy: Decoder, *, rngs: nnx.Rngs | None = None) -> ValueModel:
+        """A value model whose backbone is a copy of `policy`'s (embedding, layers, norm).
+
+        The head is freshly initialised from `rngs` (default `nnx.Rngs(0)`); the policy's
+        output projection is not used.
+        """
+        if not isinstance(policy, Decoder):
+            raise TypeError(f"from_policy: policy must be a Decoder, got {type(policy).__name__}")
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        abstract = nnx.eval_shape(lambda: cls(policy.config, rngs=nnx.Rngs(0)))
+        graphdef, state = nnx.split(abstract)
+        src = nnx.state(policy, nnx.Param)
+        flat = dict(nnx.to_flat_state(state))
+        src_flat = dict(nnx.to_flat_state(src))
+        for path in flat:
+            if path[0] == "backbone":
+                flat[path] = flat[path].replace(jnp.copy(src_flat[path[1:]].get_value()))
+        d = policy.config.hidden_size
+        w = jax.random.normal(rngs.params(), (d,), jnp.float32) / jnp.sqrt(d)
+        flat[("head",)] = flat[("head",)].replace(w)
+        flat[("head_bias",)] = flat[("head_bias",)].replace(jnp.zeros((), jnp.float32))
+        return nnx.merge(graphdef, nnx.from_flat_state(sorted(flat.items())))
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype=jnp.float32, mesh=None, rngs=None) -> ValueModel:
+        """A value model with the backbone of an HF policy checkpoint (see `from_pretrained`)."""
+        from rljax.models.hf_io import from_pretrained
+
+        return cls.from_policy(from_pretrained(path, dtype=dtype, mesh=mesh), rngs=rngs)

@@ -1,0 +1,70 @@
+"""rljax.sharding: mesh construction and the logical-axis rule table."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, PartitionSpec as P
+
+from rljax.sharding import (
+    LOGICAL_RULES,
+    MeshConfig,
+    batch_sharding,
+    fitted_spec,
+    logical_spec,
+    make_mesh,
+    shard_params,
+    state_shardings,
+)
+
+
+def test_make_mesh_resolves_rest_and_is_auto():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2))
+    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert all(t == AxisType.Auto for t in mesh.axis_types)
+    assert dict(make_mesh().shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    sub = make_mesh(MeshConfig(data=1, fsdp=2, tensor=1), devices=jax.devices()[:2])
+    assert sub.devices.size == 2
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(data=0), "MeshConfig.data=0"),
+    (dict(data=-1, tensor=-1), "more than one"),
+    (dict(tensor=2.0), "must be an int"),
+])
+def test_mesh_config_rejects_bad_sizes(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        MeshConfig(**kw)
+
+
+def test_mesh_config_device_count_mismatch():
+    with pytest.raises(ValueError, match="needs 4 devices but 8"):
+        make_mesh(MeshConfig(data=2, fsdp=2, tensor=1))
+    with pytest.raises(ValueError, match="not divisible"):
+        make_mesh(MeshConfig(data=3, fsdp=-1))
+
+
+def test_logical_specs(mesh8):
+    assert logical_spec(("embed", "mlp")) == P("fsdp", "tensor")
+    assert logical_spec(("batch", "length")) == P(("data", "fsdp"), None)
+    assert dict(LOGICAL_RULES)["vocab"] == "tensor"
+    # a dimension not divisible by its mesh axes is replicated
+    assert fitted_spec(("embed", "kv_heads"), (32, 1), mesh8) == P("fsdp", None)
+    assert batch_sharding(mesh8, 3).spec == P(("data", "fsdp"), None, None)
+    with pytest.raises(ValueError, match="unknown logical axis name 'embd'"):
+        logical_spec(("embd",))
+
+
+def test_state_shardings_and_shard_params(mesh8):
+    class Tiny(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((4, 6)), eager_sharding=False, logical_axes=("embed", "mlp"))
+            self.plain = nnx.Param(jnp.ones((3,)), eager_sharding=False)
+
+    _, state = nnx.split(Tiny())
+    sh = state_shardings(state, mesh8)
+    assert sh["w"].get_value().spec == P("fsdp", "tensor")
+    assert sh["plain"].get_value().spec == P()
+    placed = shard_params(state, mesh8)
+    assert placed["w"][...].sharding.spec == P("fsdp", "tensor")
