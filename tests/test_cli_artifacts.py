@@ -1,0 +1,78 @@
+"""export / sample from a run directory and from an HF folder, through the CLI."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rljax.cli import main
+from rljax.models import Decoder, ModelConfig
+from rljax.models.hf_io import from_pretrained, save_pretrained
+from rljax.models.tokenizer import build_char_tokenizer
+from rljax.train.artifacts import is_run_dir, load_policy, sample_texts
+from rljax.train.checkpoint import Checkpointer
+from rljax.train.experiment import ExperimentConfig, RunConfig
+from rljax.train.run_dir import RunDir
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tok = build_char_tokenizer()
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, max_position_embeddings=64,
+                      architecture="qwen2", qkv_bias=True)
+    root = tmp_path_factory.mktemp("art")
+    trained = Decoder(cfg, rngs=nnx.Rngs(7))  # stands for a trained policy
+    # A run directory as the trainer leaves it: config.json + a checkpoint of TrainState-like
+    # params["policy"] (+ other entries the loader must ignore) + the run's tokenizer.
+    run_dir = root / "run"
+    exp = ExperimentConfig(name="t", model=cfg, run=RunConfig(dir=str(run_dir)))
+    RunDir(run_dir, exp).close()
+    tok.save_pretrained(str(run_dir / "tokenizer"))
+    with Checkpointer(run_dir / "checkpoints") as ck:
+        ck.save(3, {"params": {"policy": nnx.state(trained)}, "step": jnp.int32(3),
+                    "opt_state": {"policy": {"mu": jnp.zeros(4)}}}, {"data_pos": 24})
+    hf_dir = root / "hf"
+    save_pretrained(trained, hf_dir)
+    tok.save_pretrained(str(hf_dir))
+    return dataclasses.make_dataclass("Tiny", ["cfg", "tok", "trained", "run_dir", "hf_dir", "root"])(
+        cfg, tok, trained, run_dir, hf_dir, root)
+
+
+def _logits(model, ids):
+    return np.asarray(model(jnp.asarray(ids, jnp.int32)))
+
+
+def test_load_policy_from_run_dir_matches_trained(tiny):
+    assert is_run_dir(tiny.run_dir) and not is_run_dir(tiny.hf_dir)
+    model, tok, cfg = load_policy(tiny.run_dir)
+    assert cfg.name == "t" and tok.eos_token_id == tiny.tok.eos_token_id
+    ids = [tiny.tok.encode("12+30=", add_special_tokens=False)]
+    np.testing.assert_array_equal(_logits(model, ids), _logits(tiny.trained, ids))
+    with pytest.raises(FileNotFoundError, match="step 9"):
+        load_policy(tiny.run_dir, step=9)
+
+
+def test_export_command_round_trips(tiny, capsys):
+    out = tiny.root / "exported"
+    assert main(["export", str(tiny.run_dir), str(out)]) == 0
+    assert str(out) in capsys.readouterr().out
+    back = from_pretrained(out)
+    ids = [tiny.tok.encode("7*8=", add_special_tokens=False)]
+    np.testing.assert_allclose(_logits(back, ids), _logits(tiny.trained, ids), rtol=1e-6, atol=1e-6)
+    assert (out / "tokenizer_config.json").exists()
+    assert main(["export", str(tiny.run_dir), str(out)]) == 2  # refuses a non-empty folder
+    assert "not empty" in capsys.readouterr().err
+
+
+def test_sample_command_from_both_sources(tiny, capsys):
+    greedy_run = sample_texts(tiny.run_dir, ["1+1=", "abc"], max_new_tokens=6, temperature=0.0)
+    greedy_hf = sample_texts(tiny.hf_dir, ["1+1=", "abc"], max_new_tokens=6, temperature=0.0)
+    assert greedy_run == greedy_hf and len(greedy_run) == 2 and len(greedy_run[0]) == 1
+    assert main(["sample", str(tiny.hf_dir), "--prompt", "1+1=", "--num-samples", "3",
+                 "--max-new-tokens", "5", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("=== prompt: '1+1=' sample") == 3
+    assert main(["sample", str(tiny.root / "missing"), "--prompt", "x"]) == 2
