@@ -176,16 +176,23 @@ def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
     raise ValueError(f"optimizer must be 'adam' or 'sgd', got {name!r}")
 
 
-def train_grid(key, n_seeds, kl_coefs, *, tx, steps, kl_kind="k3"):
+@functools.lru_cache(maxsize=8)
+def _grid_fn(optimizer: str, lr: float, steps: int, kl_kind: str):
+    """The jitted (KL coefficient x seed) trainer, built once per static setting."""
+    tx = make_optimizer(optimizer, lr)
+    fn = functools.partial(train_one_seed, tx=tx, steps=steps, kl_kind=kl_kind)
+    over_seeds = jax.vmap(fn, in_axes=(0, None))
+    return jax.jit(jax.vmap(over_seeds, in_axes=(None, 0)))
+
+
+def train_grid(key, n_seeds, kl_coefs, *, optimizer="adam", lr=0.1, steps=STEPS, kl_kind="k3"):
     """`train_one_seed` for every KL coefficient x seed, in one jit (vmap over both).
 
     The same n_seeds keys serve every coefficient (common random numbers), so settings
     differ only by the coefficient. Returns p(correct) curves `[C, n_seeds, steps+1]` and
     final KL(pi || ref) `[C, n_seeds]` as numpy arrays.
     """
-    fn = functools.partial(train_one_seed, tx=tx, steps=steps, kl_kind=kl_kind)
-    over_seeds = jax.vmap(fn, in_axes=(0, None))
-    run = jax.jit(jax.vmap(over_seeds, in_axes=(None, 0)))
+    run = _grid_fn(optimizer, float(lr), int(steps), kl_kind)
     curves, kls = run(jax.random.split(key, n_seeds), jnp.asarray(kl_coefs, jnp.float32))
     return np.asarray(curves), np.asarray(kls)
 
@@ -278,10 +285,9 @@ def main(argv=None) -> dict[str, float]:
     mc = monte_carlo(key_mc, args.mc_samples)
     err = _print_part1(z, mc, args.mc_samples)
 
-    tx = make_optimizer(args.optimizer, args.lr)
     labels = ("no KL", f"KL {args.kl_kind} x {args.kl_coef}")
-    curves, kls = train_grid(key_train, args.seeds, (0.0, args.kl_coef), tx=tx,
-                             steps=args.steps, kl_kind=args.kl_kind)
+    curves, kls = train_grid(key_train, args.seeds, (0.0, args.kl_coef), optimizer=args.optimizer,
+                             lr=args.lr, steps=args.steps, kl_kind=args.kl_kind)
     _print_part2(args, labels, curves, kls)
 
     args.out.mkdir(parents=True, exist_ok=True)
