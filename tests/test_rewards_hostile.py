@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rljax import data as D
 from rljax import rewards as R
 from rljax.rewards._latex import normalize_answer
 
@@ -37,7 +38,9 @@ ITEM_FNS = [
     R.ConstraintReward((R.WordCount(1, 50), R.IncludeKeywords(("a",)),
                         R.ForbiddenKeywords(("b",)), R.NoCommas(), R.AllLowercase(),
                         R.BulletCount(2), R.EndsWith("done"), R.ValidJson())),
+    D.CountdownReward(), D.ArithmeticReward(), D.ArithmeticReward(style="word"),
 ]
+META = {"answer": "42", "numbers": [1, 2, 3, 40], "target": 42}
 
 
 def score_everything(text: str) -> None:
@@ -51,9 +54,10 @@ def score_everything(text: str) -> None:
         assert isinstance(R.follows_format(text), bool)
         R.tagged_answer(text)
         for fn in ITEM_FNS:
-            v = fn(text, {"answer": "42"})
+            v = fn(text, META)
             assert isinstance(v, float)
-        out = R.score_batch(ITEM_FNS, [text], [{"answer": "42"}])
+        D.evaluate_equation(text)
+        out = R.score_batch(ITEM_FNS, [text], [META])
         assert out.rewards.shape == (1,)
 
 
@@ -128,3 +132,11 @@ def test_property_math_equal_symmetric_and_total(a, b):
     if not R.math_equal(a, a):
         # only inputs that normalise to nothing fail reflexivity
         assert normalize_answer(a) == "", a
+
+
+def test_bounded_scan_still_finds_a_real_answer_after_megabytes():
+    with hang_guard():
+        long = "step. " * 200_000 + "So the answer is \\boxed{42}."
+        assert R.MathAccuracy()(long, {"answer": "42"}) == 1.0
+        assert R.extract_answer("9" * 1_000_000 + " #### 7") == "7"
+        assert R.extract_answer("9" * 1_000_000, mode="last_number") is None  # too long

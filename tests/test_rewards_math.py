@@ -67,6 +67,12 @@ def test_units_stripped_only_on_request(pred, ref):
         assert not math_equal(pred, ref) or pred.startswith("\\$"), (pred, ref)
 
 
+def test_strip_units_keeps_word_answers():
+    assert math_equal("\\text{yes}", "Yes", strip_units=True)
+    assert not math_equal("\\text{yes}", "no", strip_units=True)
+    assert math_equal("\\text{(B)}", "(B)", strip_units=True)
+
+
 def test_table_size():
     assert len(EQUAL) + len(NOT_EQUAL) + len(UNITS) >= 60
 

@@ -67,8 +67,9 @@ def _unwrap_commands(s: str) -> str:
 def _strip_units(s: str) -> str:
     """Drop a trailing unit: letters, spaces, '/', '.', and a ^2/^3 or degree after them.
 
-    Only a run that contains a letter and is not the tail of a LaTeX command is removed,
-    so `1/2 cup` -> `1/2`, `5 m/s` -> `5`, `90^\\circ` -> `90`, but `\\infty` stays.
+    Only a run that contains a letter, follows a digit somewhere before it, and is not the
+    tail of a LaTeX command is removed: `1/2 cup` -> `1/2`, `5 m/s` -> `5`,
+    `90^\\circ` -> `90`, but `\\infty` and a word answer such as `yes` stay.
     """
     s = s.replace("^\\circ", "").replace("^{\\circ}", "").replace("\u00b0", "")
     for sup in ("^2", "^3", "^{2}", "^{3}"):
@@ -78,9 +79,11 @@ def _strip_units(s: str) -> str:
     j = len(s)
     while j > 0 and (s[j - 1] in _LETTERS or s[j - 1] in " /."):
         j -= 1
-    tail = s[j:]
-    if any(c in _LETTERS for c in tail) and not (j > 0 and s[j - 1] == "\\"):
-        s = s[:j]
+    tail, head = s[j:], s[:j]
+    # Strip only a unit after a value: never a whole word answer or a command's tail.
+    has_value = any(c.isdigit() or c == "\u221e" for c in head)
+    if any(c in _LETTERS for c in tail) and has_value and not head.endswith("\\"):
+        s = head
     return s.rstrip(" /.")
 
 

@@ -49,7 +49,8 @@ def _boxed_at(text: str, k: int, cmd: str) -> str | None:
     while j < len(text) and text[j] == " ":
         j += 1
     if j < len(text) and text[j] == "{":
-        return _braced(text, j)
+        inner = _braced(text, j)
+        return inner.strip() or None if inner is not None else None
     # `\boxed 5`: the run of characters up to whitespace or `$`.
     e = j
     while e < len(text) and e - j <= MAX_ANSWER_CHARS and not text[e].isspace() \
