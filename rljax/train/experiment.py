@@ -53,22 +53,32 @@ def _check_str(cls, field, value, *, optional=False):
         _fail(cls, field, value, "a non-empty string" + (" or None" if optional else ""))
 
 
+TASKS = ("arithmetic", "countdown", "gsm8k", "jsonl", "parquet", "tfds")
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
     """Where prompts come from and how they are turned into model input.
 
     Attributes:
-      name: the prompt source: a procedural task ("arithmetic", "countdown"), a file format
-        ("jsonl", "parquet"), "tfds" (e.g. GSM8K prepared locally), or a task the data
-        package registers; interpreted by `rljax.data`.
-      path: local file or TFDS data directory (None for procedural tasks).
+      name: the prompt source (see `TASKS`): procedural "arithmetic" or "countdown";
+        "gsm8k" (GSM8K's JSONL release: `path` is the folder with `train.jsonl` and
+        `test.jsonl`, answers after `####`); "jsonl" / "parquet" files (`path` a folder
+        holding `{split}.jsonl` or a file); "tfds" (a prepared array_record dataset:
+        `dataset` in `path` as TFDS data_dir, read without TensorFlow).
+      path: local file, folder or TFDS data directory (None for procedural tasks).
       dataset: TFDS dataset name (e.g. "gsm8k") when name="tfds".
       split, eval_split: training and held-out splits.
       prompt_field, answer_field: field mapping for file/TFDS records.
-      difficulty: procedural tasks' difficulty knob (e.g. digits, numbers to combine).
+      difficulty: procedural difficulty: arithmetic operand digits; Countdown numbers given.
+      max_number: Countdown's largest given number.
+      ops: arithmetic operators drawn ("+", "-", "*", "/").
+      style: arithmetic prompt style: "plain" ("12+34=") or "word" (word problem, "####").
       chat_template: wrap prompts with the tokenizer's chat template.
       system_prompt: optional system message (chat template) or prefix.
-      max_prompt_tokens: longer prompts are filtered out, counted and reported.
+      assistant_prefix: text appended after the prompt (e.g. "<think>" for R1-Zero).
+      sft_template: SFT target built from a record with `str.format` (e.g. "{solution}").
+      max_prompt_tokens: prompt width; file prompts over it are dropped, counted, reported.
     """
 
     name: str = "arithmetic"
@@ -79,14 +89,32 @@ class TaskConfig:
     prompt_field: str = "question"
     answer_field: str = "answer"
     difficulty: int = 3
+    max_number: int = 99
+    ops: tuple[str, ...] = ("+",)
+    style: str = "plain"
     chat_template: bool = False
     system_prompt: str | None = None
+    assistant_prefix: str = ""
+    sft_template: str = "{solution}"
     max_prompt_tokens: int = 256
 
     def __post_init__(self):
         c = "TaskConfig"
-        for f in ("name", "split", "eval_split", "prompt_field", "answer_field"):
+        if self.name not in TASKS:
+            _fail(c, "name", self.name, "one of " + ", ".join(map(repr, TASKS)))
+        if self.name in ("gsm8k", "jsonl", "parquet", "tfds") and not self.path:
+            _fail(c, "path", self.path, f"a local folder or file when name={self.name!r}")
+        if self.name == "tfds" and not self.dataset:
+            _fail(c, "dataset", self.dataset, "a TFDS dataset name when name='tfds'")
+        for f in ("split", "eval_split", "prompt_field", "answer_field", "sft_template"):
             _check_str(c, f, getattr(self, f))
+        _check_int(c, "max_number", self.max_number, 2)
+        if not self.ops or not all(o in ("+", "-", "*", "/") for o in self.ops):
+            _fail(c, "ops", self.ops, "a non-empty tuple of '+', '-', '*', '/'")
+        if self.style not in ("plain", "word"):
+            _fail(c, "style", self.style, "'plain' or 'word'")
+        if not isinstance(self.assistant_prefix, str):
+            _fail(c, "assistant_prefix", self.assistant_prefix, "a string")
         for f in ("path", "dataset", "system_prompt"):
             _check_str(c, f, getattr(self, f), optional=True)
         _check_int(c, "difficulty", self.difficulty, 0)

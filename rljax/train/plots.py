@@ -32,7 +32,7 @@ PANELS: tuple[tuple[str, str, Callable[[str], bool]], ...] = (
     ("entropy", "Entropy", _has("entropy")),
     ("response_length", "Response length (tokens)", _has("response_len", "resp_len", "length", "len_")),
     ("zero_variance", "Zero-variance group fraction", _has("zero_var", "zero_std", "no_signal")),
-    ("throughput", "Throughput", _has("tokens_per_s", "tok_per_s", "tok/s", "throughput")),
+    ("throughput", "Throughput (tokens/s)", _has("tokens_per_s", "tok_per_s", "tok_s", "tok/s", "throughput")),
 )
 
 
