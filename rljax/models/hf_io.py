@@ -135,10 +135,15 @@ def _load_tensor(file: SafetensorsFile, name, hf_shape, to_ours, target):
             f"tensor {name!r} in {file.path} has shape {shape}, but config.json implies "
             f"{hf_shape}"
         )
-    ours = np.asarray(to_ours(file.get(name)), dtype=np.float32)  # the one host copy
+    raw = file.get(name)
+    ours = np.asarray(to_ours(raw), dtype=np.float32)
+    if np.may_share_memory(ours, raw):
+        # Own writable memory, never the read-only file mapping: on CPU `device_put` may
+        # alias the host array, and donated buffers get written to.
+        ours = ours.copy()
     sharding = getattr(target, "sharding", None)
     if sharding is None:
-        return jnp.array(ours)
+        return jax.device_put(ours)
     return jax.make_array_from_callback(ours.shape, sharding, lambda idx: ours[idx])
 
 
