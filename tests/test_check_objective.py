@@ -10,9 +10,9 @@ import pytest
 import rljax.objectives as ro
 from rljax.testing import check_objective, default_batch
 
+# Every library objective, each under different static options, coefficients and fields.
 LIBRARY_CASES = {
-    "reinforce": (ro.reinforce, ro.Coef(), {}),
-    "reinforce-seqsum-k1-minimal": (
+    "reinforce-seqsum-k1-minimal-fields": (
         functools.partial(ro.reinforce, aggregation="seq-mean-token-sum", kl_kind="k1"),
         ro.Coef(kl=0.1),
         dict(sampler=False, entropy=False, values=False),
@@ -29,7 +29,6 @@ LIBRARY_CASES = {
         {},
     ),
     "gspo": (ro.gspo, ro.Coef(clip_low=3e-4, clip_high=4e-4), {}),
-    "ppo": (ro.ppo, ro.Coef(), {}),
     "ppo-seqmean-k3-entropy": (
         functools.partial(ro.ppo, aggregation="seq-mean-token-mean", kl_kind="k3"),
         ro.Coef(entropy=0.01, value_clip=0.5, dual_clip=3.0),
@@ -61,7 +60,8 @@ def my_objective(batch: ro.ObjectiveBatch, coef: ro.Coef):
 
 
 def test_user_objective_passes():
-    check_objective(my_objective)
+    # Default batch and mesh; micro-batches of both 2 and 4.
+    check_objective(my_objective, micro_batches=(2, 4))
 
 
 def _ignores_mask(batch, coef):
@@ -113,7 +113,7 @@ def _uses_static_coef(batch, coef):
     "fn,coef,check",
     [
         (_ignores_mask, None, r"\[mask\]"),
-        (_batch_mean, None, r"\[micro-batch x2\]"),
+        (_batch_mean, None, r"\[micro-batch x4\]"),
         (_per_padded_width, None, r"\[padding\]"),
         (_python_branch, None, r"\[jit\]"),
         (_not_a_pair, None, r"\[contract\].*'x'"),
