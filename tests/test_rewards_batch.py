@@ -22,6 +22,11 @@ def raises_on_flag(completion, meta):
     return 1.0
 
 
+def noisy(completion, meta):
+    print("debug output that must not corrupt the result stream " * 50)
+    return 2.0
+
+
 def nan_on_flag(completion, meta):
     return math.nan if meta.get("nan") else 0.5
 
@@ -109,3 +114,23 @@ def test_pool_abandons_hung_call_and_keeps_going():
             R.score_batch(raises_on_flag, ["a"], [{"boom": 1}], pool=pool)
         with pytest.raises(R.RewardError, match="cannot send the call"):
             R.score_batch(lambda c, m: 1.0, ["a"], [{}], pool=pool)
+
+
+def test_pool_survives_prints_and_a_dead_worker():
+    with R.RewardPool(1) as pool:
+        out = R.score_batch(noisy, ["a", "b"], [{}, {}], pool=pool)
+        np.testing.assert_array_equal(out.rewards, [2, 2])
+        pool._workers[0].proc.kill()  # dies while idle, e.g. killed by the OOM killer
+        pool._workers[0].proc.wait()
+        out = R.score_batch(noisy, ["a"], [{}], pool=pool, timeout_s=30.0)
+        np.testing.assert_array_equal(out.rewards, [2])
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run([(noisy, "a", {})], None)
+
+
+def test_temporary_pool_from_workers_argument():
+    out = R.score_batch([R.MathAccuracy(), hangs_on_flag], ["\\boxed{4}", "x"],
+                        [{"answer": "4"}, {"answer": "4", "hang": 1}], workers=2,
+                        timeout_s=2.0)
+    np.testing.assert_array_equal(out.components["math_accuracy"], [1, 0])
+    assert [t.index for t in out.timeouts] == [1]

@@ -18,14 +18,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import multiprocessing as mp
-import time
-import traceback
-from multiprocessing.connection import wait
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from rljax.rewards._pool import RewardPool
 from rljax.rewards.compose import reward_name
 
 log = logging.getLogger(__name__)
@@ -82,115 +79,6 @@ def _call(fn, c, m, i, name, group_size) -> float:
         raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} at "
                           f"{_where(i, group_size)}", index=i, fn=name) from e
     return _finite(value, i, name, group_size)
-
-
-def _worker_main(conn) -> None:
-    """Worker loop: receive (fn, completion, meta), reply ("ok", float) or ("error", ...)."""
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:
-            return
-        if task is None:
-            return
-        fn, c, m = task
-        try:
-            conn.send(("ok", fn(c, m)))
-        except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc(limit=5)))
-
-
-class RewardPool:
-    """Worker processes for `score_batch`; keep one open across training steps.
-
-    Uses the `forkserver` start method by default: forking a process that has started
-    JAX's threads is unsafe. Reward functions and metadata must pickle (module-level
-    functions or frozen dataclasses such as those in `rljax.rewards.compose`).
-    """
-
-    def __init__(self, workers: int = 2, *, start_method: str = "forkserver"):
-        if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"RewardPool.workers must be an int >= 1, got {workers!r}")
-        self._ctx = mp.get_context(start_method)
-        self._procs: list[Any] = [None] * workers
-        self._conns: list[Any] = [None] * workers
-        for w in range(workers):
-            self._start(w)
-
-    def _start(self, w: int) -> None:
-        parent, child = self._ctx.Pipe()
-        p = self._ctx.Process(target=_worker_main, args=(child,), daemon=True,
-                              name=f"rljax-reward-{w}")
-        p.start()
-        child.close()
-        self._procs[w], self._conns[w] = p, parent
-
-    def _kill(self, w: int) -> None:
-        self._procs[w].kill()
-        self._procs[w].join(timeout=5)
-        self._conns[w].close()
-
-    @property
-    def workers(self) -> int:
-        return len(self._procs)
-
-    def run(self, tasks: Sequence[tuple[Any, str, Any]], timeout_s: float | None
-            ) -> list[tuple[str, Any]]:
-        """Run `(fn, completion, meta)` tasks; per task ("ok", value), ("error", msg, tb)
-        or ("timeout", seconds). A task past `timeout_s` has its worker killed and
-        replaced; the others continue."""
-        results: list[Any] = [None] * len(tasks)
-        pending = list(range(len(tasks)))[::-1]
-        busy: dict[int, tuple[int, float]] = {}  # worker -> (task, start time)
-        while pending or busy:
-            for w in range(self.workers):
-                if w not in busy and pending:
-                    t = pending.pop()
-                    try:
-                        self._conns[w].send(tasks[t])
-                    except Exception as e:  # e.g. a lambda or closure does not pickle
-                        results[t] = ("error", f"cannot send the call to a worker process "
-                                      f"({type(e).__name__}: {e}); use a module-level "
-                                      "function or a frozen dataclass", "")
-                        continue
-                    busy[w] = (t, time.monotonic())
-            ready = wait([self._conns[w] for w in busy], timeout=0.05)
-            for w in list(busy):
-                t, t0 = busy[w]
-                if self._conns[w] in ready:
-                    try:
-                        results[t] = self._conns[w].recv()
-                    except (EOFError, OSError):
-                        results[t] = ("error", "worker process died", "")
-                        self._kill(w)
-                        self._start(w)
-                    del busy[w]
-                elif timeout_s is not None and time.monotonic() - t0 > timeout_s:
-                    self._kill(w)
-                    self._start(w)
-                    results[t] = ("timeout", time.monotonic() - t0)
-                    del busy[w]
-        return results
-
-    def close(self) -> None:
-        """Stop all workers (idempotent)."""
-        for w, p in enumerate(self._procs):
-            if p is not None and p.is_alive():
-                try:
-                    self._conns[w].send(None)
-                except (OSError, ValueError):
-                    pass
-                p.join(timeout=2)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-            self._procs[w] = None
-
-    def __enter__(self) -> "RewardPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _names(fns: Sequence[Any]) -> list[str]:

@@ -1,0 +1,45 @@
+"""Reward worker process: `python -m rljax.rewards._worker`, driven by `RewardPool`.
+
+Reads pickled `(fn, completion, meta)` calls from stdin and writes `("ok", value)` or
+`("error", message, traceback)` to the original stdout; the reward code's own prints
+go to stderr so they cannot corrupt the result stream. Started as a fresh interpreter
+(not forked, not via multiprocessing's spawn), so it neither inherits the trainer's JAX
+threads nor re-runs the trainer's `__main__` script.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from multiprocessing.connection import Connection
+
+
+def main() -> None:
+    """Serve calls until stdin closes or a `None` call arrives."""
+    out_fd = os.dup(1)
+    os.dup2(2, 1)  # stray prints from reward code go to stderr
+    rd, wr = Connection(os.dup(0), writable=False), Connection(out_fd, readable=False)
+    while True:
+        try:
+            data = rd.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            task = pickle.loads(data)
+        except Exception as e:
+            wr.send(("error", f"cannot load the call in the worker ({type(e).__name__}: {e}); "
+                     "reward functions must be importable (defined at module level in a "
+                     "module, not in __main__)", ""))
+            continue
+        if task is None:
+            return
+        fn, completion, meta = task
+        try:
+            wr.send(("ok", fn(completion, meta)))
+        except Exception as e:
+            wr.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc(limit=5)))
+
+
+if __name__ == "__main__":
+    main()
