@@ -66,7 +66,7 @@ def group_advantages(
 def rloo_advantages(rewards: Array, group_size: int) -> Array:
     """REINFORCE leave-one-out: A_i = r_i - mean_{j != i} r_j.
 
-    Ahmadian et al. 2024, arXiv:2402.14740 §3 ("RLOO"): each sample's baseline is the mean
+    Ahmadian et al. 2024, arXiv:2402.14740 ("RLOO"): each sample's baseline is the mean
     reward of the other G-1 samples of its prompt, which is unbiased. Equals
     G / (G-1) * (r_i - mean(r)). Needs G >= 2; all-equal groups give exactly 0.
 
@@ -127,7 +127,7 @@ def gae(
 ) -> tuple[Array, Array]:
     """Generalised advantage estimation over right-padded sequences.
 
-    Schulman et al. 2016, arXiv:1506.02438 Eqs. 11-16:
+    Schulman et al. 2016, arXiv:1506.02438 §3 (Eqs. 11-16):
       delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},
     with V_{t+1} = 0 and A_{t+1} = 0 after a sequence's last real token (the episode ends
     there). Returns are the value targets R_t = A_t + V_t (the lambda-return).

@@ -105,8 +105,8 @@ def _as_float32(x: Any) -> Any:
 class Coef:
     """Numeric coefficients, passed traced so that changing one never recompiles.
 
-    Defaults follow DeepSeekMath's GRPO (arXiv:2402.03300 §4.2: KL coefficient 0.04,
-    clip epsilon 0.2); the rest are off or PPO2's.
+    Defaults follow DeepSeekMath's GRPO (arXiv:2402.03300 §4.2: KL coefficient 0.04) with
+    PPO's clip epsilon 0.2 (arXiv:1707.06347); the rest are off, or PPO2's for the value.
 
     Fields:
       kl: weight of the KL-to-reference term (beta).
