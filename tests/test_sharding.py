@@ -54,6 +54,9 @@ def test_logical_specs(mesh8):
     assert batch_sharding(mesh8, 3).spec == P(("data", "fsdp"), None, None)
     with pytest.raises(ValueError, match="unknown logical axis name 'embd'"):
         logical_spec(("embd",))
+    other = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    with pytest.raises(ValueError, match="lack 'fsdp'"):
+        fitted_spec(("embed",), (8,), other)
 
 
 def test_state_shardings_and_shard_params(mesh8):

@@ -51,6 +51,11 @@ def _axis_size(mesh: Mesh, axes) -> int:
     axes = (axes,) if isinstance(axes, str) else axes
     size = 1
     for a in axes:
+        if a not in mesh.shape:
+            raise ValueError(
+                f"mesh axes {tuple(mesh.shape)} lack {a!r}; build meshes with "
+                "rljax.sharding.make_mesh (axes 'data', 'fsdp', 'tensor')"
+            )
         size *= mesh.shape[a]
     return size
 
