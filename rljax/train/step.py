@@ -179,7 +179,7 @@ def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
         denom = jnp.where(count > 0, count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss = loss_sum / denom
-        gnorm = optax.global_norm(grads)
+        gnorm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         # Zero non-finite gradients so the (discarded) candidate update stays finite.
         safe = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
@@ -197,7 +197,7 @@ def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
         )
         for name in params:
             if len(params) > 1:
-                metrics[f"grad_norm_{name}"] = optax.global_norm(grads[name])
+                metrics[f"grad_norm_{name}"] = optax.tree.norm(grads[name])
         counters = (
             updates + finite.astype(jnp.int32),
             jnp.where(finite, 0, run + 1).astype(jnp.int32),

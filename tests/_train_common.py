@@ -1,0 +1,58 @@
+"""Shared tiny fixtures for the trainer tests (tests/test_train_*.py)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rljax.models import Decoder, ModelConfig
+
+
+class CharTok:
+    """A 17-symbol character tokenizer: pad 0, eos 1, then the characters."""
+
+    chars = "0123456789+=-* ab"
+    pad_token_id = 0
+    eos_token_id = 1
+
+    def encode(self, s):
+        return [self.chars.index(c) + 2 for c in s]
+
+    def decode(self, ids):
+        return "".join(self.chars[i - 2] for i in ids if i >= 2)
+
+
+VOCAB = len(CharTok.chars) + 2
+
+
+def tiny_config(**kw) -> ModelConfig:
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                num_heads=4, num_kv_heads=2)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tiny_model(seed=0, mesh=None, **kw):
+    """(graphdef, state) of a tiny decoder, sharded over ``mesh`` when given."""
+    cfg = tiny_config(**kw)
+    if mesh is None:
+        return nnx.split(Decoder(cfg, rngs=nnx.Rngs(seed)))
+    from rljax.sharding import shard_params
+
+    with jax.set_mesh(mesh):
+        gd, st = nnx.split(Decoder(cfg, rngs=nnx.Rngs(seed)))
+    return gd, shard_params(st, mesh)
+
+
+def random_seqs(rng: np.random.Generator, b: int, p: int, t: int) -> dict:
+    """Random left-padded prompts and right-padded completions of varying lengths."""
+    p_len = rng.integers(1, p + 1, size=b)
+    c_len = rng.integers(1, t + 1, size=b)
+    prompt = rng.integers(2, VOCAB, size=(b, p)).astype(np.int32)
+    comp = rng.integers(2, VOCAB, size=(b, t)).astype(np.int32)
+    pm = (np.arange(p)[None, :] >= (p - p_len)[:, None]).astype(np.float32)
+    cm = (np.arange(t)[None, :] < c_len[:, None]).astype(np.float32)
+    return {"prompt_BxP": np.where(pm > 0, prompt, 0).astype(np.int32), "prompt_mask_BxP": pm,
+            "completion_BxT": np.where(cm > 0, comp, 0).astype(np.int32),
+            "completion_mask_BxT": cm}
