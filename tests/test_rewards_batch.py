@@ -41,6 +41,11 @@ class LengthBatch:
         return np.array([len(c) for c in completions], np.float32)
 
 
+class InfBatch(LengthBatch):
+    def __call__(self, completions, metadata):
+        return np.array([0.0, np.inf], np.float32)
+
+
 COMPLETIONS = ["<think>a</think><answer>4</answer>", "<think>a</think><answer>5</answer>",
                "\\boxed{4}", "nothing"]
 META = [{"answer": "4"}] * 4
@@ -54,6 +59,7 @@ def test_in_process_components_and_weights():
     np.testing.assert_array_equal(out.components["length_batch"], [len(c) for c in COMPLETIONS])
     np.testing.assert_allclose(out.rewards, [1.5, 0.5, 0.0, 0.0])
     assert out.rewards.dtype == np.float32 and out.timeouts == ()
+    assert isinstance(LengthBatch(), R.BatchReward)
     batch_fn = R.batched(R.MathAccuracy())
     assert isinstance(batch_fn, R.RewardFn)
     np.testing.assert_array_equal(batch_fn(COMPLETIONS, META), [0, 0, 1, 0])
@@ -75,7 +81,10 @@ def test_errors_name_function_and_index():
         R.score_batch(nan_on_flag, COMPLETIONS, [{}, {}, {}, {"nan": 1}])
     with pytest.raises(R.RewardError, match="math_accuracy.*KeyError.*'answer'.*index 0"):
         R.score_batch(R.MathAccuracy(), COMPLETIONS, [{"solution": "4"}] * 4)
-    with pytest.raises(R.RewardError, match="returned 'x' \\(not a number\\)"):
+    with pytest.raises(R.RewardError, match=r"'length_batch' returned non-finite inf at "
+                       r"batch index 1"):
+        R.score_batch(InfBatch(), ["a", "b"], [{}, {}])
+    with pytest.raises(R.RewardError, match="'x' \\(not a number\\)"):
         R.score_batch(lambda c, m: "x", ["a"], [{}])
 
 

@@ -9,7 +9,7 @@ Host-side plain Python + numpy; imports nothing from rljax above `rljax.objectiv
 from rljax.rewards.answers import math_equal
 from rljax.rewards.batch import (BatchScores, RewardError, RewardPool, RewardTimeout,
                                  score_batch)
-from rljax.rewards.compose import (Batched, ConstraintReward, FormatReward, ItemReward,
+from rljax.rewards.compose import (BatchReward, Batched, ConstraintReward, FormatReward, ItemReward,
                                    MathAccuracy, RewardFn, Verified, WeightedSum,
                                    accuracy_plus_format, batched, reward_name)
 from rljax.rewards.constraints import (CONSTRAINT_TYPES, AllLowercase, AllOf, AnyOf,
@@ -28,6 +28,6 @@ __all__ = [
     "AllLowercase", "BulletCount", "EndsWith", "ValidJson", "AllOf", "AnyOf",
     "CONSTRAINT_TYPES", "constraint_from_dict",
     "ItemReward", "RewardFn", "MathAccuracy", "FormatReward", "ConstraintReward",
-    "WeightedSum", "Verified", "accuracy_plus_format", "Batched", "batched", "reward_name",
+    "WeightedSum", "Verified", "BatchReward", "accuracy_plus_format", "Batched", "batched", "reward_name",
     "score_batch", "BatchScores", "RewardError", "RewardPool", "RewardTimeout",
 ]

@@ -11,6 +11,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
 
+# Generous limit for a worker to load a call (interpreter start-up, importing the reward
+# function's module); the per-call time limit starts after that.
+LOAD_LIMIT_S = 120.0
+
+
 class _Worker:
     """One `python -m rljax.rewards._worker` process and its two pipe ends."""
 
@@ -86,13 +91,15 @@ class RewardPool:
     def run(self, tasks: Sequence[tuple[Any, str, Any]], timeout_s: float | None
             ) -> list[tuple]:
         """Run `(fn, completion, meta)` tasks; per task ("ok", value), ("error", msg, tb)
-        or ("timeout", seconds). A task past `timeout_s` has its worker killed and
-        replaced; the other tasks continue."""
+        or ("timeout", seconds). The limit counts from when the worker has loaded the
+        call (so interpreter start-up and importing the function's module are not
+        charged to it; loading itself gets `LOAD_LIMIT_S`). A task past its limit has
+        its worker killed and replaced; the other tasks continue."""
         if any(w is None for w in self._workers):
             raise RuntimeError("RewardPool.run: the pool is closed")
         results: list[Any] = [None] * len(tasks)
         pending = list(range(len(tasks)))[::-1]
-        busy: dict[int, tuple[int, float]] = {}  # worker -> (task, start time)
+        busy: dict[int, list] = {}  # worker -> [task, dispatch time, start time or None]
         while pending or busy:
             for w in range(self.workers):
                 while w not in busy and pending:
@@ -101,22 +108,36 @@ class RewardPool:
                     if failed:
                         results[t] = failed
                     else:
-                        busy[w] = (t, time.monotonic())
+                        busy[w] = [t, time.monotonic(), None]
             ready = wait([self._workers[w].recv for w in busy], timeout=0.05)
             for w in list(busy):
-                t, t0 = busy[w]
-                if self._workers[w].recv in ready:
-                    try:
-                        results[t] = self._workers[w].recv.recv()
-                    except (EOFError, OSError):
-                        results[t] = ("error", "the worker process died", "")
-                        self._replace(w)
-                    del busy[w]
-                elif timeout_s is not None and time.monotonic() - t0 > timeout_s:
-                    results[t] = ("timeout", time.monotonic() - t0)
+                if self._workers[w].recv in ready and self._receive(w, busy, results):
+                    continue
+                t, t_sent, t_start = busy[w]
+                now = time.monotonic()
+                over = (t_start is not None and timeout_s is not None
+                        and now - t_start > timeout_s) or \
+                    (t_start is None and now - t_sent > max(LOAD_LIMIT_S, timeout_s or 0))
+                if over:
+                    results[t] = ("timeout", now - (t_start or t_sent))
                     self._replace(w)
                     del busy[w]
         return results
+
+    def _receive(self, w: int, busy: dict, results: list) -> bool:
+        """Read one message from worker w; True if its task finished."""
+        t = busy[w][0]
+        try:
+            msg = self._workers[w].recv.recv()
+        except (EOFError, OSError):
+            msg = ("error", "the worker process died", "")
+            self._replace(w)
+        if msg[0] == "started":
+            busy[w][2] = time.monotonic()
+            return False
+        results[t] = msg
+        del busy[w]
+        return True
 
     def close(self) -> None:
         """Stop all workers (idempotent)."""

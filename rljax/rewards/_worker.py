@@ -1,7 +1,8 @@
 """Reward worker process: `python -m rljax.rewards._worker`, driven by `RewardPool`.
 
-Reads pickled `(fn, completion, meta)` calls from stdin and writes `("ok", value)` or
-`("error", message, traceback)` to the original stdout; the reward code's own prints
+Reads pickled `(fn, completion, meta)` calls from stdin and writes `("started",)` once
+a call is loaded, then `("ok", value)` or `("error", message, traceback)`, to the
+original stdout; the reward code's own prints
 go to stderr so they cannot corrupt the result stream. Started as a fresh interpreter
 (not forked, not via multiprocessing's spawn), so it neither inherits the trainer's JAX
 threads nor re-runs the trainer's `__main__` script.
@@ -35,6 +36,7 @@ def main() -> None:
         if task is None:
             return
         fn, completion, meta = task
+        wr.send(("started",))  # the time limit runs from here, not from interpreter start
         try:
             wr.send(("ok", fn(completion, meta)))
         except Exception as e:

@@ -36,6 +36,23 @@ class RewardFn(Protocol):
                  metadata: Sequence[Mapping[str, Any]]) -> np.ndarray: ...
 
 
+@runtime_checkable
+class BatchReward(Protocol):
+    """A reward that scores the whole batch at once, e.g. the learned Bradley-Terry
+    reward model (built in `rljax.train`, since it needs the model layer).
+
+    It sets `is_batch_reward = True` and a `name`; `score_batch` then calls it once, in
+    process, with the full lists, and checks that it returns `B` finite numbers (a
+    non-finite value raises `RewardError` naming the function and the index).
+    """
+
+    is_batch_reward: bool
+    name: str
+
+    def __call__(self, completions: Sequence[str],
+                 metadata: Sequence[Mapping[str, Any]]) -> np.ndarray: ...
+
+
 def reward_name(fn: Any) -> str:
     """A readable name for error messages and metrics: `.name`, `__name__` or the class."""
     name = getattr(fn, "name", None) or getattr(fn, "__name__", None)
