@@ -73,6 +73,9 @@ def test_tfds_array_record_without_tensorflow(tmp_path):
     assert [src[i]["prompt"] for i in range(6)] == [g["question"] for g in GSM]
     assert src[-1]["answer"] == GSM[-1]["answer"] and isinstance(src[0]["prompt"], str)
     assert len(D.TfdsPromptSource(split="test", builder_dir=bdir)) == 2
+    by_name = D.TfdsPromptSource(split="test", name="rljax_prompts/gsm8k_local",
+                                 data_dir=str(tmp_path / "tfds"))
+    assert [by_name[i]["question"] for i in range(2)] == [g["question"] for g in GSM[:2]]
     # random access feeds the resumable iterator directly
     it = D.ShuffledIterator(src, seed=0)
     assert sorted(r["prompt"] for r in it.next_batch(6)) == sorted(g["question"] for g in GSM)

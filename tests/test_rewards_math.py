@@ -3,6 +3,8 @@
 from fractions import Fraction
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rljax.rewards import extract_answer, math_equal
 
@@ -107,6 +109,7 @@ GSM8K = [
     ("Blah blah. The answer is 18.", "18"),
     ("So the final answer is $\\frac{3}{4}$. Done.", "\\frac{3}{4}"),
     ("Therefore, the answer is: 3.5", "3.5"),
+    ("The final answer is **12**.", "12"),
 ]
 
 MATH = [
@@ -145,3 +148,28 @@ def test_extract_modes_and_failures():
 def test_extract_then_compare_end_to_end():
     text = "Step 1 ... Step 9.\nThe total is $\\boxed{1{,}024}$."
     assert math_equal(extract_answer(text), "2^{10}")
+
+
+def _renderings(x: Fraction) -> list[str]:
+    """Equivalent spellings of x, as a model or a dataset might write them."""
+    n, d = x.numerator, x.denominator
+    neg = "-" if x < 0 else ""
+    out = [f"{n}/{d}", f"\\frac{{{n}}}{{{d}}}", f"{neg}\\dfrac{{{abs(n)}}}{{{d}}}",
+           f"\u2212{abs(n)}/{d}" if x < 0 else f"{n}/{d}", f"\\boxed{{{n}/{d}}}",
+           f"$\\left({n}/{d}\\right)$", f"\\text{{{n}/{d}}}", f"{100 * x.numerator}/{d}\\%"]
+    if d == 1:
+        out += [f"{n:,}", f"{n}.0", f"\\${n}"]
+    if 1_000_000 % d == 0:  # terminating decimal
+        out.append(f"{neg}{abs(x.numerator) * (1_000_000 // d) / 1_000_000:.6f}")
+    return out
+
+
+@settings(deadline=None, max_examples=100, derandomize=True)
+@given(st.fractions(min_value=-10**6, max_value=10**6, max_denominator=64),
+       st.data())
+def test_property_renderings_equal_and_neighbours_differ(x, data):
+    forms = _renderings(x)
+    a = data.draw(st.sampled_from(forms))
+    b = data.draw(st.sampled_from(forms))
+    assert math_equal(a, b), (a, b)
+    assert not math_equal(a, str(x + Fraction(1, 128))), a

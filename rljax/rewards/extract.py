@@ -77,7 +77,7 @@ def _clean(ans: str) -> str | None:
     prev = None
     while prev != ans:  # at most len(ans) passes over <= MAX_ANSWER_CHARS characters
         prev = ans
-        ans = ans.strip().strip("$").rstrip(".,;")
+        ans = ans.strip().strip("$*").rstrip(".,;")  # $42$, **42** (Markdown bold)
     if not ans or len(ans) > MAX_ANSWER_CHARS:
         return None
     return ans
