@@ -11,8 +11,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from rljax.train.batching import (completion_mask_from_tokens, decode_completions,
-                                  encode_prompts, special_ids)
+from rljax.train.batching import decode_completions, encode_text, special_ids
 from rljax.train.config import SamplingConfig
 
 
@@ -99,59 +98,23 @@ class Rollout:
         return m
 
 
-def _sampler_call(graphdef, params, ids, mask, key, sampling: SamplingConfig, eos_id: int,
-                  greedy: bool, mesh):
-    """Sample completions with the policy weights: ``(tokens_BxT, sampler_logp_BxT)``."""
-    from rljax.sampling import SamplingParams
+def _sample(graphdef, params, prompt_ids: list, key, sampling: SamplingConfig, *,
+            num_samples: int, eos_id: int, pad_id: int, greedy: bool, mesh):
+    """``rljax.sampling.generate`` with the policy state (no copy): numpy arrays
+    ``(prompt_BxP, prompt_mask_BxP, completion_BxT, completion_mask_BxT, sampler_logp_BxT,
+    truncated_B)`` with each prompt's ``num_samples`` rows consecutive."""
+    from rljax.sampling import generate
 
-    sp = SamplingParams(temperature=0.0 if greedy else sampling.temperature,
-                        top_k=sampling.top_k or None,
-                        top_p=None if sampling.top_p >= 1.0 else sampling.top_p)
-    fn = _fallback_generate(graphdef, sp, sampling.max_new_tokens, eos_id)
-    tokens, logp = fn(params, jax.numpy.asarray(ids), jax.numpy.asarray(mask), key)
-    return np.asarray(tokens), np.asarray(logp)
-
-
-_GEN_CACHE: dict = {}
-
-
-def _fallback_generate(graphdef, sp, max_new, eos_id):
-    """TEMPORARY: a minimal jitted KV-cache sampler until rljax.sampling.generate lands."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from rljax.sampling import sample_tokens
-
-    ck = (id(graphdef), sp, max_new, eos_id)
-    if ck in _GEN_CACHE:
-        return _GEN_CACHE[ck]
-
-    @jax.jit
-    def gen(params, ids, mask, key):
-        model = nnx.merge(graphdef, params)
-        b, p = ids.shape
-        cache = model.init_cache(b, p + max_new)
-        pos = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
-        h, cache = model.forward_cached(ids, pos, mask > 0, cache, 0)
-        logits = model.logits_from_hidden(h[:, -1])
-        nxt_pos = pos[:, -1] + 1
-
-        def body(carry, k):
-            cache, logits, pos_b, done, slot = carry
-            tok, _, slogp = sample_tokens(k, logits, sp)
-            tok = jnp.where(done, eos_id, tok)
-            h, cache = model.forward_cached(tok[:, None], pos_b[:, None], ~done[:, None],
-                                            cache, slot)
-            new_logits = model.logits_from_hidden(h[:, 0])
-            return (cache, new_logits, pos_b + 1, done | (tok == eos_id), slot + 1), (tok, slogp)
-
-        keys = jax.random.split(key, max_new)
-        init = (cache, logits, nxt_pos, jnp.zeros((b,), bool), jnp.int32(p))
-        _, (toks, logps) = jax.lax.scan(body, init, keys)
-        return toks.T, logps.T
-
-    _GEN_CACHE[ck] = gen
-    return gen
+    out = generate(
+        (graphdef, params), prompt_ids, key=key, max_new_tokens=sampling.max_new_tokens,
+        temperature=0.0 if greedy else sampling.temperature, top_k=sampling.top_k or None,
+        top_p=None if sampling.top_p >= 1.0 else sampling.top_p, stop_ids=(eos_id,),
+        num_samples=num_samples, pad_id=pad_id, mesh=mesh,
+    )
+    out = jax.device_get(out)
+    return (np.asarray(out.prompt_tokens, np.int32), np.asarray(out.prompt_mask, np.float32),
+            np.asarray(out.tokens, np.int32), np.asarray(out.completion_mask, np.float32),
+            np.asarray(out.sampling_logprobs, np.float32), np.asarray(out.truncated, bool))
 
 
 class Rollouts:
@@ -176,13 +139,16 @@ class Rollouts:
         if not self.num_params:
             self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
-    def generate(self, params, prompts: list, key, *, greedy: bool = False):
-        """Encode, repeat and sample: ``(prompt ids, mask, tokens, token mask, logp)``."""
-        ids, mask = encode_prompts(self.tok, prompts, self.prompt_len)
-        tokens, logp = _sampler_call(self.gd, params, ids, mask, key, self.sampling,
-                                     self.eos_id, greedy, self.mesh)
-        cmask = completion_mask_from_tokens(tokens, self.eos_id)
-        return ids, mask, tokens, cmask, np.where(cmask > 0, logp, 0.0).astype(np.float32)
+    def generate(self, params, prompts: list, key, *, greedy: bool = False,
+                 num_samples: int = 1):
+        """Encode and sample; see ``_sample`` for the returned arrays."""
+        ids = [encode_text(self.tok, p) for p in prompts]
+        for i, x in enumerate(ids):
+            if not 0 < len(x) <= self.prompt_len:
+                raise ValueError(f"prompt {i} has {len(x)} tokens; allowed: 1..{self.prompt_len} "
+                                 f"(prompt_len)")
+        return _sample(self.gd, params, ids, key, self.sampling, num_samples=num_samples,
+                       eos_id=self.eos_id, pad_id=self.pad_id, greedy=greedy, mesh=self.mesh)
 
     def score(self, completions: list, metadata: list) -> np.ndarray:
         """Rewards float32[B]; errors name the function and the prompt index."""
@@ -197,17 +163,15 @@ class Rollouts:
         """Rollouts for ``prompts`` (each ``group_size`` times, consecutively), scored."""
         self._count_params(params)
         g = self.group_size
-        rep_prompts = [p for p in prompts for _ in range(g)]
         rep_meta = [m for m in metadata for _ in range(g)]
-        ids, mask, tokens, cmask, logp = ph.timed("rollout", self.generate, params,
-                                                  rep_prompts, key)
+        ids, mask, tokens, cmask, logp, truncated = ph.timed(
+            "rollout", self.generate, params, prompts, key, num_samples=g)
         texts = decode_completions(self.tok, tokens, cmask, self.eos_id)
         t0 = time.perf_counter()
         rewards = self.score(texts, rep_meta)
         correct = (np.asarray([bool(self.accuracy_fn(c, m)) for c, m in zip(texts, rep_meta)])
                    if self.accuracy_fn is not None else None)
         ph.times["reward"] = ph.times.get("reward", 0.0) + time.perf_counter() - t0
-        truncated = ~(tokens == self.eos_id).any(axis=1)
         return Rollout(ids, mask, tokens, cmask, logp, np.asarray(rewards, np.float32), correct,
                        truncated, texts, rep_meta, g)
 
@@ -216,7 +180,7 @@ class Rollouts:
         rewards, correct = [], []
         for i in range(0, len(prompts), batch_size):
             ps, ms = prompts[i:i + batch_size], metadata[i:i + batch_size]
-            _, _, tokens, cmask, _ = self.generate(params, ps, jax.random.key(0), greedy=True)
+            _, _, tokens, cmask, _, _ = self.generate(params, ps, jax.random.key(0), greedy=True)
             texts = decode_completions(self.tok, tokens, cmask, self.eos_id)
             g, self.group_size = self.group_size, 1
             try:
