@@ -25,7 +25,9 @@ class Constraint(Protocol):
 
     description: str
 
-    def check(self, text: str) -> bool: ...
+    def check(self, text: str) -> bool:
+        """True if `text` satisfies the constraint; False (never an exception) otherwise."""
+        ...
 
 
 def _bounded(text: object) -> str | None:
@@ -71,6 +73,7 @@ class WordCount:
             f"Answer with at most {hi} words."
 
     def check(self, text: str) -> bool:
+        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         if t is None:
             return False
@@ -93,6 +96,7 @@ class IncludeKeywords:
         return "Include the keywords " + ", ".join(repr(k) for k in self.keywords) + "."
 
     def check(self, text: str) -> bool:
+        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         return t is not None and all(_has_word(t, k) for k in self.keywords)
 
@@ -111,6 +115,7 @@ class ForbiddenKeywords:
         return "Do not use the words " + ", ".join(repr(k) for k in self.keywords) + "."
 
     def check(self, text: str) -> bool:
+        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         return t is not None and not any(_has_word(t, k) for k in self.keywords)
 
@@ -122,6 +127,7 @@ class NoCommas:
     description: str = "Do not use any commas in your response."
 
     def check(self, text: str) -> bool:
+        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         return t is not None and "," not in t and "\uff0c" not in t
 
@@ -133,6 +139,7 @@ class AllLowercase:
     description: str = "Your entire response must be in lowercase letters."
 
     def check(self, text: str) -> bool:
+        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         return t is not None and t == t.lower() and any(c.isalpha() for c in t)
 
@@ -155,6 +162,7 @@ class BulletCount:
         return f"Your answer must contain exactly {self.count} bullet points."
 
     def check(self, text: str) -> bool:
+        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         if t is None:
             return False
@@ -177,6 +185,7 @@ class EndsWith:
         return f"Finish your response with this exact phrase: {self.phrase!r}."
 
     def check(self, text: str) -> bool:
+        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         return t is not None and t.rstrip().endswith(self.phrase.strip())
 
@@ -229,6 +238,7 @@ class ValidJson:
                 raise ValueError(f"ValidJson.{f} must be a positive int, got {v!r}")
 
     def check(self, text: str) -> bool:
+        """True if `text` (fences stripped) is JSON within the size and depth bounds."""
         if not isinstance(text, str) or len(text) > self.max_chars:
             return False
         s = _strip_fence(text)
@@ -256,6 +266,7 @@ class AllOf:
         return " ".join(c.description for c in self.constraints)
 
     def check(self, text: str) -> bool:
+        """True if every member constraint holds."""
         return all(c.check(text) for c in self.constraints)
 
 
@@ -274,6 +285,7 @@ class AnyOf:
         return "Do one of: " + " / ".join(c.description for c in self.constraints)
 
     def check(self, text: str) -> bool:
+        """True if at least one member constraint holds."""
         return any(c.check(text) for c in self.constraints)
 
 
