@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rljax", description="RL post-training of LMs in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="run an experiment (rljax.train.run)")
+    p = sub.add_parser("train", help="run an experiment (rljax.train.runner.run_experiment)")
     p.add_argument("experiment", help="experiment name under experiments/ or a .py path")
     _add_set(p)
     p.add_argument("--dry-run", action="store_true",
@@ -83,12 +83,9 @@ def _cmd_train(args) -> int:
         import jax
 
         jax.distributed.initialize()  # Cloud TPU: coordinator and process ids auto-detected
-    from rljax import train
+    from rljax.train.runner import run_experiment
 
-    run = getattr(train, "run", None)
-    if run is None:
-        raise RuntimeError("rljax.train.run is not available in this installation")
-    run(cfg)
+    run_experiment(cfg)
     return 0
 
 

@@ -79,6 +79,7 @@ def test_metrics_tensorboard_plots(tmp_path):
 def test_refuses_other_runs_unless_resume_or_overwrite(tmp_path):
     path = tmp_path / "run"
     with RunDir(path, Cfg()) as rd:
+        rd.log(5, {"sft/loss": 2.0}, phase="sft")  # SFT counts its own steps
         rd.log(0, {"reward": 1.0})
         rd.log(1, {"reward": 2.0})
         rd.log(2, {"reward": 3.0})
@@ -92,7 +93,8 @@ def test_refuses_other_runs_unless_resume_or_overwrite(tmp_path):
         assert rd.resumed
         rd.truncate_metrics(after_step=1)  # resumed from the step-1 checkpoint
         rd.log(2, {"reward": 30.0})
-        assert [r["reward"] for r in rd.metrics()] == [1.0, 2.0, 30.0]
+        assert [r.get("reward") for r in rd.metrics()] == [None, 1.0, 2.0, 30.0]
+        assert rd.metrics()[0] == {"step": 5, "phase": "sft", "sft/loss": 2.0}
     with RunDir(path, Cfg(lr=5.0), overwrite=True) as rd:
         assert not rd.resumed and rd.metrics() == []
     other = tmp_path / "not_a_run"

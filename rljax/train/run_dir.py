@@ -201,26 +201,35 @@ class RunDir:
         return self.path / "plots"
 
     # -- writing --------------------------------------------------------------------------
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Append one `metrics.jsonl` line (flushed) and the scalars to TensorBoard/wandb."""
+    def log(self, step: int, metrics: dict[str, Any], *, phase: str = "rl") -> None:
+        """Append one `metrics.jsonl` line (flushed) and the scalars to TensorBoard/wandb.
+
+        `phase` ("sft", "rl", "eval", ...) is stored in the line, so phases that count
+        steps separately stay apart (and `truncate_metrics` cuts only one phase).
+        """
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {step!r}")
-        record = {"step": step, **{str(k): _jsonable(v) for k, v in metrics.items()}}
+        record = {"step": step, "phase": phase,
+                  **{str(k): _jsonable(v) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(record, sort_keys=False) + "\n")
         self._metrics.flush()
         scalars = {k: v for k, v in record.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if phase == "sft":  # SFT counts its own steps: keep its TensorBoard curves apart
+            scalars = {(k if k.startswith("sft/") else f"sft/{k}"): v for k, v in scalars.items()}
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
-    def truncate_metrics(self, after_step: int) -> None:
-        """Drop metric lines with step > `after_step` (resuming from that checkpoint)."""
+    def truncate_metrics(self, after_step: int, phase: str = "rl") -> None:
+        """Drop `phase`'s metric lines with step > `after_step` (resuming from that
+        checkpoint), so the file reads as one uninterrupted run."""
         self._metrics.close()
         path = self.path / METRICS_FILE
-        keep = [r for r in read_metrics(path) if r.get("step", -1) <= after_step]
+        keep = [r for r in read_metrics(path)
+                if r.get("phase", "rl") != phase or r.get("step", -1) <= after_step]
         _write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
         self._metrics = open(path, "a", encoding="utf-8")
 
@@ -234,7 +243,8 @@ class RunDir:
 
     def metrics(self) -> list[dict[str, Any]]:
         """All records logged so far (including before a resume)."""
-        self._metrics.flush()
+        if not self._metrics.closed:
+            self._metrics.flush()
         return read_metrics(self.path)
 
     def plot(self) -> list[pathlib.Path]:

@@ -1,0 +1,210 @@
+"""From an `ExperimentConfig` to the objects a run needs: tokenizer, mesh, model, prompt
+sources, SFT pairs and reward functions.
+
+Prompt sources are addressed by position, `source(start, n) -> (prompts, metadata)`, so a
+resumed run (which saved `TrainState.data_pos`) reads exactly the prompts the original
+run would have read next. Procedural tasks draw problem `i` from a generator seeded with
+`(seed, i)`; file tasks visit records in one shuffled order per epoch.
+Held-out prompts come from a separate stream (procedural) or the evaluation split (files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from rljax.train.experiment import ExperimentConfig
+
+__all__ = ["TaskData", "build_mesh", "build_model", "build_reward", "build_task", "build_tokenizer"]
+
+_EVAL_STREAM = 1_000_003  # seeds the held-out stream apart from the training stream
+
+
+def build_tokenizer(cfg: ExperimentConfig):
+    """"char" -> `build_char_tokenizer()`; a folder -> `load_tokenizer`; None -> `hf_path`'s."""
+    from rljax.models.tokenizer import build_char_tokenizer, load_tokenizer
+
+    if cfg.tokenizer == "char":
+        return build_char_tokenizer()
+    return load_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else cfg.hf_path)
+
+
+def build_mesh(cfg: ExperimentConfig):
+    """The device mesh of `cfg.mesh`, or None when it is a single device."""
+    import jax
+
+    from rljax.sharding import make_mesh
+
+    if jax.device_count() == 1:
+        return None
+    return make_mesh(cfg.mesh)
+
+
+def build_model(cfg: ExperimentConfig, tokenizer, mesh=None, seed: int | None = None):
+    """The policy `Decoder`: random init from `cfg.model` (seed `run.seed`) or `hf_path`."""
+    import contextlib
+
+    import jax
+    from flax import nnx
+
+    from rljax.models import Decoder
+    from rljax.models.hf_io import from_pretrained
+    from rljax.models.tokenizer import check_vocab
+
+    if cfg.hf_path is not None:
+        model = from_pretrained(cfg.hf_path, mesh=mesh)
+    else:
+        ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+        with ctx:
+            model = Decoder(cfg.model, rngs=nnx.Rngs(cfg.run.seed if seed is None else seed))
+    check_vocab(tokenizer, model.config)
+    return model
+
+
+@dataclasses.dataclass
+class TaskData:
+    """Prompt sources of a task.
+
+    train: `(start, n) -> (prompt texts, metadata dicts)` for RL.
+    eval_prompts, eval_metadata: the held-out prompts.
+    sft: `(start, n) -> (prompt texts, target texts)` for the SFT warm-up.
+    """
+
+    train: Callable[[int, int], tuple[list[str], list[dict]]]
+    eval_prompts: list[str]
+    eval_metadata: list[dict]
+    sft: Callable[[int, int], tuple[list[str], list[str]]]
+
+
+def _prompt_text(cfg: ExperimentConfig, tokenizer, text: str) -> str:
+    t = cfg.task
+    if t.chat_template:
+        from rljax.data import build_chat_prompt
+
+        return build_chat_prompt(tokenizer, text, system=t.system_prompt,
+                                 assistant_prefix=t.assistant_prefix)
+    head = f"{t.system_prompt}\n" if t.system_prompt else ""
+    return head + text + t.assistant_prefix
+
+
+def _procedural(cfg: ExperimentConfig) -> Callable[[int, int], list[dict]]:
+    from rljax.data import ArithmeticTask, CountdownTask
+
+    t, seed = cfg.task, cfg.run.seed
+    if t.name == "arithmetic":
+        task = ArithmeticTask(digits=t.difficulty, ops=t.ops, style=t.style)
+        draw = lambda rng: task.sample(rng).to_record()
+    else:
+        task = CountdownTask(num_numbers=t.difficulty, max_number=t.max_number)
+        draw = task.sample
+    return lambda stream, start, n: [draw(np.random.default_rng([seed, stream, start + i]))
+                                     for i in range(n)]
+
+
+def _records(cfg: ExperimentConfig, split: str) -> Sequence[dict]:
+    from rljax.data import TfdsPromptSource, gsm8k_transform, load_prompts
+
+    t = cfg.task
+    mapping = {"prompt": t.prompt_field, "answer": t.answer_field}
+    if t.name == "tfds":
+        return TfdsPromptSource(split=split, name=t.dataset, data_dir=t.path, mapping=mapping)
+    path = pathlib.Path(t.path)
+    if path.is_dir():
+        suffix = ".parquet" if t.name == "parquet" else ".jsonl"
+        path = path / f"{split}{suffix}"
+    transform = gsm8k_transform if t.name == "gsm8k" else None
+    return load_prompts(path, mapping, transform=transform)
+
+
+def _filter_length(cfg: ExperimentConfig, tokenizer, records: Sequence[dict], where: str):
+    from rljax.data import LengthPolicy, filter_by_length
+
+    kept, report = filter_by_length(
+        [dict(r) for r in records], LengthPolicy(cfg.task.max_prompt_tokens, action="drop"),
+        length_fn=lambda r: len(tokenizer.encode(_prompt_text(cfg, tokenizer, r["prompt"]),
+                                                 add_special_tokens=False)))
+    if not kept:
+        raise ValueError(f"{where}: every prompt is longer than task.max_prompt_tokens="
+                         f"{cfg.task.max_prompt_tokens} ({report})")
+    return kept, report
+
+
+def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
+    """Training, held-out and SFT sources of `cfg.task` (see the module docstring)."""
+    t = cfg.task
+    if t.name in ("arithmetic", "countdown"):
+        draw = _procedural(cfg)
+        records = lambda start, n: draw(0, start, n)
+        eval_records = draw(_EVAL_STREAM, 0, cfg.rl.eval_prompts)
+    else:
+        from rljax.data import ShuffledIterator
+
+        train, _ = _filter_length(cfg, tokenizer, _records(cfg, t.split), f"split {t.split!r}")
+        held, _ = _filter_length(cfg, tokenizer, _records(cfg, t.eval_split), f"split {t.eval_split!r}")
+        eval_records = held[: cfg.rl.eval_prompts]
+        order = ShuffledIterator(train, seed=cfg.run.seed)
+        n_train = len(train)
+        records = lambda start, n: [train[int(order.permutation(i // n_train)[i % n_train])]
+                                    for i in range(start, start + n)]
+
+    def rl_source(start: int, n: int):
+        recs = records(start, n)
+        return [_prompt_text(cfg, tokenizer, r["prompt"]) for r in recs], recs
+
+    def sft_source(start: int, n: int):
+        recs = records(start, n)
+        try:
+            targets = [t.sft_template.format(**r) for r in recs]
+        except (KeyError, IndexError) as e:
+            raise ValueError(f"task.sft_template={t.sft_template!r} names a field the records "
+                             f"lack ({e}); fields: {sorted(recs[0])}") from None
+        return [_prompt_text(cfg, tokenizer, r["prompt"]) for r in recs], targets
+
+    eval_prompts = [_prompt_text(cfg, tokenizer, r["prompt"]) for r in eval_records]
+    return TaskData(rl_source, eval_prompts, list(eval_records), sft_source)
+
+
+def _import(path: str, field: str) -> Callable:
+    mod, _, name = path.partition(":")
+    fn = getattr(importlib.import_module(mod), name, None)
+    if not callable(fn):
+        raise ValueError(f"{field}={path!r}: module {mod!r} has no callable {name!r}")
+    return fn
+
+
+def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
+    """`(reward_fns, accuracy_fn)` for `RLTrainer`: item rewards (a list) or a batch
+    reward function, and the verifier `(completion, meta) -> bool` for the accuracy metric."""
+    from rljax import rewards as rw
+    from rljax.data import ArithmeticReward, CountdownReward
+
+    r, t = cfg.reward, cfg.task
+    prefix = t.assistant_prefix.strip()
+    fmt = rw.TagFormat(think_open=f"<{r.think_tag}>", think_close=f"</{r.think_tag}>",
+                       answer_open=f"<{r.answer_tag}>", answer_close=f"</{r.answer_tag}>",
+                       think_in_prompt=r.think_in_prompt or prefix == f"<{r.think_tag}>")
+    tagged = r.kind in ("format", "accuracy+format")
+    if t.name == "arithmetic":
+        acc = ArithmeticReward(style=t.style)
+    elif t.name == "countdown":
+        acc = CountdownReward(fmt=fmt, correct=1.0, format_score=0.0)
+    else:
+        acc = rw.MathAccuracy(mode=r.answer_mode, answer_tags=fmt if tagged else None)
+    accuracy_fn = lambda c, m: acc(c, m) > 0.5
+    if r.kind == "reward_model":
+        from rljax.train.reward_model import RewardModelScorer
+
+        return RewardModelScorer.from_pretrained(r.model_path), accuracy_fn
+    if r.kind == "custom":
+        return _import(r.function, "reward.function"), accuracy_fn
+    terms = []
+    if r.kind in ("accuracy", "accuracy+format"):
+        terms.append((r.accuracy_weight * r.correct_reward, acc))
+    if r.kind in ("format", "accuracy+format"):
+        terms.append((r.format_weight if r.kind == "accuracy+format" else 1.0, rw.FormatReward(fmt)))
+    return [rw.WeightedSum(tuple(terms), name=r.kind)], accuracy_fn

@@ -1,0 +1,187 @@
+"""`run_experiment(cfg)`: one whole run from an `ExperimentConfig` — the call behind
+`rljax train`.
+
+Order: run directory (refusal rules) -> tokenizer, mesh, policy (and PPO value model) ->
+optional SFT warm-up -> held-out evaluation -> RL steps (metrics, progress line,
+checkpoints every `run.save_every` steps) -> held-out evaluation -> final checkpoint,
+plots, `eval.json`, and the one-screen summary ending in the `RESULT` line.
+
+With `run.resume=true` the latest checkpoint of the run directory is restored (the whole
+`TrainState`: parameters, optimiser moments, step, PRNG key, data position, KL
+coefficient) and the loop continues from its step; metric lines after that step are
+dropped first, so `metrics.jsonl` reads as one uninterrupted run. Ctrl-C saves the
+current state (waiting for the write) before the KeyboardInterrupt propagates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import TextIO
+
+from rljax.train import builders
+from rljax.train.checkpoint import Checkpointer, abstract_like
+from rljax.train.experiment import ExperimentConfig
+from rljax.train.run_dir import Progress, RunDir, format_summary
+
+__all__ = ["RunResult", "run_experiment"]
+
+_PROGRESS_KEYS = ("reward_mean", "accuracy", "kl_ref", "entropy", "response_len_mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """What a run reports: held-out accuracy before/after RL, wall time, where it lives."""
+
+    accuracy_before: float
+    accuracy_after: float
+    wall_s: float
+    run_dir: str
+    steps: int
+    summary: str
+
+
+def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, out: TextIO):
+    from rljax.train.batching import encode_pairs
+    from rljax.train.sft import SFTTrainer
+
+    sft = SFTTrainer(graphdef, cfg.sft, mesh=mesh)
+    state = sft.init_state(params, seed=cfg.run.seed)
+    bar = Progress(cfg.sft.steps, ("loss",), stream=out, desc="sft")
+    bs = cfg.sft.batch_size
+    for i in range(cfg.sft.steps):
+        prompts, targets = task.sft(i * bs, bs)
+        batch = encode_pairs(tokenizer, prompts, targets, cfg.task.max_prompt_tokens,
+                             cfg.sampling.max_new_tokens)
+        state, m = sft.step(state, batch)
+        rd.log(i + 1, {f"sft/{k}": v for k, v in m.items()}, phase="sft")
+        bar.update(i + 1, m)
+    return state.params["policy"]
+
+
+def _value_model(cfg, model, mesh):
+    if cfg.algorithm.name != "ppo":
+        return None, None
+    from flax import nnx
+
+    from rljax.models import ValueModel
+
+    vm = ValueModel.from_policy(model, rngs=nnx.Rngs(cfg.run.seed + 1))
+    if mesh is not None:
+        from rljax.sharding import shard_params
+
+        graphdef, state = nnx.split(vm)
+        return graphdef, shard_params(state, mesh)
+    return nnx.split(vm)
+
+
+def _evaluate(trainer, params, task, rd, name: str) -> dict:
+    res = trainer.evaluate(params, task.eval_prompts, task.eval_metadata)
+    rd.write_json(name, res)
+    return res
+
+
+def _meta(cfg, rd, state, phase: str, acc_before: float) -> dict:
+    return {"phase": phase, "config_hash": rd.config_hash, "data_pos": int(state.data_pos),
+            "accuracy_before": acc_before, "seed": cfg.run.seed}
+
+
+def _save(ck, step, state, meta, force=False):
+    ck.save(step, state, meta, force=force)
+
+
+def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunResult:
+    """Run `cfg` end to end (see the module docstring); prints progress and the summary to
+    `out` (default stderr for progress, stdout for the summary) and returns a `RunResult`."""
+    from flax import nnx
+
+    from rljax.train.rl import RLTrainer
+
+    if not isinstance(cfg, ExperimentConfig):
+        raise TypeError(f"run_experiment: cfg must be an ExperimentConfig, got {type(cfg).__name__}")
+    t0 = time.perf_counter()
+    progress_out = out if out is not None else sys.stderr
+    rd = RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
+                tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project)
+    try:
+        tokenizer = builders.build_tokenizer(cfg)
+        if not (rd.path / "tokenizer").exists():
+            tokenizer.save_pretrained(str(rd.path / "tokenizer"))
+        mesh = builders.build_mesh(cfg)
+        model = builders.build_model(cfg, tokenizer, mesh)
+        graphdef, params = nnx.split(model)
+        value_gd, value_params = _value_model(cfg, model, mesh)
+        task = builders.build_task(cfg, tokenizer)
+        reward_fns, accuracy_fn = builders.build_reward(cfg)
+        trainer = RLTrainer(graphdef, tokenizer, reward_fns, algorithm=cfg.algorithm,
+                            optim=cfg.optim, sampling=cfg.sampling, rl=cfg.rl,
+                            prompt_len=cfg.task.max_prompt_tokens, value_graphdef=value_gd,
+                            accuracy_fn=accuracy_fn, mesh=mesh)
+        every = cfg.run.save_every or max(cfg.rl.steps, 1)
+        with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck:
+            state, acc_before = _start(cfg, rd, ck, trainer, graphdef, params, value_params,
+                                       task, tokenizer, mesh, progress_out)
+            state = _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, progress_out)
+            after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
+            _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before))
+        if cfg.run.plots:
+            rd.plot()
+    finally:
+        rd.close()
+    return _finish(cfg, rd, acc_before, after, t0, out)
+
+
+def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer, mesh, out):
+    """Restore the latest checkpoint (resume) or warm up, evaluate and build a fresh state."""
+    if cfg.run.resume and ck.latest_step() is not None:
+        fresh = trainer.init_state(params, seed=cfg.run.seed, value_params=value_params)
+        state, meta = ck.restore(abstract_like(fresh))
+        rd.truncate_metrics(int(meta["step"]))
+        print(f"[rljax] resumed {rd.path} at step {meta['step']}", file=out)
+        return state, float(meta["accuracy_before"])
+    if cfg.sft is not None and cfg.sft.steps > 0:
+        params = _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, out)
+    before = _evaluate(trainer, params, task, rd, "eval_before")
+    rd.log(0, {f"eval/{k}": v for k, v in before.items()}, phase="eval")
+    return trainer.init_state(params, seed=cfg.run.seed, value_params=value_params), \
+        float(before.get("accuracy", 0.0))
+
+
+def _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out):
+    bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=out, desc="rl")
+    try:
+        for step in range(int(state.step), cfg.rl.steps):
+            state, metrics = trainer.step(state, task.train)
+            done = int(state.step)
+            if cfg.rl.eval_every and done % cfg.rl.eval_every == 0 and done < cfg.rl.steps:
+                res = trainer.evaluate(state.params["policy"], task.eval_prompts, task.eval_metadata)
+                metrics.update({f"eval/{k}": v for k, v in res.items()})
+            rd.log(done, metrics)
+            if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
+                bar.update(done, metrics)
+            _save(ck, done, state, _meta(cfg, rd, state, "rl", acc_before))
+    except KeyboardInterrupt:
+        # Keep what was learned: save the current state (forced) and wait for the write.
+        _save(ck, int(state.step), state, _meta(cfg, rd, state, "interrupted", acc_before),
+              force=True)
+        ck.wait_until_finished()
+        print(f"\n[rljax] interrupted at step {int(state.step)}; checkpoint saved in "
+              f"{rd.checkpoint_dir}; continue with --set run.resume=true", file=out)
+        raise
+    return state
+
+
+def _finish(cfg, rd, acc_before, after: dict, t0: float, out) -> RunResult:
+    wall = time.perf_counter() - t0
+    acc_after = float(after.get("accuracy", 0.0))
+    rows = [r for r in rd.metrics() if r.get("phase") == "rl" and "rollout_tok_s" in r]
+    details = {"experiment": cfg.name, "algorithm": cfg.algorithm.name,
+               "RL steps": cfg.rl.steps, "reward after": after.get("reward_mean", float("nan"))}
+    if rows:
+        details["rollout tok/s"] = sum(r["rollout_tok_s"] for r in rows) / len(rows)
+    text = format_summary(accuracy_before=acc_before, accuracy_after=acc_after, wall_s=wall,
+                          run_dir=rd.path, title=f"rljax: {cfg.name}", details=details)
+    print(text, file=out if out is not None else sys.stdout, flush=True)
+    return RunResult(acc_before, acc_after, wall, str(rd.path), cfg.rl.steps, text)
+
