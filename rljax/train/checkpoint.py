@@ -148,7 +148,8 @@ class Checkpointer:
         """Read checkpoint `step` (default: the latest complete one) into `target`.
 
         `target` is a pytree with the saved structure whose leaves are arrays or
-        `jax.ShapeDtypeStruct`s; each restored array gets that leaf's dtype and sharding.
+        `jax.ShapeDtypeStruct`s; each restored array gets that leaf's dtype and sharding
+        (a live array that was never explicitly placed comes back likewise uncommitted).
         Returns `(state, meta)`. Raises FileNotFoundError when there is nothing to restore.
         """
         self.wait_until_finished()
@@ -164,7 +165,14 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_like(target)), meta=ocp.args.JsonRestore()
         )
         out = self._mgr.restore(step, args=args)
-        return out["state"], dict(out["meta"])
+        # A live target leaf that was never placed explicitly (uncommitted, e.g. a PRNG key
+        # or a counter made with jnp) comes back uncommitted too, so jit may move it next to
+        # sharded arguments exactly as it did before the checkpoint.
+        state = jax.tree.map(
+            lambda r, t: jax.numpy.asarray(np.asarray(r))
+            if isinstance(t, jax.Array) and not t.committed else r,
+            out["state"], target)
+        return state, dict(out["meta"])
 
     def restore_raw(self, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Read checkpoint `step` (default latest) without a target: nested dicts of arrays.

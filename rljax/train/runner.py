@@ -21,7 +21,7 @@ import time
 from typing import TextIO
 
 from rljax.train import builders
-from rljax.train.checkpoint import Checkpointer, abstract_like
+from rljax.train.checkpoint import Checkpointer
 from rljax.train.experiment import ExperimentConfig
 from rljax.train.run_dir import Progress, RunDir, format_summary
 
@@ -136,7 +136,7 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
     """Restore the latest checkpoint (resume) or warm up, evaluate and build a fresh state."""
     if cfg.run.resume and ck.latest_step() is not None:
         fresh = trainer.init_state(params, seed=cfg.run.seed, value_params=value_params)
-        state, meta = ck.restore(abstract_like(fresh))
+        state, meta = ck.restore(fresh)
         rd.truncate_metrics(int(meta["step"]))
         print(f"[rljax] resumed {rd.path} at step {meta['step']}", file=out)
         return state, float(meta["accuracy_before"])

@@ -1,0 +1,105 @@
+"""`rljax train` end to end on a tiny model: RESULT line, run directory contents, refusal
+of an occupied run directory, Ctrl-C leaving a valid checkpoint, resume, and a resumed
+run reproducing the metrics of a run that never stopped."""
+
+import json
+import re
+import textwrap
+
+import pytest
+
+from rljax.cli import main
+from rljax.train.checkpoint import Checkpointer
+from rljax.train.run_dir import read_metrics
+
+EXPERIMENT = textwrap.dedent('''
+    import numpy as np
+    from rljax.models import ModelConfig
+    from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig
+    from rljax.train.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+
+    def digit_reward(completions, metadata):
+        """Fraction of digits in each completion: varies within groups from step 1."""
+        return np.array([sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions])
+
+    def config():
+        return ExperimentConfig(
+            name="tiny",
+            model=ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                              num_layers=1, num_heads=2, num_kv_heads=1,
+                              max_position_embeddings=32),
+            task=TaskConfig(name="arithmetic", difficulty=1, max_prompt_tokens=8),
+            reward=RewardConfig(kind="custom", function="rljax_experiment_tiny:digit_reward"),
+            algorithm=AlgorithmConfig(name="grpo", group_size=4),
+            optim=OptimConfig(lr=3e-3),
+            sampling=SamplingConfig(max_new_tokens=4),
+            sft=SFTConfig(steps=1, batch_size=8),
+            rl=RLConfig(steps=2, prompts_per_step=4, eval_prompts=8, logp_chunk=8),
+            run=RunConfig(dir="runs/tiny", save_every=1, plots=False),
+        )
+''')
+
+_VOLATILE = re.compile(r"^time_|_tok_s$|flops|mfu")
+
+
+def _rl_rows(run_dir):
+    return [{k: v for k, v in r.items() if not _VOLATILE.search(k)}
+            for r in read_metrics(run_dir) if r["phase"] == "rl"]
+
+
+@pytest.fixture
+def exp(tmp_path, monkeypatch):
+    (tmp_path / "tiny.py").write_text(EXPERIMENT)
+    monkeypatch.chdir(tmp_path)
+    return str(tmp_path / "tiny.py")
+
+
+def test_train_interrupt_resume_reproduce(exp, tmp_path, capsys, monkeypatch):
+    # 1. A run that never stops.
+    assert main(["train", exp, "--set", "run.dir=runs/a"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert re.fullmatch(r"RESULT accuracy_before=[01]\.\d{4} accuracy_after=[01]\.\d{4} "
+                        r"wall_s=\d+\.\d", out[-1]), out[-1]
+    a = tmp_path / "runs/a"
+    for name in ("config.json", "metrics.jsonl", "eval_before.json", "eval_after.json",
+                 "tokenizer"):
+        assert (a / name).exists(), name
+    assert list((a / "tb").glob("events.out.tfevents.*"))
+    rows_a = _rl_rows(a)
+    assert [r["step"] for r in rows_a] == [1, 2] and rows_a[0]["reward_std"] > 0
+    assert rows_a[1]["grad_norm"] > 0
+
+    # 2. The same directory again is refused (it holds a run) unless resumed/overwritten.
+    assert main(["train", exp, "--set", "run.dir=runs/a"]) == 2
+    assert "already holds this run" in capsys.readouterr().err
+
+    # 3. Ctrl-C during step 2: the step-1 state is saved and restorable.
+    from rljax.train.rl import RLTrainer
+
+    real_step, calls = RLTrainer.step, []
+
+    def interrupted(self, state, source):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_step(self, state, source)
+
+    monkeypatch.setattr(RLTrainer, "step", interrupted)
+    assert main(["train", exp, "--set", "run.dir=runs/b"]) == 130
+    monkeypatch.setattr(RLTrainer, "step", real_step)
+    b = tmp_path / "runs/b"
+    with Checkpointer(b / "checkpoints") as ck:
+        assert ck.latest_step() == 1
+        meta = ck.read_meta()
+        assert meta["step"] == 1 and meta["data_pos"] == 4
+    assert "run.resume=true" in capsys.readouterr().err
+
+    # 4. Resume finishes the run; its metrics equal the uninterrupted run's.
+    assert main(["train", exp, "--set", "run.dir=runs/b", "--set", "run.resume=true"]) == 0
+    rows_b = _rl_rows(b)
+    assert [r["step"] for r in rows_b] == [1, 2]
+    assert rows_b == rows_a
+    before_a = json.loads((a / "eval_before.json").read_text())
+    assert before_a == json.loads((b / "eval_before.json").read_text())
+    assert json.loads((a / "eval_after.json").read_text()) == \
+        json.loads((b / "eval_after.json").read_text())
