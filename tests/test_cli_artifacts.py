@@ -76,3 +76,21 @@ def test_sample_command_from_both_sources(tiny, capsys):
     out = capsys.readouterr().out
     assert out.count("=== prompt: '1+1=' sample") == 3
     assert main(["sample", str(tiny.root / "missing"), "--prompt", "x"]) == 2
+
+
+def test_eval_command(tiny, capsys):
+    import json
+
+    argv = ["eval", str(tiny.run_dir), "--k", "4", "--num-prompts", "6", "--set",
+            "sampling.max_new_tokens=4", "--set", "rl.eval_prompts=6"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["n"] == 6 and res["k"] == 4
+    for key in ("accuracy", "pass@4", "sample_accuracy"):
+        assert 0.0 <= res[key] <= 1.0
+    assert res["pass@4"] >= res["sample_accuracy"]  # any-of-k >= mean-of-k, per prompt
+    # A model folder has no task of its own.
+    assert main(["eval", str(tiny.hf_dir)]) == 2
+    assert "--experiment" in capsys.readouterr().err
+    assert main(argv[:2] + ["--k", "0"]) == 2
+    assert main(argv[:2] + ["--num-prompts", "99", "--set", "rl.eval_prompts=6"]) == 2

@@ -6,7 +6,7 @@ A *source* is either
   run's tokenizer (`tokenizer/` in the run directory, else the config's tokenizer), or
 - a Hugging Face model folder (`config.json` + safetensors + tokenizer files).
 
-These are the Python calls behind `rljax export` and `rljax sample`.
+These are the Python calls behind `rljax export`, `rljax sample` and `rljax eval`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from flax import nnx
 
 from rljax.train.checkpoint import Checkpointer, pure_params
 
-__all__ = ["export_hf", "is_run_dir", "load_policy", "sample_texts"]
+__all__ = ["evaluate_source", "export_hf", "is_run_dir", "load_policy", "sample_texts"]
 
 
 def is_run_dir(path: str | pathlib.Path) -> bool:
@@ -124,3 +124,74 @@ def sample_texts(source: str | pathlib.Path, prompts: Sequence[str], *, num_samp
     texts = [tokenizer.decode([int(t) for t, m in zip(row, mrow) if m and t != eos])
              for row, mrow in zip(tokens, mask)]
     return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+
+
+def _experiment_for(source_cfg, experiment, overrides):
+    from rljax.train.experiment import load_experiment
+    from rljax.train.overrides import apply_overrides
+
+    if experiment is not None:
+        return load_experiment(experiment, overrides)
+    if source_cfg is None:
+        raise ValueError("eval of a model folder needs --experiment EXP to name the task and "
+                         "its verifier (a run directory carries its own)")
+    return apply_overrides(source_cfg, overrides)
+
+
+def _correct(accuracy_fn, texts, metadata) -> np.ndarray:
+    return np.asarray([bool(accuracy_fn(t, m)) for t, m in zip(texts, metadata)], np.float64)
+
+
+def _decode(tokenizer, res, eos) -> list[str]:
+    tokens, mask = np.asarray(res.tokens), np.asarray(res.completion_mask)
+    return [tokenizer.decode([int(t) for t, m in zip(row, mrow) if m and t != eos])
+            for row, mrow in zip(tokens, mask)]
+
+
+def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None,
+                    overrides: Sequence[str] = (), num_prompts: int | None = None, k: int = 1,
+                    step: int | None = None, batch_size: int = 64) -> dict[str, Any]:
+    """Held-out greedy accuracy and pass@k of the policy of `source` on its task.
+
+    The task and verifier come from the run's config (or `experiment`, required for a
+    model folder), with `overrides`. Greedy accuracy: one temperature-0 completion per
+    prompt. pass@k: k completions per prompt at `sampling.temperature`; a prompt passes
+    when any is verified correct (Chen et al. 2021's estimator with n = k samples), and
+    `sample_accuracy` is the mean over all k x prompts samples.
+    """
+    from rljax.models.tokenizer import encode_prompts
+    from rljax.sampling import generate
+    from rljax.train.builders import build_reward, build_task
+
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    model, tokenizer, run_cfg = load_policy(source, step=step)
+    cfg = _experiment_for(run_cfg, experiment, overrides)
+    task = build_task(cfg, tokenizer)
+    n = len(task.eval_prompts) if num_prompts is None else num_prompts
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(task.eval_prompts):
+        raise ValueError(f"num_prompts must be in 1..{len(task.eval_prompts)} "
+                         f"(rl.eval_prompts), got {num_prompts!r}")
+    _, accuracy_fn = build_reward(cfg)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    s = cfg.sampling
+    greedy, passed, sampled = [], [], []
+    for i in range(0, n, batch_size):
+        prompts = task.eval_prompts[i:min(i + batch_size, n)]
+        meta = task.eval_metadata[i:min(i + batch_size, n)]
+        ids = encode_prompts(tokenizer, prompts)
+        common = dict(max_new_tokens=s.max_new_tokens, stop_ids=(eos,), pad_id=pad)
+        res = generate(model, ids, key=jax.random.key(0), temperature=0.0, **common)
+        greedy.append(_correct(accuracy_fn, _decode(tokenizer, res, eos), meta))
+        res = generate(model, ids, key=jax.random.key(cfg.run.seed + 1 + i),
+                       temperature=s.temperature, top_k=s.top_k or None,
+                       top_p=s.top_p if s.top_p < 1 else None, num_samples=k, **common)
+        rep_meta = [m for m in meta for _ in range(k)]
+        ok = _correct(accuracy_fn, _decode(tokenizer, res, eos), rep_meta).reshape(len(prompts), k)
+        passed.append(ok.any(axis=1))
+        sampled.append(ok.mean(axis=1))
+    return {"n": n, "k": k, "accuracy": float(np.concatenate(greedy).mean()),
+            f"pass@{k}": float(np.concatenate(passed).mean()),
+            "sample_accuracy": float(np.concatenate(sampled).mean()),
+            "temperature": s.temperature}
