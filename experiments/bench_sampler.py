@@ -1,0 +1,185 @@
+"""Sampler speed: rljax.sampling.generate vs transformers' generate on the reference model.
+
+The reference benchmark model (DESIGN.md): a random Qwen2 (hidden 256, 4 layers, 8 heads,
+4 kv heads, intermediate 704, vocab 32000, float32) built by transformers with a fixed
+torch seed, saved as an HF checkpoint to a temporary folder and loaded by both sides.
+Batch 32, prompts of 32 random tokens, exactly 128 new tokens sampled at temperature 1
+with no early stop on either side (no stop ids / no EOS, ``min_new_tokens=128``).
+
+After one warm-up each, the two sides run interleaved ``--runs`` times; the medians are
+compared. Beside each figure: the CPU time other processes used during that run (in
+cores, from /proc/stat minus this process's /proc/self/stat), because two processes
+timing on the same 2 cores slow each other several-fold. Also printed: rljax's decode
+step time beside the step's matmul FLOPs divided by the float32 matmul peak measured here.
+
+    python experiments/bench_sampler.py [--runs 5]
+
+Last line: ``RESULT rljax_tok_s=... hf_tok_s=... ratio=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BATCH, PROMPT_LEN, NEW_TOKENS = 32, 32, 128
+HF_CONFIG = dict(
+    hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+    intermediate_size=704, vocab_size=32000, max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+class CpuMeter:
+    """CPU time used by other processes during a block, in cores (jiffies / wall)."""
+
+    def __init__(self):
+        self.hz = os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _machine_busy():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + v[4]  # idle + iowait
+        return sum(v[:8]) - idle  # user nice system idle iowait irq softirq steal
+
+    @staticmethod
+    def _self_busy():
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime (fields 14, 15)
+
+    def __enter__(self):
+        self.t0, self.m0, self.s0 = time.perf_counter(), self._machine_busy(), self._self_busy()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.t0
+        others = (self._machine_busy() - self.m0) - (self._self_busy() - self.s0)
+        self.others_cores = max(others, 0) / self.hz / self.wall
+        self.self_cores = (self._self_busy() - self.s0) / self.hz / self.wall
+
+
+def build_checkpoint(path):
+    """The random reference Qwen2 (torch seed 0), saved as an HF checkpoint; returns it."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**HF_CONFIG, dtype="float32")
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    return model
+
+
+def matmul_peak_flops(n=2048, reps=5):
+    """Float32 matmul FLOP/s of this machine under XLA (best of ``reps``)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dot(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def decode_step_flops(cfg, rows, cache_len):
+    """Matmul FLOPs of one decode step (projections, MLP, lm head, attention)."""
+    h, n, k, d = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size
+    per_layer = d * (2 * n * h + 2 * k * h) + 3 * d * cfg.intermediate_size
+    attn = 2 * n * h * cache_len  # q.k and p.v per layer
+    per_token = cfg.num_layers * (per_layer + attn) + d * cfg.vocab_size
+    return 2 * rows * per_token
+
+
+def hf_run(model, prompts):
+    import torch
+
+    ids = torch.as_tensor(prompts, dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+            min_new_tokens=NEW_TOKENS, max_new_tokens=NEW_TOKENS, top_k=0, top_p=1.0,
+            temperature=1.0, eos_token_id=None, pad_token_id=0,
+        )
+    assert out.shape == (BATCH, PROMPT_LEN + NEW_TOKENS), out.shape
+    return out
+
+
+def rljax_run(model, prompts, key, new_tokens=NEW_TOKENS):
+    from rljax.sampling import generate
+
+    res = generate(model, prompts, key=key, max_new_tokens=new_tokens)
+    jax.block_until_ready(res)
+    assert int(res.completion_mask.sum()) == BATCH * new_tokens
+    return res
+
+
+def timed(fn):
+    with CpuMeter() as m:
+        fn()
+    return m
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5, help="interleaved timed runs per side (>= 3)")
+    args = ap.parse_args(argv)
+    if args.runs < 3:
+        raise SystemExit("--runs must be >= 3 (medians of interleaved runs)")
+    import torch
+
+    from rljax.models import from_pretrained
+
+    print(f"jax {jax.__version__} devices={jax.devices()} torch {torch.__version__} "
+          f"torch_threads={torch.get_num_threads()} cpus={os.cpu_count()} "
+          f"loadavg={os.getloadavg()}")
+    prompts = np.random.default_rng(0).integers(0, 32000, (BATCH, PROMPT_LEN)).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = build_checkpoint(tmp)
+        ours = from_pretrained(tmp)
+    new = BATCH * NEW_TOKENS
+    peak = matmul_peak_flops()
+    rljax_run(ours, prompts, jax.random.key(0))  # compile + warm-up
+    rljax_run(ours, prompts, jax.random.key(0), new_tokens=1)
+    hf_run(hf, prompts)
+    ours_m, hf_m, pre_m = [], [], []
+    for i in range(args.runs):
+        ours_m.append(timed(lambda: rljax_run(ours, prompts, jax.random.key(i + 1))))
+        hf_m.append(timed(lambda: hf_run(hf, prompts)))
+        pre_m.append(timed(lambda: rljax_run(ours, prompts, jax.random.key(i), new_tokens=1)))
+        print(f"run {i}: rljax {new / ours_m[-1].wall:7.0f} tok/s (others "
+              f"{ours_m[-1].others_cores:.2f} cores)   hf {new / hf_m[-1].wall:7.0f} tok/s "
+              f"(others {hf_m[-1].others_cores:.2f} cores)")
+    t_ours = statistics.median(m.wall for m in ours_m)
+    t_hf = statistics.median(m.wall for m in hf_m)
+    t_pre = statistics.median(m.wall for m in pre_m)
+    step = (t_ours - t_pre) / (NEW_TOKENS - 1)
+    flops = decode_step_flops(ours.config, BATCH, PROMPT_LEN + NEW_TOKENS - 1)
+    others = lambda ms: statistics.median(m.others_cores for m in ms)  # noqa: E731
+    ours_tok, hf_tok = new / t_ours, new / t_hf
+    print(f"rljax: median {ours_tok:.0f} new tok/s ({t_ours:.3f} s; others' CPU median "
+          f"{others(ours_m):.2f} cores)")
+    print(f"hf   : median {hf_tok:.0f} new tok/s ({t_hf:.3f} s; others' CPU median "
+          f"{others(hf_m):.2f} cores)")
+    print(f"rljax decode step {step * 1e3:.2f} ms (prefill+first token {t_pre * 1e3:.1f} ms); "
+          f"step matmul FLOPs {flops / 1e6:.0f} M / peak {peak / 1e9:.1f} GFLOP/s = "
+          f"{flops / peak * 1e3:.2f} ms floor ({flops / peak / step:.0%} of peak)")
+    print(f"ratio rljax/hf = {ours_tok / hf_tok:.2f}")
+    print(f"RESULT rljax_tok_s={ours_tok:.0f} hf_tok_s={hf_tok:.0f} "
+          f"ratio={ours_tok / hf_tok:.2f}")
+
+
+if __name__ == "__main__":
+    main()
