@@ -20,7 +20,7 @@ import numpy as np
 
 from rljax.train.experiment import ExperimentConfig
 
-__all__ = ["TaskData", "build_mesh", "build_model", "build_reward", "build_task", "build_tokenizer"]
+__all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_reward", "build_task", "build_tokenizer"]
 
 _EVAL_STREAM = 1_000_003  # seeds the held-out stream apart from the training stream
 
@@ -57,7 +57,7 @@ def build_model(cfg: ExperimentConfig, tokenizer, mesh=None, seed: int | None = 
     from rljax.models.tokenizer import check_vocab
 
     if cfg.hf_path is not None:
-        model = from_pretrained(cfg.hf_path, mesh=mesh)
+        model = from_pretrained(cfg.hf_path, dtype=cfg.compute_dtype, mesh=mesh)
     else:
         ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
         with ctx:
@@ -81,8 +81,17 @@ class TaskData:
     sft: Callable[[int, int], tuple[list[str], list[str]]]
 
 
-def _prompt_text(cfg: ExperimentConfig, tokenizer, text: str) -> str:
+def _fill(template: str, record: dict, field: str) -> str:
+    try:
+        return template.format(**record)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{field}={template!r} does not fit the task's records ({e!r}); "
+                         f"their fields: {sorted(record)}") from None
+
+
+def _prompt_text(cfg: ExperimentConfig, tokenizer, record: dict) -> str:
     t = cfg.task
+    text = _fill(t.prompt_template, record, "task.prompt_template")
     if t.chat_template:
         from rljax.data import build_chat_prompt
 
@@ -126,7 +135,7 @@ def _filter_length(cfg: ExperimentConfig, tokenizer, records: Sequence[dict], wh
 
     kept, report = filter_by_length(
         [dict(r) for r in records], LengthPolicy(cfg.task.max_prompt_tokens, action="drop"),
-        length_fn=lambda r: len(tokenizer.encode(_prompt_text(cfg, tokenizer, r["prompt"]),
+        length_fn=lambda r: len(tokenizer.encode(_prompt_text(cfg, tokenizer, r),
                                                  add_special_tokens=False)))
     if not kept:
         raise ValueError(f"{where}: every prompt is longer than task.max_prompt_tokens="
@@ -154,18 +163,14 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
 
     def rl_source(start: int, n: int):
         recs = records(start, n)
-        return [_prompt_text(cfg, tokenizer, r["prompt"]) for r in recs], recs
+        return [_prompt_text(cfg, tokenizer, r) for r in recs], recs
 
     def sft_source(start: int, n: int):
         recs = records(start, n)
-        try:
-            targets = [t.sft_template.format(**r) for r in recs]
-        except (KeyError, IndexError) as e:
-            raise ValueError(f"task.sft_template={t.sft_template!r} names a field the records "
-                             f"lack ({e}); fields: {sorted(recs[0])}") from None
-        return [_prompt_text(cfg, tokenizer, r["prompt"]) for r in recs], targets
+        targets = [_fill(t.sft_template, r, "task.sft_template") for r in recs]
+        return [_prompt_text(cfg, tokenizer, r) for r in recs], targets
 
-    eval_prompts = [_prompt_text(cfg, tokenizer, r["prompt"]) for r in eval_records]
+    eval_prompts = [_prompt_text(cfg, tokenizer, r) for r in eval_records]
     return TaskData(rl_source, eval_prompts, list(eval_records), sft_source)
 
 
@@ -204,7 +209,30 @@ def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
         return _import(r.function, "reward.function"), accuracy_fn
     terms = []
     if r.kind in ("accuracy", "accuracy+format"):
-        terms.append((r.accuracy_weight * r.correct_reward, acc))
+        terms.append((r.accuracy_weight * r.correct_reward, dataclasses.replace(acc, name="accuracy")))
     if r.kind in ("format", "accuracy+format"):
-        terms.append((r.format_weight if r.kind == "accuracy+format" else 1.0, rw.FormatReward(fmt)))
-    return [rw.WeightedSum(tuple(terms), name=r.kind)], accuracy_fn
+        terms.append((r.format_weight if r.kind == "accuracy+format" else 1.0,
+                      rw.FormatReward(fmt, name="format")))
+    return ComponentReward(tuple(terms)), accuracy_fn
+
+
+class ComponentReward:
+    """Batch reward `sum_j w_j f_j` over item rewards that keeps each term's batch mean.
+
+    `last` holds `{"reward/<name>": mean}` of the latest call, so the run logs the
+    accuracy and format terms separately (R1-Zero's two rewards).
+    """
+
+    is_batch_reward = True
+    name = "reward"
+
+    def __init__(self, terms: tuple[tuple[float, Callable], ...]):
+        self.terms, self.last = terms, {}
+
+    def __call__(self, completions, metadata) -> np.ndarray:
+        from rljax.rewards import score_batch
+
+        out = score_batch([f for _, f in self.terms], completions, metadata,
+                          weights=[w for w, _ in self.terms])
+        self.last = {f"reward/{k}": float(np.mean(v)) for k, v in out.components.items()}
+        return out.rewards

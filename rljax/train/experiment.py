@@ -77,6 +77,8 @@ class TaskConfig:
       chat_template: wrap prompts with the tokenizer's chat template.
       system_prompt: optional system message (chat template) or prefix.
       assistant_prefix: text appended after the prompt (e.g. "<think>" for R1-Zero).
+      prompt_template: the user text built from a record with `str.format` (default the
+        record's own "{prompt}"; e.g. a compact "{numbers}->{target}" for char models).
       sft_template: SFT target built from a record with `str.format` (e.g. "{solution}").
       max_prompt_tokens: prompt width; file prompts over it are dropped, counted, reported.
     """
@@ -95,6 +97,7 @@ class TaskConfig:
     chat_template: bool = False
     system_prompt: str | None = None
     assistant_prefix: str = ""
+    prompt_template: str = "{prompt}"
     sft_template: str = "{solution}"
     max_prompt_tokens: int = 256
 
@@ -106,7 +109,8 @@ class TaskConfig:
             _fail(c, "path", self.path, f"a local folder or file when name={self.name!r}")
         if self.name == "tfds" and not self.dataset:
             _fail(c, "dataset", self.dataset, "a TFDS dataset name when name='tfds'")
-        for f in ("split", "eval_split", "prompt_field", "answer_field", "sft_template"):
+        for f in ("split", "eval_split", "prompt_field", "answer_field", "prompt_template",
+                  "sft_template"):
             _check_str(c, f, getattr(self, f))
         _check_int(c, "max_number", self.max_number, 2)
         if not self.ops or not all(o in ("+", "-", "*", "/") for o in self.ops):
@@ -237,6 +241,8 @@ class ExperimentConfig:
       name: the experiment's name (used in the run summary).
       model: a `ModelConfig` for a randomly initialised model, or None with `hf_path`.
       hf_path: a local Hugging Face checkpoint folder to start from (exclusive with `model`).
+      compute_dtype: matmul dtype of a model loaded from `hf_path` ("float32" | "bfloat16";
+        parameters stay float32). A random-init model uses `model.compute_dtype`.
       tokenizer: a tokenizer folder, or "char" for `rljax.models`' character tokenizer
         (None: the one in `hf_path`).
       task, reward, algorithm, optim, sampling, rl: see their classes.
@@ -249,6 +255,7 @@ class ExperimentConfig:
     name: str = "experiment"
     model: ModelConfig | None = None
     hf_path: str | None = None
+    compute_dtype: str = "float32"
     tokenizer: str | None = "char"
     task: TaskConfig = TaskConfig()
     reward: RewardConfig = RewardConfig()
@@ -270,6 +277,8 @@ class ExperimentConfig:
         if self.model is not None and not isinstance(self.model, ModelConfig):
             _fail(c, "model", self.model, "a rljax.models.ModelConfig or None")
         _check_str(c, "hf_path", self.hf_path, optional=True)
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            _fail(c, "compute_dtype", self.compute_dtype, "'float32' or 'bfloat16'")
         _check_str(c, "tokenizer", self.tokenizer, optional=True)
         if self.tokenizer is None and self.hf_path is None:
             _fail(c, "tokenizer", None, "a folder or 'char' when there is no hf_path")

@@ -122,7 +122,8 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
         with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck:
             state, acc_before = _start(cfg, rd, ck, trainer, graphdef, params, value_params,
                                        task, tokenizer, mesh, progress_out)
-            state = _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, progress_out)
+            state = _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before,
+                             progress_out)
             after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
             _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before))
         if cfg.run.plots:
@@ -148,11 +149,12 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
         float(before.get("accuracy", 0.0))
 
 
-def _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out):
+def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out):
     bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=out, desc="rl")
     try:
         for step in range(int(state.step), cfg.rl.steps):
             state, metrics = trainer.step(state, task.train)
+            metrics.update(getattr(reward_fns, "last", {}))  # per-term reward means
             done = int(state.step)
             if cfg.rl.eval_every and done % cfg.rl.eval_every == 0 and done < cfg.rl.steps:
                 res = trainer.evaluate(state.params["policy"], task.eval_prompts, task.eval_metadata)

@@ -1,0 +1,91 @@
+"""GRPO on GSM8K with Qwen2.5-Instruct (0.5B or 1.5B), DeepSeekMath-style: a Cloud TPU recipe.
+
+Settings (DeepSeekMath, Shao et al. 2024, §4.1 and §4.2): group-normalised advantages,
+clip 0.2, KL to the reference in the loss with the k3 estimator and beta = 0.04, learning
+rate 1e-6 (constant after a short warm-up). DeepSeekMath samples 64 outputs per question;
+this recipe uses a group size of G = 8 with 64 questions per step (512 completions per
+step) to fit one v5litepod-8 host; raise `algorithm.group_size` on bigger slices.
+
+Reward: 1 when the answer extracted from the completion (last `\\boxed{}`, else GSM8K's
+`#### n`, else "the answer is ...") equals the reference (`rljax.rewards.math_equal`),
+else 0. Reference points (verl's published runs): Qwen2.5-0.5B-Instruct scores 49.6% on
+GSM8K before RL and 56.7% after PPO.
+
+Inputs (nothing is downloaded): the HF checkpoint folder at `hf_path` and GSM8K's JSONL
+release (`train.jsonl`, `test.jsonl`) at `task.path`; see tpu_setup/README.md.
+
+    rljax train gsm8k_qwen25_grpo --set hf_path=$HOME/models/Qwen2.5-1.5B-Instruct
+    rljax train gsm8k_qwen25_grpo --set smoke=true      # 2 steps on CPU, tiny random Qwen2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+
+from rljax.sharding import MeshConfig
+from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
+from rljax.train.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+
+INSTRUCTION = "{prompt}\nLet's think step by step and output the final answer after \"####\"."
+
+
+def config() -> ExperimentConfig:
+    """Qwen2.5-0.5B-Instruct, GRPO, G = 8, KL 0.04 (k3, in the loss), lr 1e-6."""
+    return ExperimentConfig(
+        name="gsm8k_qwen25_grpo",
+        hf_path=os.path.expanduser("~/models/Qwen2.5-0.5B-Instruct"),
+        compute_dtype="bfloat16",
+        tokenizer=None,  # the checkpoint's own tokenizer and chat template
+        task=TaskConfig(name="gsm8k", path=os.path.expanduser("~/data/gsm8k"), split="train",
+                        eval_split="test", prompt_field="question", answer_field="answer",
+                        prompt_template=INSTRUCTION, chat_template=True, max_prompt_tokens=320),
+        reward=RewardConfig(kind="accuracy", answer_mode="auto"),
+        algorithm=algorithm_preset("grpo", group_size=8, kl_coef=0.04, kl_kind="k3",
+                                   micro_batch_size=32),
+        optim=OptimConfig(lr=1e-6, warmup_steps=10, schedule="constant", weight_decay=0.0,
+                          clip_norm=1.0),
+        sampling=SamplingConfig(max_new_tokens=512, temperature=1.0),
+        rl=RLConfig(steps=200, prompts_per_step=64, eval_every=25, eval_prompts=1319,
+                    remat=True, logp_chunk=128),
+        mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
+        run=RunConfig(dir="runs/gsm8k_qwen25_grpo", seed=0, save_every=25, keep=3),
+    )
+
+
+def smoke_inputs(cfg: ExperimentConfig, root: str | None = None) -> ExperimentConfig:
+    """`cfg` pointed at a tiny random Qwen2 checkpoint and a small GSM8K-format set, made
+    now in a temporary folder, with two RL steps of a few short completions."""
+    from rljax.train.smoke import make_tiny_hf_checkpoint, write_gsm8k_like
+
+    root = root or tempfile.mkdtemp(prefix="rljax_smoke_")
+    ckpt = make_tiny_hf_checkpoint(os.path.join(root, "tiny-qwen2"), architecture="qwen2")
+    data = write_gsm8k_like(os.path.join(root, "gsm8k"))
+    return dataclasses.replace(
+        cfg, hf_path=str(ckpt), compute_dtype="float32",
+        task=dataclasses.replace(cfg.task, path=str(data), max_prompt_tokens=144),
+        algorithm=dataclasses.replace(cfg.algorithm, group_size=min(cfg.algorithm.group_size, 4),
+                                      micro_batch_size=0),
+        sampling=dataclasses.replace(cfg.sampling, max_new_tokens=8),
+        rl=dataclasses.replace(cfg.rl, steps=2, prompts_per_step=4, eval_every=0,
+                               eval_prompts=8, remat=False, logp_chunk=8),
+        run=dataclasses.replace(cfg.run, dir=cfg.run.dir + "_smoke", save_every=1),
+    )
+
+
+def smoke(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`--set smoke=true`: two steps on CPU with a tiny random Qwen2 checkpoint."""
+    return smoke_inputs(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python experiments/gsm8k_qwen25_grpo.py [--set k=v ...]` = `rljax train` of this file."""
+    from rljax.cli import main as cli_main
+
+    return cli_main(["train", __file__, *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The recipes' smoke settings: `rljax train RECIPE --set smoke=true` runs two RL steps on
+CPU (the GSM8K recipes with a tiny random Qwen2 checkpoint and GSM8K-format data made on
+the fly) and ends with the RESULT line."""
+
+import pathlib
+import re
+
+import pytest
+
+from rljax.cli import main
+from rljax.train.experiment import load_experiment
+from rljax.train.run_dir import read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_recipe_configs_state_their_settings():
+    grpo = load_experiment(ROOT / "experiments/gsm8k_qwen25_grpo.py")
+    assert (grpo.algorithm.name, grpo.algorithm.group_size, grpo.algorithm.kl_coef,
+            grpo.algorithm.kl_kind, grpo.optim.lr) == ("grpo", 8, 0.04, "k3", 1e-6)
+    assert "Qwen2.5-0.5B-Instruct" in grpo.hf_path and grpo.task.name == "gsm8k"
+    ppo = load_experiment(ROOT / "experiments/gsm8k_qwen25_ppo.py")
+    assert (ppo.algorithm.name, ppo.algorithm.kl_in, ppo.algorithm.kl_coef, ppo.optim.lr) == \
+        ("ppo", "reward", 0.04, 1e-6)
+    # Overrides pick the 1.5B model and the mesh.
+    big = load_experiment(ROOT / "experiments/gsm8k_qwen25_grpo.py",
+                          ["hf_path=/m/Qwen2.5-1.5B-Instruct", "mesh.fsdp=4", "mesh.tensor=2"])
+    assert big.hf_path.endswith("1.5B-Instruct") and (big.mesh.fsdp, big.mesh.tensor) == (4, 2)
+
+
+@pytest.mark.parametrize("recipe", ["gsm8k_qwen25_grpo", "gsm8k_qwen25_ppo", "countdown_r1zero"])
+def test_smoke_runs_two_steps(recipe, tmp_path, capsys):
+    run_dir = tmp_path / recipe
+    rc = main(["train", str(ROOT / f"experiments/{recipe}.py"), "--set", "smoke=true",
+               "--set", f"run.dir={run_dir}"])
+    assert rc == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"RESULT accuracy_before=\S+ accuracy_after=\S+ wall_s=\S+", last), last
+    rl = [r for r in read_metrics(run_dir) if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2]
+    if recipe == "gsm8k_qwen25_ppo":
+        assert "value_loss" in " ".join(rl[0]) or any("value" in k for k in rl[0])
+    if recipe == "countdown_r1zero":
+        assert {"reward/accuracy", "reward/format"} <= set(rl[0])
