@@ -77,29 +77,6 @@ def chunked_logprobs(
     return logp_BxT, ent_BxT
 
 
-def _hidden_states_remat(model, ids_BxL, mask_BxL):
-    """``model.hidden_states`` with each decoder layer under ``jax.checkpoint``.
-
-    Mirrors ``rljax.models.Decoder.hidden_states`` (which has no remat switch yet); only
-    each layer's input is kept for the backward pass.
-    """
-    from rljax.models.decoder import default_positions
-    from rljax.models.layers import rope_cos_sin
-
-    t = ids_BxL.shape[1]
-    mask = jnp.asarray(mask_BxL, bool)
-    i = jnp.arange(t)
-    allowed = ((i[None, :, None] >= i[None, None, :]) & mask[:, None, :]) | (
-        i[:, None] == i[None, :]
-    )[None]
-    cos_sin = rope_cos_sin(model.config, default_positions(mask))
-    x = model._embed(ids_BxL)
-    for layer in model.layers:
-        gd, st = nnx.split(layer)
-        x = jax.checkpoint(lambda s, xx, gd=gd: nnx.merge(gd, s)(xx, cos_sin, allowed)[0])(st, x)
-    return model.final_norm(x)
-
-
 def completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT, completion_mask_BxT,
                       *, remat: bool = False) -> Array:
     """Hidden states ``[B, T, D]`` that predict each completion token.
@@ -111,10 +88,7 @@ def completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT, comple
     t = completion_BxT.shape[1]
     ids = jnp.concatenate([prompt_BxP, completion_BxT], axis=1).astype(jnp.int32)
     mask = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT], axis=1) > 0
-    if remat:
-        h = _hidden_states_remat(model, ids, mask)
-    else:
-        h = model.hidden_states(ids, mask_BxT=mask)
+    h = model.hidden_states(ids, mask_BxT=mask, remat=remat)
     return h[:, p - 1 : p + t - 1]
 
 

@@ -18,24 +18,22 @@ import numpy as np
 from flax import nnx
 
 from rljax import objectives as obj
+from rljax.train.logprobs import completion_hidden
 
 Array = Any
 
 
-def value_predictions(graphdef, params, seqs: dict) -> Array:
+def value_predictions(graphdef, params, seqs: dict, *, remat: bool = False) -> Array:
     """Value predictions ``[B, T]`` for the states before each completion token.
 
-    The value model reads ``concat(prompt, completion)``; its output at position
-    ``P - 1 + t`` is V(state before completion token t), aligned with the log-prob of
-    token t.
+    The value model (``rljax.models.ValueModel``) reads ``concat(prompt, completion)``;
+    its output at position ``P - 1 + t`` is V(state before completion token t), aligned
+    with the log-prob of token t.
     """
     model = nnx.merge(graphdef, params)
-    p = seqs["prompt_BxP"].shape[1]
-    t = seqs["completion_BxT"].shape[1]
-    ids = jnp.concatenate([seqs["prompt_BxP"], seqs["completion_BxT"]], axis=1).astype(jnp.int32)
-    mask = jnp.concatenate([seqs["prompt_mask_BxP"], seqs["completion_mask_BxT"]], axis=1) > 0
-    v_BxL = model(ids, mask_BxT=mask)
-    return v_BxL[:, p - 1 : p + t - 1].astype(jnp.float32)
+    h_BxTxD = completion_hidden(model, seqs["prompt_BxP"], seqs["prompt_mask_BxP"],
+                                seqs["completion_BxT"], seqs["completion_mask_BxT"], remat=remat)
+    return model.values_from_hidden(h_BxTxD).astype(jnp.float32)
 
 
 def ppo_advantages(rewards_B, logp_BxT, ref_logp_BxT, values_BxT, mask_BxT, *, kl_coef,

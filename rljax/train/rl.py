@@ -42,7 +42,7 @@ def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, te
     m = mb["completion_mask_BxT"]
     values = None
     if value_gd is not None:
-        values = ppo_lib.value_predictions(value_gd, params["value"], mb)
+        values = ppo_lib.value_predictions(value_gd, params["value"], mb, remat=remat)
     batch = obj.ObjectiveBatch(
         logp_BxT=logp, old_logp_BxT=sg(logp) if self_old else mb["old_logp_BxT"], mask_BxT=m,
         adv_BxT=mb["adv_BxT"], ref_logp_BxT=mb.get("ref_logp_BxT"),

@@ -1,0 +1,139 @@
+"""The main job: RL visibly improves a small model on a verifiable task, on 2 CPU cores.
+
+3-digit addition ("123+456=" -> "579"), a character tokenizer and a small decoder trained
+from scratch:
+
+1. a short SFT warm-up on worked examples, so the model has partial ability;
+2. held-out greedy accuracy;
+3. GRPO (DeepSeekMath settings, with a learning-rate warm-up) on fresh prompts, with
+   only the verifier as reward: no reference completions;
+4. held-out greedy accuracy again.
+
+For honesty it then measures what continuing SFT for the same wall time reaches (with
+perfect worked examples SFT is very efficient on a task like this; the demo shows RL
+learning from a verifier, not that RL beats SFT here). The SFT schedule is constant after
+its warm-up, so a longer SFT run from the same seed *is* the continuation.
+
+Run: `rljax train arithmetic_grpo` (the RL run only) or
+`python experiments/arithmetic_grpo.py [--no-baseline] [--set key=value ...]`.
+The last line is `RESULT accuracy_before=... accuracy_after=... wall_s=...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from rljax.models import ModelConfig
+from rljax.train.config import (OptimConfig, RLConfig, SamplingConfig, SFTConfig,
+                                algorithm_preset)
+from rljax.train.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+
+VOCAB = 100  # rljax.models.tokenizer.build_char_tokenizer(): 4 specials + 96 characters
+
+
+def config() -> ExperimentConfig:
+    """The demo's frozen config (override any field with `--set a.b=value`)."""
+    return ExperimentConfig(
+        name="arithmetic_grpo",
+        model=ModelConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024,
+                          num_layers=2, num_heads=4, num_kv_heads=4,
+                          max_position_embeddings=64),
+        tokenizer="char",
+        task=TaskConfig(name="arithmetic", difficulty=3, ops=("+",), style="plain",
+                        max_prompt_tokens=8, sft_template="{solution}"),
+        reward=RewardConfig(kind="accuracy"),
+        sft=SFTConfig(steps=350, batch_size=64,
+                      optim=OptimConfig(lr=1e-3, warmup_steps=20, schedule="constant")),
+        # GRPO as in DeepSeekMath (group-normalised advantages, clip 0.2, k3 KL 0.04), with
+        # a warm-up: a constant lr on a fresh Adam state collapsed accuracy to 0.
+        algorithm=algorithm_preset("grpo", group_size=8),
+        optim=OptimConfig(lr=1e-4, warmup_steps=10, schedule="constant"),
+        sampling=SamplingConfig(max_new_tokens=5, temperature=1.0),
+        rl=RLConfig(steps=60, prompts_per_step=16, eval_prompts=512, logp_chunk=8),
+        run=RunConfig(dir="runs/arithmetic_grpo", seed=0, overwrite=True, plots=True),
+    )
+
+
+def smoke(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Two RL steps with a tiny model (for tests of the recipe)."""
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, hidden_size=32, intermediate_size=64),
+        sft=dataclasses.replace(cfg.sft, steps=2, batch_size=8),
+        rl=dataclasses.replace(cfg.rl, steps=2, prompts_per_step=2, eval_prompts=8),
+    )
+
+
+def sft_baseline(cfg: ExperimentConfig, seconds: float) -> tuple[float, int]:
+    """Held-out accuracy of SFT continued for about `seconds` past the warm-up."""
+    from flax import nnx
+
+    from rljax.train import builders
+    from rljax.train.batching import encode_pairs
+    from rljax.train.rl import RLTrainer
+    from rljax.train.sft import SFTTrainer
+
+    tok = builders.build_tokenizer(cfg)
+    mesh = builders.build_mesh(cfg)
+    graphdef, params = nnx.split(builders.build_model(cfg, tok, mesh))
+    task = builders.build_task(cfg, tok)
+    sft = SFTTrainer(graphdef, cfg.sft, mesh=mesh)
+    state = sft.init_state(params, seed=cfg.run.seed)
+    bs, step, deadline = cfg.sft.batch_size, 0, None
+    while deadline is None or time.perf_counter() < deadline:
+        prompts, targets = task.sft(step * bs, bs)
+        state, _ = sft.step(state, encode_pairs(tok, prompts, targets, cfg.task.max_prompt_tokens,
+                                                cfg.sampling.max_new_tokens))
+        step += 1
+        if step == cfg.sft.steps:  # the warm-up is done: now the same time as RL took
+            deadline = time.perf_counter() + seconds
+    reward_fns, accuracy_fn = builders.build_reward(cfg)
+    ev = RLTrainer(graphdef, tok, reward_fns, algorithm=cfg.algorithm, optim=cfg.optim,
+                   sampling=cfg.sampling, rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens,
+                   accuracy_fn=accuracy_fn, mesh=mesh)
+    res = ev.evaluate(state.params["policy"], task.eval_prompts, task.eval_metadata)
+    return res["accuracy"], step - cfg.sft.steps
+
+
+def main(argv=None) -> int:
+    """Run the demo; print before/after accuracy, the SFT baseline and the RESULT line."""
+    from rljax.train.overrides import apply_overrides
+    from rljax.train.runner import run_experiment
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the SFT baseline")
+    args = ap.parse_args(argv)
+    cfg = apply_overrides(config(), args.set)
+    t0 = time.perf_counter()
+    res = run_experiment(cfg)
+    print(f"held-out greedy accuracy: before GRPO {res.accuracy_before:.3f}, after "
+          f"{res.accuracy_after:.3f} (gain {res.accuracy_after - res.accuracy_before:+.3f}); "
+          f"run {res.wall_s:.1f} s")
+    extra = ""
+    if not args.no_baseline:
+        rl_seconds = _rl_seconds(res.run_dir)
+        acc, steps = sft_baseline(cfg, rl_seconds)
+        print(f"honesty baseline: SFT continued for the RL phase's {rl_seconds:.1f} s "
+              f"({steps} more SFT steps) reaches {acc:.3f} held-out accuracy "
+              f"(GRPO reached {res.accuracy_after:.3f} from the verifier alone)")
+        extra = f" sft_baseline_accuracy={acc:.4f}"
+    print(f"total wall time including baseline: {time.perf_counter() - t0:.1f} s")
+    print(f"RESULT accuracy_before={res.accuracy_before:.4f} "
+          f"accuracy_after={res.accuracy_after:.4f} wall_s={res.wall_s:.1f}{extra}")
+    return 0
+
+
+def _rl_seconds(run_dir: str) -> float:
+    """Wall time of the RL steps, from the run's metrics (sum of per-phase times)."""
+    from rljax.train.run_dir import read_metrics
+
+    rows = [r for r in read_metrics(run_dir) if r.get("phase") == "rl"]
+    return float(sum(v for r in rows for k, v in r.items() if k.startswith("time_")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
