@@ -39,6 +39,6 @@ def test_smoke_runs_two_steps(recipe, tmp_path, capsys):
     rl = [r for r in read_metrics(run_dir) if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2]
     if recipe == "gsm8k_qwen25_ppo":
-        assert "value_loss" in " ".join(rl[0]) or any("value" in k for k in rl[0])
+        assert {"value_loss", "grad_norm_value", "kl_coef"} <= set(rl[0])
     if recipe == "countdown_r1zero":
         assert {"reward/accuracy", "reward/format"} <= set(rl[0])

@@ -223,13 +223,14 @@ class RunDir:
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
-    def truncate_metrics(self, after_step: int, phase: str = "rl") -> None:
-        """Drop `phase`'s metric lines with step > `after_step` (resuming from that
-        checkpoint), so the file reads as one uninterrupted run."""
+    def truncate_metrics(self, after_step: int, phase: str | None = "rl") -> None:
+        """Drop `phase`'s metric lines (every phase's when None) with step > `after_step`
+        (resuming from that checkpoint), so the file reads as one uninterrupted run."""
         self._metrics.close()
         path = self.path / METRICS_FILE
         keep = [r for r in read_metrics(path)
-                if r.get("phase", "rl") != phase or r.get("step", -1) <= after_step]
+                if (phase is not None and r.get("phase", "rl") != phase)
+                or r.get("step", -1) <= after_step]
         _write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
         self._metrics = open(path, "a", encoding="utf-8")
 

@@ -125,7 +125,8 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
             state = _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before,
                              progress_out)
             after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
-            _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before))
+            _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
+                  force=True)  # the final state, whatever save_every is
         if cfg.run.plots:
             rd.plot()
     finally:
@@ -141,6 +142,8 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
         rd.truncate_metrics(int(meta["step"]))
         print(f"[rljax] resumed {rd.path} at step {meta['step']}", file=out)
         return state, float(meta["accuracy_before"])
+    if rd.resumed:  # resume asked, but no checkpoint yet: start over, from a clean record
+        rd.truncate_metrics(-1, phase=None)
     if cfg.sft is not None and cfg.sft.steps > 0:
         params = _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, out)
     before = _evaluate(trainer, params, task, rd, "eval_before")

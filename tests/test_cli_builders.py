@@ -1,0 +1,72 @@
+"""builders: ExperimentConfig sections -> prompt sources and reward functions."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from rljax.models import ModelConfig
+from rljax.models.tokenizer import build_char_tokenizer
+from rljax.train.builders import build_reward, build_task
+from rljax.train.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+from rljax.train.smoke import write_gsm8k_like
+
+TOK = build_char_tokenizer()
+MODEL = ModelConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_layers=1,
+                    num_heads=2, num_kv_heads=1)
+
+
+def _cfg(**kw):
+    return ExperimentConfig(model=MODEL, **kw)
+
+
+def test_procedural_sources_are_positional_and_held_out_is_separate():
+    cfg = _cfg(task=TaskConfig(name="countdown", difficulty=2, max_number=10,
+                               prompt_template="{numbers} {target} ", assistant_prefix="<think>",
+                               sft_template="{solution}</think><answer>{solution}</answer>"))
+    task = build_task(cfg, TOK)
+    p, m = task.train(10, 4)
+    p2, m2 = task.train(12, 2)  # position-addressed: a resumed run reads the same prompts
+    assert p[2:] == p2 and m[2:] == m2
+    assert p[0] == f"{m[0]['numbers']} {m[0]['target']} <think>"
+    assert task.train(10, 4)[0] != build_task(dataclasses.replace(cfg, run=RunConfig(seed=1)),
+                                              TOK).train(10, 4)[0]
+    train_set = {q for q in task.train(0, 200)[0]}
+    assert len(task.eval_prompts) == cfg.rl.eval_prompts
+    prompts, targets = task.sft(0, 3)
+    sol = task.train(0, 3)[1][0]["solution"]
+    assert targets[0] == f"{sol}</think><answer>{sol}</answer>" and prompts == task.train(0, 3)[0]
+    assert len(train_set) > 20
+
+
+def test_gsm8k_files_shuffled_by_epoch_and_long_prompts_dropped(tmp_path):
+    data = write_gsm8k_like(tmp_path / "gsm8k", n_train=10, n_test=6)
+    with open(data / "test.jsonl", "a") as fh:  # one over-long held-out prompt
+        fh.write(json.dumps({"question": "x" * 500, "answer": "so #### 1"}) + "\n")
+    cfg = _cfg(task=TaskConfig(name="gsm8k", path=str(data), max_prompt_tokens=200))
+    task = build_task(cfg, TOK)
+    assert len(task.eval_prompts) == 6  # the long one was dropped (and reported)
+    first_epoch = task.train(0, 10)[1]
+    assert sorted(r["question"] if "question" in r else r["prompt"] for r in first_epoch) == \
+        sorted(r["prompt"] for r in task.train(10, 10)[1])  # next epoch: same records
+    assert all("answer" in r and "####" not in r["answer"] for r in first_epoch)
+    with pytest.raises(ValueError, match="task.prompt_template"):
+        build_task(dataclasses.replace(cfg, task=dataclasses.replace(
+            cfg.task, prompt_template="{nope}")), TOK)
+
+
+def test_rewards_compose_and_report_components():
+    cfg = _cfg(task=TaskConfig(name="countdown", difficulty=2, assistant_prefix="<think>"),
+               reward=RewardConfig(kind="accuracy+format", format_weight=0.5))
+    fn, accuracy_fn = build_reward(cfg)
+    meta = {"numbers": [7, 4], "target": 28}
+    outs = ["7 * 4</think><answer>7 * 4</answer>", "x</think><answer>7 + 4</answer>", "7*4"]
+    r = fn(outs, [meta] * 3)
+    np.testing.assert_allclose(r, [1.5, 0.5, 0.0])
+    assert fn.last == pytest.approx({"reward/accuracy": 1 / 3, "reward/format": 2 / 3})
+    assert [accuracy_fn(o, meta) for o in outs] == [True, False, False]
+    math_fn, math_acc = build_reward(_cfg(task=TaskConfig(name="gsm8k", path="/x"),
+                                          reward=RewardConfig(correct_reward=10.0)))
+    np.testing.assert_allclose(math_fn(["so #### 1,000", "#### 7"], [{"answer": "1000"}] * 2),
+                               [10.0, 0.0])
