@@ -115,13 +115,28 @@ def _procedural(cfg: ExperimentConfig) -> Callable[[int, int], list[dict]]:
                                      for i in range(n)]
 
 
+class _Mapped:
+    """A random-access sequence seen through `fn` (records transformed when read)."""
+
+    def __init__(self, seq, fn):
+        self.seq, self.fn = seq, fn
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.fn(self.seq[i])
+
+
 def _records(cfg: ExperimentConfig, split: str) -> Sequence[dict]:
     from rljax.data import TfdsPromptSource, gsm8k_transform, load_prompts
 
     t = cfg.task
     mapping = {"prompt": t.prompt_field, "answer": t.answer_field}
     if t.name == "tfds":
-        return TfdsPromptSource(split=split, name=t.dataset, data_dir=t.path, mapping=mapping)
+        src = TfdsPromptSource(split=split, name=t.dataset, data_dir=t.path, mapping=mapping)
+        # GSM8K keeps "#### answer" at the end of its solution field, on TFDS too.
+        return _Mapped(src, gsm8k_transform) if t.dataset == "gsm8k" else src
     path = pathlib.Path(t.path)
     if path.is_dir():
         suffix = ".parquet" if t.name == "parquet" else ".jsonl"
