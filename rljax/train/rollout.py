@@ -112,7 +112,12 @@ def _sample(graphdef, params, prompt_ids: list, key, sampling: SamplingConfig, *
         num_samples=num_samples, pad_id=pad_id, mesh=mesh,
     )
     out = jax.device_get(out)
-    return (np.asarray(out.prompt_tokens, np.int32), np.asarray(out.prompt_mask, np.float32),
+    # The sampler left-pads prompts to a bucket width; drop columns that are padding in
+    # every row so the training forward passes do not pay for them.
+    pm = np.asarray(out.prompt_mask, bool)
+    first = int(np.argmax(pm.any(axis=0))) if pm.any() else 0
+    return (np.asarray(out.prompt_tokens, np.int32)[:, first:],
+            np.asarray(out.prompt_mask, np.float32)[:, first:],
             np.asarray(out.tokens, np.int32), np.asarray(out.completion_mask, np.float32),
             np.asarray(out.sampling_logprobs, np.float32), np.asarray(out.truncated, bool))
 
