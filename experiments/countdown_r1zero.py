@@ -22,7 +22,7 @@ Measured here (2026-12-02, 1 CPU device, seed 0, 4 min 13 s wall including compi
 held-out greedy accuracy 0.32 after the SFT warm-up -> 0.36 after 60 GRPO steps (128
 prompts, so within noise: the standard error is about 0.04); on the sampled rollouts the
 accuracy reward went from about 0.07 (steps 1-8) to 0.10-0.14 (steps 44-60) and the
-format reward from about 0.80 to 0.85-0.89. With a constant 3e-4 the same run lost
+format reward from about 0.80 to 0.85-0.89. With lr 3e-4 (same warm-up) the same run lost
 accuracy (0.32 -> 0.16 greedy at step 20), the arithmetic demo's lesson again. A clear
 rise on Countdown needs more RL steps than this CPU budget; the settings are a starting
 point, not a tuned result.

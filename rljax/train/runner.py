@@ -125,6 +125,7 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
             state = _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before,
                              progress_out)
             after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
+            rd.log(int(state.step), {f"eval/{k}": v for k, v in after.items()}, phase="eval")
             _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
                   force=True)  # the final state, whatever save_every is
         if cfg.run.plots:
