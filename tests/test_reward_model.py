@@ -111,3 +111,24 @@ def test_bad_input():
         train_reward_model(None, {"chosen_BxT": np.zeros((2, 3))}, RewardModelConfig())
     with pytest.raises(FileNotFoundError, match="not a saved reward model"):
         load_reward_model("/nonexistent")
+
+
+def test_reward_model_as_the_runs_reward(tmp_path):
+    """RewardConfig(kind="reward_model") loads a saved model + tokenizer as a batch reward."""
+    from rljax.models.tokenizer import build_char_tokenizer
+    from rljax.train.builders import build_reward
+    from rljax.train.experiment import ExperimentConfig, RewardConfig
+
+    tok = build_char_tokenizer()
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, max_position_embeddings=64)
+    model = init_reward_model(cfg, seed=3)
+    save_reward_model(model, tmp_path / "rm", tokenizer=tok)
+    exp = ExperimentConfig(model=cfg, reward=RewardConfig(kind="reward_model",
+                                                          model_path=str(tmp_path / "rm")))
+    fn, _ = build_reward(exp)
+    assert getattr(fn, "is_batch_reward", False)
+    texts, meta = ["12", "345"], [{"prompt": "1+1="}, {"prompt": "2+2="}]
+    direct = RewardModelScorer(model, tok, max_len=64)(texts, meta)
+    np.testing.assert_allclose(fn(texts, meta), direct, rtol=1e-6)
+    assert direct[0] != direct[1]
