@@ -134,7 +134,8 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         """Steps with a complete (finalised) checkpoint, ascending."""
         steps = []
-        for step in self._mgr.all_steps(read=True):
+        self._mgr.reload()  # see steps written by another process (or before a restart)
+        for step in self._mgr.all_steps():
             if (self.directory / str(step) / _FINAL_MARKER).exists():
                 steps.append(int(step))
         return sorted(steps)
