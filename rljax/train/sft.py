@@ -8,6 +8,7 @@ micro-batched, sharded, donated update step as RL (`rljax.train.step.Learner`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,8 +22,9 @@ from rljax.train.step import Learner, TrainState, make_optimizer, new_train_stat
 def sft_loss(graphdef, params, mb: dict, coef=None, *, chunk: int = 256, remat: bool = False):
     """``(loss_sum, count, metrics)`` of the masked completion NLL for one micro-batch.
 
-    ``params`` is ``{"policy": state}``; metrics: ``nll`` (token mean), ``token_acc``
-    (argmax not available without full logits, so: fraction of tokens with p > 0.5).
+    ``params`` is ``{"policy": state}``; metrics (token means): ``nll``, ``p_gt_half``
+    (fraction of target tokens given probability > 0.5, a cheap stand-in for argmax
+    accuracy without full logits) and ``entropy``.
     """
     logp_BxT, ent_BxT = policy_logprobs(graphdef, params["policy"], mb, chunk=chunk, remat=remat)
     m_BxT = mb["completion_mask_BxT"]
@@ -65,7 +67,7 @@ class SFTTrainer:
     def step(self, state: TrainState, batch: dict):
         """One SFT update; returns ``(state, metrics: dict[str, float])``."""
         state, m = self.learner.update(state, batch, None, what="SFT batch")
-        state = state.__class__(**{**state.__dict__, "step": state.step + 1})
+        state = dataclasses.replace(state, step=state.step + 1)
         return state, {k: float(v) for k, v in m.items()}
 
     def eval_loss(self, state_or_params, batch: dict) -> float:
