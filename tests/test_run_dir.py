@@ -146,3 +146,11 @@ def test_summary_last_line():
         format_summary(accuracy_before=0.2, accuracy_after=81.0, wall_s=1.0)
     with pytest.raises(ValueError, match="wall_s"):
         format_summary(accuracy_before=0.2, accuracy_after=0.3, wall_s=-1)
+
+
+def test_non_primary_process_writes_nothing(tmp_path):
+    with RunDir(tmp_path / "r", Cfg(), primary=False) as rd:
+        rd.log(1, {"reward": 1.0})
+        rd.write_json("eval", {"a": 1})
+        assert rd.plot() == [] and rd.metrics() == []
+    assert not (tmp_path / "r").exists()

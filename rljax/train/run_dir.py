@@ -130,17 +130,25 @@ class RunDir:
       tensorboard: write tensorboardX event files under `tb/`.
       wandb_project: also log to Weights & Biases under this project (needs `wandb`).
       hash_exclude: config keys left out of the hash.
+      primary: False on the non-first processes of a multi-host run: they apply no refusal
+        rule and write nothing (the first process owns the directory's files; checkpoints
+        are written by every process through orbax).
     """
 
     def __init__(self, path: str | pathlib.Path, config: Any, *, resume: bool = False,
                  overwrite: bool = False, tensorboard: bool = True,
                  wandb_project: str | None = None,
-                 hash_exclude: tuple[str, ...] = DEFAULT_HASH_EXCLUDE):
+                 hash_exclude: tuple[str, ...] = DEFAULT_HASH_EXCLUDE, primary: bool = True):
         if resume and overwrite:
             raise RunDirError("resume and overwrite are exclusive: choose one")
         self.path = pathlib.Path(path).absolute()
         self.config = config_to_dict(config)
         self.config_hash = config_hash(config, hash_exclude)
+        self.primary = primary
+        if not primary:
+            self.resumed, self._tb, self._wandb = resume, None, None
+            self._metrics = open(os.devnull, "a", encoding="utf-8")
+            return
         self.resumed = self._prepare(resume, overwrite)
         self.path.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.path / CONFIG_FILE, json.dumps(
@@ -226,6 +234,8 @@ class RunDir:
     def truncate_metrics(self, after_step: int, phase: str | None = "rl") -> None:
         """Drop `phase`'s metric lines (every phase's when None) with step > `after_step`
         (resuming from that checkpoint), so the file reads as one uninterrupted run."""
+        if not self.primary:
+            return
         self._metrics.close()
         path = self.path / METRICS_FILE
         keep = [r for r in read_metrics(path)
@@ -239,17 +249,23 @@ class RunDir:
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"name must be a plain file stem, got {name!r}")
         out = self.path / f"{name}.json"
+        if not self.primary:
+            return out
         _write_atomic(out, json.dumps(_jsonable(obj), indent=2))
         return out
 
     def metrics(self) -> list[dict[str, Any]]:
         """All records logged so far (including before a resume)."""
+        if not self.primary:
+            return []
         if not self._metrics.closed:
             self._metrics.flush()
         return read_metrics(self.path)
 
     def plot(self) -> list[pathlib.Path]:
         """Draw the PNG plots of the metrics so far into `plots/`."""
+        if not self.primary:
+            return []
         return _plots.plot_metrics(self.metrics(), self.plots_dir)
 
     def close(self) -> None:

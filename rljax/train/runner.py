@@ -20,6 +20,8 @@ import sys
 import time
 from typing import TextIO
 
+import jax
+
 from rljax.train import builders
 from rljax.train.checkpoint import Checkpointer
 from rljax.train.experiment import ExperimentConfig
@@ -103,10 +105,11 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
     t0 = time.perf_counter()
     progress_out = out if out is not None else sys.stderr
     rd = RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
-                tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project)
+                tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project,
+                primary=jax.process_index() == 0)
     try:
         tokenizer = builders.build_tokenizer(cfg)
-        if not (rd.path / "tokenizer").exists():
+        if rd.primary and not (rd.path / "tokenizer").exists():
             tokenizer.save_pretrained(str(rd.path / "tokenizer"))
         mesh = builders.build_mesh(cfg)
         model = builders.build_model(cfg, tokenizer, mesh)
