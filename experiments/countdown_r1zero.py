@@ -68,12 +68,12 @@ def config() -> ExperimentConfig:
 
 
 def smoke(cfg: ExperimentConfig) -> ExperimentConfig:
-    """Two RL steps (and two SFT steps) with a 1-layer model: a quick end-to-end check."""
+    """Two RL steps with a 1-layer model and no SFT warm-up: a quick end-to-end check."""
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, hidden_size=32, intermediate_size=64, num_layers=1),
         sampling=dataclasses.replace(cfg.sampling, max_new_tokens=12),
-        sft=dataclasses.replace(cfg.sft, steps=2, batch_size=8),
+        sft=None,
         rl=dataclasses.replace(cfg.rl, steps=2, prompts_per_step=4, eval_every=0, eval_prompts=8),
         algorithm=dataclasses.replace(cfg.algorithm, group_size=4),
         run=dataclasses.replace(cfg.run, dir=cfg.run.dir + "_smoke", save_every=1),
