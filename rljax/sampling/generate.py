@@ -33,12 +33,16 @@ def _stop_ids(stop_ids, vocab_size) -> tuple[int, ...]:
     return out
 
 
+_CONFIGS: dict = {}  # graphdef -> ModelConfig (merging a model only to read it is slow)
+
+
 def _split(model):
     """(graphdef, state, config) from a Decoder or a (graphdef, state) pair."""
     if isinstance(model, tuple) and len(model) == 2:
         graphdef, state = model
-        config = nnx.merge(graphdef, state).config
-        return graphdef, state, config
+        if graphdef not in _CONFIGS:
+            _CONFIGS[graphdef] = nnx.merge(graphdef, state).config
+        return graphdef, state, _CONFIGS[graphdef]
     if not hasattr(model, "forward_cached") or not hasattr(model, "config"):
         raise TypeError(
             "model must be an rljax.models.Decoder or a (graphdef, state) pair from "
