@@ -221,3 +221,27 @@ def test_top_p_mask_matches_sorted_cumsum_definition(p):
 def test_block_size_is_near_sqrt_v(v):
     bs = ops._block_size(v)
     assert np.sqrt(v) / 2 <= bs <= 2 * np.sqrt(v) or v < 64
+
+
+@pytest.mark.parametrize(
+    "params",
+    [ops.SamplingParams(), ops.SamplingParams(0.6), ops.SamplingParams(0.0),
+     ops.SamplingParams(1.3, top_k=40, top_p=0.9)],
+    ids=["T1", "T.6", "greedy", "filters"],
+)
+def test_vocab_major_layout_draws_the_same_tokens(params):
+    """sample_tokens_VxR on logits.T equals sample_tokens on logits (same uniforms)."""
+    x = jax.random.normal(jax.random.key(14), (48, 32000)) * 3
+    key = jax.random.key(15)
+    a = ops.sample_tokens(key, x, params)
+    b = jax.jit(lambda k, xt: ops.sample_tokens_VxR(k, xt, params))(key, x.T)
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    for u, v in zip(a[1:], b[1:]):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), atol=1e-5)
+
+
+def test_vocab_major_layout_matches_softmax():
+    x = _logits(seed=16)
+    fn = jax.jit(lambda k, xt: ops.sample_tokens_VxR(k, xt, ops.SamplingParams()))
+    tok, _, _ = fn(jax.random.key(17), jnp.broadcast_to(jnp.asarray(x)[:, None], (V, N_DRAWS)))
+    _check_fit(np.asarray(tok), _softmax64(x))

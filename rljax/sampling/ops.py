@@ -27,6 +27,7 @@ __all__ = [
     "greedy",
     "inverse_cdf_sample",
     "sample_tokens",
+    "sample_tokens_VxR",
     "token_logprobs",
 ]
 
@@ -267,3 +268,66 @@ def sample_tokens(
     if params.is_plain:  # the sampling distribution is the policy: reuse the exp pass
         return tokens_B, sampling_logp_B, sampling_logp_B
     return tokens_B, token_logprobs(logits_BxV, tokens_B), sampling_logp_B
+
+
+# --- Vocab-major layout: logits_VxR = W_VxD . h_RxD, for the decode loop. -------------
+# On XLA:CPU the output projection as [V, D] x [D, R] -> [V, R] runs ~1.5x faster than
+# [R, D] x [D, V] at R = 32, V = 32000 (measured), and reductions over V then run along
+# the major axis, vectorised over rows. The draws use the same uniforms and blocks as
+# the row-major functions, so both layouts sample the same tokens.
+
+
+def _inverse_cdf_cols(w_NxR: jax.Array, u_R: jax.Array) -> jax.Array:
+    """``_inverse_cdf`` along axis 0 (one column per row)."""
+    c_NxR = jnp.cumsum(w_NxR, axis=0)
+    total_1xR = c_NxR[-1:]
+    target_1xR = jnp.minimum(u_R[None, :] * total_1xR, jnp.nextafter(total_1xR, 0.0))
+    return jnp.sum(c_NxR <= target_1xR, axis=0).astype(jnp.int32)
+
+
+def _sample_with_lse_VxR(key: jax.Array, x_VxR: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``_sample_with_lse`` for vocab-major logits ``[V, R]``."""
+    v, r = x_VxR.shape
+    bs = _block_size(v)
+    nb = -(-v // bs)
+    m_1xR = jnp.max(x_VxR, axis=0, keepdims=True)
+    w_VxR = jnp.exp(x_VxR - m_1xR)
+    w_NxSxR = jnp.pad(w_VxR, ((0, nb * bs - v), (0, 0))).reshape(nb, bs, r)
+    u_Rx2 = jax.random.uniform(key, (r, 2), jnp.float32)
+    blocks_NxR = jnp.sum(w_NxSxR, axis=1)
+    blk_R = _inverse_cdf_cols(blocks_NxR, u_Rx2[:, 0])
+    w_SxR = jnp.take_along_axis(w_NxSxR, blk_R[None, None, :], axis=0)[0]
+    within_R = _inverse_cdf_cols(w_SxR, u_Rx2[:, 1])
+    lse_R = m_1xR[0] + jnp.log(jnp.sum(blocks_NxR, axis=0))
+    return blk_R * bs + within_R, lse_R
+
+
+def _gather_VxR(x_VxR: jax.Array, tokens_R: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(x_VxR, tokens_R[None, :], axis=0)[0]
+
+
+def _logprobs_VxR(x_VxR: jax.Array, tokens_R: jax.Array) -> jax.Array:
+    return _gather_VxR(x_VxR, tokens_R) - jax.nn.logsumexp(x_VxR, axis=0)
+
+
+def sample_tokens_VxR(
+    key: jax.Array, logits_VxR: jax.Array, params: SamplingParams
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`sample_tokens` for vocab-major logits ``[V, R]`` (same draws, same outputs).
+
+    Temperature and greedy run in this layout; top-k / top-p transpose to ``[R, V]``.
+    """
+    x_VxR = logits_VxR.astype(jnp.float32)
+    if params.top_k is not None or (params.top_p is not None and params.top_p < 1.0):
+        return sample_tokens(key, x_VxR.T, params)
+    if params.is_greedy:
+        m_1xR = jnp.max(x_VxR, axis=0, keepdims=True)
+        iota_Vx1 = jnp.arange(x_VxR.shape[0], dtype=jnp.int32)[:, None]
+        tok_R = jnp.min(jnp.where(x_VxR == m_1xR, iota_Vx1, x_VxR.shape[0]), axis=0)
+        return tok_R, _logprobs_VxR(x_VxR, tok_R), jnp.zeros(tok_R.shape)
+    scaled_VxR = x_VxR if params.temperature == 1.0 else x_VxR / params.temperature
+    tok_R, lse_R = _sample_with_lse_VxR(key, scaled_VxR)
+    sampling_logp_R = _gather_VxR(scaled_VxR, tok_R) - lse_R
+    if params.temperature == 1.0:
+        return tok_R, sampling_logp_R, sampling_logp_R
+    return tok_R, _logprobs_VxR(x_VxR, tok_R), sampling_logp_R

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from rljax.models import kv_cache_shardings
-from rljax.sampling.ops import SamplingParams, sample_tokens
+from rljax.sampling.ops import SamplingParams, sample_tokens, sample_tokens_VxR
 from rljax.sampling.result import SampleResult
 from rljax.sharding import logical_sharding
 
@@ -149,12 +149,34 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, tokens_BxP, mask_BxP, pos
     return s, prompt
 
 
+def _vocab_major_head(model):
+    """``h_RxD -> logits_VxR``: the model's output projection as ``W_VxD . h^T``.
+
+    Same math as ``model.logits_from_hidden`` (tied: the embedding), laid out vocab-major
+    because XLA:CPU runs that dot ~1.5x faster at decode batch sizes (see
+    ``ops.sample_tokens_VxR``). The ``[V, D]`` weight is built once per call, outside the
+    loop. Models without ``embed`` / ``lm_head`` fall back to ``logits_from_hidden``.
+    """
+    cfg = model.config
+    tied = getattr(cfg, "tie_word_embeddings", None)
+    name = "embed" if tied else "lm_head"
+    if tied is None or not hasattr(model, name):
+        return lambda h_RxD: model.logits_from_hidden(h_RxD).T
+    cd = jnp.bfloat16 if getattr(cfg, "compute_dtype", "float32") == "bfloat16" else jnp.float32
+    w = getattr(model, name)[...]
+    w_VxD = (w if tied else w.T).astype(cd)
+    return lambda h_RxD: jnp.einsum(
+        "vd,rd->vr", w_VxD, h_RxD.astype(cd), preferred_element_type=jnp.float32
+    )
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
 def _decode(graphdef, spec: DecodeSpec, mesh, params, s: DecodeState):
     """Decode until ``max_new_tokens`` or every row stopped; the state is donated."""
     model = nnx.merge(graphdef, params)
     r = s.last_R.shape[0]
     ones_Rx1 = jnp.ones((r, 1), bool)
+    head = _vocab_major_head(model)
 
     def cond(s):
         return (s.step < spec.max_new_tokens) & ~jnp.all(s.done_R)
@@ -163,8 +185,9 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, s: DecodeState):
         h_Rx1xD, cache = model.forward_cached(
             s.last_R[:, None], s.feed_pos_R[:, None], ones_Rx1, s.cache, s.slot
         )
-        logits_RxV = model.logits_from_hidden(h_Rx1xD[:, 0])
-        tok, lp, slp = sample_tokens(jax.random.fold_in(s.key, s.step), logits_RxV, spec.params)
+        logits_VxR = head(h_Rx1xD[:, 0])
+        tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(s.key, s.step), logits_VxR,
+                                         spec.params)
         return _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
 
     return jax.lax.while_loop(cond, body, s)
