@@ -18,6 +18,7 @@ from rljax.sampling.ops import (
     greedy,
     inverse_cdf_sample,
     sample_tokens,
+    sample_tokens_VxR,
     token_logprobs,
 )
 
@@ -35,5 +36,6 @@ __all__ = [
     "greedy",
     "inverse_cdf_sample",
     "sample_tokens",
+    "sample_tokens_VxR",
     "token_logprobs",
 ]
