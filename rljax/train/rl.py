@@ -149,7 +149,9 @@ class RLTrainer:
 
     def init_state(self, policy_params, seed: int = 0, value_params=None) -> TrainState:
         """Fresh state: new optimiser moments; the reference is a frozen copy of the
-        policy (only kept when a KL term is used)."""
+        policy (only kept when a KL term is used). The state takes ownership of
+        ``policy_params`` / ``value_params``: updates donate their buffers, so do not
+        use the passed arrays afterwards (copy them first if you need them)."""
         params = {"policy": policy_params}
         if self.value_gd is not None:
             if value_params is None:
@@ -186,6 +188,7 @@ class RLTrainer:
         pos, n = int(state.data_pos), self.rl.prompts_per_step
         params = state.params["policy"]
         kept: list[Rollout] = []
+        spare: list[Rollout] = []  # dropped groups, used as padding if refills run out
         rounds, dropped, zero_var_first = 0, 0, None
         while True:
             key, k = jax.random.split(key)
@@ -202,12 +205,13 @@ class RLTrainer:
                 return ro, pos, {"zero_var_frac": zero_var_first}
             dropped += int(zv.sum())
             kept.append(ro.select_groups(~zv))
+            spare.append(ro.select_groups(zv))
             have = sum(r.num_groups for r in kept)
             if have >= n or rounds >= self.alg.max_refill_rounds:
                 break
             rounds += 1
-        ro = Rollout.concat(kept + [ro.select_groups(zv)])  # pad with dropped groups if short
-        ro = ro.first_groups(n)
+        # Zero-variance groups have zero advantage: as padding they only fill the shape.
+        ro = Rollout.concat(kept + spare).first_groups(n)
         short = max(0, n - have)
         return ro, pos, {"zero_var_frac": zero_var_first, "dyn_refill_rounds": rounds,
                          "dyn_dropped_groups": dropped, "dyn_short_groups": short}

@@ -60,7 +60,8 @@ class SFTTrainer:
         self._eval = jax.jit(lambda p, b: loss_fn(p, b)[:2])
 
     def init_state(self, params, seed: int = 0) -> TrainState:
-        """A fresh state (new AdamW moments) around the policy ``params``."""
+        """A fresh state (new AdamW moments) around the policy ``params``; it takes
+        ownership of them (updates donate their buffers)."""
         p = {"policy": params}
         return new_train_state(p, self.learner.init_opt_state(p), seed)
 
