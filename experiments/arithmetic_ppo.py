@@ -40,7 +40,10 @@ def config() -> ExperimentConfig:
     )
 
 
-smoke = arithmetic_grpo.smoke
+def smoke(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Two PPO steps with a tiny model; 16 prompts so minibatches split over 8 devices."""
+    cfg = arithmetic_grpo.smoke(cfg)
+    return dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, prompts_per_step=16))
 
 
 def main(argv=None) -> int:
