@@ -16,7 +16,9 @@ its warm-up, so a longer SFT run from the same seed *is* the continuation.
 
 Measured 2026-12-02 on the shared 2-core machine (load average 4-7 from other jobs, so
 wall times are inflated): seed 0: 0.479 -> 0.836 held-out greedy accuracy (+0.357;
-0.73 / 0.77 / 0.80 after 50 / 100 / 150 GRPO steps), wall_s=597. NOT yet met for every
+0.73 / 0.77 / 0.80 after 50 / 100 / 150 GRPO steps), wall_s=597. Honesty baseline, same
+seed: SFT continued for the RL phase's 401 s (2488 more steps, while the load fell) reaches
+0.930 -- SFT on perfect worked examples beats RL here. NOT yet met for every
 seed: with seeds 1 and 2 the 400-step SFT warm-up stays on the loss plateau (~1.2 nats,
 accuracy ~0.01; also with lr 2e-3 / 3e-3, 8 heads, 3 layers or no clipping for 500
 steps), so RL has no signal to start from. The warm-up needs a seed-robust recipe.
