@@ -1,4 +1,4 @@
 #!/usr/bin/env bash
 # The README's main job: builds the environment if needed, then runs the CPU demo.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-exec python experiments/toy_bandit.py "$@"
+exec python experiments/arithmetic_grpo.py "$@"
