@@ -21,12 +21,15 @@ def attend(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, allowed_BxTxS):
     """
     b, t, n, h = q_BxTxNxH.shape
     k = k_BxKxHxS.shape[1]
-    q = q_BxTxNxH.reshape(b, t, k, n // k, h)
-    s = jnp.einsum("btkgh,bkhs->bkgts", q, k_BxKxHxS, preferred_element_type=jnp.float32)
+    # Queries moved to [B, K, G, T, H] before both dots: with the batch and kv-head axes
+    # leading on every operand XLA:CPU emits one batched dot instead of slow per-batch
+    # dots (measured ~40% faster decode on the sampler benchmark model).
+    q_BxKxGxTxH = q_BxTxNxH.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
+    s = jnp.einsum("bkgth,bkhs->bkgts", q_BxKxGxTxH, k_BxKxHxS, preferred_element_type=jnp.float32)
     s = jnp.where(allowed_BxTxS[:, None, None], s * (h**-0.5), _NEG)
     p = jax.nn.softmax(s, axis=-1).astype(v_BxKxSxH.dtype)
-    o = jnp.einsum("bkgts,bksh->btkgh", p, v_BxKxSxH, preferred_element_type=jnp.float32)
-    return o.reshape(b, t, n, h)
+    o = jnp.einsum("bkgts,bksh->bkgth", p, v_BxKxSxH, preferred_element_type=jnp.float32)
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 class Attention(nnx.Module):
