@@ -35,9 +35,27 @@ def test_procedural_sources_are_positional_and_held_out_is_separate():
     train_set = {q for q in task.train(0, 200)[0]}
     assert len(task.eval_prompts) == cfg.rl.eval_prompts
     prompts, targets = task.sft(0, 3)
-    sol = task.train(0, 3)[1][0]["solution"]
-    assert targets[0] == f"{sol}</think><answer>{sol}</answer>" and prompts == task.train(0, 3)[0]
+    assert targets[0].endswith("</answer>") and "</think><answer>" in targets[0]
+    assert prompts != task.train(0, 3)[0]  # RL reads its own stream: fresh prompts
     assert len(train_set) > 20
+
+
+def test_rl_prompts_are_fresh_and_heldout_never_trained_on():
+    # 1-digit addition has only 100 problems, so the streams would collide without care.
+    cfg = _cfg(task=TaskConfig(name="arithmetic", difficulty=1, max_prompt_tokens=8))
+    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, eval_prompts=60))
+    task = build_task(cfg, TOK)
+    held = set(task.eval_prompts)
+    assert len(held) > 30
+    rl_prompts, rl_meta = task.train(0, 300)
+    sft_prompts, sft_targets = task.sft(0, 300)
+    assert not held & set(rl_prompts) and not held & set(sft_prompts)
+    assert rl_prompts != sft_prompts  # not the warm-up's worked examples again
+    assert set(rl_prompts) | set(sft_prompts) | held <= {f"{a}+{b}=" for a in range(10)
+                                                          for b in range(10)}
+    assert task.train(0, 300) == (rl_prompts, rl_meta)  # still positional (resume)
+    assert task.train(5, 3)[0] == rl_prompts[5:8]
+    assert sft_targets[0] == str(sum(map(int, sft_prompts[0][:-1].split("+"))))
 
 
 def test_gsm8k_files_shuffled_by_epoch_and_long_prompts_dropped(tmp_path):

@@ -27,3 +27,30 @@ def test_full_demo_configs_are_valid():
     assert grpo.optim.warmup_steps > 0 and grpo.sft is not None
     ppo = load_experiment("arithmetic_ppo")
     assert ppo.algorithm.kl_in == "reward" and ppo.algorithm.name == "ppo"
+
+
+@pytest.mark.slow
+def test_ppo_value_model_starts_from_the_warmed_up_policy(tmp_path, monkeypatch):
+    import numpy as np
+    from flax import nnx
+
+    from rljax.train.rl import RLTrainer
+
+    seen = {}
+    orig = RLTrainer.init_state
+
+    def spy(self, policy_params, seed=0, value_params=None):
+        flat = lambda s: {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(s)}
+        seen["policy"], seen["value"] = flat(policy_params), flat(value_params)
+        return orig(self, policy_params, seed=seed, value_params=value_params)
+
+    monkeypatch.setattr(RLTrainer, "init_state", spy)
+    cfg = load_experiment("arithmetic_ppo", ["smoke=true", f"run.dir={tmp_path / 'run'}",
+                                             "run.plots=false", "run.tensorboard=false",
+                                             "rl.steps=1", "sft.optim.lr=0.01"])
+    run_experiment(cfg, out=io.StringIO())
+    pol, val = seen["policy"], seen["value"]
+    backbone = {k[1:]: v for k, v in val.items() if k[0] == "backbone"}
+    assert backbone and set(backbone) <= set(pol)
+    for k, v in backbone.items():  # a copy of the policy AFTER the SFT warm-up
+        np.testing.assert_array_equal(v, pol[k], err_msg=str(k))

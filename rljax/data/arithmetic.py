@@ -3,7 +3,13 @@
 Two prompt styles from one sampled problem:
 - plain, for tiny char-level models: prompt `"123+456="`, answer `"579"`;
 - word, for instruction models: a short word problem whose worked solution ends with
-  GSM8K's `#### 579`, so the SFT target and the verifier agree.
+  GSM8K's `#### 579`, so the SFT target and the verifier agree;
+- reversed, plain prompts whose answer is written least-significant digit first
+  (`"123+456="` -> `"975"`, sign first for negatives: `"-12"` -> `"-21"`). Small
+  transformers learn this order much more robustly, because each output digit then depends
+  only on digits already seen (Lee et al. 2023, "Teaching Arithmetic to Small
+  Transformers", arXiv:2307.03381). `answer` stays the true integer; the checker reverses
+  the completion's digits before comparing, so only the reversed form is accepted.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import numpy as np
 from rljax.rewards import extract_answer, math_equal
 
 OPS = ("+", "-", "*", "/")
+_STYLES = ("plain", "reversed", "word")
 _WORD = {
     "+": "{name} has {a} marbles and finds {b} more. How many marbles does {name} have now?",
     "-": "{name} has {a} marbles and gives away {b}. How many marbles does {name} have left?",
@@ -62,7 +69,8 @@ class ArithmeticTask:
       digits: difficulty knob, 1..18.
       ops: operators drawn uniformly from "+", "-", "*", "/" ("/" is exact division:
         the dividend is the product of the divisor and a `digits`-digit quotient).
-      style: "plain" (`"12+34="` -> `"46"`) or "word" (word problem, `#### 46`).
+      style: "plain" (`"12+34="` -> `"46"`), "reversed" (`"12+34="` -> `"64"`, digits
+        least-significant first) or "word" (word problem, `#### 46`).
       nonnegative: for "-", order the operands so the answer is >= 0.
     """
 
@@ -79,8 +87,8 @@ class ArithmeticTask:
             raise ValueError(f"ArithmeticTask.ops must be a non-empty subset of {OPS}, "
                              f"got {self.ops!r}")
         object.__setattr__(self, "ops", ops)
-        if self.style not in ("plain", "word"):
-            raise ValueError(f"ArithmeticTask.style must be 'plain' or 'word', got {self.style!r}")
+        if self.style not in _STYLES:
+            raise ValueError(f"ArithmeticTask.style must be one of {_STYLES}, got {self.style!r}")
 
     def _operand(self, rng: np.random.Generator) -> int:
         lo = 0 if self.digits == 1 else 10 ** (self.digits - 1)
@@ -101,6 +109,8 @@ class ArithmeticTask:
     def _render(self, a, b, op, ans, rng) -> ArithmeticProblem:
         if self.style == "plain":
             return ArithmeticProblem(f"{a}{op}{b}=", ans, ans, a, b, op)
+        if self.style == "reversed":
+            return ArithmeticProblem(f"{a}{op}{b}=", ans, _reverse_digits(ans), a, b, op)
         name = _NAMES[int(rng.integers(len(_NAMES)))]
         prompt = _WORD[op].format(name=name, a=a, b=b)
         work = f"{a} {_VERB[op]} {b} is {ans}."
@@ -116,11 +126,20 @@ class ArithmeticTask:
         return [self.sample(rng) for _ in range(n)]
 
 
+def _reverse_digits(number: str) -> str:
+    """`"579"` -> `"975"`, `"-12"` -> `"-21"`: the digits reversed, a leading sign kept."""
+    sign = number[:1] if number[:1] in ("-", "+") else ""
+    return sign + number[len(sign):][::-1]
+
+
 def check_arithmetic(completion: object, answer: str, *, style: str = "plain") -> bool:
     """Whether `completion` answers correctly.
 
     plain: the completion, after leading whitespace, starts with the exact integer (an
     optional sign and digits, ended by anything that is not a digit), e.g. `"579\\n..."`.
+    reversed: as plain, but the integer's digits are written least-significant first
+    (`"975"` answers `"579"`; leading zeros of the reversed form must be written out, so
+    `"003"` answers `"300"` and `"03"` does not).
     word: `extract_answer` (boxed, `####`, "the answer is") then `math_equal`.
     """
     if not isinstance(completion, str):
@@ -132,6 +151,8 @@ def check_arithmetic(completion: object, answer: str, *, style: str = "plain") -
     while j < len(s) and s[j].isascii() and s[j].isdigit():
         j += 1
     token = s[:j]
+    if style == "reversed":
+        token = _reverse_digits(token)
     return token.lstrip("+") == answer and any(c.isdigit() for c in token)
 
 

@@ -5,7 +5,11 @@ Prompt sources are addressed by position, `source(start, n) -> (prompts, metadat
 resumed run (which saved `TrainState.data_pos`) reads exactly the prompts the original
 run would have read next. Procedural tasks draw problem `i` from a generator seeded with
 `(seed, i)`; file tasks visit records in one shuffled order per epoch.
-Held-out prompts come from a separate stream (procedural) or the evaluation split (files).
+Procedural tasks keep three streams apart: the SFT warm-up reads stream 0, RL reads
+stream 1 (so RL sees fresh prompts, never the warm-up's worked examples) and the held-out
+prompts come from their own stream; a training draw that repeats a held-out prompt is
+redrawn (deterministically), so held-out prompts are never trained on. File tasks take
+held-out prompts from the evaluation split.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from rljax.train.experiment import ExperimentConfig
 
 __all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_reward", "build_task", "build_tokenizer"]
 
-_EVAL_STREAM = 1_000_003  # seeds the held-out stream apart from the training stream
+_SFT_STREAM, _RL_STREAM = 0, 1  # SFT and RL draw different problems
+_EVAL_STREAM = 1_000_003  # seeds the held-out stream apart from the training streams
 
 
 def build_tokenizer(cfg: ExperimentConfig):
@@ -101,7 +106,9 @@ def _prompt_text(cfg: ExperimentConfig, tokenizer, record: dict) -> str:
     return head + text + t.assistant_prefix
 
 
-def _procedural(cfg: ExperimentConfig) -> Callable[[int, int], list[dict]]:
+def _procedural(cfg: ExperimentConfig) -> Callable[..., list[dict]]:
+    """`draw(stream, start, n, exclude=())`: problems `start..start+n-1` of `stream`; a
+    problem whose prompt is in `exclude` is redrawn from a sub-seed, deterministically."""
     from rljax.data import ArithmeticTask, CountdownTask
 
     t, seed = cfg.task, cfg.run.seed
@@ -111,8 +118,20 @@ def _procedural(cfg: ExperimentConfig) -> Callable[[int, int], list[dict]]:
     else:
         task = CountdownTask(num_numbers=t.difficulty, max_number=t.max_number)
         draw = task.sample
-    return lambda stream, start, n: [draw(np.random.default_rng([seed, stream, start + i]))
-                                     for i in range(n)]
+
+    def one(stream: int, i: int, exclude) -> dict:
+        rec, attempt = draw(np.random.default_rng([seed, stream, i])), 0
+        while exclude and rec["prompt"] in exclude:
+            attempt += 1
+            if attempt > 1000:
+                raise ValueError(f"task: cannot draw a training prompt outside the "
+                                 f"{len(exclude)} held-out prompts; lower rl.eval_prompts "
+                                 f"or raise task.difficulty")
+            rec = draw(np.random.default_rng([seed, stream, i, attempt]))
+        return rec
+
+    return lambda stream, start, n, exclude=(): [one(stream, start + i, exclude)
+                                                 for i in range(n)]
 
 
 class _Mapped:
@@ -163,8 +182,10 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
     t = cfg.task
     if t.name in ("arithmetic", "countdown"):
         draw = _procedural(cfg)
-        records = lambda start, n: draw(0, start, n)
         eval_records = draw(_EVAL_STREAM, 0, cfg.rl.eval_prompts)
+        held = frozenset(r["prompt"] for r in eval_records)
+        records = lambda start, n: draw(_RL_STREAM, start, n, held)
+        sft_records = lambda start, n: draw(_SFT_STREAM, start, n, held)
     else:
         from rljax.data import ShuffledIterator
 
@@ -175,13 +196,14 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         n_train = len(train)
         records = lambda start, n: [train[int(order.permutation(i // n_train)[i % n_train])]
                                     for i in range(start, start + n)]
+        sft_records = records
 
     def rl_source(start: int, n: int):
         recs = records(start, n)
         return [_prompt_text(cfg, tokenizer, r) for r in recs], recs
 
     def sft_source(start: int, n: int):
-        recs = records(start, n)
+        recs = sft_records(start, n)
         targets = [_fill(t.sft_template, r, "task.sft_template") for r in recs]
         return [_prompt_text(cfg, tokenizer, r) for r in recs], targets
 

@@ -73,7 +73,8 @@ class TaskConfig:
       difficulty: procedural difficulty: arithmetic operand digits; Countdown numbers given.
       max_number: Countdown's largest given number.
       ops: arithmetic operators drawn ("+", "-", "*", "/").
-      style: arithmetic prompt style: "plain" ("12+34=") or "word" (word problem, "####").
+      style: arithmetic prompt style: "plain" ("12+34=" -> "46"), "reversed" (answer
+        digits least-significant first: "12+34=" -> "64") or "word" (word problem, "####").
       chat_template: wrap prompts with the tokenizer's chat template.
       system_prompt: optional system message (chat template) or prefix.
       assistant_prefix: text appended after the prompt (e.g. "<think>" for R1-Zero).
@@ -115,8 +116,8 @@ class TaskConfig:
         _check_int(c, "max_number", self.max_number, 2)
         if not self.ops or not all(o in ("+", "-", "*", "/") for o in self.ops):
             _fail(c, "ops", self.ops, "a non-empty tuple of '+', '-', '*', '/'")
-        if self.style not in ("plain", "word"):
-            _fail(c, "style", self.style, "'plain' or 'word'")
+        if self.style not in ("plain", "reversed", "word"):
+            _fail(c, "style", self.style, "'plain', 'reversed' or 'word'")
         if not isinstance(self.assistant_prefix, str):
             _fail(c, "assistant_prefix", self.assistant_prefix, "a string")
         for f in ("path", "dataset", "system_prompt"):

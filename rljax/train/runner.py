@@ -1,8 +1,9 @@
 """`run_experiment(cfg)`: one whole run from an `ExperimentConfig` — the call behind
 `rljax train`.
 
-Order: run directory (refusal rules) -> tokenizer, mesh, policy (and PPO value model) ->
-optional SFT warm-up -> held-out evaluation -> RL steps (metrics, progress line,
+Order: run directory (refusal rules) -> tokenizer, mesh, policy -> optional SFT warm-up ->
+PPO value model (its backbone copied from the warmed-up policy) -> held-out evaluation ->
+RL steps (metrics, progress line,
 checkpoints every `run.save_every` steps) -> held-out evaluation -> final checkpoint,
 plots, `eval.json`, and the one-screen summary ending in the `RESULT` line.
 
@@ -63,6 +64,8 @@ def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, out: TextIO):
 
 
 def _value_model(cfg, model, mesh):
+    """`(graphdef, params)` of a PPO value model whose backbone copies `model`'s, or
+    `(None, None)` for other algorithms."""
     if cfg.algorithm.name != "ppo":
         return None, None
     from flax import nnx
@@ -150,6 +153,10 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
         rd.truncate_metrics(-1, phase=None)
     if cfg.sft is not None and cfg.sft.steps > 0:
         params = _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, out)
+        if value_params is not None:  # the critic starts from the warmed-up backbone
+            from flax import nnx
+
+            _, value_params = _value_model(cfg, nnx.merge(graphdef, params), mesh)
     before = _evaluate(trainer, params, task, rd, "eval_before")
     rd.log(0, {f"eval/{k}": v for k, v in before.items()}, phase="eval")
     return trainer.init_state(params, seed=cfg.run.seed, value_params=value_params), \
