@@ -1,12 +1,13 @@
 """The main job: RL visibly improves a small model on a verifiable task, on 2 CPU cores.
 
-3-digit addition ("123+456=" -> "579"), a character tokenizer and a small decoder trained
+2-digit addition ("12+34=" -> "46"), a character tokenizer and a small decoder trained
 from scratch:
 
-1. a short SFT warm-up on worked examples, so the model has partial ability;
-2. held-out greedy accuracy;
-3. GRPO (DeepSeekMath settings, with a learning-rate warm-up) on fresh prompts, with
-   only the verifier as reward: no reference completions;
+1. a short SFT warm-up (250 steps) on worked examples, so the model has partial ability;
+2. held-out greedy accuracy (512 prompts from their own stream, never trained on);
+3. GRPO (DeepSeekMath settings, with a learning-rate warm-up) on fresh prompts (RL reads
+   its own prompt stream, not the warm-up's), with only the verifier as reward: no
+   reference completions;
 4. held-out greedy accuracy again.
 
 For honesty it then measures what continuing SFT for the same wall time reaches (with
@@ -14,14 +15,28 @@ perfect worked examples SFT is very efficient on a task like this; the demo show
 learning from a verifier, not that RL beats SFT here). The SFT schedule is constant after
 its warm-up, so a longer SFT run from the same seed *is* the continuation.
 
-Measured 2026-12-02 on the shared 2-core machine (load average 4-7 from other jobs, so
-wall times are inflated): seed 0: 0.479 -> 0.836 held-out greedy accuracy (+0.357;
-0.73 / 0.77 / 0.80 after 50 / 100 / 150 GRPO steps), wall_s=597. Honesty baseline, same
-seed: SFT continued for the RL phase's 401 s (2488 more steps, while the load fell) reaches
-0.930 -- SFT on perfect worked examples beats RL here. NOT yet met for every
-seed: with seeds 1 and 2 the 400-step SFT warm-up stays on the loss plateau (~1.2 nats,
-accuracy ~0.01; also with lr 2e-3 / 3e-3, 8 heads, 3 layers or no clipping for 500
-steps), so RL has no signal to start from. The warm-up needs a seed-robust recipe.
+Why 2 digits: on 3-digit addition the warm-up sits on a loss plateau (~1.2-1.5 nats,
+accuracy ~0) for a seed-dependent 300-600+ steps -- seeds 1 and 2 had not left it after
+400-500 steps with lr 1e-3 / 2e-3 / 3e-3, b2 0.98, batch 32 / 64, hidden 128 x 4 layers x
+8 heads, or the answer written least-significant digit first (`task.style=reversed`), and
+after leaving it accuracy rose slowly (0.09-0.11 after 800 steps). 2-digit addition leaves
+the plateau within ~150-250 steps on every seed tried.
+
+Measured 2026-12-02, seeds run one after another, `--no-baseline` (wall = the whole run,
+compilation included), 512 held-out prompts:
+
+  seed 0: 0.352 -> 0.834 (+0.482); 0.65 / 0.77 / 0.73 after 25 / 50 / 75 steps; 136 s
+          (load average 4-5: another engineer's benchmark was running)
+  seed 1: 0.350 -> 0.801 (+0.451); 0.69 / 0.79 / 0.81; 153 s (load average ~3.5-4)
+  seed 2: 0.217 -> 0.568 (+0.351); 0.45 / 0.51 / 0.55; 96 s (load average ~2, mostly this
+          run) -- NOT meeting the 0.75 target: from its weaker start GRPO gains slowly.
+          More RL steps do not rescue it: with rl.steps=250 it reads 0.57 / 0.62 / 0.56
+          after 150 / 175 / 200 steps. A seed-robust start (an SFT length set by the
+          training loss rather than a step count) is the open fix.
+
+So the target (>= 0.75 and >= +0.30 on each of 3 seeds, < 5 minutes) is met on seeds 0
+and 1, not on seed 2. Runs are reproducible: seed 2 gave the same 0.2168 -> 0.5684 twice.
+GRPO lr 2e-4 was worse than 1e-4 (seed 2: 0.49, seed 0: 0.77 after 120 steps, noisier).
 
 Run: `rljax train arithmetic_grpo` (the RL run only) or
 `python experiments/arithmetic_grpo.py [--no-baseline] [--set key=value ...]`.
@@ -51,10 +66,10 @@ def config() -> ExperimentConfig:
                           num_layers=2, num_heads=4, num_kv_heads=4,
                           max_position_embeddings=64),
         tokenizer="char",
-        task=TaskConfig(name="arithmetic", difficulty=3, ops=("+",), style="plain",
-                        max_prompt_tokens=8, sft_template="{solution}"),
+        task=TaskConfig(name="arithmetic", difficulty=2, ops=("+",), style="plain",
+                        max_prompt_tokens=6, sft_template="{solution}"),
         reward=RewardConfig(kind="accuracy"),
-        sft=SFTConfig(steps=400, batch_size=64,
+        sft=SFTConfig(steps=250, batch_size=64,
                       optim=OptimConfig(lr=1e-3, warmup_steps=20, schedule="constant")),
         # GRPO as in DeepSeekMath (group-normalised advantages, clip 0.2, k3 KL 0.04), with
         # a warm-up: a constant lr on a fresh Adam state collapsed accuracy to 0.
@@ -62,8 +77,8 @@ def config() -> ExperimentConfig:
         # recomputed): rollouts are cheap here, updates are the cost.
         algorithm=algorithm_preset("grpo", group_size=8, num_minibatches=2),
         optim=OptimConfig(lr=1e-4, warmup_steps=10, schedule="constant"),
-        sampling=SamplingConfig(max_new_tokens=5, temperature=1.0),
-        rl=RLConfig(steps=200, prompts_per_step=32, eval_prompts=512, logp_chunk=8),
+        sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
+        rl=RLConfig(steps=100, prompts_per_step=32, eval_prompts=512, logp_chunk=8),
         run=RunConfig(dir="runs/arithmetic_grpo", seed=0, overwrite=True, plots=True),
     )
 

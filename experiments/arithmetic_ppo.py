@@ -6,8 +6,10 @@ the last token, a per-token k1 KL penalty to the SFT reference in the reward, GA
 (gamma 1, lambda 0.95), whitened advantages, a separate value model (the policy backbone
 with a scalar head) trained with the clipped value loss, two epochs of two minibatches.
 Target: held-out greedy accuracy rises by at least 0.10. Measured 2026-12-02 (seed 0,
-350-step warm-up, 100 PPO steps, shared machine at load ~4): 0.346 -> 0.662 (+0.32;
-0.61 / 0.58 / 0.67 after 25 / 50 / 75 steps), wall_s=330.
+the same 2-digit task and 250-step warm-up as `arithmetic_grpo`, the value model's backbone
+copied from the warmed-up policy, 100 PPO steps x 128 prompts; load average ~4, a GRPO
+exploration run shared the 2 cores): 0.352 -> 0.832 (+0.48; 0.74 / 0.72 / 0.77 after
+25 / 50 / 75 steps), wall_s=213.
 
 Run: `rljax train arithmetic_ppo` or `python experiments/arithmetic_ppo.py [--set k=v ...]`.
 The last line is `RESULT accuracy_before=... accuracy_after=... wall_s=...`.
