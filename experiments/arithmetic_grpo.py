@@ -31,8 +31,9 @@ compilation included), 512 held-out prompts:
   seed 2: 0.217 -> 0.568 (+0.351); 0.45 / 0.51 / 0.55; 96 s (load average ~2, mostly this
           run) -- NOT meeting the 0.75 target: from its weaker start GRPO gains slowly.
           More RL steps do not rescue it: with rl.steps=250 it reads 0.57 / 0.62 / 0.56
-          after 150 / 175 / 200 steps. A seed-robust start (an SFT length set by the
-          training loss rather than a step count) is the open fix.
+          after 150 / 175 / 200 steps and 0.643 after 250 (249 s). A seed-robust
+          start (an SFT length set by the training loss rather than a step count) is
+          the open fix.
 
 So the target (>= 0.75 and >= +0.30 on each of 3 seeds, < 5 minutes) is met on seeds 0
 and 1, not on seed 2. Runs are reproducible: seed 2 gave the same 0.2168 -> 0.5684 twice.
