@@ -103,3 +103,15 @@ def test_train_interrupt_resume_reproduce(exp, tmp_path, capsys, monkeypatch):
     assert before_a == json.loads((b / "eval_before.json").read_text())
     assert json.loads((a / "eval_after.json").read_text()) == \
         json.loads((b / "eval_after.json").read_text())
+
+
+def test_sft_stop_loss_ends_the_warm_up_early(exp, tmp_path, capsys):
+    # Any loss is below 100: the warm-up stops as soon as 20 steps give a mean.
+    assert main(["train", exp, "--set", "run.dir=runs/s", "--set", "sft.steps=60",
+                 "--set", "sft.stop_loss=100", "--set", "rl.steps=1"]) == 0
+    sft_rows = [r for r in read_metrics(tmp_path / "runs/s") if r["phase"] == "sft"]
+    assert len(sft_rows) == 20
+    capsys.readouterr()
+    # A negative target is refused, naming the field.
+    assert main(["train", exp, "--set", "run.dir=runs/t", "--set", "sft.stop_loss=-1"]) == 2
+    assert "stop_loss" in capsys.readouterr().err

@@ -337,6 +337,9 @@ class SFTConfig:
       optim: the SFT optimiser (its own schedule; the RL optimiser starts fresh).
       remat, logp_chunk, max_nonfinite_steps: as in :class:`RLConfig`.
       eval_every: held-out loss every N steps (0 = only at the end).
+      stop_loss: stop the warm-up early once the mean training loss of the last 20 steps
+        is below this (0 = run all `steps`); a loss target gives every seed a similar
+        starting ability where a fixed step count does not.
     """
 
     steps: int = 100
@@ -350,9 +353,11 @@ class SFTConfig:
     logp_chunk: int = 256
     max_nonfinite_steps: int = 5
     eval_every: int = 0
+    stop_loss: float = 0.0
 
     def __post_init__(self):
         c = "SFTConfig"
+        _check_num(c, "stop_loss", self.stop_loss, lo=0)
         _check_num(c, "steps", self.steps, lo=0, integer=True)
         _check_num(c, "batch_size", self.batch_size, lo=1, integer=True)
         _check_num(c, "micro_batch_size", self.micro_batch_size, lo=0, integer=True)

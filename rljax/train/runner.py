@@ -52,7 +52,7 @@ def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, out: TextIO):
     sft = SFTTrainer(graphdef, cfg.sft, mesh=mesh)
     state = sft.init_state(params, seed=cfg.run.seed)
     bar = Progress(cfg.sft.steps, ("loss",), stream=out, desc="sft")
-    bs = cfg.sft.batch_size
+    bs, recent = cfg.sft.batch_size, []
     for i in range(cfg.sft.steps):
         prompts, targets = task.sft(i * bs, bs)
         batch = encode_pairs(tokenizer, prompts, targets, cfg.task.max_prompt_tokens,
@@ -60,6 +60,11 @@ def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, out: TextIO):
         state, m = sft.step(state, batch)
         rd.log(i + 1, {f"sft/{k}": v for k, v in m.items()}, phase="sft")
         bar.update(i + 1, m)
+        recent = (recent + [float(m["loss"])])[-20:]
+        if len(recent) == 20 and sum(recent) / 20 < cfg.sft.stop_loss:
+            print(f"sft: mean loss of the last 20 steps {sum(recent) / 20:.3f} < "
+                  f"sft.stop_loss={cfg.sft.stop_loss}; warm-up stops at step {i + 1}", file=out)
+            break
     return state.params["policy"]
 
 
