@@ -132,6 +132,23 @@ def test_sampled_logprobs_equal_fresh_forward(model, settings):
     np.testing.assert_allclose(np.asarray(res.sampling_logprobs), ref, atol=TOL)
 
 
+def test_decode_phases_change_cost_not_results(model):
+    """Three phases (caches of 34, 52, then 70 slots) draw what one 70-slot loop draws,
+    and the log-probs still equal a fresh forward's."""
+    assert sampler_mod.plan_phases(16, 55, 70, 3) == ((19, 34), (37, 52), (55, 70))
+    assert sampler_mod.plan_phases(16, 20, 35, 4) == ((20, 35),)  # < 2 x 16 steps: one loop
+    kw = dict(key=jax.random.key(3), max_new_tokens=55, num_samples=2, temperature=0.9)
+    one = generate(model, PROMPTS, decode_phases=1, **kw)
+    three = generate(model, PROMPTS, decode_phases=3, **kw)
+    for name in ("tokens", "completion_mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(one, name), getattr(three, name), err_msg=name)
+    for name in ("logprobs", "sampling_logprobs"):
+        np.testing.assert_allclose(getattr(one, name), getattr(three, name), atol=TOL)
+    pick = np.take_along_axis(_log_softmax(_fresh_logits(model, three)),
+                              np.asarray(three.tokens)[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.asarray(three.logprobs), pick, atol=TOL)
+
+
 def test_groups_share_the_prompt_and_differ_when_sampling(model):
     g = 4
     res = generate(model, PROMPTS, key=jax.random.key(3), max_new_tokens=6, num_samples=g)
@@ -170,17 +187,20 @@ def test_decode_loop_stops_early_once_every_row_stopped(model):
     packed = pack_prompts(PROMPTS, vocab_size=CFG.vocab_size, length_multiple=16,
                           max_prompt_len=64)
     n = 50
+    phases = sampler_mod.plan_phases(16, n, 16 + n - 1, 4)
+    assert len(phases) == 3  # the early stop holds across decode phases too
     spec = sampler_mod.DecodeSpec(SamplingParams(), tuple(range(CFG.vocab_size)), 1, n,
-                                  16 + n - 1, 0)
+                                  phases, 0)
     graphdef, state = nnx.split(model)
-    s, _ = sampler_mod._prefill(graphdef, spec, None, state, packed.tokens_BxP,
-                                packed.mask_BxP, packed.positions_BxP, jax.random.key(5))
-    s = sampler_mod._decode(graphdef, spec, None, state, s)
+    s, cache, _ = sampler_mod._prefill(graphdef, spec, None, state, packed.tokens_BxP,
+                                       packed.mask_BxP, packed.positions_BxP, jax.random.key(5))
+    s = sampler_mod._decode(graphdef, spec, None, state, s, cache)
     assert int(s.step) == 1 and np.asarray(s.lengths_R).tolist() == [1] * 4
     spec_half = dataclasses.replace(spec, stop_ids=(int(s.tokens_RxN[0, 0]),))
-    s2, _ = sampler_mod._prefill(graphdef, spec_half, None, state, packed.tokens_BxP,
-                                 packed.mask_BxP, packed.positions_BxP, jax.random.key(5))
-    s2 = sampler_mod._decode(graphdef, spec_half, None, state, s2)
+    s2, cache2, _ = sampler_mod._prefill(graphdef, spec_half, None, state, packed.tokens_BxP,
+                                         packed.mask_BxP, packed.positions_BxP,
+                                         jax.random.key(5))
+    s2 = sampler_mod._decode(graphdef, spec_half, None, state, s2, cache2)
     lengths = np.asarray(s2.lengths_R)
     assert lengths[0] == 1 and lengths.max() > 1
     assert int(s2.step) == lengths.max()  # ran exactly until the last row stopped (or N)
@@ -230,6 +250,7 @@ def test_state_pair_and_eight_devices_equal_one_device(model, mesh8):
         ([[1]], dict(temperature=-1.0), "temperature"),
         ([[1]], dict(top_k=0), "top_k"),
         ([[1]], dict(num_samples=0), "num_samples"),
+        ([[1]], dict(decode_phases=0), "decode_phases"),
         ([[1]], dict(stop_ids=(99,)), "stop_ids"),
         ("hello", {}, "prompts must be"),
         ([[1.5, 2]], {}, r"prompts\[0\]"),

@@ -8,7 +8,7 @@ inside jitted functions. Shardings of a state: `rljax.sharding.state_shardings`.
 from rljax.models.attention import Attention, attend
 from rljax.models.config import ARCHITECTURES, Llama3RopeScaling, ModelConfig
 from rljax.models.decoder import Block, Decoder, default_positions
-from rljax.models.kv_cache import KVCache, init_kv_cache, kv_cache_shardings
+from rljax.models.kv_cache import KVCache, grow_kv_cache, init_kv_cache, kv_cache_shardings
 from rljax.models.hf_config import config_from_hf, config_to_hf
 from rljax.models.hf_io import from_pretrained, save_pretrained, weight_map
 from rljax.models.layers import MLP, RMSNorm, annotated_param, rope_inv_freq
@@ -33,6 +33,7 @@ __all__ = [
     "save_pretrained",
     "weight_map",
     "default_positions",
+    "grow_kv_cache",
     "init_kv_cache",
     "kv_cache_shardings",
     "rope_inv_freq",

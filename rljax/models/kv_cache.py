@@ -60,6 +60,33 @@ def init_kv_cache(num_layers, batch, max_len, num_kv_heads, head_dim, dtype) -> 
     )
 
 
+def grow_kv_cache(cache: KVCache, max_len: int) -> KVCache:
+    """The same cache with ``max_len`` slots: new slots are empty (zeros, not valid).
+
+    The sampler decodes in phases and grows the cache between them, so each phase
+    attends only to a cache about as long as the slots filled so far.
+    """
+    extra = max_len - cache.max_len
+    if not isinstance(max_len, int) or extra < 0:
+        raise ValueError(
+            f"grow_kv_cache: max_len must be an int >= the current {cache.max_len} slots, "
+            f"got {max_len!r}"
+        )
+    if extra == 0:
+        return cache
+
+    def pad(x, axis):
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, extra)
+        return jnp.pad(x, widths)
+
+    return KVCache(
+        keys=tuple(pad(k, 3) for k in cache.keys),
+        values=tuple(pad(v, 2) for v in cache.values),
+        valid_BxS=pad(cache.valid_BxS, 1),
+    )
+
+
 def kv_cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     """NamedShardings for a cache (batch over ("data","fsdp"), kv heads over "tensor")."""
 

@@ -10,7 +10,7 @@ from flax import nnx
 from rljax.sampling.ops import SamplingParams
 from rljax.sampling.prompts import pack_prompts
 from rljax.sampling.result import SampleResult
-from rljax.sampling.sampler import DecodeSpec, run
+from rljax.sampling.sampler import DecodeSpec, plan_phases, run
 
 __all__ = ["generate"]
 
@@ -68,6 +68,7 @@ def generate(
     length_multiple: int = 16,
     pad_id: int = 0,
     mesh=None,
+    decode_phases: int = 4,
 ) -> SampleResult:
     """Sample ``num_samples`` completions of each prompt with a KV cache, in two jitted calls.
 
@@ -89,6 +90,9 @@ def generate(
         programs.
       pad_id: the token written in padding (prompt and after the stop).
       mesh: the mesh to shard rows over; default: the mesh the state lives on, if any.
+      decode_phases: decode in up to this many loops of at least 16 steps, each with a
+        cache just long enough for it (attention cost follows the filled slots); the
+        results do not depend on it.
 
     Returns:
       A :class:`rljax.sampling.SampleResult` with ``R = B * G`` rows (prompt-major).
@@ -97,6 +101,7 @@ def generate(
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     n = _positive_int("max_new_tokens", max_new_tokens)
     g = _positive_int("num_samples", num_samples)
+    phases = _positive_int("decode_phases", decode_phases)
     mult = _positive_int("length_multiple", length_multiple)
     if isinstance(pad_id, bool) or not isinstance(pad_id, int) or not 0 <= pad_id < config.vocab_size:
         raise ValueError(f"pad_id must be a token id in [0, {config.vocab_size}), got {pad_id!r}")
@@ -115,5 +120,5 @@ def generate(
     )
     p = packed.tokens_BxP.shape[1]
     cache_len = max(p + n - 1, p) if max_len is None else max_len
-    spec = DecodeSpec(params, stops, g, n, cache_len, pad_id)
+    spec = DecodeSpec(params, stops, g, n, plan_phases(p, n, cache_len, phases), pad_id)
     return run(graphdef, state, packed, spec, key, mesh)

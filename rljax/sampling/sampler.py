@@ -3,13 +3,20 @@
 ``generate`` packs the prompts on the host (left padding, length buckets), then runs two
 compiled programs:
 
-1. ``_prefill``: one forward of the ``B`` padded prompts writing the cache at slots
-   ``[0, P)``, the cache and the next-token logits repeated ``G = num_samples`` times (each
-   prompt is prefilled once, its group shares the copies), and the first token drawn.
-2. ``_decode``: a ``lax.while_loop`` that feeds the last token at slot ``P + t - 1``,
-   draws token ``t`` and stops once ``max_new_tokens`` are drawn or every row has emitted
-   a stop id. Its state (the cache included) is donated, so the buffers are updated in
-   place and never reallocated per step.
+1. ``_prefill``: one forward of the ``B`` padded prompts into a cache of ``P`` slots, the
+   cache and the next-token logits repeated ``G = num_samples`` times (each prompt is
+   prefilled once, its group shares the copies), and the first token drawn.
+2. ``_decode``: ``lax.while_loop`` phases that feed the last token at slot ``P + t - 1``,
+   draw token ``t`` and stop once ``max_new_tokens`` are drawn or every row has emitted
+   a stop id. The loop state is donated and the cache lives inside the program (grown
+   from the prompt cache), so every buffer is updated in place, never reallocated per
+   step; the full cache is not returned.
+
+Decode phases: attention reads every slot of the cache, and on a CPU reading the cache
+costs about as much as the lm head at the end of a long completion. So the steps are
+split into up to ``DecodeSpec.phases`` loops, each with a cache just long enough for its
+last step; between phases the cache grows (one copy). The results do not depend on the
+phases (empty slots are masked out either way); only the cost does.
 
 The model is split into ``graphdef`` (static) and ``state`` (an argument) outside jit and
 merged inside, so the trainer can pass the current policy's state without a copy. On a
@@ -29,24 +36,50 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from rljax.models import kv_cache_shardings
+from rljax.models import grow_kv_cache, kv_cache_shardings
 from rljax.sampling.ops import SamplingParams, sample_tokens, sample_tokens_VxR
 from rljax.sampling.result import SampleResult
 from rljax.sharding import logical_sharding
 
-__all__ = ["DecodeSpec", "DecodeState", "compiled_count"]
+__all__ = ["DecodeSpec", "DecodeState", "compiled_count", "plan_phases"]
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
-    """Static (hashable) settings of one compiled sampler program."""
+    """Static (hashable) settings of one compiled sampler program.
+
+    phases: ``((end_step, cache_len), ...)``: decode loop ``j`` runs while fewer than
+    ``end_step`` tokens are drawn, with a cache of ``cache_len`` slots (increasing; the
+    last phase ends at ``max_new_tokens`` with the full cache). See :func:`plan_phases`.
+    """
 
     params: SamplingParams
     stop_ids: tuple[int, ...]
     num_samples: int
     max_new_tokens: int
-    cache_len: int
+    phases: tuple[tuple[int, int], ...]
     pad_id: int
+
+    @property
+    def cache_len(self) -> int:
+        """Slots of the full cache (the last phase's)."""
+        return self.phases[-1][1]
+
+
+MIN_PHASE_STEPS = 16
+
+
+def plan_phases(prompt_len: int, max_new_tokens: int, cache_len: int, max_phases: int):
+    """Split decode steps ``1 .. N-1`` into at most ``max_phases`` near-equal loops.
+
+    Each phase gets the smallest cache that holds its last step (step ``t`` feeds slot
+    ``P + t - 1``), the last one ``cache_len``; phases have at least
+    ``MIN_PHASE_STEPS`` steps, so short completions decode in one loop.
+    """
+    steps = max_new_tokens - 1
+    k = max(1, min(max_phases, steps // MIN_PHASE_STEPS))
+    ends = [1 + (steps * (j + 1)) // k for j in range(k)]
+    return tuple((e, prompt_len + e - 1) for e in ends[:-1]) + ((max_new_tokens, cache_len),)
 
 
 @jax.tree_util.register_dataclass
@@ -59,7 +92,7 @@ class DecodeState:
     lengths_R: completion lengths so far. tokens/logp/sampling_logp: ``[R, N]`` outputs.
     """
 
-    cache: object
+    cache: object  # a KVCache inside the decode loop, None between the two programs
     key: jax.Array
     step: jax.Array
     slot: jax.Array
@@ -125,7 +158,7 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, tokens_BxP, mask_BxP, pos
     """Prefill the prompts once, repeat for the group, draw the first token."""
     model = nnx.merge(graphdef, params)
     b, p = tokens_BxP.shape
-    cache = model.init_cache(b, spec.cache_len)
+    cache = model.init_cache(b, p)
     if mesh is not None:
         cache = jax.lax.with_sharding_constraint(cache, kv_cache_shardings(cache, mesh))
     h_BxPxD, cache = model.forward_cached(tokens_BxP, pos_BxP, mask_BxP, cache, 0)
@@ -146,7 +179,7 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, tokens_BxP, mask_BxP, pos
     tok, lp, slp = sample_tokens(jax.random.fold_in(key, 0), logits_RxV, spec.params)
     s = _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
     prompt = tuple(_repeat_rows(x, g) for x in (tokens_BxP, mask_BxP, pos_BxP))
-    return s, prompt
+    return dataclasses.replace(s, cache=None), s.cache, prompt
 
 
 def _vocab_major_head(model):
@@ -171,15 +204,17 @@ def _vocab_major_head(model):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _decode(graphdef, spec: DecodeSpec, mesh, params, s: DecodeState):
-    """Decode until ``max_new_tokens`` or every row stopped; the state is donated."""
+def _decode(graphdef, spec: DecodeSpec, mesh, params, s: DecodeState, prompt_cache):
+    """Decode until ``max_new_tokens`` or every row stopped; the state is donated.
+
+    ``s.cache`` is None on the way in and out; the loops run on ``prompt_cache`` grown
+    to each phase's length.
+    """
     model = nnx.merge(graphdef, params)
+    s = dataclasses.replace(s, cache=prompt_cache)
     r = s.last_R.shape[0]
     ones_Rx1 = jnp.ones((r, 1), bool)
     head = _vocab_major_head(model)
-
-    def cond(s):
-        return (s.step < spec.max_new_tokens) & ~jnp.all(s.done_R)
 
     def body(s):
         h_Rx1xD, cache = model.forward_cached(
@@ -190,7 +225,12 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, s: DecodeState):
                                          spec.params)
         return _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
 
-    return jax.lax.while_loop(cond, body, s)
+    for end_step, cache_len in spec.phases:
+        s = _constrain_state(dataclasses.replace(s, cache=grow_kv_cache(s.cache, cache_len)), mesh)
+        s = jax.lax.while_loop(
+            lambda s, end=end_step: (s.step < end) & ~jnp.all(s.done_R), body, s
+        )
+    return dataclasses.replace(s, cache=None)
 
 
 def compiled_count() -> int:
@@ -219,8 +259,8 @@ def run(graphdef, params, packed, spec: DecodeSpec, key, mesh=None) -> SampleRes
         host = tuple(
             jax.device_put(x, logical_sharding(("batch", None), x.shape, mesh)) for x in host
         )
-    s, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, *host, key)
-    s = _decode(graphdef, spec, mesh, params, s)
+    s, cache, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, *host, key)
+    s = _decode(graphdef, spec, mesh, params, s, cache)
     n = spec.max_new_tokens
     cols_N = jnp.arange(n, dtype=jnp.int32)
     plen_R = jnp.sum(pmask, axis=1, dtype=jnp.int32)
