@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.objectives import zero_variance_fraction
+from rljax.train import result_line
 
 GROUP = 8
 NAMED_RATES = (0.0, 0.5, 0.95)
@@ -148,7 +149,7 @@ def main(argv=None) -> dict[str, float]:
         "groups_per_rate": n_total,
     }
     result = {k: float(v) for k, v in result.items()}
-    print("RESULT " + " ".join(f"{k}={v:.6g}" for k, v in result.items()))
+    print(result_line(result))
     sys.stdout.flush()
     return result
 

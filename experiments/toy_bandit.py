@@ -44,6 +44,7 @@ import numpy as np
 import optax
 
 from rljax.objectives import Coef, ObjectiveBatch, group_advantages, grpo, token_logprobs
+from rljax.train import result_line
 
 PROBS = (0.4, 0.3, 0.2, 0.1)
 CORRECT = 2  # "answer 3" in the seed's 1-based numbering
@@ -308,7 +309,7 @@ def main(argv=None) -> dict[str, float]:
         "seeds": args.seeds,
     }
     result = {k: float(v) for k, v in result.items()}
-    print("RESULT " + " ".join(f"{k}={v:.6g}" for k, v in result.items()))
+    print(result_line(result))
     sys.stdout.flush()
     return result
 

@@ -114,6 +114,29 @@ def _clipped(t: _Terms, b: ObjectiveBatch, coef: Coef, ratio: Array) -> Array:
     return obj
 
 
+def _objective(batch, coef, surrogate, options, extra=None) -> tuple[Array, Array, Metrics]:
+    """The shared frame of every library objective.
+
+    ``surrogate(t, b) -> obj_BxT`` is the per-token objective to maximise; the loss is its
+    negative, plus ``extra(t, b)`` (the value loss for PPO), the common KL / entropy
+    terms, then aggregation. ``options`` = (aggregation, kl_kind, kl_clamp, norm_const).
+    """
+    aggregation, kl_kind, kl_clamp, norm_const = options
+    _check_options(aggregation, kl_kind)
+    b, m = _clean(batch)
+    t = _Terms(m)
+    t.loss = -surrogate(t, b)
+    if extra is not None:
+        extra(t, b)
+    _common_terms(t, b, coef, kl_kind, kl_clamp)
+    return t.finish(aggregation, norm_const)
+
+
+def _ratio_clipped(coef: Coef):
+    """Surrogate of GRPO / PPO: the clipped token ratio pi / pi_old (TIS-weighted)."""
+    return lambda t, b: _tis(t, b, coef, _clipped(t, b, coef, jnp.exp(b.logp_BxT - b.old_logp_BxT)))
+
+
 def reinforce(
     batch: ObjectiveBatch,
     coef: Coef,
@@ -129,14 +152,12 @@ def reinforce(
     arXiv:2402.14740). On-policy: no ratio, no clipping; with `sampler_logp_BxT` each token
     is weighted by truncated IS weights pi_old / pi_sampler.
     """
-    _check_options(aggregation, kl_kind)
-    b, m = _clean(batch)
-    t = _Terms(m)
-    obj = _tis(t, b, coef, policy_gradient_objective(b.logp_BxT, b.adv_BxT))
-    t.loss = -obj
-    t.metric("pg_objective", obj)
-    _common_terms(t, b, coef, kl_kind, kl_clamp)
-    return t.finish(aggregation, norm_const)
+    def surrogate(t, b):
+        obj = _tis(t, b, coef, policy_gradient_objective(b.logp_BxT, b.adv_BxT))
+        t.metric("pg_objective", obj)
+        return obj
+
+    return _objective(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const))
 
 
 def grpo(
@@ -160,14 +181,8 @@ def grpo(
     with `norm_const` and group_advantages(std="none"); arXiv:2503.20783), dual clip via
     `coef.dual_clip`, TIS via `sampler_logp_BxT`.
     """
-    _check_options(aggregation, kl_kind)
-    b, m = _clean(batch)
-    t = _Terms(m)
-    ratio = jnp.exp(b.logp_BxT - b.old_logp_BxT)
-    obj = _tis(t, b, coef, _clipped(t, b, coef, ratio))
-    t.loss = -obj
-    _common_terms(t, b, coef, kl_kind, kl_clamp)
-    return t.finish(aggregation, norm_const)
+    return _objective(batch, coef, _ratio_clipped(coef),
+                      (aggregation, kl_kind, kl_clamp, norm_const))
 
 
 def gspo(
@@ -188,14 +203,11 @@ def gspo(
     through each token's log-prob. The paper uses far smaller clip ranges than GRPO
     (3e-4 / 4e-4): set them in `Coef`. No KL term by default (the paper drops it).
     """
-    _check_options(aggregation, kl_kind)
-    b, m = _clean(batch)
-    t = _Terms(m)
-    ratio = gspo_token_ratio(b.logp_BxT, b.old_logp_BxT, b.mask_BxT)
-    obj = _tis(t, b, coef, _clipped(t, b, coef, ratio))
-    t.loss = -obj
-    _common_terms(t, b, coef, kl_kind, kl_clamp)
-    return t.finish(aggregation, norm_const)
+    def surrogate(t, b):
+        ratio = gspo_token_ratio(b.logp_BxT, b.old_logp_BxT, b.mask_BxT)
+        return _tis(t, b, coef, _clipped(t, b, coef, ratio))
+
+    return _objective(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const))
 
 
 def _value_terms(t: _Terms, b: ObjectiveBatch, coef: Coef) -> None:
@@ -230,12 +242,6 @@ def ppo(
     is only reported; `kl_kind` adds it as a loss term too. Metrics include the pieces
     of the value model's explained variance (`explained_variance`).
     """
-    _check_options(aggregation, kl_kind)
-    b, m = _clean(batch)
-    t = _Terms(m)
-    ratio = jnp.exp(b.logp_BxT - b.old_logp_BxT)
-    obj = _tis(t, b, coef, _clipped(t, b, coef, ratio))
-    t.loss = -obj
-    _value_terms(t, b, coef)
-    _common_terms(t, b, coef, kl_kind, kl_clamp)
-    return t.finish(aggregation, norm_const)
+    return _objective(batch, coef, _ratio_clipped(coef),
+                      (aggregation, kl_kind, kl_clamp, norm_const),
+                      extra=lambda t, b: _value_terms(t, b, coef))

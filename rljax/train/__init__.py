@@ -35,7 +35,7 @@ from rljax.train.experiment import (ExperimentConfig, RewardConfig, RunConfig, T
                                     load_experiment, load_run_config)
 from rljax.train.overrides import OverrideError, apply_overrides
 from rljax.train.plots import plot_metrics
-from rljax.train.run_dir import RunDir, RunDirError, format_summary, read_metrics
+from rljax.train.run_dir import RunDir, RunDirError, format_summary, read_metrics, result_line
 from rljax.train.runner import RunResult, run_experiment
 
 __all__ = [
@@ -48,6 +48,6 @@ __all__ = [
     "encode_prompts", "format_summary", "load_experiment", "load_run_config", "make_coef",
     "make_objective", "make_optimizer", "make_schedule", "make_update", "new_train_state",
     "overlong_shaping", "plot_metrics", "policy_logprobs", "ppo_advantages", "pure_params",
-    "read_metrics", "rl_loss", "run_experiment", "sequence_advantages", "sft_loss",
+    "read_metrics", "result_line", "rl_loss", "run_experiment", "sequence_advantages", "sft_loss",
     "value_predictions",
 ]

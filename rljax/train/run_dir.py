@@ -35,7 +35,7 @@ from rljax.train import plots as _plots
 
 __all__ = [
     "RunDir", "RunDirError", "Progress", "config_to_dict", "config_hash", "format_summary",
-    "read_metrics",
+    "read_metrics", "result_line",
 ]
 
 CONFIG_FILE = "config.json"
@@ -336,6 +336,11 @@ class Progress:
             self.stream.write(self.line(done, metrics) + "\n")
             self._last_print = now
         self.stream.flush()
+
+
+def result_line(values: dict[str, float]) -> str:
+    """``RESULT k1=v1 k2=v2 ...`` (6 significant digits): the last line of an experiment."""
+    return "RESULT " + " ".join(f"{k}={float(v):.6g}" for k, v in values.items())
 
 
 def format_summary(*, accuracy_before: float, accuracy_after: float, wall_s: float,
