@@ -2,15 +2,15 @@
 
 - :class:`SamplingParams` and the ops in :mod:`rljax.sampling.ops` (temperature, top-k,
   top-p, greedy, exact inverse-CDF sampling, log-probs of chosen tokens).
-- :func:`generate`: prefill once, decode in one jitted ``lax.while_loop`` with a donated
-  KV cache; returns a :class:`SampleResult`.
+- :func:`generate`: prefill once, decode in jitted ``lax.while_loop`` phases with the KV
+  cache updated in place; returns a :class:`SampleResult`.
 - :func:`compiled_count`: programs compiled by the sampler so far (to check bucketing).
 """
 
 from rljax.sampling.generate import generate
 from rljax.sampling.prompts import PackedPrompts, bucket_length, pack_prompts
 from rljax.sampling.result import SampleResult
-from rljax.sampling.sampler import DecodeSpec, DecodeState, compiled_count
+from rljax.sampling.sampler import DecodeSpec, DecodeState, compiled_count, plan_phases
 
 from rljax.sampling.ops import (
     SamplingParams,
@@ -31,6 +31,7 @@ __all__ = [
     "compiled_count",
     "generate",
     "pack_prompts",
+    "plan_phases",
     "SamplingParams",
     "filter_logits",
     "greedy",

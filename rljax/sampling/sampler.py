@@ -1,4 +1,4 @@
-"""The jitted KV-cache sampler: prefill once, then decode in one ``lax.while_loop``.
+"""The jitted KV-cache sampler: prefill once, then decode in `lax.while_loop` phases.
 
 ``generate`` packs the prompts on the host (left padding, length buckets), then runs two
 compiled programs:
