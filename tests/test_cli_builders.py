@@ -69,6 +69,11 @@ def test_gsm8k_files_shuffled_by_epoch_and_long_prompts_dropped(tmp_path):
     assert sorted(r["question"] if "question" in r else r["prompt"] for r in first_epoch) == \
         sorted(r["prompt"] for r in task.train(10, 10)[1])  # next epoch: same records
     assert all("answer" in r and "####" not in r["answer"] for r in first_epoch)
+    # The SFT warm-up reads the same records in its own order (RL does not start on them).
+    sft_prompts = task.sft(0, 10)[0]
+    rl_prompts = task.train(0, 10)[0]
+    assert sorted(sft_prompts) == sorted(rl_prompts) and sft_prompts != rl_prompts
+    assert task.sft(3, 4)[0] == sft_prompts[3:7]  # positional, so a resume reads on
     with pytest.raises(ValueError, match="task.prompt_template"):
         build_task(dataclasses.replace(cfg, task=dataclasses.replace(
             cfg.task, prompt_template="{nope}")), TOK)

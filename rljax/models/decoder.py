@@ -69,9 +69,7 @@ class Decoder(nnx.Module):
         self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
         self.final_norm = RMSNorm(d, config.rms_norm_eps)
         if not config.tie_word_embeddings:
-            # [V, D] like the embedding (and HF): the sampler's vocab-major head reads it
-            # as is, with no per-call transpose of the largest weight.
-            self.lm_head = normal_param(rngs, (v, d), ("vocab", "embed"))
+            self.lm_head = normal_param(rngs, (d, v), ("embed", "vocab"))
 
     def _embed(self, ids_BxT):
         return jnp.take(self.embed[...], ids_BxT, axis=0)
@@ -101,8 +99,11 @@ class Decoder(nnx.Module):
     def logits_from_hidden(self, h_xD):
         """Output projection of hidden states `[..., D]` to float32 logits `[..., V]`."""
         cd = compute_dtype(self.config)
-        w_VxD = self.embed if self.config.tie_word_embeddings else self.lm_head
-        return jnp.einsum("...d,vd->...v", h_xD.astype(cd), w_VxD[...].astype(cd),
+        h = h_xD.astype(cd)
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(cd),
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(cd),
                           preferred_element_type=jnp.float32)
 
     def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxT=None):

@@ -55,7 +55,7 @@ def weight_map(config: ModelConfig) -> list[tuple[str, tuple, tuple[int, ...], t
     out = [("model.embed_tokens.weight", ("embed",), (v, d), _SAME),
            ("model.norm.weight", ("final_norm", "scale"), (d,), _SAME)]
     if not c.tie_word_embeddings:
-        out.append(("lm_head.weight", ("lm_head",), (v, d), _SAME))
+        out.append(("lm_head.weight", ("lm_head",), (v, d), _TRANSPOSE))
     for i in range(c.num_layers):
         p, s = f"model.layers.{i}.", ("layers", i)
         out += [

@@ -9,12 +9,14 @@ Procedural tasks keep three streams apart: the SFT warm-up reads stream 0, RL re
 stream 1 (so RL sees fresh prompts, never the warm-up's worked examples) and the held-out
 prompts come from their own stream; a training draw that repeats a held-out prompt is
 redrawn (deterministically), so held-out prompts are never trained on. File tasks take
-held-out prompts from the evaluation split.
+held-out prompts from the evaluation split; their SFT warm-up and RL visit the training
+split in two independent shuffled orders, so RL does not start on the warm-up's records.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import pathlib
 from collections.abc import Callable, Sequence
@@ -177,6 +179,14 @@ def _filter_length(cfg: ExperimentConfig, tokenizer, records: Sequence[dict], wh
     return kept, report
 
 
+def _epoch_order(records: Sequence[dict], permutation: Callable[[int], np.ndarray]):
+    """`(start, n) -> records` visiting `records` in `permutation(epoch)` order per epoch."""
+    n_rec = len(records)
+    perm = functools.lru_cache(maxsize=2)(permutation)  # one permutation per epoch
+    return lambda start, n: [records[int(perm(i // n_rec)[i % n_rec])]
+                             for i in range(start, start + n)]
+
+
 def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
     """Training, held-out and SFT sources of `cfg.task` (see the module docstring)."""
     t = cfg.task
@@ -192,11 +202,9 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         train, _ = _filter_length(cfg, tokenizer, _records(cfg, t.split), f"split {t.split!r}")
         held, _ = _filter_length(cfg, tokenizer, _records(cfg, t.eval_split), f"split {t.eval_split!r}")
         eval_records = held[: cfg.rl.eval_prompts]
-        order = ShuffledIterator(train, seed=cfg.run.seed)
-        n_train = len(train)
-        records = lambda start, n: [train[int(order.permutation(i // n_train)[i % n_train])]
-                                    for i in range(start, start + n)]
-        sft_records = records
+        records = _epoch_order(train, ShuffledIterator(train, seed=cfg.run.seed).permutation)
+        sft_records = _epoch_order(train, lambda epoch: np.random.default_rng(
+            [cfg.run.seed, _SFT_STREAM, epoch]).permutation(len(train)))
 
     def rl_source(start: int, n: int):
         recs = records(start, n)
