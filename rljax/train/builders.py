@@ -30,6 +30,7 @@ __all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_re
 
 _SFT_STREAM, _RL_STREAM = 0, 1  # SFT and RL draw different problems
 _EVAL_STREAM = 1_000_003  # seeds the held-out stream apart from the training streams
+_SFT_FILE_ORDER = 0x534654  # "SFT": seeds the warm-up's visiting order of a file task
 
 
 def build_tokenizer(cfg: ExperimentConfig):
@@ -203,8 +204,10 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         held, _ = _filter_length(cfg, tokenizer, _records(cfg, t.eval_split), f"split {t.eval_split!r}")
         eval_records = held[: cfg.rl.eval_prompts]
         records = _epoch_order(train, ShuffledIterator(train, seed=cfg.run.seed).permutation)
+        # Not [seed, 0, epoch]: numpy's SeedSequence ignores trailing zeros, so that would
+        # repeat the RL order ([seed, epoch]) for seed 0.
         sft_records = _epoch_order(train, lambda epoch: np.random.default_rng(
-            [cfg.run.seed, _SFT_STREAM, epoch]).permutation(len(train)))
+            [_SFT_FILE_ORDER, cfg.run.seed, epoch]).permutation(len(train)))
 
     def rl_source(start: int, n: int):
         recs = records(start, n)
