@@ -9,7 +9,9 @@ Target: held-out greedy accuracy rises by at least 0.10. Measured 2026-12-02 (se
 the same 2-digit task and 250-step warm-up as `arithmetic_grpo`, the value model's backbone
 copied from the warmed-up policy, 100 PPO steps x 128 prompts; load average ~4, a GRPO
 exploration run shared the 2 cores): 0.352 -> 0.832 (+0.48; 0.74 / 0.72 / 0.77 after
-25 / 50 / 75 steps), wall_s=213.
+25 / 50 / 75 steps), wall_s=213. With the warm-up that stops at the loss target (as in
+`arithmetic_grpo`; 260 steps for seed 0), measured 2026-12-02 16:44 UTC, alone on the
+machine: 0.459 -> 0.838 (+0.38), wall_s=158.5.
 
 Run: `rljax train arithmetic_ppo` or `python experiments/arithmetic_ppo.py [--set k=v ...]`.
 The last line is `RESULT accuracy_before=... accuracy_after=... wall_s=...`.
