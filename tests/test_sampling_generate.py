@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rljax.models import Decoder, ModelConfig
+from rljax.models import Decoder, ModelConfig, grow_kv_cache
 from rljax.sampling import (
     SamplingParams,
     compiled_count,
@@ -144,6 +144,12 @@ def test_decode_phases_change_cost_not_results(model):
         np.testing.assert_array_equal(getattr(one, name), getattr(three, name), err_msg=name)
     for name in ("logprobs", "sampling_logprobs"):
         np.testing.assert_allclose(getattr(one, name), getattr(three, name), atol=TOL)
+    cache = model.init_cache(2, 8)
+    grown = grow_kv_cache(cache, 11)
+    assert grown.max_len == 11 and not bool(grown.valid_BxS[:, 8:].any())
+    for bad in (7, 9.0, "11"):
+        with pytest.raises(ValueError, match="grow_kv_cache"):
+            grow_kv_cache(cache, bad)
     pick = np.take_along_axis(_log_softmax(_fresh_logits(model, three)),
                               np.asarray(three.tokens)[..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(np.asarray(three.logprobs), pick, atol=TOL)

@@ -66,12 +66,12 @@ def grow_kv_cache(cache: KVCache, max_len: int) -> KVCache:
     The sampler decodes in phases and grows the cache between them, so each phase
     attends only to a cache about as long as the slots filled so far.
     """
-    extra = max_len - cache.max_len
-    if not isinstance(max_len, int) or extra < 0:
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < cache.max_len:
         raise ValueError(
             f"grow_kv_cache: max_len must be an int >= the current {cache.max_len} slots, "
             f"got {max_len!r}"
         )
+    extra = max_len - cache.max_len
     if extra == 0:
         return cache
 
