@@ -60,11 +60,6 @@ class DecodeSpec:
     phases: tuple[tuple[int, int], ...]
     pad_id: int
 
-    @property
-    def cache_len(self) -> int:
-        """Slots of the full cache (the last phase's)."""
-        return self.phases[-1][1]
-
 
 MIN_PHASE_STEPS = 16
 
