@@ -10,7 +10,9 @@ After one warm-up each, the two sides run interleaved ``--runs`` times; the medi
 compared. Beside each figure: the CPU time other processes used during that run (in
 cores, from /proc/stat minus this process's /proc/self/stat), because two processes
 timing on the same 2 cores slow each other several-fold. Also printed: rljax's decode
-step time beside the step's matmul FLOPs divided by the float32 matmul peak measured here.
+step time beside the step's matmul FLOPs divided by the float32 matmul peak measured here,
+and the time per step of the output projection alone (:func:`head_step_seconds`) beside
+the step time the 5x target would need.
 
     python experiments/bench_sampler.py [--runs 5]
 
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 32, 32, 128
+TARGET = 5  # the issue's speed target: rljax >= 5x transformers' generate
 HF_CONFIG = dict(
     hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
     intermediate_size=704, vocab_size=32000, max_position_embeddings=512,
@@ -101,6 +104,39 @@ def decode_step_flops(cfg, rows, cache_len):
     attn = 2 * n * h * cache_len  # q.k and p.v per layer
     per_token = cfg.num_layers * (per_layer + attn) + d * cfg.vocab_size
     return 2 * rows * per_token
+
+
+def head_step_seconds(model, rows=BATCH, steps=32, reps=5):
+    """Seconds per decode step spent by the output projection alone (best of ``reps``).
+
+    The sampler's first work on each step's hidden states, timed in isolation: the
+    vocab-major dot ``W[V, D] . h[R, D]^T``, then the max, exp and sum over the vocabulary
+    (the start of the inverse-CDF draw), in a ``fori_loop`` of ``steps`` steps where each
+    step's input depends on the last, as in the decode loop. No layers, no cache.
+    """
+    if model.config.tie_word_embeddings:
+        raise ValueError("head_step_seconds: expects an untied lm_head (the reference model)")
+    d = model.config.hidden_size
+
+    @jax.jit
+    def loop(w_DxV, h_RxD):
+        w_VxD = w_DxV.T
+
+        def step(_, h_RxD):
+            x_VxR = jnp.einsum("vd,rd->vr", w_VxD, h_RxD)
+            total_R = jnp.sum(jnp.exp(x_VxR - jnp.max(x_VxR, axis=0)), axis=0)
+            return h_RxD + 1e-9 * total_R[:, None]
+
+        return jax.lax.fori_loop(0, steps, step, h_RxD)
+
+    w, h = model.lm_head[...], jax.random.normal(jax.random.key(0), (rows, d), jnp.float32)
+    loop(w, h).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        loop(w, h).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return best / steps
 
 
 def hf_run(model, prompts):
@@ -176,6 +212,11 @@ def main(argv=None):
     print(f"rljax decode step {step * 1e3:.2f} ms (prefill+first token {t_pre * 1e3:.1f} ms); "
           f"step matmul FLOPs {flops / 1e6:.0f} M / peak {peak / 1e9:.1f} GFLOP/s = "
           f"{flops / peak * 1e3:.2f} ms floor ({flops / peak / step:.0%} of peak)")
+    head = head_step_seconds(ours)
+    budget = (t_hf / TARGET - t_pre) / (NEW_TOKENS - 1)
+    print(f"lm head alone (dot, max, exp, sum; in a loop): {head * 1e3:.2f} ms/step = "
+          f"{head / step:.0%} of the decode step; {TARGET}x transformers needs a whole step "
+          f"<= {budget * 1e3:.2f} ms (the head alone is {head / budget:.0%} of that)")
     print(f"ratio rljax/hf = {ours_tok / hf_tok:.2f}")
     print(f"RESULT rljax_tok_s={ours_tok:.0f} hf_tok_s={hf_tok:.0f} "
           f"ratio={ours_tok / hf_tok:.2f}")
