@@ -84,17 +84,22 @@ def build_checkpoint(path):
     return model
 
 
+def best_seconds(fn, reps):
+    """Fastest of ``reps`` timed calls of ``fn()`` (its result waited for), after a warm-up."""
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def matmul_peak_flops(n=2048, reps=5):
     """Float32 matmul FLOP/s of this machine under XLA (best of ``reps``)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     dot = jax.jit(jnp.dot)
-    dot(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        dot(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return 2 * n**3 / best_seconds(lambda: dot(a, a), reps)
 
 
 def decode_step_flops(cfg, rows, cache_len):
@@ -130,13 +135,7 @@ def head_step_seconds(model, rows=BATCH, steps=32, reps=5):
         return jax.lax.fori_loop(0, steps, step, h_RxD)
 
     w, h = model.lm_head[...], jax.random.normal(jax.random.key(0), (rows, d), jnp.float32)
-    loop(w, h).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        loop(w, h).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return best / steps
+    return best_seconds(lambda: loop(w, h), reps) / steps
 
 
 def hf_run(model, prompts):

@@ -1,18 +1,14 @@
 """Smoke tests of experiments/bench_sampler.py's helpers on a tiny model (no timing asserts)."""
 
-import importlib.util
 import math
-import pathlib
 
 import pytest
 from flax import nnx
 
+from _experiments import load_experiment
 from rljax.models import Decoder, ModelConfig
 
-_PATH = pathlib.Path(__file__).parents[1] / "experiments" / "bench_sampler.py"
-_spec = importlib.util.spec_from_file_location("bench_sampler", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_experiment("bench_sampler")
 
 
 def _tiny(tied):

@@ -1,17 +1,12 @@
 """Smoke test of experiments/load_memory.py's helpers on a tiny checkpoint (no timing)."""
 
-import importlib.util
-import pathlib
-
 import jax.numpy as jnp
 import numpy as np
 
+from _experiments import load_experiment
 from rljax.models import ModelConfig, from_pretrained
 
-_PATH = pathlib.Path(__file__).parents[1] / "experiments" / "load_memory.py"
-_spec = importlib.util.spec_from_file_location("load_memory", _PATH)
-load_memory = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(load_memory)
+load_memory = load_experiment("load_memory")
 
 
 def test_random_checkpoint_loads_and_rss_is_read(tmp_path):

@@ -12,40 +12,26 @@ own computed standard errors of the exact value (two-sided normal tail 5.7e-7 pe
 the seeds are fixed, so the outcome is deterministic.
 """
 
-import importlib.util
-import pathlib
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _experiments import load_experiment
+
 Z = 5.0  # statistical tolerance in standard errors (see module docstring)
-
-
-def _load(name):
-    """Import experiments/<name>.py by path (experiments/ is not a package)."""
-    mod_name = f"_rljax_experiment_{name}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def toy():
-    return _load("toy_bandit")
+    return load_experiment("toy_bandit")
 
 
 @pytest.fixture(scope="module")
 def signal():
-    return _load("signal_fraction")
+    return load_experiment("signal_fraction")
 
 
 def _result_line(captured: str) -> dict[str, float]:
@@ -176,6 +162,6 @@ def test_signal_fraction_default_run_meets_acceptance(signal, tmp_path, capsys):
 ])
 def test_bad_arguments_are_rejected(name, argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        _load(name).main(argv + ["--out", str(tmp_path)])
+        load_experiment(name).main(argv + ["--out", str(tmp_path)])
     assert exc.value.code == 2
     assert "--" in capsys.readouterr().err
