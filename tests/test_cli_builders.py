@@ -9,6 +9,7 @@ import pytest
 from rljax.models import ModelConfig
 from rljax.models.tokenizer import build_char_tokenizer
 from rljax.train.builders import build_reward, build_task
+from rljax.train.config import SFTConfig
 from rljax.train.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
 from rljax.train.smoke import write_gsm8k_like
 
@@ -77,6 +78,37 @@ def test_gsm8k_files_shuffled_by_epoch_and_long_prompts_dropped(tmp_path):
     with pytest.raises(ValueError, match="task.prompt_template"):
         build_task(dataclasses.replace(cfg, task=dataclasses.replace(
             cfg.task, prompt_template="{nope}")), TOK)
+
+
+def test_validation_prompts_only_for_an_accuracy_stop_and_never_held_out(tmp_path):
+    cfg = _cfg(task=TaskConfig(name="arithmetic", difficulty=1, max_prompt_tokens=8),
+               sft=SFTConfig(steps=5, stop_accuracy=0.5, stop_prompts=40))
+    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, eval_prompts=50))
+    task = build_task(cfg, TOK)
+    assert len(task.val_prompts) == 40 == len(task.val_metadata)
+    assert not set(task.val_prompts) & set(task.eval_prompts)  # 100 problems, none shared
+    assert build_task(cfg, TOK).val_prompts == task.val_prompts  # seeded, repeatable
+    assert task.eval_prompts == build_task(
+        dataclasses.replace(cfg, sft=SFTConfig(steps=5)), TOK).eval_prompts  # unchanged
+    assert build_task(dataclasses.replace(cfg, sft=SFTConfig(steps=5)), TOK).val_prompts == []
+    # File tasks: the validation prompts follow the held-out slice of the evaluation split.
+    data = write_gsm8k_like(tmp_path / "gsm8k", n_train=10, n_test=8)
+    fcfg = _cfg(task=TaskConfig(name="gsm8k", path=str(data), max_prompt_tokens=200),
+                sft=SFTConfig(steps=5, stop_accuracy=0.5, stop_prompts=3))
+    fcfg = dataclasses.replace(fcfg, rl=dataclasses.replace(fcfg.rl, eval_prompts=5))
+    ftask = build_task(fcfg, TOK)
+    assert len(ftask.eval_prompts) == 5 and len(ftask.val_prompts) == 3
+    assert not set(ftask.val_prompts) & set(ftask.eval_prompts)
+    with pytest.raises(ValueError, match="sft.stop_prompts=4: .* needs 4 more"):
+        build_task(dataclasses.replace(fcfg, sft=SFTConfig(steps=5, stop_accuracy=0.5,
+                                                             stop_prompts=4)), TOK)
+
+
+@pytest.mark.parametrize("field, value", [("stop_accuracy", 1.5), ("stop_accuracy", -0.1),
+                                          ("stop_every", 0), ("stop_prompts", 2.5)])
+def test_bad_accuracy_stop_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SFTConfig.{field}"):
+        SFTConfig(**{field: value})
 
 
 def test_rewards_compose_and_report_components():

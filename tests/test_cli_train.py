@@ -115,3 +115,14 @@ def test_sft_stop_loss_ends_the_warm_up_early(exp, tmp_path, capsys):
     # A negative target is refused, naming the field.
     assert main(["train", exp, "--set", "run.dir=runs/t", "--set", "sft.stop_loss=-1"]) == 2
     assert "stop_loss" in capsys.readouterr().err
+
+
+def test_sft_stop_accuracy_checks_real_greedy_accuracy_on_validation_prompts(exp, tmp_path):
+    # A target the tiny model cannot reach: every step runs, checked every 2 steps.
+    assert main(["train", exp, "--set", "run.dir=runs/v", "--set", "sft.steps=4",
+                 "--set", "sft.stop_accuracy=1.0", "--set", "sft.stop_every=2",
+                 "--set", "sft.stop_prompts=8", "--set", "rl.steps=1"]) == 0
+    sft_rows = [r for r in read_metrics(tmp_path / "runs/v") if r["phase"] == "sft"]
+    assert [r["step"] for r in sft_rows] == [1, 2, 3, 4]
+    checked = [r["sft/val_accuracy"] for r in sft_rows if "sft/val_accuracy" in r]
+    assert len(checked) == 2 and all(0.0 <= a < 1.0 for a in checked)

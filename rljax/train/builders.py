@@ -11,6 +11,9 @@ prompts come from their own stream; a training draw that repeats a held-out prom
 redrawn (deterministically), so held-out prompts are never trained on. File tasks take
 held-out prompts from the evaluation split; their SFT warm-up and RL visit the training
 split in two independent shuffled orders, so RL does not start on the warm-up's records.
+Validation prompts (only when `sft.stop_accuracy` is set) come from a fourth stream
+without the held-out prompts, or for file tasks from the evaluation split just after
+the held-out slice: the warm-up's stop never looks at the prompts that measure it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_re
 
 _SFT_STREAM, _RL_STREAM = 0, 1  # SFT and RL draw different problems
 _EVAL_STREAM = 1_000_003  # seeds the held-out stream apart from the training streams
+_VAL_STREAM = 1_000_033  # the warm-up's validation prompts (sft.stop_accuracy)
 _SFT_FILE_ORDER = 0x534654  # "SFT": seeds the warm-up's visiting order of a file task
 
 
@@ -81,12 +85,16 @@ class TaskData:
     train: `(start, n) -> (prompt texts, metadata dicts)` for RL.
     eval_prompts, eval_metadata: the held-out prompts.
     sft: `(start, n) -> (prompt texts, target texts)` for the SFT warm-up.
+    val_prompts, val_metadata: the warm-up's validation prompts (empty unless
+      `sft.stop_accuracy` is set), disjoint from the held-out ones.
     """
 
     train: Callable[[int, int], tuple[list[str], list[dict]]]
     eval_prompts: list[str]
     eval_metadata: list[dict]
     sft: Callable[[int, int], tuple[list[str], list[str]]]
+    val_prompts: list[str] = dataclasses.field(default_factory=list)
+    val_metadata: list[dict] = dataclasses.field(default_factory=list)
 
 
 def _fill(template: str, record: dict, field: str) -> str:
@@ -191,18 +199,27 @@ def _epoch_order(records: Sequence[dict], permutation: Callable[[int], np.ndarra
 def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
     """Training, held-out and SFT sources of `cfg.task` (see the module docstring)."""
     t = cfg.task
+    n_val = cfg.sft.stop_prompts if cfg.sft is not None and cfg.sft.stop_accuracy > 0 else 0
     if t.name in ("arithmetic", "countdown"):
         draw = _procedural(cfg)
         eval_records = draw(_EVAL_STREAM, 0, cfg.rl.eval_prompts)
         held = frozenset(r["prompt"] for r in eval_records)
         records = lambda start, n: draw(_RL_STREAM, start, n, held)
         sft_records = lambda start, n: draw(_SFT_STREAM, start, n, held)
+        val_records = draw(_VAL_STREAM, 0, n_val, held)
     else:
         from rljax.data import ShuffledIterator
 
         train, _ = _filter_length(cfg, tokenizer, _records(cfg, t.split), f"split {t.split!r}")
         held, _ = _filter_length(cfg, tokenizer, _records(cfg, t.eval_split), f"split {t.eval_split!r}")
         eval_records = held[: cfg.rl.eval_prompts]
+        val_records = held[len(eval_records): len(eval_records) + n_val]
+        if len(val_records) < n_val:
+            raise ValueError(
+                f"sft.stop_prompts={n_val}: split {t.eval_split!r} has {len(held)} usable "
+                f"records, {len(eval_records)} of them held out (rl.eval_prompts); it needs "
+                f"{n_val} more for validation. Lower sft.stop_prompts or rl.eval_prompts."
+            )
         records = _epoch_order(train, ShuffledIterator(train, seed=cfg.run.seed).permutation)
         # Not [seed, 0, epoch]: numpy's SeedSequence ignores trailing zeros, so that would
         # repeat the RL order ([seed, epoch]) for seed 0.
@@ -218,8 +235,9 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         targets = [_fill(t.sft_template, r, "task.sft_template") for r in recs]
         return [_prompt_text(cfg, tokenizer, r) for r in recs], targets
 
-    eval_prompts = [_prompt_text(cfg, tokenizer, r) for r in eval_records]
-    return TaskData(rl_source, eval_prompts, list(eval_records), sft_source)
+    texts = lambda recs: [_prompt_text(cfg, tokenizer, r) for r in recs]  # noqa: E731
+    return TaskData(rl_source, texts(eval_records), list(eval_records), sft_source,
+                    texts(val_records), list(val_records))
 
 
 def _import(path: str, field: str) -> Callable:

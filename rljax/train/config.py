@@ -340,6 +340,13 @@ class SFTConfig:
       stop_loss: stop the warm-up early once the mean training loss of the last 20 steps
         is below this (0 = run all `steps`); a loss target gives every seed a similar
         starting ability where a fixed step count does not.
+      stop_accuracy: stop the warm-up at the first check (every `stop_every` steps) where
+        greedy accuracy on `stop_prompts` validation prompts reaches this (0 = off; in
+        [0, 1]). The validation prompts are disjoint from the held-out prompts that
+        measure accuracy before and after RL (a procedural task may also draw them for
+        training). It sets the starting ability directly: the loss at which a model
+        reaches a given accuracy moves with the machine's rounding.
+      stop_every, stop_prompts: how often the accuracy is checked, on how many prompts.
     """
 
     steps: int = 100
@@ -354,10 +361,16 @@ class SFTConfig:
     max_nonfinite_steps: int = 5
     eval_every: int = 0
     stop_loss: float = 0.0
+    stop_accuracy: float = 0.0
+    stop_every: int = 10
+    stop_prompts: int = 256
 
     def __post_init__(self):
         c = "SFTConfig"
         _check_num(c, "stop_loss", self.stop_loss, lo=0)
+        _check_num(c, "stop_accuracy", self.stop_accuracy, lo=0, hi=1)
+        _check_num(c, "stop_every", self.stop_every, lo=1, integer=True)
+        _check_num(c, "stop_prompts", self.stop_prompts, lo=1, integer=True)
         _check_num(c, "steps", self.steps, lo=0, integer=True)
         _check_num(c, "batch_size", self.batch_size, lo=1, integer=True)
         _check_num(c, "micro_batch_size", self.micro_batch_size, lo=0, integer=True)

@@ -45,25 +45,35 @@ class RunResult:
     summary: str
 
 
-def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, out: TextIO):
+def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: TextIO):
+    """SFT steps until `sft.steps`, or until a `stop_loss` / `stop_accuracy` target."""
     from rljax.train.batching import encode_pairs
     from rljax.train.sft import SFTTrainer
 
-    sft = SFTTrainer(graphdef, cfg.sft, mesh=mesh)
+    c = cfg.sft
+    sft = SFTTrainer(graphdef, c, mesh=mesh)
     state = sft.init_state(params, seed=cfg.run.seed)
-    bar = Progress(cfg.sft.steps, ("loss",), stream=out, desc="sft")
-    bs, recent = cfg.sft.batch_size, []
-    for i in range(cfg.sft.steps):
+    bar = Progress(c.steps, ("loss", "val_accuracy"), stream=out, desc="sft")
+    bs, recent = c.batch_size, []
+    for i in range(c.steps):
         prompts, targets = task.sft(i * bs, bs)
         batch = encode_pairs(tokenizer, prompts, targets, cfg.task.max_prompt_tokens,
                              cfg.sampling.max_new_tokens)
         state, m = sft.step(state, batch)
+        stop = None
+        if c.stop_accuracy > 0 and (i + 1) % c.stop_every == 0:
+            val = trainer.evaluate(state.params["policy"], task.val_prompts, task.val_metadata)
+            m = {**m, "val_accuracy": val["accuracy"]}  # built-in tasks always verify
+            if m["val_accuracy"] >= c.stop_accuracy:
+                stop = (f"validation accuracy {m['val_accuracy']:.3f} >= "
+                        f"sft.stop_accuracy={c.stop_accuracy}")
+        recent = (recent + [float(m["loss"])])[-20:]
+        if len(recent) == 20 and sum(recent) / 20 < c.stop_loss:
+            stop = f"mean loss of the last 20 steps {sum(recent) / 20:.3f} < sft.stop_loss={c.stop_loss}"
         rd.log(i + 1, {f"sft/{k}": v for k, v in m.items()}, phase="sft")
         bar.update(i + 1, m)
-        recent = (recent + [float(m["loss"])])[-20:]
-        if len(recent) == 20 and sum(recent) / 20 < cfg.sft.stop_loss:
-            print(f"sft: mean loss of the last 20 steps {sum(recent) / 20:.3f} < "
-                  f"sft.stop_loss={cfg.sft.stop_loss}; warm-up stops at step {i + 1}", file=out)
+        if stop:
+            print(f"sft: {stop}; warm-up stops at step {i + 1}", file=out)
             break
     return state.params["policy"]
 
@@ -157,7 +167,7 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
     if rd.resumed:  # resume asked, but no checkpoint yet: start over, from a clean record
         rd.truncate_metrics(-1, phase=None)
     if cfg.sft is not None and cfg.sft.steps > 0:
-        params = _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, out)
+        params = _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out)
         if value_params is not None:  # the critic starts from the warmed-up backbone
             from flax import nnx
 
