@@ -11,7 +11,9 @@ copied from the warmed-up policy, 100 PPO steps x 128 prompts; load average ~4, 
 exploration run shared the 2 cores): 0.352 -> 0.832 (+0.48; 0.74 / 0.72 / 0.77 after
 25 / 50 / 75 steps), wall_s=213. With the warm-up that stops at the loss target (as in
 `arithmetic_grpo`; 260 steps for seed 0), measured 2026-12-02 16:44 UTC, alone on the
-machine: 0.459 -> 0.838 (+0.38), wall_s=158.5.
+machine: 0.459 -> 0.838 (+0.38), wall_s=158.5. With the warm-up that stops at the
+validation-accuracy target (as in `arithmetic_grpo` now; step 240), on a second VM about
+half as fast, alone: 0.459 -> 0.863 (+0.40), wall_s=227.7.
 
 Run: `rljax train arithmetic_ppo` or `python experiments/arithmetic_ppo.py [--set k=v ...]`.
 The last line is `RESULT accuracy_before=... accuracy_after=... wall_s=...`.
