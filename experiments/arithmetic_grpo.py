@@ -64,8 +64,8 @@ moved. So the warm-up now stops at an accuracy target instead: greedy accuracy o
 validation prompts (their own stream, never the held-out ones) >= 0.45, checked every 5
 steps (`sft.stop_accuracy`). Measured on that VM, seeds one after another:
 
-  seed 0: stops at step 240 (validation 0.473); 0.459 -> 0.777 (+0.318); 276 s (a test
-          run shared the cores for ~100 s)
+  seed 0: stops at step 240 (validation 0.473); 0.459 -> 0.777 (+0.318); 276 s beside a
+          test run; re-run alone later: the same accuracies in 129 s (the VM sped up)
   seed 1: stops at step 280 (0.461); 0.447 -> 0.877 (+0.430); 223 s
   seed 2: stops at step 290 (0.465); 0.393 -> 0.672 (+0.279); 237 s -- NOT meeting the
           0.75 target
