@@ -114,28 +114,33 @@ def decode_step_flops(cfg, rows, cache_len):
 def head_step_seconds(model, rows=BATCH, steps=32, reps=5):
     """Seconds per decode step spent by the output projection alone (best of ``reps``).
 
-    The sampler's first work on each step's hidden states, timed in isolation: the
-    vocab-major dot ``W[V, D] . h[R, D]^T``, then the max, exp and sum over the vocabulary
-    (the start of the inverse-CDF draw), in a ``fori_loop`` of ``steps`` steps where each
-    step's input depends on the last, as in the decode loop. No layers, no cache.
+    The sampler's first work on each step's hidden states, timed in isolation: its
+    vocab-major head (:func:`rljax.sampling.vocab_major_head`), then the max, exp and sum
+    over the vocabulary (the start of the inverse-CDF draw), in a ``fori_loop`` of
+    ``steps`` steps where each step's input depends on the last, as in the decode loop.
+    No layers, no cache. Reported for the reference model's untied ``lm_head``.
     """
+    from flax import nnx
+
+    from rljax.sampling import vocab_major_head
+
     if model.config.tie_word_embeddings:
         raise ValueError("head_step_seconds: expects an untied lm_head (the reference model)")
-    d = model.config.hidden_size
+    graphdef, state = nnx.split(model)
 
     @jax.jit
-    def loop(w_DxV, h_RxD):
-        w_VxD = w_DxV.T
+    def loop(state, h_RxD):
+        head = vocab_major_head(nnx.merge(graphdef, state))
 
         def step(_, h_RxD):
-            x_VxR = jnp.einsum("vd,rd->vr", w_VxD, h_RxD)
+            x_VxR = head(h_RxD)
             total_R = jnp.sum(jnp.exp(x_VxR - jnp.max(x_VxR, axis=0)), axis=0)
             return h_RxD + 1e-9 * total_R[:, None]
 
         return jax.lax.fori_loop(0, steps, step, h_RxD)
 
-    w, h = model.lm_head[...], jax.random.normal(jax.random.key(0), (rows, d), jnp.float32)
-    return best_seconds(lambda: loop(w, h), reps) / steps
+    h = jax.random.normal(jax.random.key(0), (rows, model.config.hidden_size), jnp.float32)
+    return best_seconds(lambda: loop(state, h), reps) / steps
 
 
 def hf_run(model, prompts):

@@ -5,12 +5,14 @@
 - :func:`generate`: prefill once, decode in jitted ``lax.while_loop`` phases with the KV
   cache updated in place; returns a :class:`SampleResult`.
 - :func:`compiled_count`: programs compiled by the sampler so far (to check bucketing).
+- :func:`vocab_major_head`: the decode loop's output projection, ``h_RxD -> logits_VxR``.
 """
 
 from rljax.sampling.generate import generate
 from rljax.sampling.prompts import PackedPrompts, bucket_length, pack_prompts
 from rljax.sampling.result import SampleResult
-from rljax.sampling.sampler import DecodeSpec, DecodeState, compiled_count, plan_phases
+from rljax.sampling.sampler import (DecodeSpec, DecodeState, compiled_count, plan_phases,
+                                    vocab_major_head)
 
 from rljax.sampling.ops import (
     SamplingParams,
@@ -32,6 +34,7 @@ __all__ = [
     "generate",
     "pack_prompts",
     "plan_phases",
+    "vocab_major_head",
     "SamplingParams",
     "filter_logits",
     "greedy",

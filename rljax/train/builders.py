@@ -226,16 +226,17 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         sft_records = _epoch_order(train, lambda epoch: np.random.default_rng(
             [_SFT_FILE_ORDER, cfg.run.seed, epoch]).permutation(len(train)))
 
+    def texts(recs):
+        return [_prompt_text(cfg, tokenizer, r) for r in recs]
+
     def rl_source(start: int, n: int):
         recs = records(start, n)
-        return [_prompt_text(cfg, tokenizer, r) for r in recs], recs
+        return texts(recs), recs
 
     def sft_source(start: int, n: int):
         recs = sft_records(start, n)
-        targets = [_fill(t.sft_template, r, "task.sft_template") for r in recs]
-        return [_prompt_text(cfg, tokenizer, r) for r in recs], targets
+        return texts(recs), [_fill(t.sft_template, r, "task.sft_template") for r in recs]
 
-    texts = lambda recs: [_prompt_text(cfg, tokenizer, r) for r in recs]  # noqa: E731
     return TaskData(rl_source, texts(eval_records), list(eval_records), sft_source,
                     texts(val_records), list(val_records))
 
