@@ -42,16 +42,18 @@ def _default(model, ids, mask=None):
     return model(ids, mask_BxT=mask)
 
 
-@nnx.jit(static_argnums=(4, 5))
-def _cached_run(model, ids, pos, mask, prompt_len, max_len):
-    """Prefill the first `prompt_len` tokens, then decode the rest one at a time."""
+@nnx.jit(static_argnums=(4, 5, 6))
+def _cached_run(model, ids, pos, mask, prompt_len, max_len, fused=False):
+    """Prefill the first `prompt_len` tokens, then decode the rest one at a time
+    (with `fused`, both through `Decoder.fused_qkv` weights)."""
+    qkv = model.fused_qkv() if fused else None
     cache = model.init_cache(ids.shape[0], max_len)
     h, cache = model.forward_cached(ids[:, :prompt_len], pos[:, :prompt_len],
-                                    mask[:, :prompt_len], cache, 0)
+                                    mask[:, :prompt_len], cache, 0, qkv)
     outs = [model.logits_from_hidden(h)]
     for t in range(prompt_len, ids.shape[1]):
         h, cache = model.forward_cached(ids[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1],
-                                        cache, t)
+                                        cache, t, qkv)
         outs.append(model.logits_from_hidden(h))
     return jnp.concatenate(outs, axis=1)
 
@@ -65,15 +67,16 @@ def _left_padded(rng, lens, t, vocab):
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["qkv", "fused_qkv"])
 @pytest.mark.parametrize("cfg", [BASE, QWEN3, QWEN2], ids=["llama", "qwen3", "qwen2"])
-def test_cached_prefill_decode_equals_full_forward(cfg):
+def test_cached_prefill_decode_equals_full_forward(cfg, fused):
     model = _model(cfg)
     rng = np.random.default_rng(0)
     ids, mask = _left_padded(rng, [9, 6, 3], 9, cfg.vocab_size)
     pos = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     full = _full(model, ids, pos, mask)
     # prompt of 5 padded slots, 4 decode steps, cache longer than needed (stale slots)
-    cached = _cached_run(model, ids, pos, mask, 5, 12)
+    cached = _cached_run(model, ids, pos, mask, 5, 12, fused)
     m = np.asarray(mask)
     np.testing.assert_array_less(np.abs(np.asarray(full - cached))[m], TOL)
 

@@ -66,25 +66,58 @@ class Attention(nnx.Module):
             y = y + getattr(self, bias_name)[...]
         return y
 
-    def qkv(self, x_BxTxD, cos_sin):
-        """Queries `[B,T,N,H]`, keys and values `[B,T,K,H]` (rotated, compute dtype)."""
+    def fused_qkv(self):
+        """q, k and v weights in one array ``[D, K, G + 2, H]`` (and biases ``[K, G + 2, H]``).
+
+        Per kv head ``j``: its ``G = N / K`` query heads (``n = j * G + g``, the grouping
+        ``attend`` uses), then its key, then its value head. One dot instead of three per
+        layer and decode step; kv-head-major, so a weight sharded over kv heads keeps each
+        shard's q, k and v together. Build it once per sampler call, outside the loop.
+        """
+        d, n, h = self.q.shape
+        kv = self.k.shape[1]
+
+        def cat(q, k, v):
+            q = q.reshape(q.shape[:-2] + (kv, n // kv, h))
+            return jnp.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
+
+        w = cat(self.q[...], self.k[...], self.v[...]).astype(self.dtype)
+        if not self.qkv_bias:
+            return w, None
+        return w, cat(self.q_bias[...], self.k_bias[...], self.v_bias[...])
+
+    def qkv(self, x_BxTxD, cos_sin, fused=None):
+        """Queries `[B,T,N,H]`, keys and values `[B,T,K,H]` (rotated, compute dtype).
+
+        fused: optional ``self.fused_qkv()`` (same result, one dot).
+        """
         x = x_BxTxD.astype(self.dtype)
-        q = self._project(x, self.q, "q_bias")
-        k = self._project(x, self.k, "k_bias")
-        v = self._project(x, self.v, "v_bias")
+        if fused is None:
+            q = self._project(x, self.q, "q_bias")
+            k = self._project(x, self.k, "k_bias")
+            v = self._project(x, self.v, "v_bias")
+        else:
+            w, bias = fused
+            y = jnp.einsum("btd,dkch->btkch", x, w, preferred_element_type=jnp.float32)
+            if bias is not None:
+                y = y + bias
+            g = y.shape[3] - 2
+            q = y[:, :, :, :g].reshape(y.shape[:2] + (-1, y.shape[-1]))
+            k, v = y[:, :, :, g], y[:, :, :, g + 1]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos_sin).astype(self.dtype)
         k = apply_rope(k, cos_sin).astype(self.dtype)
         return q, k, v.astype(self.dtype)
 
-    def __call__(self, x_BxTxD, cos_sin, allowed_BxTxS, cache_kv=None, slot=None):
+    def __call__(self, x_BxTxD, cos_sin, allowed_BxTxS, cache_kv=None, slot=None, fused=None):
         """Attention output `[B,T,D]` (float32) and this layer's (keys, values) buffers.
 
         Without `cache_kv` the keys/values are the T new ones (S = T). With it, the new
         keys/values are written at slots [slot, slot + T) of the given buffers first.
+        fused: optional ``self.fused_qkv()``, see :meth:`qkv`.
         """
-        q, k, v = self.qkv(x_BxTxD, cos_sin)
+        q, k, v = self.qkv(x_BxTxD, cos_sin, fused)
         k_BxKxHxT = jnp.transpose(k, (0, 2, 3, 1))
         v_BxKxTxH = jnp.transpose(v, (0, 2, 1, 3))
         if cache_kv is None:

@@ -21,8 +21,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, cos_sin, allowed, cache_kv=None, slot=None):
-        a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot)
+    def __call__(self, x, cos_sin, allowed, cache_kv=None, slot=None, fused_qkv=None):
+        a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot, fused_qkv)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), kv
 
@@ -116,13 +116,19 @@ class Decoder(nnx.Module):
         return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
                              compute_dtype(c))
 
-    def forward_cached(self, input_ids_BxT, positions_BxT, mask_BxT, cache: KVCache, slot):
+    def fused_qkv(self):
+        """Per layer, ``Attention.fused_qkv()``: pass to :meth:`forward_cached` in a decode
+        loop (built once, outside the loop) to run one q/k/v dot per layer instead of three."""
+        return tuple(layer.attn.fused_qkv() for layer in self.layers)
+
+    def forward_cached(self, input_ids_BxT, positions_BxT, mask_BxT, cache: KVCache, slot,
+                       fused_qkv=None):
         """Run T new tokens against the cache: returns (final hidden `[B,T,D]`, new cache).
 
         The new keys/values go to slots [slot, slot + T) (slot: int32 scalar shared by all
         rows), marked valid where mask_BxT; the query at slot s attends to valid slots
         j <= s. Prefill: one call with the padded prompts at slot 0; decode: T = 1 calls
-        at slots P, P + 1, ...
+        at slots P, P + 1, ... fused_qkv: optional ``self.fused_qkv()`` (same results).
         """
         ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
         if not isinstance(cache, KVCache):
@@ -144,8 +150,9 @@ class Decoder(nnx.Module):
         cos_sin = rope_cos_sin(self.config, jnp.asarray(positions_BxT))
         x = self._embed(ids)
         keys, values = [], []
-        for layer, ck, cv in zip(self.layers, cache.keys, cache.values):
-            x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot)
+        fused = (None,) * len(self.layers) if fused_qkv is None else fused_qkv
+        for layer, ck, cv, f in zip(self.layers, cache.keys, cache.values, fused):
+            x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot, f)
             keys.append(k)
             values.append(v)
         new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid_BxS=valid)

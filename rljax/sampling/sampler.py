@@ -211,10 +211,11 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, s: DecodeState, prompt_cac
     r = s.last_R.shape[0]
     ones_Rx1 = jnp.ones((r, 1), bool)
     head = vocab_major_head(model)
+    fused = model.fused_qkv() if hasattr(model, "fused_qkv") else None
 
     def body(s):
         h_Rx1xD, cache = model.forward_cached(
-            s.last_R[:, None], s.feed_pos_R[:, None], ones_Rx1, s.cache, s.slot
+            s.last_R[:, None], s.feed_pos_R[:, None], ones_Rx1, s.cache, s.slot, fused
         )
         logits_VxR = head(h_Rx1xD[:, 0])
         tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(s.key, s.step), logits_VxR,
