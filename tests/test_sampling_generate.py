@@ -198,15 +198,15 @@ def test_decode_loop_stops_early_once_every_row_stopped(model):
     spec = sampler_mod.DecodeSpec(SamplingParams(), tuple(range(CFG.vocab_size)), 1, n,
                                   phases, 0)
     graphdef, state = nnx.split(model)
-    s, cache, _ = sampler_mod._prefill(graphdef, spec, None, state, packed.tokens_BxP,
+    s, cache, _ = sampler_mod._prefill(graphdef, spec, None, state, None, packed.tokens_BxP,
                                        packed.mask_BxP, packed.positions_BxP, jax.random.key(5))
-    s = sampler_mod._decode(graphdef, spec, None, state, s, cache)
+    s = sampler_mod._decode(graphdef, spec, None, state, None, s, cache)
     assert int(s.step) == 1 and np.asarray(s.lengths_R).tolist() == [1] * 4
     spec_half = dataclasses.replace(spec, stop_ids=(int(s.tokens_RxN[0, 0]),))
-    s2, cache2, _ = sampler_mod._prefill(graphdef, spec_half, None, state, packed.tokens_BxP,
-                                         packed.mask_BxP, packed.positions_BxP,
-                                         jax.random.key(5))
-    s2 = sampler_mod._decode(graphdef, spec_half, None, state, s2, cache2)
+    s2, cache2, _ = sampler_mod._prefill(graphdef, spec_half, None, state, None,
+                                         packed.tokens_BxP, packed.mask_BxP,
+                                         packed.positions_BxP, jax.random.key(5))
+    s2 = sampler_mod._decode(graphdef, spec_half, None, state, None, s2, cache2)
     lengths = np.asarray(s2.lengths_R)
     assert lengths[0] == 1 and lengths.max() > 1
     assert int(s2.step) == lengths.max()  # ran exactly until the last row stopped (or N)

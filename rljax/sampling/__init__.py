@@ -5,14 +5,16 @@
 - :func:`generate`: prefill once, decode in jitted ``lax.while_loop`` phases with the KV
   cache updated in place; returns a :class:`SampleResult`.
 - :func:`compiled_count`: programs compiled by the sampler so far (to check bucketing).
-- :func:`vocab_major_head`: the decode loop's output projection, ``h_RxD -> logits_VxR``.
+- :func:`vocab_major_head`: the decode loop's output projection, ``h_RxD -> logits_VxR``;
+  :func:`vocab_major_weight` its ``[V, D]`` weight, and :func:`cached_vocab_major_weight`
+  that weight kept across calls while the model's weight array is alive.
 """
 
 from rljax.sampling.generate import generate
 from rljax.sampling.prompts import PackedPrompts, bucket_length, pack_prompts
 from rljax.sampling.result import SampleResult
-from rljax.sampling.sampler import (DecodeSpec, DecodeState, compiled_count, plan_phases,
-                                    vocab_major_head)
+from rljax.sampling.head import cached_vocab_major_weight, vocab_major_head, vocab_major_weight
+from rljax.sampling.sampler import DecodeSpec, DecodeState, compiled_count, plan_phases
 
 from rljax.sampling.ops import (
     SamplingParams,
@@ -30,11 +32,13 @@ __all__ = [
     "PackedPrompts",
     "SampleResult",
     "bucket_length",
+    "cached_vocab_major_weight",
     "compiled_count",
     "generate",
     "pack_prompts",
     "plan_phases",
     "vocab_major_head",
+    "vocab_major_weight",
     "SamplingParams",
     "filter_logits",
     "greedy",

@@ -121,4 +121,4 @@ def generate(
     p = packed.tokens_BxP.shape[1]
     cache_len = max(p + n - 1, p) if max_len is None else max_len
     spec = DecodeSpec(params, stops, g, n, plan_phases(p, n, cache_len, phases), pad_id)
-    return run(graphdef, state, packed, spec, key, mesh)
+    return run(graphdef, state, packed, spec, key, mesh, config)

@@ -37,11 +37,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from rljax.models import grow_kv_cache, kv_cache_shardings
-from rljax.sampling.ops import SamplingParams, sample_tokens, sample_tokens_VxR
+from rljax.sampling.head import cached_vocab_major_weight, vocab_major_head
+from rljax.sampling.ops import SamplingParams, sample_tokens_VxR
 from rljax.sampling.result import SampleResult
 from rljax.sharding import logical_sharding
 
-__all__ = ["DecodeSpec", "DecodeState", "compiled_count", "plan_phases", "vocab_major_head"]
+__all__ = ["DecodeSpec", "DecodeState", "compiled_count", "plan_phases"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +150,8 @@ def _repeat_rows(x, g):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _prefill(graphdef, spec: DecodeSpec, mesh, params, tokens_BxP, mask_BxP, pos_BxP, key):
+def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mask_BxP, pos_BxP,
+             key):
     """Prefill the prompts once, repeat for the group, draw the first token."""
     model = nnx.merge(graphdef, params)
     b, p = tokens_BxP.shape
@@ -157,7 +159,7 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, tokens_BxP, mask_BxP, pos
     if mesh is not None:
         cache = jax.lax.with_sharding_constraint(cache, kv_cache_shardings(cache, mesh))
     h_BxPxD, cache = model.forward_cached(tokens_BxP, pos_BxP, mask_BxP, cache, 0)
-    logits_BxV = model.logits_from_hidden(h_BxPxD[:, -1])
+    logits_VxB = vocab_major_head(model, head_VxD)(h_BxPxD[:, -1])
     g, n = spec.num_samples, spec.max_new_tokens
     cache = jax.tree.map(lambda x: _repeat_rows(x, g), cache)
     r = b * g
@@ -170,47 +172,25 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, tokens_BxP, mask_BxP, pos
         tokens_RxN=jnp.full((r, n), spec.pad_id, jnp.int32),
         logp_RxN=zeros_RxN, sampling_logp_RxN=zeros_RxN,
     )
-    logits_RxV = _repeat_rows(logits_BxV, g)
-    tok, lp, slp = sample_tokens(jax.random.fold_in(key, 0), logits_RxV, spec.params)
+    logits_VxR = logits_VxB if g == 1 else jnp.repeat(logits_VxB, g, axis=1)
+    tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(key, 0), logits_VxR, spec.params)
     s = _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
     prompt = tuple(_repeat_rows(x, g) for x in (tokens_BxP, mask_BxP, pos_BxP))
     return dataclasses.replace(s, cache=None), s.cache, prompt
 
 
-def vocab_major_head(model):
-    """``h_RxD -> logits_VxR``: the model's output projection as ``W_VxD . h^T``.
-
-    Same math as ``model.logits_from_hidden`` (tied: the embedding), laid out vocab-major
-    because XLA:CPU runs that dot ~1.5x faster at decode batch sizes (see
-    ``ops.sample_tokens_VxR``). The ``[V, D]`` weight is built once per call, outside the
-    loop. Models without ``embed`` / ``lm_head`` fall back to ``logits_from_hidden``.
-    Call it inside jit (on a merged model) so the weight is an argument, not a constant.
-    """
-    cfg = model.config
-    tied = getattr(cfg, "tie_word_embeddings", None)
-    name = "embed" if tied else "lm_head"
-    if tied is None or not hasattr(model, name):
-        return lambda h_RxD: model.logits_from_hidden(h_RxD).T
-    cd = jnp.bfloat16 if getattr(cfg, "compute_dtype", "float32") == "bfloat16" else jnp.float32
-    w = getattr(model, name)[...]
-    w_VxD = (w if tied else w.T).astype(cd)
-    return lambda h_RxD: jnp.einsum(
-        "vd,rd->vr", w_VxD, h_RxD.astype(cd), preferred_element_type=jnp.float32
-    )
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _decode(graphdef, spec: DecodeSpec, mesh, params, s: DecodeState, prompt_cache):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
+def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, prompt_cache):
     """Decode until ``max_new_tokens`` or every row stopped; the state is donated.
 
     ``s.cache`` is None on the way in and out; the loops run on ``prompt_cache`` grown
-    to each phase's length.
+    to each phase's length. ``head_VxD``: ``cached_vocab_major_weight`` (or None).
     """
     model = nnx.merge(graphdef, params)
     s = dataclasses.replace(s, cache=prompt_cache)
     r = s.last_R.shape[0]
     ones_Rx1 = jnp.ones((r, 1), bool)
-    head = vocab_major_head(model)
+    head = vocab_major_head(model, head_VxD)
     fused = model.fused_qkv() if hasattr(model, "fused_qkv") else None
 
     def body(s):
@@ -248,16 +228,21 @@ def _mesh_of(params):
     return None
 
 
-def run(graphdef, params, packed, spec: DecodeSpec, key, mesh=None) -> SampleResult:
-    """Prefill + decode packed prompts; see ``rljax.sampling.generate`` for the API."""
+def run(graphdef, params, packed, spec: DecodeSpec, key, mesh=None, config=None) -> SampleResult:
+    """Prefill + decode packed prompts; see ``rljax.sampling.generate`` for the API.
+
+    config: the model's config, to reuse its vocab-major output weight across calls
+    (``rljax.sampling.head``); without it the weight is built inside each call.
+    """
     mesh = _mesh_of(params) if mesh is None else mesh
     host = (packed.tokens_BxP, packed.mask_BxP, packed.positions_BxP)
     if mesh is not None:
         host = tuple(
             jax.device_put(x, logical_sharding(("batch", None), x.shape, mesh)) for x in host
         )
-    s, cache, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, *host, key)
-    s = _decode(graphdef, spec, mesh, params, s, cache)
+    head_VxD = None if config is None else cached_vocab_major_weight(params, config)
+    s, cache, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, head_VxD, *host, key)
+    s = _decode(graphdef, spec, mesh, params, head_VxD, s, cache)
     n = spec.max_new_tokens
     cols_N = jnp.arange(n, dtype=jnp.int32)
     plen_R = jnp.sum(pmask, axis=1, dtype=jnp.int32)

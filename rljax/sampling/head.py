@@ -1,0 +1,89 @@
+"""The sampler's output projection, vocab-major, and its weight kept across calls.
+
+On XLA:CPU the decode step's output projection runs ~1.5x faster as
+``logits_VxR = W_VxD . h^T`` than as ``h . W_DxV`` (see ``ops.sample_tokens_VxR``). A
+tied model's embedding is already ``[V, D]``; an untied ``lm_head`` is stored ``[D, V]``,
+and transposing it is a copy of the whole matrix (32000 x 256 float32 on the benchmark
+model: 13-33 ms, 1-2.5% of a 128-token ``generate`` call). :func:`cached_vocab_major_weight`
+builds it once per weight array and reuses it while that array is alive.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["cached_vocab_major_weight", "vocab_major_head", "vocab_major_weight"]
+
+
+def _source(config):
+    """(attribute holding the output projection, whether it is already [V, D])."""
+    tied = getattr(config, "tie_word_embeddings", None)
+    if tied is None:
+        return None, False
+    return ("embed", True) if tied else ("lm_head", False)
+
+
+def _compute_dtype(config):
+    return jnp.bfloat16 if getattr(config, "compute_dtype", "float32") == "bfloat16" else jnp.float32
+
+
+def _to_VxD(w, already_VxD: bool, dtype):
+    return (w if already_VxD else w.T).astype(dtype)
+
+
+_to_VxD_jit = jax.jit(_to_VxD, static_argnums=(1, 2))
+
+
+def vocab_major_weight(model):
+    """The model's output projection as ``W_VxD`` in its compute dtype, or None when the
+    model has no ``embed`` / ``lm_head`` (then :func:`vocab_major_head` falls back to
+    ``logits_from_hidden``). Inside jit it is traced; outside, computed eagerly."""
+    name, already = _source(model.config)
+    if name is None or not hasattr(model, name):
+        return None
+    return _to_VxD(getattr(model, name)[...], already, _compute_dtype(model.config))
+
+
+def vocab_major_head(model, w_VxD=None):
+    """``h_RxD -> logits_VxR``: the model's output projection as ``W_VxD . h^T``.
+
+    Same math as ``model.logits_from_hidden`` (tied: the embedding), laid out vocab-major.
+    ``w_VxD``: the weight from :func:`cached_vocab_major_weight` (an argument of the
+    compiled program); without it the weight is built from ``model`` here (inside jit:
+    once per call, outside the decode loop).
+    """
+    w_VxD = vocab_major_weight(model) if w_VxD is None else w_VxD
+    if w_VxD is None:
+        return lambda h_RxD: model.logits_from_hidden(h_RxD).T
+    return lambda h_RxD: jnp.einsum(
+        "vd,rd->vr", w_VxD, h_RxD.astype(w_VxD.dtype), preferred_element_type=jnp.float32
+    )
+
+
+# id(source array) -> (weak reference to it, its W_VxD). One entry: the latest weights.
+_CACHE: dict[int, tuple[weakref.ref, jax.Array]] = {}
+
+
+def cached_vocab_major_weight(state, config):
+    """``W_VxD`` for the model state ``state`` (an ``nnx.State``), or None.
+
+    Built once per output-projection array and returned again while that array is alive
+    and still the latest one asked for (a training step's new weights replace it; the
+    copy is dropped with its source). A tied float32 embedding is returned as it is.
+    """
+    name, already = _source(config)
+    if name is None or name not in state:
+        return None
+    w = state[name][...]
+    hit = _CACHE.get(id(w))
+    if hit is not None and hit[0]() is w:
+        return hit[1]
+    dtype = _compute_dtype(config)
+    out = w if already and w.dtype == dtype else _to_VxD_jit(w, already, dtype)
+    _CACHE.clear()
+    key = id(w)
+    _CACHE[key] = (weakref.ref(w, lambda _ref: _CACHE.pop(key, None)), out)
+    return out
