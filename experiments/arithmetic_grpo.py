@@ -75,6 +75,14 @@ RL phase is the weak part on that VM: 0.73 after 140 steps, and KL 0 / lr 1.5e-4
 epochs per batch reach 0.727 / 0.695 / 0.645 after 100. Stopping at 0.50 started it at
 0.543 and reached 0.77 (+0.23). Not measured on the first VM.
 
+Later the same evening, after attention changes that alter float32 rounding (same VM,
+same config), the trajectories moved: seeds 0 / 1 / 2 stop the warm-up at steps 255 / 295
+/ 290 (validation 0.496 / 0.578 / 0.461) and go 0.514 -> 0.797 (+0.283), 0.541 -> 0.799
+(+0.258), 0.469 -> 0.690 (+0.221): no seed meets both targets (re-run of seed 0 with the
+final code: identical). No tried change helped (seeds 0-1): 130 RL steps (0.785), 130
+steps at lr 1.5e-4 (0.789), a warm-up stop at 0.40 checked every 2 steps (0.348 -> 0.734,
+0.434 -> 0.662). The open fix is an RL phase stronger than the spread of its starts.
+
 Run: `rljax train arithmetic_grpo` (the RL run only) or
 `python experiments/arithmetic_grpo.py [--no-baseline] [--set key=value ...]`.
 The last line is `RESULT accuracy_before=... accuracy_after=... wall_s=...`.
