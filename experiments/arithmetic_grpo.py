@@ -81,7 +81,9 @@ same config), the trajectories moved: seeds 0 / 1 / 2 stop the warm-up at steps 
 (+0.258), 0.469 -> 0.690 (+0.221): no seed meets both targets (re-run of seed 0 with the
 final code: identical). No tried change helped (seeds 0-1): 130 RL steps (0.785), 130
 steps at lr 1.5e-4 (0.789), a warm-up stop at 0.40 checked every 2 steps (0.348 -> 0.734,
-0.434 -> 0.662). The open fix is an RL phase stronger than the spread of its starts.
+0.434 -> 0.662). Closest: rl.prompts_per_step=64, seeds 0 / 1 / 2 0.514 -> 0.822, 0.541 ->
+0.891, 0.469 -> 0.738 (seed 2 still short; 322-487 s, over budget). The open fix is an RL
+phase stronger than the spread of its starts.
 
 Run: `rljax train arithmetic_grpo` (the RL run only) or
 `python experiments/arithmetic_grpo.py [--no-baseline] [--set key=value ...]`.
