@@ -77,7 +77,7 @@ class Attention(nnx.Module):
         layer and decode step; kv-head-major, so a weight sharded over kv heads keeps each
         shard's q, k and v together. Build it once per sampler call, outside the loop.
         """
-        d, n, h = self.q.shape
+        _, n, h = self.q.shape
         kv = self.k.shape[1]
 
         def cat(q, k, v):

@@ -16,6 +16,8 @@ import weakref
 import jax
 import jax.numpy as jnp
 
+from rljax.models.layers import compute_dtype
+
 __all__ = ["cached_vocab_major_weight", "vocab_major_head", "vocab_major_weight"]
 
 
@@ -25,10 +27,6 @@ def _source(config):
     if tied is None:
         return None, False
     return ("embed", True) if tied else ("lm_head", False)
-
-
-def _compute_dtype(config):
-    return jnp.bfloat16 if getattr(config, "compute_dtype", "float32") == "bfloat16" else jnp.float32
 
 
 def _to_VxD(w, already_VxD: bool, dtype):
@@ -45,7 +43,7 @@ def vocab_major_weight(model):
     name, already = _source(model.config)
     if name is None or not hasattr(model, name):
         return None
-    return _to_VxD(getattr(model, name)[...], already, _compute_dtype(model.config))
+    return _to_VxD(getattr(model, name)[...], already, compute_dtype(model.config))
 
 
 def vocab_major_head(model, w_VxD=None):
@@ -82,7 +80,7 @@ def cached_vocab_major_weight(state, config):
     hit = _CACHE.get(id(w))
     if hit is not None and hit[0]() is w:
         return hit[1]
-    dtype = _compute_dtype(config)
+    dtype = compute_dtype(config)
     out = w if already and w.dtype == dtype else _to_VxD_jit(w, already, dtype)
     _CACHE.clear()
     key = id(w)
