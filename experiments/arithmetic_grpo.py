@@ -6,9 +6,9 @@ from scratch:
 1. a short SFT warm-up on worked examples (until greedy accuracy on 256 validation
    prompts reaches 0.45), so the model has partial ability;
 2. held-out greedy accuracy (512 prompts from their own stream, never trained on);
-3. GRPO (DeepSeekMath settings, with a learning-rate warm-up) on fresh prompts (RL reads
-   its own prompt stream, not the warm-up's), with only the verifier as reward: no
-   reference completions;
+3. GRPO (clipped, group-normalised, no KL term, 64 prompts x 8 samples at temperature 0.7
+   a step, with a learning-rate warm-up) on fresh prompts (RL reads its own prompt
+   stream, not the warm-up's), with only the verifier as reward: no reference completions;
 4. held-out greedy accuracy again.
 
 For honesty it then measures what continuing SFT for the same wall time reaches (with
@@ -85,6 +85,22 @@ steps at lr 1.5e-4 (0.789), a warm-up stop at 0.40 checked every 2 steps (0.348 
 0.891, 0.469 -> 0.738 (seed 2 still short; 322-487 s, over budget). The open fix is an RL
 phase stronger than the spread of its starts.
 
+The current config (2026-12-03, same VM, seeds one after another, machine otherwise idle,
+`--no-baseline`) makes the RL phase stronger: 64 prompts a step, no KL term (so no
+reference model), lr 2e-4, the sampler's log-probs as the ratio's denominator, rollouts at
+temperature 0.7. The warm-up is unchanged, so the starts are the same as above:
+
+  seed 0: 0.514 -> 0.844 (+0.330); 175 s
+  seed 1: 0.541 -> 0.859 (+0.318); 189 s
+  seed 2: 0.469 -> 0.779 (+0.311); 178 s
+  seed 3: 0.516 -> 0.871 (+0.355); 180 s (not used while choosing the config)
+
+Steps on the way, seed 2 only: 64 prompts + sampler log-probs, 0.746; then KL 0 and lr
+2e-4, 0.750; then temperature 0.7, 0.779. The margins over +0.30 are 0.01-0.03 on the
+seeds that chose the config: a future change in rounding can still move a seed under it.
+The RL phase is ~115 s of the ~180 s, nearly all of it policy updates (100 s for 200
+updates of 256 sequences; ~60 GFLOP/s on the 2 cores).
+
 Run: `rljax train arithmetic_grpo` (the RL run only) or
 `python experiments/arithmetic_grpo.py [--no-baseline] [--set key=value ...]`.
 The last line is `RESULT accuracy_before=... accuracy_after=... wall_s=...`.
@@ -122,14 +138,18 @@ def config() -> ExperimentConfig:
         # rounding (0.40-0.62 on one VM).
         sft=SFTConfig(steps=400, batch_size=64, stop_accuracy=0.45, stop_every=5,
                       optim=OptimConfig(lr=1e-3, warmup_steps=20, schedule="constant")),
-        # GRPO as in DeepSeekMath (group-normalised advantages, clip 0.2, k3 KL 0.04), with
-        # a warm-up: a constant lr on a fresh Adam state collapsed accuracy to 0.
-        # Two minibatch updates per rollout batch (ratio clipping active, old log-probs
-        # recomputed): rollouts are cheap here, updates are the cost.
-        algorithm=algorithm_preset("grpo", group_size=8, num_minibatches=2),
-        optim=OptimConfig(lr=1e-4, warmup_steps=10, schedule="constant"),
-        sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
-        rl=RLConfig(steps=100, prompts_per_step=32, eval_prompts=512, logp_chunk=8),
+        # GRPO (group-normalised advantages, clip 0.2) without the KL term, as DAPO and
+        # Dr.GRPO run it, with a learning-rate warm-up (a constant lr on a fresh Adam state
+        # collapsed accuracy to 0). Two minibatch updates per rollout batch, the ratio's
+        # denominator from the sampler's exact log-probs (no extra forward pass). Rollouts
+        # at temperature 0.7: the samples sit nearer the greedy answer that is evaluated.
+        # 64 prompts a step: with 32 and the DeepSeekMath KL 0.04 the gain fell short of
+        # +0.30 on every seed once rounding moved (see the docstring).
+        algorithm=algorithm_preset("grpo", group_size=8, num_minibatches=2, kl_coef=0.0,
+                                   old_logp="sampler"),
+        optim=OptimConfig(lr=2e-4, warmup_steps=10, schedule="constant"),
+        sampling=SamplingConfig(max_new_tokens=4, temperature=0.7),
+        rl=RLConfig(steps=100, prompts_per_step=64, eval_prompts=512, logp_chunk=8),
         run=RunConfig(dir="runs/arithmetic_grpo", seed=0, overwrite=True, plots=True),
     )
 

@@ -43,6 +43,8 @@ def config() -> ExperimentConfig:
         algorithm=algorithm_preset("ppo", group_size=1, kl_coef=0.02, num_epochs=2,
                                    num_minibatches=2),
         optim=OptimConfig(lr=1e-4, warmup_steps=10, schedule="constant"),
+        # Rollouts at temperature 1 (the figures above), not GRPO's 0.7.
+        sampling=dataclasses.replace(base.sampling, temperature=1.0),
         rl=dataclasses.replace(base.rl, steps=100, prompts_per_step=128, value_lr_ratio=3.0),
         run=dataclasses.replace(base.run, dir="runs/arithmetic_ppo"),
     )

@@ -23,7 +23,8 @@ def test_demo_smoke_runs_and_reports(tmp_path, name, algo):
 
 def test_full_demo_configs_are_valid():
     grpo = load_experiment("arithmetic_grpo")
-    assert grpo.algorithm.kl_coef == 0.04 and grpo.algorithm.kl_kind == "k3"
+    assert grpo.algorithm.name == "grpo" and grpo.algorithm.old_logp == "sampler"
+    assert grpo.sampling.temperature < 1.0 and grpo.rl.prompts_per_step == 64
     assert grpo.optim.warmup_steps > 0 and grpo.sft is not None
     ppo = load_experiment("arithmetic_ppo")
     assert ppo.algorithm.kl_in == "reward" and ppo.algorithm.name == "ppo"
