@@ -124,6 +124,18 @@ def test_plots_pick_only_present_families(tmp_path):
     assert plot_metrics([{"step": 0, "note": "x"}], tmp_path / "none") == []
 
 
+def test_plots_keep_sft_steps_apart_and_skip_timings(tmp_path):
+    # SFT counts its own steps: its accuracy must not share an axis with RL's.
+    recs = ([{"step": s, "phase": "sft", "sft/val_accuracy": 0.1 * s, "sft/entropy": 2.0}
+             for s in range(1, 4)]
+            + [{"step": s, "phase": "rl", "accuracy": 0.5, "time_reward": 0.01}
+               for s in range(1, 3)]
+            + [{"step": 0, "phase": "eval", "eval/accuracy": 0.4}])
+    names = sorted(p.name for p in plot_metrics(recs, tmp_path))
+    # time_reward is a timing: it makes no reward panel of its own.
+    assert names == ["accuracy.png", "overview.png", "sft_accuracy.png", "sft_entropy.png"]
+
+
 def test_progress_line():
     buf = io.StringIO()
     bar = Progress(4, ("reward", "accuracy"), stream=buf, min_interval_s=0.0, desc="rl")

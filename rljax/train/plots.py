@@ -4,8 +4,11 @@
 PNG per family of metrics that is present — reward, accuracy, KL, entropy, response length,
 zero-variance group fraction, throughput — plus `overview.png` with all of them. A metric
 belongs to a family by its name (e.g. `reward_mean`, `eval/accuracy`, `kl_ref`,
-`response_length_mean`, `zero_variance_fraction`, `rollout_tokens_per_s`); metrics that
-appear on only some steps (evaluations) are drawn at the steps where they exist.
+`response_length_mean`, `zero_variance_fraction`, `rollout_tokens_per_s`); timings
+(`time_*`) belong to none. Metrics that appear on only some steps (evaluations) are drawn
+at the steps where they exist. Records of a phase that counts its own steps (the SFT
+warm-up, `phase: "sft"`) get panels of their own (`sft_accuracy.png`, ...), so its steps
+never share an axis with the RL steps.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["PANELS", "metric_series", "plot_metrics"]
+__all__ = ["OWN_STEP_PHASES", "PANELS", "metric_series", "plot_metrics"]
 
 
 def _has(*words: str) -> Callable[[str], bool]:
@@ -34,6 +37,10 @@ PANELS: tuple[tuple[str, str, Callable[[str], bool]], ...] = (
     ("zero_variance", "Zero-variance group fraction", _has("zero_var", "zero_std", "no_signal")),
     ("throughput", "Throughput (tokens/s)", _has("tokens_per_s", "tok_per_s", "tok_s", "tok/s", "throughput")),
 )
+
+
+# Phases whose records count their own steps (``RunDir.log(..., phase="sft")``).
+OWN_STEP_PHASES: tuple[str, ...] = ("sft",)
 
 
 def _finite_number(v: Any) -> bool:
@@ -54,10 +61,14 @@ def metric_series(records: Iterable[dict[str, Any]], step_key: str = "step") -> 
     return series
 
 
+def _is_timing(key: str) -> bool:
+    return key.rsplit("/", 1)[-1].startswith("time_")
+
+
 def _panel_keys(series: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
     out = []
     for stem, title, belongs in PANELS:
-        keys = sorted(k for k in series if belongs(k))
+        keys = sorted(k for k in series if belongs(k) and not _is_timing(k))
         if stem != "zero_variance":  # the zero-variance fraction gets its own panel only
             keys = [k for k in keys if not PANELS[5][2](k)]
         if keys:
@@ -65,19 +76,35 @@ def _panel_keys(series: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-def _draw(ax, title: str, keys: Sequence[str], series) -> None:
+def _panels(records: Sequence[dict[str, Any]], step_key: str):
+    """``(stem, title, keys, series, x label)`` per panel: the run's own steps first, then
+    each phase of ``OWN_STEP_PHASES`` present."""
+    groups = [("", "", step_key, [r for r in records if r.get("phase") not in OWN_STEP_PHASES])]
+    for phase in OWN_STEP_PHASES:
+        recs = [r for r in records if r.get("phase") == phase]
+        groups.append((f"{phase}_", f"{phase.upper()}: ", f"{phase} {step_key}", recs))
+    panels = []
+    for stem_prefix, title_prefix, xlabel, recs in groups:
+        series = metric_series(recs, step_key)
+        for stem, title, keys in _panel_keys(series):
+            panels.append((stem_prefix + stem, title_prefix + title, keys, series, xlabel))
+    return panels
+
+
+def _draw(ax, title: str, keys: Sequence[str], series, xlabel: str) -> None:
     for key in keys:
         xs, ys = series[key]
         ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
     ax.set_title(title)
-    ax.set_xlabel("step")
+    ax.set_xlabel(xlabel)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
 
 
 def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | pathlib.Path,
                  *, step_key: str = "step") -> list[pathlib.Path]:
-    """Write one PNG per metric family present in `records` and `overview.png`.
+    """Write one PNG per metric family present in `records` (per phase of
+    ``OWN_STEP_PHASES`` too) and `overview.png`.
 
     Returns the written paths (empty when no known metric is present).
     """
@@ -88,12 +115,11 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | pathlib.Path,
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    series = metric_series(records, step_key)
-    panels = _panel_keys(series)
+    panels = _panels(records, step_key)
     written = []
-    for stem, title, keys in panels:
+    for stem, title, keys, series, xlabel in panels:
         fig, ax = plt.subplots(figsize=(6, 4))
-        _draw(ax, title, keys, series)
+        _draw(ax, title, keys, series, xlabel)
         fig.tight_layout()
         path = out_dir / f"{stem}.png"
         fig.savefig(path, dpi=100)
@@ -103,8 +129,8 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | pathlib.Path,
         cols = min(3, len(panels))
         rows = math.ceil(len(panels) / cols)
         fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-        for ax, (stem, title, keys) in zip(axes.flat, panels):
-            _draw(ax, title, keys, series)
+        for ax, (_, title, keys, series, xlabel) in zip(axes.flat, panels):
+            _draw(ax, title, keys, series, xlabel)
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
         fig.tight_layout()
