@@ -4,13 +4,14 @@ XLA_FLAGS must be set before anything imports jax, so it is set at the top of th
 first module pytest loads.
 
 JAX's persistent compilation cache stays off: on jaxlib 0.10.2, an XLA:CPU program with
-collectives that is loaded back from the cache runs its collectives without their
-program order (each restored collective gets its own communicator resource, so the
-executor no longer chains them). On 8 emulated devices the devices then enter different
-collectives, every pool thread blocks in a rendezvous, and XLA aborts the process after
-40 s ("Termination timeout for `collective permute ...`"). Measured here: the 8-device
-PPO test aborted 6 of 6 times when its programs came from the cache and passed 6 of 6
-times compiled fresh; the whole suite takes about the same time without the cache.
+collectives that is loaded back from the cache lets its devices enter different
+collectives (most likely its collectives lose their program order: XLA's thunk
+deserialisation gave each restored collective its own communicator resource, the one
+thing the executor chains them by). Every pool thread then blocks in a rendezvous, and
+XLA aborts the process after 40 s ("Termination timeout for `collective permute ...`").
+Measured here: the 8-device PPO test aborted 6 of 6 times when its programs came from
+the cache and passed 6 of 6 times compiled fresh; the suite takes about as long without
+the cache.
 """
 
 import os
