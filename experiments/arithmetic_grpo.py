@@ -94,6 +94,8 @@ temperature 0.7. The warm-up is unchanged, so the starts are the same as above:
   seed 1: 0.541 -> 0.859 (+0.318); 189 s
   seed 2: 0.469 -> 0.779 (+0.311); 178 s
   seed 3: 0.516 -> 0.871 (+0.355); 180 s (not used while choosing the config)
+  seeds 4 and 5 (not used either; the next day, slower VM): 0.486 -> 0.922 (+0.436), 212 s;
+  0.385 -> 0.758 (+0.373), 219 s
 
 Steps on the way, seed 2 only: 64 prompts + sampler log-probs, 0.746; then KL 0 and lr
 2e-4, 0.750; then temperature 0.7, 0.779. The margins over +0.30 are 0.01-0.03 on the
