@@ -39,7 +39,8 @@ PANELS: tuple[tuple[str, str, Callable[[str], bool]], ...] = (
 )
 
 
-# Phases whose records count their own steps (``RunDir.log(..., phase="sft")``).
+# Phases whose records count their own steps (``RunDir.log(..., phase="sft")``): their
+# plots and TensorBoard curves are kept apart from the RL steps' (``RunDir.log`` uses this).
 OWN_STEP_PHASES: tuple[str, ...] = ("sft",)
 
 

@@ -223,8 +223,9 @@ class RunDir:
         self._metrics.flush()
         scalars = {k: v for k, v in record.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if phase == "sft":  # SFT counts its own steps: keep its TensorBoard curves apart
-            scalars = {(k if k.startswith("sft/") else f"sft/{k}"): v for k, v in scalars.items()}
+        if phase in _plots.OWN_STEP_PHASES:  # counts its own steps: keep its curves apart
+            pre = f"{phase}/"
+            scalars = {(k if k.startswith(pre) else pre + k): v for k, v in scalars.items()}
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)
