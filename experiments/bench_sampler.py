@@ -114,33 +114,36 @@ def decode_step_flops(cfg, rows, cache_len):
 def head_step_seconds(model, rows=BATCH, steps=32, reps=5):
     """Seconds per decode step spent by the output projection alone (best of ``reps``).
 
-    The sampler's first work on each step's hidden states, timed in isolation: its
-    vocab-major head (:func:`rljax.sampling.vocab_major_head`), then the max, exp and sum
+    The sampler's first work on each step's hidden states, timed in isolation: its head
+    (:func:`rljax.sampling.sampler_head` with the weight the sampler uses: packed for the
+    CPU kernel where it is available, else XLA's vocab-major dot), then the exp and sum
     over the vocabulary (the start of the inverse-CDF draw), in a ``fori_loop`` of
     ``steps`` steps where each step's input depends on the last, as in the decode loop.
     No layers, no cache. Reported for the reference model's untied ``lm_head``.
     """
     from flax import nnx
 
-    from rljax.sampling import vocab_major_head
+    from rljax.sampling import sampler_head, sampler_head_weight
 
     if model.config.tie_word_embeddings:
         raise ValueError("head_step_seconds: expects an untied lm_head (the reference model)")
     graphdef, state = nnx.split(model)
+    w = sampler_head_weight(state, model.config)
 
     @jax.jit
-    def loop(state, h_RxD):
-        head = vocab_major_head(nnx.merge(graphdef, state))
+    def loop(state, w, h_RxD):
+        head = sampler_head(nnx.merge(graphdef, state), w)
 
         def step(_, h_RxD):
-            x_VxR = head(h_RxD)
-            total_R = jnp.sum(jnp.exp(x_VxR - jnp.max(x_VxR, axis=0)), axis=0)
+            x_VxR, max_R = head(h_RxD)
+            max_R = jnp.max(x_VxR, axis=0) if max_R is None else max_R
+            total_R = jnp.sum(jnp.exp(x_VxR - max_R), axis=0)
             return h_RxD + 1e-9 * total_R[:, None]
 
         return jax.lax.fori_loop(0, steps, step, h_RxD)
 
     h = jax.random.normal(jax.random.key(0), (rows, model.config.hidden_size), jnp.float32)
-    return best_seconds(lambda: loop(state, h), reps) / steps
+    return best_seconds(lambda: loop(state, w, h), reps) / steps
 
 
 def hf_run(model, prompts):
@@ -182,9 +185,13 @@ def main(argv=None):
 
     from rljax.models import from_pretrained
 
+    from rljax.kernels import cpu_matmul
+
     print(f"jax {jax.__version__} devices={jax.devices()} torch {torch.__version__} "
           f"torch_threads={torch.get_num_threads()} cpus={os.cpu_count()} "
           f"loadavg={os.getloadavg()}")
+    print("decode dots: " + ("rljax.kernels.cpu_matmul (AVX2)" if cpu_matmul.available()
+                             else f"XLA ({cpu_matmul.unavailable_reason()})"))
     prompts = np.random.default_rng(0).integers(0, 32000, (BATCH, PROMPT_LEN)).tolist()
     with tempfile.TemporaryDirectory() as tmp:
         hf = build_checkpoint(tmp)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from rljax.kernels import cpu_matmul
 from rljax.models import Decoder, ModelConfig, grow_kv_cache
 from rljax.sampling import (
     SamplingParams,
@@ -38,6 +39,17 @@ def model():
             p = getattr(layer.attn, name)
             p[...] = 0.1 * jax.random.normal(jax.random.key(7), p[...].shape)
     return m
+
+
+@pytest.fixture(params=["kernel", "xla"])
+def dots(request):
+    """Run a test with the decode step's dots in ``rljax.kernels.cpu_matmul`` (where it
+    builds; the sampler's default there) and in XLA."""
+    if request.param == "kernel" and not cpu_matmul.available():
+        pytest.skip(f"CPU kernel unavailable: {cpu_matmul.unavailable_reason()}")
+    cpu_matmul.set_enabled(request.param == "kernel")
+    yield request.param
+    cpu_matmul.set_enabled(True)
 
 
 @nnx.jit
@@ -86,7 +98,7 @@ def test_cached_decode_logits_equal_full_forward(model):
     assert np.abs(np.asarray(got - ref)).max() <= TOL
 
 
-def test_greedy_equals_plain_argmax_loop(model):
+def test_greedy_equals_plain_argmax_loop(model, dots):
     n = 8
     res = generate(model, PROMPTS, key=jax.random.key(0), max_new_tokens=n, temperature=0.0)
     width = max(map(len, PROMPTS)) + n
@@ -118,7 +130,7 @@ def test_greedy_alone_equals_inside_padded_batch(model):
 @pytest.mark.parametrize(
     "settings", [dict(), dict(temperature=0.7, top_k=10, top_p=0.9)], ids=["T1", "T.7k10p.9"]
 )
-def test_sampled_logprobs_equal_fresh_forward(model, settings):
+def test_sampled_logprobs_equal_fresh_forward(model, settings, dots):
     res = generate(model, PROMPTS, key=jax.random.key(2), max_new_tokens=7, num_samples=2,
                    **settings)
     logits = _fresh_logits(model, res)
@@ -130,6 +142,21 @@ def test_sampled_logprobs_equal_fresh_forward(model, settings):
     ref = pick(_log_softmax(np.asarray(filt).reshape(logits.shape)))
     assert np.isfinite(ref).all(), "a sampled token lies outside the filtered support"
     np.testing.assert_allclose(np.asarray(res.sampling_logprobs), ref, atol=TOL)
+
+
+def test_sampler_takes_the_kernel_path_where_it_is_available(model):
+    """On one CPU device with float32 weights the sampler packs the output weight for the
+    kernel (so the tests above with ``dots="kernel"`` run it), and not when switched off."""
+    from rljax.sampling.head import sampler_head_weight
+
+    _, state = nnx.split(model)
+    w = sampler_head_weight(state, CFG)
+    assert w.ndim == (3 if cpu_matmul.available() else 2)
+    cpu_matmul.set_enabled(False)
+    try:
+        assert sampler_head_weight(state, CFG).ndim == 2
+    finally:
+        cpu_matmul.set_enabled(True)
 
 
 def test_decode_phases_change_cost_not_results(model):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rljax.models.config import ModelConfig
+from rljax.models.decode_weights import packed_linear
 from rljax.models.layers import RMSNorm, annotated_param, apply_rope, compute_dtype, normal_param
 
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -92,7 +93,8 @@ class Attention(nnx.Module):
     def qkv(self, x_BxTxD, cos_sin, fused=None):
         """Queries `[B,T,N,H]`, keys and values `[B,T,K,H]` (rotated, compute dtype).
 
-        fused: optional ``self.fused_qkv()`` (same result, one dot).
+        fused: optional ``self.fused_qkv()`` (same result, one dot), or its weight packed
+        for ``rljax.kernels.cpu_matmul`` (``DecodeWeights.qkv``).
         """
         x = x_BxTxD.astype(self.dtype)
         if fused is None:
@@ -101,7 +103,13 @@ class Attention(nnx.Module):
             v = self._project(x, self.v, "v_bias")
         else:
             w, bias = fused
-            y = jnp.einsum("btd,dkch->btkch", x, w, preferred_element_type=jnp.float32)
+            if w.ndim == 3:  # packed: [.., K * (G + 2) * H] from the kernel
+                _, n, h = self.q.shape
+                kv = self.k.shape[1]
+                y = packed_linear(x, w, (n + 2 * kv) * h)
+                y = y.reshape(x.shape[:2] + (kv, n // kv + 2, h))
+            else:
+                y = jnp.einsum("btd,dkch->btkch", x, w, preferred_element_type=jnp.float32)
             if bias is not None:
                 y = y + bias
             g = y.shape[3] - 2
@@ -113,14 +121,15 @@ class Attention(nnx.Module):
         k = apply_rope(k, cos_sin).astype(self.dtype)
         return q, k, v.astype(self.dtype)
 
-    def __call__(self, x_BxTxD, cos_sin, allowed_BxTxS, cache_kv=None, slot=None, fused=None):
+    def __call__(self, x_BxTxD, cos_sin, allowed_BxTxS, cache_kv=None, slot=None, decode=None):
         """Attention output `[B,T,D]` (float32) and this layer's (keys, values) buffers.
 
         Without `cache_kv` the keys/values are the T new ones (S = T). With it, the new
         keys/values are written at slots [slot, slot + T) of the given buffers first.
-        fused: optional ``self.fused_qkv()``, see :meth:`qkv`.
+        decode: optional ``DecodeWeights`` of this block (same results, see
+        ``rljax.models.decode_weights``).
         """
-        q, k, v = self.qkv(x_BxTxD, cos_sin, fused)
+        q, k, v = self.qkv(x_BxTxD, cos_sin, None if decode is None else decode.qkv)
         k_BxKxHxT = jnp.transpose(k, (0, 2, 3, 1))
         v_BxKxTxH = jnp.transpose(v, (0, 2, 1, 3))
         if cache_kv is None:
@@ -134,6 +143,8 @@ class Attention(nnx.Module):
         # (n, h) made XLA:CPU copy the weight and transpose the activations in every
         # decode step (seen in the optimised HLO); the reshapes here are free.
         b, t = o.shape[:2]
+        if decode is not None and decode.packed:
+            return packed_linear(o.reshape(b, t, -1), decode.o, self.o.shape[-1]), (keys, values)
         w_FxD = self.o[...].astype(self.dtype)
         w_FxD = w_FxD.reshape(-1, w_FxD.shape[-1])
         out = jnp.einsum("btf,fd->btd", o.reshape(b, t, -1), w_FxD,

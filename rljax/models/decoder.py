@@ -8,6 +8,7 @@ from flax import nnx
 
 from rljax.models.attention import Attention
 from rljax.models.config import ModelConfig
+from rljax.models.decode_weights import DecodeWeights, build_decode_weights
 from rljax.models.kv_cache import KVCache, init_kv_cache
 from rljax.models.layers import MLP, RMSNorm, compute_dtype, normal_param, rope_cos_sin
 
@@ -21,10 +22,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, cos_sin, allowed, cache_kv=None, slot=None, fused_qkv=None):
-        a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot, fused_qkv)
+    def __call__(self, x, cos_sin, allowed, cache_kv=None, slot=None, decode=None):
+        """``decode``: optional ``DecodeWeights`` (``Decoder.decode_weights``)."""
+        a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot, decode)
         x = x + a
-        return x + self.mlp(self.mlp_norm(x)), kv
+        return x + self.mlp(self.mlp_norm(x), decode), kv
 
 
 def _check_ids(input_ids_BxT, positions_BxT, mask_BxT):
@@ -116,19 +118,25 @@ class Decoder(nnx.Module):
         return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
                              compute_dtype(c))
 
-    def fused_qkv(self):
-        """Per layer, ``Attention.fused_qkv()``: pass to :meth:`forward_cached` in a decode
-        loop (built once, outside the loop) to run one q/k/v dot per layer instead of three."""
-        return tuple(layer.attn.fused_qkv() for layer in self.layers)
+    def decode_weights(self, packed: bool = False) -> tuple[DecodeWeights, ...]:
+        """Per layer, its :class:`~rljax.models.decode_weights.DecodeWeights`: pass to
+        :meth:`forward_cached` in a decode loop (built once, outside the loop). q/k/v run
+        as one dot per layer; ``packed=True`` (float32 weights, and
+        ``rljax.kernels.cpu_matmul.available()``) runs every dot in the CPU kernel."""
+        if packed and compute_dtype(self.config) != jnp.float32:
+            raise ValueError("decode_weights(packed=True) needs compute_dtype float32, got "
+                             f"{self.config.compute_dtype!r}")
+        return tuple(build_decode_weights(layer, packed) for layer in self.layers)
 
     def forward_cached(self, input_ids_BxT, positions_BxT, mask_BxT, cache: KVCache, slot,
-                       fused_qkv=None):
+                       decode_weights=None):
         """Run T new tokens against the cache: returns (final hidden `[B,T,D]`, new cache).
 
         The new keys/values go to slots [slot, slot + T) (slot: int32 scalar shared by all
         rows), marked valid where mask_BxT; the query at slot s attends to valid slots
         j <= s. Prefill: one call with the padded prompts at slot 0; decode: T = 1 calls
-        at slots P, P + 1, ... fused_qkv: optional ``self.fused_qkv()`` (same results).
+        at slots P, P + 1, ... decode_weights: optional ``self.decode_weights()`` (same
+        results to float32 rounding).
         """
         ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
         if not isinstance(cache, KVCache):
@@ -150,8 +158,8 @@ class Decoder(nnx.Module):
         cos_sin = rope_cos_sin(self.config, jnp.asarray(positions_BxT))
         x = self._embed(ids)
         keys, values = [], []
-        fused = (None,) * len(self.layers) if fused_qkv is None else fused_qkv
-        for layer, ck, cv, f in zip(self.layers, cache.keys, cache.values, fused):
+        per_layer = (None,) * len(self.layers) if decode_weights is None else decode_weights
+        for layer, ck, cv, f in zip(self.layers, cache.keys, cache.values, per_layer):
             x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot, f)
             keys.append(k)
             values.append(v)

@@ -7,18 +7,31 @@ and transposing it is a copy of the whole matrix (32000 x 256 float32 on the ben
 model: 8-10 ms alone, up to 33 ms in a profile under load; 0.5-2.5% of a 128-token
 ``generate`` call). :func:`cached_vocab_major_weight` builds it once per weight array and
 reuses it while that array is alive.
+
+On an x86-64 CPU with AVX2 the sampler instead packs the weight once for the
+hand-written kernel in :mod:`rljax.kernels.cpu_matmul` (:func:`sampler_head_weight`),
+which also returns each row's max logit; :func:`sampler_head` dispatches on the
+weight's rank.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import jax
 import jax.numpy as jnp
 
 from rljax.models.layers import compute_dtype
+from rljax.kernels import cpu_matmul
 
-__all__ = ["cached_vocab_major_weight", "vocab_major_head", "vocab_major_weight"]
+__all__ = [
+    "cached_vocab_major_weight",
+    "sampler_head",
+    "sampler_head_weight",
+    "vocab_major_head",
+    "vocab_major_weight",
+]
 
 
 def _source(config):
@@ -51,19 +64,42 @@ def vocab_major_head(model, w_VxD=None):
 
     Same math as ``model.logits_from_hidden`` (tied: the embedding), laid out vocab-major.
     ``w_VxD``: the weight from :func:`cached_vocab_major_weight` (an argument of the
-    compiled program); without it the weight is built from ``model`` here (inside jit:
-    once per call, outside the decode loop).
+    compiled program) or the kernel's packed weight from :func:`sampler_head_weight`;
+    without it the weight is built from ``model`` here (inside jit: once per call,
+    outside the decode loop).
     """
-    w_VxD = vocab_major_weight(model) if w_VxD is None else w_VxD
+    head = sampler_head(model, w_VxD)
+    return lambda h_RxD: head(h_RxD)[0]
+
+
+def sampler_head(model, w=None):
+    """``h_RxD -> (logits_VxR, max_R or None)``: :func:`vocab_major_head` that also
+    returns each row's max logit when the CPU kernel computes it (``w`` packed,
+    ``[ceil(V/6), D, 6]``); with a ``[V, D]`` weight or none, XLA's dot and None."""
+    if w is not None and w.ndim == 3:
+        vocab = model.config.vocab_size
+        return lambda h_RxD: cpu_matmul.matmul_NxR(h_RxD, w, vocab)
+    w_VxD = vocab_major_weight(model) if w is None else w
     if w_VxD is None:
-        return lambda h_RxD: model.logits_from_hidden(h_RxD).T
-    return lambda h_RxD: jnp.einsum(
+        return lambda h_RxD: (model.logits_from_hidden(h_RxD).T, None)
+    return lambda h_RxD: (jnp.einsum(
         "vd,rd->vr", w_VxD, h_RxD.astype(w_VxD.dtype), preferred_element_type=jnp.float32
-    )
+    ), None)
 
 
-# id(source array) -> (weak reference to it, its W_VxD). One entry: the latest weights.
-_CACHE: dict[int, tuple[weakref.ref, jax.Array]] = {}
+# (id(source array), packed) -> (weak reference to it, the derived weight). Latest only.
+_CACHE: dict[tuple[int, bool], tuple[weakref.ref, jax.Array]] = {}
+
+
+def _cached(w, packed: bool, build):
+    key = (id(w), packed)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is w:
+        return hit[1]
+    out = build()
+    _CACHE.clear()
+    _CACHE[key] = (weakref.ref(w, lambda _ref: _CACHE.pop(key, None)), out)
+    return out
 
 
 def cached_vocab_major_weight(state, config):
@@ -77,12 +113,37 @@ def cached_vocab_major_weight(state, config):
     if name is None or name not in state:
         return None
     w = state[name][...]
-    hit = _CACHE.get(id(w))
-    if hit is not None and hit[0]() is w:
-        return hit[1]
     dtype = compute_dtype(config)
-    out = w if already and w.dtype == dtype else _to_VxD_jit(w, already, dtype)
-    _CACHE.clear()
-    key = id(w)
-    _CACHE[key] = (weakref.ref(w, lambda _ref: _CACHE.pop(key, None)), out)
-    return out
+    if already and w.dtype == dtype:
+        return w
+    return _cached(w, False, lambda: _to_VxD_jit(w, already, dtype))
+
+
+def _kernel_applies(w, config) -> bool:
+    devices = getattr(w, "devices", lambda: set())()
+    return (
+        compute_dtype(config) == jnp.float32
+        and w.dtype == jnp.float32
+        and len(devices) == 1
+        and next(iter(devices)).platform == "cpu"
+        and cpu_matmul.available()
+    )
+
+
+def sampler_head_weight(state, config):
+    """The output weight the sampler passes to :func:`sampler_head`, kept across calls
+    like :func:`cached_vocab_major_weight`: packed for :mod:`rljax.kernels.cpu_matmul`
+    when the weight is float32 on one CPU device and the kernel is available, else
+    ``W_VxD`` (or None)."""
+    name, already = _source(config)
+    if name is None or name not in state:
+        return None
+    w = state[name][...]
+    if not _kernel_applies(w, config):
+        return cached_vocab_major_weight(state, config)
+    return _cached(w, True, lambda: _pack_jit(w, already))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _pack_jit(w, already_VxD: bool):
+    return cpu_matmul.pack_weight_NxD(w) if already_VxD else cpu_matmul.pack_weight_DxN(w)

@@ -216,7 +216,9 @@ def _pick(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
     return jnp.squeeze(jnp.take_along_axis(x, jnp.expand_dims(index, axis), axis=axis), axis)
 
 
-def _sample_with_logp(key: jax.Array, x: jax.Array, axis: int = 1) -> tuple[jax.Array, jax.Array]:
+def _sample_with_logp(
+    key: jax.Array, x: jax.Array, axis: int = 1, x_max: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Inverse-CDF draw from ``softmax(x)`` over the vocabulary ``axis`` of 2-D logits
     (1: ``[B, V]``; 0: vocab-major ``[V, R]``) and the drawn token's log-prob, one exp pass.
 
@@ -225,12 +227,14 @@ def _sample_with_logp(key: jax.Array, x: jax.Array, axis: int = 1) -> tuple[jax.
     max as an output splits XLA:CPU's fused max+exp and adds passes over ``[B, V]``
     (measured 1.9 -> 1.0 ms per step at B=32, V=32000). The two agree to float32 rounding
     unless ``w_tok`` is subnormal, i.e. a token of probability below ~1e-38. Both layouts
-    use the same uniforms and blocks, so they draw the same tokens.
+    use the same uniforms and blocks, so they draw the same tokens. ``x_max``: the max of
+    ``x`` over the vocabulary, one per row, when the caller already has it.
     """
     v, rows = x.shape[axis], x.shape[1 - axis]
     bs = _block_size(v)
     nb = -(-v // bs)
-    w = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
+    x_max = jnp.max(x, axis=axis) if x_max is None else x_max
+    w = jnp.exp(x - jnp.expand_dims(x_max, axis))
     widths = [(0, 0), (0, 0)]
     widths[axis] = (0, nb * bs - v)
     # Blocks: [B, nb, bs] (vocab on axis 1) or [nb, bs, R] (vocab on axis 0).
@@ -287,11 +291,14 @@ def sample_tokens(
 
 
 def sample_tokens_VxR(
-    key: jax.Array, logits_VxR: jax.Array, params: SamplingParams
+    key: jax.Array, logits_VxR: jax.Array, params: SamplingParams,
+    max_R: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`sample_tokens` for vocab-major logits ``[V, R]`` (same draws, same outputs).
 
     Temperature and greedy run in this layout; top-k / top-p transpose to ``[R, V]``.
+    ``max_R``: optional, the logits' max over the vocabulary per row (the CPU head
+    kernel returns it), so the sampling pass does not compute it again.
     """
     x_VxR = logits_VxR.astype(jnp.float32)
     if params.top_k is not None or (params.top_p is not None and params.top_p < 1.0):
@@ -300,7 +307,9 @@ def sample_tokens_VxR(
         tok_R = _first_index_of_max(x_VxR, axis=0)
         return tok_R, token_logprobs(x_VxR, tok_R, axis=0), jnp.zeros(tok_R.shape)
     scaled_VxR = x_VxR if params.temperature == 1.0 else x_VxR / params.temperature
-    tok_R, sampling_logp_R = _sample_with_logp(key, scaled_VxR, axis=0)
+    if max_R is not None and params.temperature != 1.0:
+        max_R = max_R / params.temperature  # division by T > 0 keeps the argmax exactly
+    tok_R, sampling_logp_R = _sample_with_logp(key, scaled_VxR, axis=0, x_max=max_R)
     if params.temperature == 1.0:
         return tok_R, sampling_logp_R, sampling_logp_R
     return tok_R, token_logprobs(x_VxR, tok_R, axis=0), sampling_logp_R

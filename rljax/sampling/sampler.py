@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from rljax.models import grow_kv_cache, kv_cache_shardings
-from rljax.sampling.head import cached_vocab_major_weight, vocab_major_head
+from rljax.sampling.head import sampler_head, sampler_head_weight
 from rljax.sampling.ops import SamplingParams, sample_tokens_VxR
 from rljax.sampling.result import SampleResult
 from rljax.sharding import logical_sharding
@@ -159,7 +159,7 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
     if mesh is not None:
         cache = jax.lax.with_sharding_constraint(cache, kv_cache_shardings(cache, mesh))
     h_BxPxD, cache = model.forward_cached(tokens_BxP, pos_BxP, mask_BxP, cache, 0)
-    logits_VxB = vocab_major_head(model, head_VxD)(h_BxPxD[:, -1])
+    logits_VxB, max_B = sampler_head(model, head_VxD)(h_BxPxD[:, -1])
     g, n = spec.num_samples, spec.max_new_tokens
     cache = jax.tree.map(lambda x: _repeat_rows(x, g), cache)
     r = b * g
@@ -173,7 +173,8 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
         logp_RxN=zeros_RxN, sampling_logp_RxN=zeros_RxN,
     )
     logits_VxR = logits_VxB if g == 1 else jnp.repeat(logits_VxB, g, axis=1)
-    tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(key, 0), logits_VxR, spec.params)
+    max_R = None if max_B is None else _repeat_rows(max_B, g)
+    tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(key, 0), logits_VxR, spec.params, max_R)
     s = _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
     prompt = tuple(_repeat_rows(x, g) for x in (tokens_BxP, mask_BxP, pos_BxP))
     return dataclasses.replace(s, cache=None), s.cache, prompt
@@ -184,22 +185,23 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, 
     """Decode until ``max_new_tokens`` or every row stopped; the state is donated.
 
     ``s.cache`` is None on the way in and out; the loops run on ``prompt_cache`` grown
-    to each phase's length. ``head_VxD``: ``cached_vocab_major_weight`` (or None).
+    to each phase's length. ``head_VxD``: ``sampler_head_weight`` (or None).
     """
     model = nnx.merge(graphdef, params)
     s = dataclasses.replace(s, cache=prompt_cache)
     r = s.last_R.shape[0]
     ones_Rx1 = jnp.ones((r, 1), bool)
-    head = vocab_major_head(model, head_VxD)
-    fused = model.fused_qkv() if hasattr(model, "fused_qkv") else None
+    head = sampler_head(model, head_VxD)
+    packed = head_VxD is not None and head_VxD.ndim == 3  # the CPU kernel applies
+    fused = model.decode_weights(packed) if hasattr(model, "decode_weights") else None
 
     def body(s):
         h_Rx1xD, cache = model.forward_cached(
             s.last_R[:, None], s.feed_pos_R[:, None], ones_Rx1, s.cache, s.slot, fused
         )
-        logits_VxR = head(h_Rx1xD[:, 0])
+        logits_VxR, max_R = head(h_Rx1xD[:, 0])
         tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(s.key, s.step), logits_VxR,
-                                         spec.params)
+                                         spec.params, max_R)
         return _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
 
     for end_step, cache_len in spec.phases:
@@ -240,7 +242,7 @@ def run(graphdef, params, packed, spec: DecodeSpec, key, mesh=None, config=None)
         host = tuple(
             jax.device_put(x, logical_sharding(("batch", None), x.shape, mesh)) for x in host
         )
-    head_VxD = None if config is None else cached_vocab_major_weight(params, config)
+    head_VxD = None if config is None else sampler_head_weight(params, config)
     s, cache, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, head_VxD, *host, key)
     s = _decode(graphdef, spec, mesh, params, head_VxD, s, cache)
     n = spec.max_new_tokens
