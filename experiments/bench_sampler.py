@@ -117,13 +117,14 @@ def head_step_seconds(model, rows=BATCH, steps=32, reps=5):
     The sampler's first work on each step's hidden states, timed in isolation: its head
     (:func:`rljax.sampling.sampler_head` with the weight the sampler uses: packed for the
     CPU kernel where it is available, else XLA's vocab-major dot), then the exp and sum
-    over the vocabulary (the start of the inverse-CDF draw), in a ``fori_loop`` of
+    over the vocabulary (the start of the inverse-CDF draw; the kernel returns its block
+    sums with the logits), in a ``fori_loop`` of
     ``steps`` steps where each step's input depends on the last, as in the decode loop.
     No layers, no cache. Reported for the reference model's untied ``lm_head``.
     """
     from flax import nnx
 
-    from rljax.sampling import sampler_head, sampler_head_weight
+    from rljax.sampling import SamplingParams, sampler_head, sampler_head_weight
 
     if model.config.tie_word_embeddings:
         raise ValueError("head_step_seconds: expects an untied lm_head (the reference model)")
@@ -132,12 +133,14 @@ def head_step_seconds(model, rows=BATCH, steps=32, reps=5):
 
     @jax.jit
     def loop(state, w, h_RxD):
-        head = sampler_head(nnx.merge(graphdef, state), w)
+        head = sampler_head(nnx.merge(graphdef, state), w, SamplingParams())
 
         def step(_, h_RxD):
-            x_VxR, max_R = head(h_RxD)
-            max_R = jnp.max(x_VxR, axis=0) if max_R is None else max_R
-            total_R = jnp.sum(jnp.exp(x_VxR - max_R), axis=0)
+            x_VxR, max_R, sums_R = head(h_RxD)
+            if sums_R is None:
+                total_R = jnp.sum(jnp.exp(x_VxR - jnp.max(x_VxR, axis=0)), axis=0)
+            else:
+                total_R = jnp.sum(sums_R, axis=0)
             return h_RxD + 1e-9 * total_R[:, None]
 
         return jax.lax.fori_loop(0, steps, step, h_RxD)

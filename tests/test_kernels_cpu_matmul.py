@@ -121,3 +121,48 @@ def test_fresh_build_into_an_empty_cache_folder(tmp_path, monkeypatch):
     cpu_matmul._build(path)
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
     assert os.path.getsize(path) > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,d,r,block,temperature", [
+    (32000, 256, 32, 128, 1.0), (61, 32, 5, 8, 1.0), (1000, 40, 17, 7, 0.7), (5, 4, 2, 3, 2.0),
+])
+def test_softmax_block_sums_equal_float64(n, d, r, block, temperature):
+    """Sums of exp((y - max) / T) over blocks of `block` outputs (the last one shorter)."""
+    w, h, _ = _case(n, d, r, seed=3)
+    w *= 10.0  # logits spread over ~+-15: many blocks far below the max
+    y, m, sums = cpu_matmul.softmax_block_sums(
+        jnp.asarray(h), cpu_matmul.pack_weight_NxD(jnp.asarray(w)), n, block, temperature)
+    y64 = np.asarray(y, np.float64)
+    np.testing.assert_array_equal(np.asarray(m), np.asarray(y).max(axis=0))
+    e = np.exp((y64 - y64.max(axis=0)) / temperature)
+    ref = np.stack([e[b:b + block].sum(axis=0) for b in range(0, n, block)])
+    assert sums.shape == ref.shape
+    # float32 sums of <= 128 terms, each exp within 2 ulp: relative 2e-6 of the block sum
+    np.testing.assert_allclose(np.asarray(sums), ref, rtol=2e-6, atol=0)
+
+
+@needs_kernel
+def test_kernel_exp_is_within_2_ulp():
+    """Block sums of single outputs are the kernel's exp of each logit minus the max (0).
+    At D = 1 one group of rows in cache holds 49,152 outputs: fewer here, so no rescaling
+    from a group's max to the row max adds its own rounding."""
+    x = np.concatenate([np.linspace(-87.3, 0.0, 40_001), [-87.4, -100.0, -np.inf, 0.0]])
+    x = x.astype(np.float32)
+    _, m, sums = cpu_matmul.softmax_block_sums(
+        jnp.ones((1, 1)), cpu_matmul.pack_weight_NxD(jnp.asarray(x[:, None])), x.size, 1)
+    assert float(m[0]) == 0.0
+    got, ref = np.asarray(sums)[:, 0], np.exp(x.astype(np.float64))
+    normal = ref >= np.finfo(np.float32).tiny
+    ulp = np.abs(got[normal] - ref[normal]) / np.spacing(ref[normal].astype(np.float32))
+    assert ulp.max() <= 2.0, ulp.max()
+    np.testing.assert_array_equal(got[~normal], 0.0)  # flushed below the normal range
+
+
+@needs_kernel
+def test_softmax_block_sums_refuse_bad_settings():
+    wp = cpu_matmul.pack_weight_NxD(jnp.ones((12, 4)))
+    with pytest.raises(ValueError, match="block must be an int >= 0"):
+        cpu_matmul.softmax_block_sums(jnp.ones((2, 4)), wp, 12, -1)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        cpu_matmul.softmax_block_sums(jnp.ones((2, 4)), wp, 12, 4, 0.0)

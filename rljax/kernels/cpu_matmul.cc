@@ -4,7 +4,11 @@
 //   y[r, n] = sum_d h[r, d] * W[n, d]      h: [R, D] activations, W: [N, D] weights
 //
 // Two outputs layouts: "RxN" (y as [R, N], a linear layer) and "NxR" (y as [N, R] plus
-// max_R[r] = max_n y[r, n], the sampler's vocab-major output projection).
+// max_R[r] = max_n y[r, n], the sampler's vocab-major output projection). NxR can also
+// return the softmax's block sums for the sampler's inverse-CDF draw,
+//   sums[b, r] = sum_{n in block b} exp((y[r, n] - max_R[r]) / T),  blocks of `block` rows,
+// computed while each group of rows is still in cache: exp relative to the group's own
+// max, rescaled by exp((group max - max) / T) at the end.
 //
 // W arrives packed once per weight array in panels of 6 output rows, wp[ceil(N/6)][D][6]
 // (zero rows past N), so the inner loop reads six consecutive floats of W per step. The
@@ -25,9 +29,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <thread>
 #include <vector>
 
@@ -40,7 +46,7 @@ namespace {
 constexpr int kMR = 6;   // output rows n per tile and per packed panel
 constexpr int kNC = 16;  // activation rows r per tile (two AVX vectors)
 constexpr double kThreadFlops = 4e6;  // below this a call runs on the calling thread only
-constexpr int64_t kL2Bytes = 192 * 1024;  // W per block, re-read once per part of h
+constexpr int64_t kL2Bytes = 192 * 1024;  // W per group of panels, re-read per part of h
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 enum class Layout { kRxN, kNxR };
@@ -50,11 +56,46 @@ struct Job {
   const float* wp;          // [npanels][D][6]
   std::vector<float> hp;    // [nparts][D][16]
   float* out;               // [R][N] or [N][R]
-  int64_t N, D, R, npanels, nparts, chunk, nchunks;
-  std::vector<float> chunk_max;  // [nchunks][nparts][max 16, NaN flags 16], NxR only
+  int64_t N, D, R, npanels, nparts;
+  int64_t group;            // panels per group (in L2; a multiple of a sum block's panels)
+  int64_t chunk, nchunks;   // groups per work chunk, chunks
+  int64_t block = 0;        // NxR: rows per softmax block (0: no sums)
+  float inv_t = 1.0f;       // NxR: 1 / temperature for the sums
+  float* sums = nullptr;    // NxR: [ceil(N / block)][R], relative to the group max first
+  std::vector<float> group_max;  // NxR: [ngroups][nparts][max 16, NaN flags 16]
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
+
+// exp(x) for float32 lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7
+// polynomial (the minimax coefficients of Cephes' expf), times 2^n; 0 below -87.34
+// (where the float32 result would be subnormal), +inf above 88.72, NaN stays NaN.
+inline __m256 Exp(__m256 x) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.7228f), x);  // NaN kept (2nd operand)
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, log2e),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, ln2_hi, xc);
+  r = _mm256_fnmadd_ps(n, ln2_lo, r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n in two halves so n = 128 (x near 88.72) does not overflow the exponent field.
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+  const __m256 s2 = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+  __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+  y = _mm256_blendv_ps(y, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                       _mm256_cmp_ps(x, _mm256_set1_ps(88.7228f), _CMP_GT_OQ));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.3365f), _CMP_LT_OQ), y);
+}
 
 inline __m256i LaneMask(int lanes) {  // the first `lanes` (0..8) lanes on
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -125,23 +166,49 @@ inline void Tile(const Job& j, const float* panel, const float* hpart, int64_t n
   StoreTile(j, t, n0, rows, r0, cols, colmax);
 }
 
+// NxR: the max of a group's rows, then each softmax block's sum relative to it.
+void GroupSums(Job& j, int64_t g, int64_t n0, int64_t n1) {
+  float* gm = j.group_max.data() + g * j.nparts * 2 * kNC;
+  alignas(32) float m[kNC];
+  for (int64_t part = 0; part < j.nparts; ++part) {
+    for (int i = 0; i < kNC; ++i) {  // a group with no finite max sums exp(x - 0) = 0
+      const float v = gm[part * 2 * kNC + i];
+      m[i] = v == kNegInf ? 0.0f : v;
+    }
+    const int cols = static_cast<int>(std::min<int64_t>(kNC, j.R - part * kNC));
+    const __m256i k0 = LaneMask(std::min(cols, 8)), k1 = LaneMask(std::max(cols - 8, 0));
+    const __m256 m0 = _mm256_load_ps(m), m1 = _mm256_load_ps(m + 8);
+    const __m256 it = _mm256_set1_ps(j.inv_t);
+    for (int64_t b0 = n0; b0 < n1; b0 += j.block) {
+      __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+      for (int64_t n = b0; n < std::min(n1, b0 + j.block); ++n) {
+        const float* y = j.out + n * j.R + part * kNC;
+        s0 = _mm256_add_ps(s0, Exp(_mm256_mul_ps(_mm256_sub_ps(_mm256_maskload_ps(y, k0), m0), it)));
+        s1 = _mm256_add_ps(s1, Exp(_mm256_mul_ps(_mm256_sub_ps(_mm256_maskload_ps(y + 8, k1), m1), it)));
+      }
+      float* out = j.sums + (b0 / j.block) * j.R + part * kNC;
+      _mm256_maskstore_ps(out, k0, s0);
+      _mm256_maskstore_ps(out + 8, k1, s1);
+    }
+  }
+}
+
 void RunChunk(Job& j, int64_t c) {
-  const int64_t p0 = c * j.chunk, p1 = std::min(j.npanels, p0 + j.chunk);
-  float* colmax = j.layout == Layout::kNxR ? j.chunk_max.data() + c * j.nparts * 2 * kNC : nullptr;
-  // Blocks of panels that fit in L2: W is read from memory once, each part of h once
-  // per block (from L1).
-  const int64_t block = std::max<int64_t>(1, kL2Bytes / (j.D * kMR * sizeof(float)));
-  for (int64_t b0 = p0; b0 < p1; b0 += block) {
-    const int64_t b1 = std::min(p1, b0 + block);
+  const int64_t ngroups = (j.npanels + j.group - 1) / j.group;
+  for (int64_t g = c * j.chunk; g < std::min(ngroups, (c + 1) * j.chunk); ++g) {
+    // W is read from memory once per group, each part of h once per group (from L1).
+    const int64_t p0 = g * j.group, p1 = std::min(j.npanels, p0 + j.group);
+    float* gm = j.layout == Layout::kNxR ? j.group_max.data() + g * j.nparts * 2 * kNC : nullptr;
     for (int64_t part = 0; part < j.nparts; ++part) {
       const int cols = static_cast<int>(std::min<int64_t>(kNC, j.R - part * kNC));
       const float* hpart = j.hp.data() + part * j.D * kNC;
-      for (int64_t p = b0; p < b1; ++p) {
+      for (int64_t p = p0; p < p1; ++p) {
         const int rows = static_cast<int>(std::min<int64_t>(kMR, j.N - p * kMR));
         Tile(j, j.wp + p * j.D * kMR, hpart, p * kMR, rows, part * kNC, cols,
-             colmax == nullptr ? nullptr : colmax + part * 2 * kNC);
+             gm == nullptr ? nullptr : gm + part * 2 * kNC);
       }
     }
+    if (j.block > 0) GroupSums(j, g, p0 * kMR, std::min(j.N, p1 * kMR));
   }
 }
 
@@ -156,41 +223,46 @@ void Work(Job& j) {
 
 // Validates shapes, packs h, runs the chunks on this thread and the pool's.
 ffi::Error Run(ffi::ThreadPool& pool, Layout layout, ffi::Buffer<ffi::F32>& wp,
-               ffi::Buffer<ffi::F32>& h, float* out, int64_t n_out, std::shared_ptr<Job> j) {
+               ffi::Buffer<ffi::F32>& h, float* out, int64_t n_out, Job& j,
+               std::shared_ptr<Job> keep) {
   const auto wd = wp.dimensions(), hd = h.dimensions();
   if (wd.size() != 3 || wd[2] != kMR || hd.size() != 2 || wd[1] != hd[1] ||
       wd[0] != (n_out + kMR - 1) / kMR) {
     return ffi::Error::InvalidArgument(
         "rljax packed matmul: expected w [ceil(N/6), D, 6] and h [R, D] with the output's N");
   }
-  j->layout = layout;
-  j->wp = wp.typed_data();
-  j->out = out;
-  j->N = n_out;
-  j->R = hd[0];
-  j->D = hd[1];
-  j->npanels = wd[0];
-  j->nparts = (j->R + kNC - 1) / kNC;
-  j->hp.assign(j->nparts * j->D * kNC, 0.0f);
+  j.layout = layout;
+  j.wp = wp.typed_data();
+  j.out = out;
+  j.N = n_out;
+  j.R = hd[0];
+  j.D = hd[1];
+  j.npanels = wd[0];
+  j.nparts = (j.R + kNC - 1) / kNC;
+  j.hp.assign(j.nparts * j.D * kNC, 0.0f);
   const float* hs = h.typed_data();
-  for (int64_t r = 0; r < j->R; ++r)
-    for (int64_t d = 0; d < j->D; ++d)
-      j->hp[(r / kNC) * j->D * kNC + d * kNC + r % kNC] = hs[r * j->D + d];
+  for (int64_t r = 0; r < j.R; ++r)
+    for (int64_t d = 0; d < j.D; ++d) j.hp[(r / kNC) * j.D * kNC + d * kNC + r % kNC] = hs[r * j.D + d];
 
-  const double flops = 2.0 * j->N * j->R * j->D;
+  // Groups: about kL2Bytes of W, and whole softmax blocks (block / gcd(block, 6) panels).
+  const int64_t align = j.block > 0 ? j.block / std::gcd<int64_t>(j.block, kMR) : 1;
+  const int64_t fit = std::max<int64_t>(1, kL2Bytes / (j.D * kMR * sizeof(float)));
+  j.group = align * std::max<int64_t>(1, fit / align);
+  const int64_t ngroups = (j.npanels + j.group - 1) / j.group;
+  const double flops = 2.0 * j.N * j.R * j.D;
   const int64_t hw = std::max<unsigned>(1, std::thread::hardware_concurrency());
   const int64_t threads = flops < kThreadFlops ? 1 : std::min<int64_t>(pool.num_threads() + 1, hw);
-  const int64_t want = std::max<int64_t>(1, std::min<int64_t>(j->npanels, 4 * threads));
-  j->chunk = std::max<int64_t>(1, (j->npanels + want - 1) / want);
-  j->nchunks = j->R == 0 ? 0 : (j->npanels + j->chunk - 1) / j->chunk;
+  const int64_t want = std::max<int64_t>(1, std::min<int64_t>(ngroups, 4 * threads));
+  j.chunk = std::max<int64_t>(1, (ngroups + want - 1) / want);
+  j.nchunks = j.R == 0 ? 0 : (ngroups + j.chunk - 1) / j.chunk;
   if (layout == Layout::kNxR) {
-    j->chunk_max.assign(j->nchunks * j->nparts * 2 * kNC, kNegInf);
-    for (int64_t c = 0; c < j->nchunks * j->nparts; ++c)
-      std::fill_n(j->chunk_max.data() + (2 * c + 1) * kNC, kNC, 0.0f);  // no NaN seen
+    j.group_max.assign(ngroups * j.nparts * 2 * kNC, kNegInf);
+    for (int64_t c = 0; c < ngroups * j.nparts; ++c)
+      std::fill_n(j.group_max.data() + (2 * c + 1) * kNC, kNC, 0.0f);  // no NaN seen
   }
-  for (int64_t i = 0; i + 1 < std::min(threads, j->nchunks); ++i) pool.Schedule([j] { Work(*j); });
-  Work(*j);
-  for (int spins = 0; j->done.load(std::memory_order_acquire) < j->nchunks; ++spins) {
+  for (int64_t i = 0; i + 1 < std::min(threads, j.nchunks); ++i) pool.Schedule([keep] { Work(*keep); });
+  Work(j);
+  for (int spins = 0; j.done.load(std::memory_order_acquire) < j.nchunks; ++spins) {
     if (spins < 4096) _mm_pause(); else std::this_thread::yield();
   }
   return ffi::Error::Success();
@@ -202,31 +274,58 @@ ffi::Error MatmulRxN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> wp, ffi::Buffer
   if (yd.size() != 2 || yd[0] != h.dimensions()[0]) {
     return ffi::Error::InvalidArgument("rljax packed matmul: expected y [R, N]");
   }
-  return Run(pool, Layout::kRxN, wp, h, y->typed_data(), yd[1], std::make_shared<Job>());
+  auto j = std::make_shared<Job>();
+  return Run(pool, Layout::kRxN, wp, h, y->typed_data(), yd[1], *j, j);
+}
+
+// max_R from the groups' maxima (NaN if any group saw one), then the block sums rescaled
+// from their group's max to max_R.
+void Finish(Job& j, float* mx) {
+  const int64_t ngroups = (j.npanels + j.group - 1) / j.group;
+  for (int64_t i = 0; i < j.R; ++i) {
+    float m = kNegInf;
+    bool nan = false;
+    for (int64_t g = 0; g < ngroups; ++g) {
+      const float* gm = j.group_max.data() + (g * j.nparts + i / kNC) * 2 * kNC + i % kNC;
+      m = std::max(m, gm[0]);
+      nan = nan || gm[kNC] != 0.0f;  // flag lanes are 0 or all bits set (a NaN)
+    }
+    mx[i] = nan ? std::numeric_limits<float>::quiet_NaN() : m;
+  }
+  if (j.block == 0) return;
+  const int64_t rows_per_group = j.group * kMR;
+  for (int64_t b = 0; b * j.block < j.N; ++b) {
+    const int64_t g = b * j.block / rows_per_group;
+    for (int64_t i = 0; i < j.R; ++i) {
+      const float gm = j.group_max[(g * j.nparts + i / kNC) * 2 * kNC + i % kNC];
+      const float shift = (gm == kNegInf ? 0.0f : gm) - mx[i];
+      j.sums[b * j.R + i] *= std::exp(shift * j.inv_t);
+    }
+  }
 }
 
 ffi::Error MatmulNxR(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> wp, ffi::Buffer<ffi::F32> h,
-                     ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> ymax) {
-  const auto yd = y->dimensions(), md = ymax->dimensions();
+                     int64_t block, float inv_temperature, ffi::ResultBuffer<ffi::F32> y,
+                     ffi::ResultBuffer<ffi::F32> ymax, ffi::ResultBuffer<ffi::F32> sums) {
+  const auto yd = y->dimensions(), md = ymax->dimensions(), sd = sums->dimensions();
   const int64_t r = h.dimensions().size() == 2 ? h.dimensions()[0] : -1;
   if (yd.size() != 2 || yd[1] != r || md.size() != 1 || md[0] != r) {
     return ffi::Error::InvalidArgument("rljax packed matmul: expected y [N, R] and max [R]");
   }
+  const int64_t nb = block > 0 ? (yd[0] + block - 1) / block : 0;
+  if (block < 0 || sd.size() != 2 || sd[0] != nb || sd[1] != r || !(inv_temperature > 0.0f)) {
+    return ffi::Error::InvalidArgument(
+        "rljax packed matmul: expected block >= 0, sums [ceil(N / block), R] ([0, R] "
+        "without blocks) and 1 / temperature > 0");
+  }
   auto j = std::make_shared<Job>();
-  if (ffi::Error e = Run(pool, Layout::kNxR, wp, h, y->typed_data(), yd[0], j); e.failure()) {
+  j->block = block;
+  j->inv_t = inv_temperature;
+  j->sums = sums->typed_data();
+  if (ffi::Error e = Run(pool, Layout::kNxR, wp, h, y->typed_data(), yd[0], *j, j); e.failure()) {
     return e;
   }
-  float* mx = ymax->typed_data();
-  for (int64_t i = 0; i < r; ++i) {
-    float m = kNegInf;
-    bool nan = false;
-    for (int64_t c = 0; c < j->nchunks; ++c) {
-      const float* cm = j->chunk_max.data() + (c * j->nparts + i / kNC) * 2 * kNC + i % kNC;
-      m = std::max(m, cm[0]);
-      nan = nan || cm[kNC] != 0.0f;  // flag lanes are 0 or all bits set (a NaN)
-    }
-    mx[i] = nan ? std::numeric_limits<float>::quiet_NaN() : m;
-  }
+  Finish(*j, ymax->typed_data());
   return ffi::Error::Success();
 }
 
@@ -244,5 +343,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RljaxPackedMatmulNxR, MatmulNxR,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("block")
+                                  .Attr<float>("inv_temperature")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -8,7 +8,8 @@ it packs the weight in every call and threads the small ones poorly. ``cpu_matmu
 :func:`pack_weight_DxN`) in panels of 6 output rows, runs a 6 x 16 FMA tile on the
 calling thread plus XLA's intra-op pool, and writes ``y_RxN`` (:func:`matmul_RxN`, a
 linear layer) or ``y_NxR`` with its per-row max (:func:`matmul_NxR`, the sampler's
-vocab-major head, whose max the exp pass then reuses).
+vocab-major head), and optionally the softmax's block sums for the sampler's inverse-CDF
+draw (:func:`softmax_block_sums`), taken while the logits are still in cache.
 
 The source is compiled on first use with the system's ``g++`` against the FFI headers
 that ship with jaxlib, into ``$RLJAX_KERNEL_CACHE`` (default ``~/.cache/rljax/kernels``)
@@ -33,6 +34,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "PANEL",
@@ -42,6 +44,7 @@ __all__ = [
     "pack_weight_DxN",
     "pack_weight_NxD",
     "set_enabled",
+    "softmax_block_sums",
     "unavailable_reason",
 ]
 
@@ -195,7 +198,25 @@ def matmul_RxN(h_RxD: jax.Array, wp: jax.Array, n: int) -> jax.Array:
 def matmul_NxR(h_RxD: jax.Array, wp: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     """``(y_NxR, max_R)``: ``y = W . h^T`` laid out output-major, and its max over N per
     row (NaN if any entry is NaN). Raises RuntimeError unless :func:`available`."""
+    y, m, _ = softmax_block_sums(h_RxD, wp, n, 0)
+    return y, m
+
+
+def softmax_block_sums(h_RxD: jax.Array, wp: jax.Array, n: int, block: int,
+                       temperature: float = 1.0):
+    """:func:`matmul_NxR` plus the sums of ``exp((y - max) / temperature)`` over blocks of
+    ``block`` consecutive outputs (the last may be shorter): ``(y_NxR, max_R, sums)``,
+    sums ``[ceil(n / block), R]`` (``[0, R]`` for ``block=0``). Each block's sum is taken
+    relative to the max of the rows in cache at the time, then rescaled: equal to the
+    sums of the exps to float32 rounding (``exp`` itself is within 2 ulp of XLA's)."""
+    if not isinstance(block, int) or block < 0:
+        raise ValueError(f"block must be an int >= 0, got {block!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
     h = _check_call(wp, n, h_RxD)
     r = h.shape[0]
-    out = (jax.ShapeDtypeStruct((n, r), jnp.float32), jax.ShapeDtypeStruct((r,), jnp.float32))
-    return jax.ffi.ffi_call("rljax_packed_matmul_NxR", out)(wp, h)
+    nb = -(-n // block) if block else 0
+    out = (jax.ShapeDtypeStruct((n, r), jnp.float32), jax.ShapeDtypeStruct((r,), jnp.float32),
+           jax.ShapeDtypeStruct((nb, r), jnp.float32))
+    call = jax.ffi.ffi_call("rljax_packed_matmul_NxR", out)
+    return call(wp, h, block=np.int64(block), inv_temperature=np.float32(1.0 / temperature))

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from rljax.models.layers import compute_dtype
 from rljax.kernels import cpu_matmul
+from rljax.sampling.ops import SamplingParams, _block_size
 
 __all__ = [
     "cached_vocab_major_weight",
@@ -72,19 +73,26 @@ def vocab_major_head(model, w_VxD=None):
     return lambda h_RxD: head(h_RxD)[0]
 
 
-def sampler_head(model, w=None):
-    """``h_RxD -> (logits_VxR, max_R or None)``: :func:`vocab_major_head` that also
-    returns each row's max logit when the CPU kernel computes it (``w`` packed,
-    ``[ceil(V/6), D, 6]``); with a ``[V, D]`` weight or none, XLA's dot and None."""
+def sampler_head(model, w=None, params: SamplingParams | None = None):
+    """``h_RxD -> (logits_VxR, max_R, block_sums)``: :func:`vocab_major_head` plus what
+    the CPU kernel computes with the logits when ``w`` is packed (``[ceil(V/6), D, 6]``):
+    each row's max, and for ``params`` that draw from ``softmax(logits / T)`` without
+    top-k / top-p, the inverse-CDF draw's block sums (see ``ops.sample_tokens_VxR``).
+    With a ``[V, D]`` weight or none: XLA's dot, and None for both."""
     if w is not None and w.ndim == 3:
         vocab = model.config.vocab_size
-        return lambda h_RxD: cpu_matmul.matmul_NxR(h_RxD, w, vocab)
+        if params is None or params.is_greedy or params.top_k is not None or (
+            params.top_p is not None and params.top_p < 1.0
+        ):
+            return lambda h_RxD: cpu_matmul.matmul_NxR(h_RxD, w, vocab) + (None,)
+        block, t = _block_size(vocab), params.temperature
+        return lambda h_RxD: cpu_matmul.softmax_block_sums(h_RxD, w, vocab, block, t)
     w_VxD = vocab_major_weight(model) if w is None else w
     if w_VxD is None:
-        return lambda h_RxD: (model.logits_from_hidden(h_RxD).T, None)
+        return lambda h_RxD: (model.logits_from_hidden(h_RxD).T, None, None)
     return lambda h_RxD: (jnp.einsum(
         "vd,rd->vr", w_VxD, h_RxD.astype(w_VxD.dtype), preferred_element_type=jnp.float32
-    ), None)
+    ), None, None)
 
 
 # (id(source array), packed) -> (weak reference to it, the derived weight). Latest only.

@@ -159,7 +159,7 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
     if mesh is not None:
         cache = jax.lax.with_sharding_constraint(cache, kv_cache_shardings(cache, mesh))
     h_BxPxD, cache = model.forward_cached(tokens_BxP, pos_BxP, mask_BxP, cache, 0)
-    logits_VxB, max_B = sampler_head(model, head_VxD)(h_BxPxD[:, -1])
+    logits_VxB, max_B, sums_B = sampler_head(model, head_VxD, spec.params)(h_BxPxD[:, -1])
     g, n = spec.num_samples, spec.max_new_tokens
     cache = jax.tree.map(lambda x: _repeat_rows(x, g), cache)
     r = b * g
@@ -173,8 +173,9 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
         logp_RxN=zeros_RxN, sampling_logp_RxN=zeros_RxN,
     )
     logits_VxR = logits_VxB if g == 1 else jnp.repeat(logits_VxB, g, axis=1)
-    max_R = None if max_B is None else _repeat_rows(max_B, g)
-    tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(key, 0), logits_VxR, spec.params, max_R)
+    max_R, sums_R = (None if a is None else jnp.repeat(a, g, axis=-1) for a in (max_B, sums_B))
+    tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(key, 0), logits_VxR, spec.params,
+                                     max_R, sums_R)
     s = _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
     prompt = tuple(_repeat_rows(x, g) for x in (tokens_BxP, mask_BxP, pos_BxP))
     return dataclasses.replace(s, cache=None), s.cache, prompt
@@ -191,7 +192,7 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, 
     s = dataclasses.replace(s, cache=prompt_cache)
     r = s.last_R.shape[0]
     ones_Rx1 = jnp.ones((r, 1), bool)
-    head = sampler_head(model, head_VxD)
+    head = sampler_head(model, head_VxD, spec.params)
     packed = head_VxD is not None and head_VxD.ndim == 3  # the CPU kernel applies
     fused = model.decode_weights(packed) if hasattr(model, "decode_weights") else None
 
@@ -199,9 +200,9 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, 
         h_Rx1xD, cache = model.forward_cached(
             s.last_R[:, None], s.feed_pos_R[:, None], ones_Rx1, s.cache, s.slot, fused
         )
-        logits_VxR, max_R = head(h_Rx1xD[:, 0])
+        logits_VxR, max_R, sums_R = head(h_Rx1xD[:, 0])
         tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(s.key, s.step), logits_VxR,
-                                         spec.params, max_R)
+                                         spec.params, max_R, sums_R)
         return _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
 
     for end_step, cache_len in spec.phases:
