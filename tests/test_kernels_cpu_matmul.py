@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rljax.kernels import cpu_matmul
+from rljax.kernels import cpu_build, cpu_matmul
 
 ON_X86_AVX2 = (
     platform.system() == "Linux"
     and platform.machine() == "x86_64"
-    and {"avx2", "fma"} <= cpu_matmul._cpu_flags()
+    and {"avx2", "fma"} <= cpu_build._cpu_flags()
     and shutil.which("g++") is not None
 )
 needs_kernel = pytest.mark.skipif(not ON_X86_AVX2, reason="needs x86-64 Linux, AVX2, g++")
@@ -106,7 +106,7 @@ def test_switched_off_it_says_so_and_refuses_calls():
     try:
         assert not cpu_matmul.available()
         assert cpu_matmul.unavailable_reason()
-        with pytest.raises(RuntimeError, match="cpu_matmul is unavailable"):
+        with pytest.raises(RuntimeError, match="CPU kernels are unavailable"):
             cpu_matmul.matmul_RxN(jnp.zeros((2, 8)), jnp.zeros((2, 8, 6)), 12)
     finally:
         cpu_matmul.set_enabled(True)
@@ -116,9 +116,9 @@ def test_switched_off_it_says_so_and_refuses_calls():
 def test_fresh_build_into_an_empty_cache_folder(tmp_path, monkeypatch):
     """The library builds from the packaged source alone, and only whole files land."""
     monkeypatch.setenv("RLJAX_KERNEL_CACHE", str(tmp_path))
-    path = cpu_matmul._library_path()
+    path = cpu_build._library_path()
     assert path.parent == tmp_path and not path.exists()
-    cpu_matmul._build(path)
+    cpu_build._build(path)
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
     assert os.path.getsize(path) > 0
 

@@ -16,11 +16,8 @@
 // per 12 FMAs. h is repacked on entry as [ceil(R/16)][D][16] (zero columns past R) so a
 // tile's slice of h is one contiguous block (16 KiB at D = 256) that stays in L1.
 //
-// Threads: the output rows are cut into chunks that the calling thread and helpers on
-// XLA's intra-op pool claim from an atomic counter. The caller works until no chunk is
-// left, then waits only for chunks a helper has claimed; a helper that starts late finds
-// nothing to claim and touches no buffer, so a call never waits on a queued task and no
-// task outlives the buffers it writes.
+// Threads: the output rows are cut into chunks of whole groups, claimed by the calling
+// thread and helpers on XLA's intra-op pool (rljax::ParallelChunks in cpu_common.h).
 //
 // Each y[r, n] is a float32 sum over d in increasing order with FMAs: as exact as XLA's
 // own dot, which sums in another order (the two agree to float32 rounding).
@@ -28,24 +25,24 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <numeric>
-#include <thread>
 #include <vector>
 
+#include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using rljax::Exp;
+using rljax::LaneMask;
+
 constexpr int kMR = 6;   // output rows n per tile and per packed panel
 constexpr int kNC = 16;  // activation rows r per tile (two AVX vectors)
-constexpr double kThreadFlops = 4e6;  // below this a call runs on the calling thread only
 constexpr int64_t kL2Bytes = 192 * 1024;  // W per group of panels, re-read per part of h
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -63,44 +60,7 @@ struct Job {
   float inv_t = 1.0f;       // NxR: 1 / temperature for the sums
   float* sums = nullptr;    // NxR: [ceil(N / block)][R], relative to the group max first
   std::vector<float> group_max;  // NxR: [ngroups][nparts][max 16, NaN flags 16]
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 };
-
-// exp(x) for float32 lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7
-// polynomial (the minimax coefficients of Cephes' expf), times 2^n; 0 below -87.34
-// (where the float32 result would be subnormal), +inf above 88.72, NaN stays NaN.
-inline __m256 Exp(__m256 x) {
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
-  const __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.7228f), x);  // NaN kept (2nd operand)
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, log2e),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, ln2_hi, xc);
-  r = _mm256_fnmadd_ps(n, ln2_lo, r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // 2^n in two halves so n = 128 (x near 88.72) does not overflow the exponent field.
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256i half = _mm256_srai_epi32(ni, 1);
-  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
-  const __m256 s2 = _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
-  __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-  y = _mm256_blendv_ps(y, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
-                       _mm256_cmp_ps(x, _mm256_set1_ps(88.7228f), _CMP_GT_OQ));
-  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.3365f), _CMP_LT_OQ), y);
-}
-
-inline __m256i LaneMask(int lanes) {  // the first `lanes` (0..8) lanes on
-  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), idx);
-}
 
 // Stores a finished tile t[i][c] = y[r0 + c, n0 + i] (rows < rows, cols < cols).
 inline void StoreTile(const Job& j, const float (&t)[kMR][kNC], int64_t n0, int rows,
@@ -176,19 +136,19 @@ void GroupSums(Job& j, int64_t g, int64_t n0, int64_t n1) {
       m[i] = v == kNegInf ? 0.0f : v;
     }
     const int cols = static_cast<int>(std::min<int64_t>(kNC, j.R - part * kNC));
-    const __m256i k0 = LaneMask(std::min(cols, 8)), k1 = LaneMask(std::max(cols - 8, 0));
+    const int c0 = std::min(cols, 8), c1 = std::max(cols - 8, 0);
     const __m256 m0 = _mm256_load_ps(m), m1 = _mm256_load_ps(m + 8);
     const __m256 it = _mm256_set1_ps(j.inv_t);
     for (int64_t b0 = n0; b0 < n1; b0 += j.block) {
       __m256 s0 = _mm256_setzero_ps(), s1 = s0;
       for (int64_t n = b0; n < std::min(n1, b0 + j.block); ++n) {
         const float* y = j.out + n * j.R + part * kNC;
-        s0 = _mm256_add_ps(s0, Exp(_mm256_mul_ps(_mm256_sub_ps(_mm256_maskload_ps(y, k0), m0), it)));
-        s1 = _mm256_add_ps(s1, Exp(_mm256_mul_ps(_mm256_sub_ps(_mm256_maskload_ps(y + 8, k1), m1), it)));
+        s0 = _mm256_add_ps(s0, Exp(_mm256_mul_ps(_mm256_sub_ps(rljax::LoadN(y, c0), m0), it)));
+        if (c1 > 0) s1 = _mm256_add_ps(s1, Exp(_mm256_mul_ps(_mm256_sub_ps(rljax::LoadN(y + 8, c1), m1), it)));
       }
       float* out = j.sums + (b0 / j.block) * j.R + part * kNC;
-      _mm256_maskstore_ps(out, k0, s0);
-      _mm256_maskstore_ps(out + 8, k1, s1);
+      rljax::StoreN(out, c0, s0);
+      if (c1 > 0) rljax::StoreN(out + 8, c1, s1);
     }
   }
 }
@@ -212,19 +172,9 @@ void RunChunk(Job& j, int64_t c) {
   }
 }
 
-void Work(Job& j) {
-  for (;;) {
-    const int64_t c = j.next.fetch_add(1, std::memory_order_relaxed);
-    if (c >= j.nchunks) return;
-    RunChunk(j, c);
-    j.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 // Validates shapes, packs h, runs the chunks on this thread and the pool's.
 ffi::Error Run(ffi::ThreadPool& pool, Layout layout, ffi::Buffer<ffi::F32>& wp,
-               ffi::Buffer<ffi::F32>& h, float* out, int64_t n_out, Job& j,
-               std::shared_ptr<Job> keep) {
+               ffi::Buffer<ffi::F32>& h, float* out, int64_t n_out, Job& j) {
   const auto wd = wp.dimensions(), hd = h.dimensions();
   if (wd.size() != 3 || wd[2] != kMR || hd.size() != 2 || wd[1] != hd[1] ||
       wd[0] != (n_out + kMR - 1) / kMR) {
@@ -249,9 +199,7 @@ ffi::Error Run(ffi::ThreadPool& pool, Layout layout, ffi::Buffer<ffi::F32>& wp,
   const int64_t fit = std::max<int64_t>(1, kL2Bytes / (j.D * kMR * sizeof(float)));
   j.group = align * std::max<int64_t>(1, fit / align);
   const int64_t ngroups = (j.npanels + j.group - 1) / j.group;
-  const double flops = 2.0 * j.N * j.R * j.D;
-  const int64_t hw = std::max<unsigned>(1, std::thread::hardware_concurrency());
-  const int64_t threads = flops < kThreadFlops ? 1 : std::min<int64_t>(pool.num_threads() + 1, hw);
+  const int64_t threads = rljax::ThreadsFor(pool, 2.0 * j.N * j.R * j.D);
   const int64_t want = std::max<int64_t>(1, std::min<int64_t>(ngroups, 4 * threads));
   j.chunk = std::max<int64_t>(1, (ngroups + want - 1) / want);
   j.nchunks = j.R == 0 ? 0 : (ngroups + j.chunk - 1) / j.chunk;
@@ -260,11 +208,7 @@ ffi::Error Run(ffi::ThreadPool& pool, Layout layout, ffi::Buffer<ffi::F32>& wp,
     for (int64_t c = 0; c < ngroups * j.nparts; ++c)
       std::fill_n(j.group_max.data() + (2 * c + 1) * kNC, kNC, 0.0f);  // no NaN seen
   }
-  for (int64_t i = 0; i + 1 < std::min(threads, j.nchunks); ++i) pool.Schedule([keep] { Work(*keep); });
-  Work(j);
-  for (int spins = 0; j.done.load(std::memory_order_acquire) < j.nchunks; ++spins) {
-    if (spins < 4096) _mm_pause(); else std::this_thread::yield();
-  }
+  rljax::ParallelChunks(pool, j.nchunks, threads, [&j](int64_t c) { RunChunk(j, c); });
   return ffi::Error::Success();
 }
 
@@ -274,8 +218,8 @@ ffi::Error MatmulRxN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> wp, ffi::Buffer
   if (yd.size() != 2 || yd[0] != h.dimensions()[0]) {
     return ffi::Error::InvalidArgument("rljax packed matmul: expected y [R, N]");
   }
-  auto j = std::make_shared<Job>();
-  return Run(pool, Layout::kRxN, wp, h, y->typed_data(), yd[1], *j, j);
+  Job j;
+  return Run(pool, Layout::kRxN, wp, h, y->typed_data(), yd[1], j);
 }
 
 // max_R from the groups' maxima (NaN if any group saw one), then the block sums rescaled
@@ -318,14 +262,14 @@ ffi::Error MatmulNxR(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> wp, ffi::Buffer
         "rljax packed matmul: expected block >= 0, sums [ceil(N / block), R] ([0, R] "
         "without blocks) and 1 / temperature > 0");
   }
-  auto j = std::make_shared<Job>();
-  j->block = block;
-  j->inv_t = inv_temperature;
-  j->sums = sums->typed_data();
-  if (ffi::Error e = Run(pool, Layout::kNxR, wp, h, y->typed_data(), yd[0], *j, j); e.failure()) {
+  Job j;
+  j.block = block;
+  j.inv_t = inv_temperature;
+  j.sums = sums->typed_data();
+  if (ffi::Error e = Run(pool, Layout::kNxR, wp, h, y->typed_data(), yd[0], j); e.failure()) {
     return e;
   }
-  Finish(*j, ymax->typed_data());
+  Finish(j, ymax->typed_data());
   return ffi::Error::Success();
 }
 

@@ -11,30 +11,18 @@ linear layer) or ``y_NxR`` with its per-row max (:func:`matmul_NxR`, the sampler
 vocab-major head), and optionally the softmax's block sums for the sampler's inverse-CDF
 draw (:func:`softmax_block_sums`), taken while the logits are still in cache.
 
-The source is compiled on first use with the system's ``g++`` against the FFI headers
-that ship with jaxlib, into ``$RLJAX_KERNEL_CACHE`` (default ``~/.cache/rljax/kernels``)
-under a name that hashes the source, jaxlib's version and the flags, and registered as
-XLA FFI targets for the CPU platform. Where that is not possible (not x86-64 Linux with
-AVX2 and FMA, no ``g++``, a failed build), or with ``RLJAX_CPU_KERNELS=0`` or
-:func:`set_enabled` ``(False)``, :func:`available` is False and says why in
-:func:`unavailable_reason`; callers then keep XLA's dot. Float32 only.
+Built on first use (:mod:`rljax.kernels.cpu_build`, whose :func:`available`,
+:func:`unavailable_reason` and :func:`set_enabled` are re-exported here); where it is
+unavailable callers keep XLA's dot. Float32 only.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from rljax.kernels.cpu_build import available, set_enabled, unavailable_reason
 
 __all__ = [
     "PANEL",
@@ -49,108 +37,6 @@ __all__ = [
 ]
 
 PANEL = 6  # output rows per packed panel (the kernel's tile height)
-_TARGETS = {"rljax_packed_matmul_RxN": "RljaxPackedMatmulRxN",
-            "rljax_packed_matmul_NxR": "RljaxPackedMatmulNxR"}
-_SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
-_FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread")
-
-_lock = threading.Lock()
-_state: dict = {"enabled": True}  # + "ok": bool, "why": str, "lib": the loaded library
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _precheck() -> str | None:
-    if os.environ.get("RLJAX_CPU_KERNELS", "1") == "0":
-        return "disabled by RLJAX_CPU_KERNELS=0"
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"needs x86-64 Linux, this is {platform.system()} {platform.machine()}"
-    missing = {"avx2", "fma"} - _cpu_flags()
-    if missing:
-        return f"the CPU lacks {sorted(missing)}"
-    if shutil.which("g++") is None:
-        return "no g++ on PATH"
-    return None
-
-
-def _library_path() -> pathlib.Path:
-    import jaxlib
-
-    h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), jaxlib.__version__.encode(), " ".join(_FLAGS).encode()):
-        h.update(part)
-    root = os.environ.get("RLJAX_KERNEL_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "rljax", "kernels"
-    )
-    return pathlib.Path(root) / f"cpu_matmul-{h.hexdigest()[:16]}.so"
-
-
-def _build(out: pathlib.Path) -> None:
-    """Compile to a temporary file in ``out``'s folder, then rename: a reader never sees a
-    half-written library, and concurrent builders each rename a whole one."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = ["g++", *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"g++ failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _load() -> None:  # under _lock
-    why = _precheck()
-    if why is None:
-        try:
-            path = _library_path()
-            if not path.exists():
-                _build(path)
-            lib = ctypes.CDLL(str(path))
-            for target, symbol in _TARGETS.items():
-                jax.ffi.register_ffi_target(
-                    target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-            _state.update(ok=True, why="", lib=lib)
-            return
-        except Exception as e:  # noqa: BLE001 - any failure means "use XLA's dot"
-            why = f"build or load failed: {type(e).__name__}: {e}"
-    _state.update(ok=False, why=why)
-
-
-def available() -> bool:
-    """True when the kernel is built, registered and enabled (builds it on the first call).
-
-    Callers decide at trace time: a program compiled while it was True keeps using it.
-    """
-    with _lock:
-        if "ok" not in _state:
-            _load()
-    return _state["ok"] and _state["enabled"]
-
-
-def unavailable_reason() -> str:
-    """Why :func:`available` is False ('' when it is True)."""
-    if available():
-        return ""
-    return _state["why"] or "disabled by set_enabled(False)"
-
-
-def set_enabled(enabled: bool) -> None:
-    """Turn the kernel off (or back on) for programs traced from now on: to compare with
-    XLA's dot, or to rule the kernel out when a result looks wrong."""
-    _state["enabled"] = bool(enabled)
 
 
 def _check_weight(name, w):
@@ -178,7 +64,7 @@ def pack_weight_DxN(w_DxN: jax.Array) -> jax.Array:
 
 def _check_call(wp, n, h_RxD):
     if not available():
-        raise RuntimeError(f"rljax.kernels.cpu_matmul is unavailable: {unavailable_reason()}")
+        raise RuntimeError(f"rljax's CPU kernels are unavailable: {unavailable_reason()}")
     if wp.ndim != 3 or wp.shape[2] != PANEL or wp.shape[0] != -(-n // PANEL):
         raise ValueError(f"packed weight {tuple(wp.shape)} is not [ceil({n}/{PANEL}), D, "
                          f"{PANEL}]")
