@@ -97,6 +97,12 @@ temperature 0.7. The warm-up is unchanged, so the starts are the same as above:
   seeds 4 and 5 (not used either; the next day, slower VM): 0.486 -> 0.922 (+0.436), 212 s;
   0.385 -> 0.758 (+0.373), 219 s
 
+With the sampler's CPU kernels (rljax.kernels, 2026-12-03, same config; only float32
+rounding in the rollouts changes, the warm-up stops at the same steps), seeds 0-5:
+0.514 -> 0.816 (+0.303), 0.541 -> 0.885 (+0.344), 0.469 -> 0.752 (+0.283, short of +0.30
+by 0.017), 0.516 -> 0.883 (+0.367), 0.486 -> 0.918 (+0.432), 0.385 -> 0.750 (+0.365);
+208-230 s each, rollouts 18-20 s of them. Not re-tuned.
+
 Steps on the way, seed 2 only: 64 prompts + sampler log-probs, 0.746; then KL 0 and lr
 2e-4, 0.750; then temperature 0.7, 0.779. The margins over +0.30 are 0.01-0.03 on the
 seeds that chose the config: a future change in rounding can still move a seed under it.

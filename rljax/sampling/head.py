@@ -22,8 +22,8 @@ import weakref
 import jax
 import jax.numpy as jnp
 
-from rljax.models.layers import compute_dtype
 from rljax.kernels import cpu_matmul
+from rljax.models.layers import compute_dtype
 from rljax.sampling.ops import SamplingParams, _block_size
 
 __all__ = [
