@@ -166,3 +166,16 @@ def test_softmax_block_sums_refuse_bad_settings():
         cpu_matmul.softmax_block_sums(jnp.ones((2, 4)), wp, 12, -1)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         cpu_matmul.softmax_block_sums(jnp.ones((2, 4)), wp, 12, 4, 0.0)
+
+
+@needs_kernel
+def test_unwritable_cache_folder_falls_back_to_the_temp_folder(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")  # mkdir under a file fails with an OSError
+    monkeypatch.setenv("RLJAX_KERNEL_CACHE", str(blocked / "kernels"))
+    monkeypatch.setattr(cpu_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(cpu_build, "_state", {"enabled": True})
+    monkeypatch.setattr(cpu_build.jax.ffi, "register_ffi_target", lambda *a, **k: None)
+    assert cpu_build.available(), cpu_build.unavailable_reason()
+    built = list((tmp_path / "tmp").glob("rljax-*/rljax_cpu-*.so"))
+    assert len(built) == 1

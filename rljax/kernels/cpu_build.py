@@ -100,7 +100,12 @@ def _load() -> None:  # under _lock
         try:
             path = _library_path()
             if not path.exists():
-                _build(path)
+                try:
+                    _build(path)
+                except OSError:  # an unwritable cache folder: build in the temp folder
+                    path = pathlib.Path(tempfile.gettempdir()) / f"rljax-{os.getuid()}" / path.name
+                    if not path.exists():
+                        _build(path)
             lib = ctypes.CDLL(str(path))
             for target, symbol in _TARGETS.items():
                 jax.ffi.register_ffi_target(
