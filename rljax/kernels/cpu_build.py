@@ -94,19 +94,27 @@ def _build(out: pathlib.Path) -> None:
             os.unlink(tmp)
 
 
+def _built_library() -> pathlib.Path:
+    """The library's path, built first if missing; in the temp folder when the cache
+    folder cannot be written."""
+    path = _library_path()
+    if path.exists():
+        return path
+    try:
+        _build(path)
+        return path
+    except OSError:
+        path = pathlib.Path(tempfile.gettempdir()) / f"rljax-{os.getuid()}" / path.name
+        if not path.exists():
+            _build(path)
+        return path
+
+
 def _load() -> None:  # under _lock
     why = _precheck()
     if why is None:
         try:
-            path = _library_path()
-            if not path.exists():
-                try:
-                    _build(path)
-                except OSError:  # an unwritable cache folder: build in the temp folder
-                    path = pathlib.Path(tempfile.gettempdir()) / f"rljax-{os.getuid()}" / path.name
-                    if not path.exists():
-                        _build(path)
-            lib = ctypes.CDLL(str(path))
+            lib = ctypes.CDLL(str(_built_library()))
             for target, symbol in _TARGETS.items():
                 jax.ffi.register_ffi_target(
                     target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")

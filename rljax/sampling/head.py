@@ -81,9 +81,7 @@ def sampler_head(model, w=None, params: SamplingParams | None = None):
     With a ``[V, D]`` weight or none: XLA's dot, and None for both."""
     if w is not None and w.ndim == 3:
         vocab = model.config.vocab_size
-        if params is None or params.is_greedy or params.top_k is not None or (
-            params.top_p is not None and params.top_p < 1.0
-        ):
+        if params is None or params.is_greedy or params.filters:
             return lambda h_RxD: cpu_matmul.matmul_NxR(h_RxD, w, vocab) + (None,)
         block, t = _block_size(vocab), params.temperature
         return lambda h_RxD: cpu_matmul.softmax_block_sums(h_RxD, w, vocab, block, t)

@@ -71,13 +71,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def filters(self) -> bool:
+        """True when top-k or top-p removes tokens (the draw is not from ``softmax(x / T)``)."""
+        return self.top_k is not None or (self.top_p is not None and self.top_p < 1.0)
+
+    @property
     def is_plain(self) -> bool:
         """True when the sampling distribution is the policy itself (T=1, no filters)."""
-        return (
-            self.temperature == 1.0
-            and self.top_k is None
-            and (self.top_p is None or self.top_p == 1.0)
-        )
+        return self.temperature == 1.0 and not self.filters
 
 
 def _first_index_of_max(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -322,7 +323,7 @@ def sample_tokens_VxR(
     temperature sampling, ignored otherwise.
     """
     x_VxR = logits_VxR.astype(jnp.float32)
-    if params.top_k is not None or (params.top_p is not None and params.top_p < 1.0):
+    if params.filters:
         return sample_tokens(key, x_VxR.T, params)
     if params.is_greedy:
         tok_R = _first_index_of_max(x_VxR, axis=0)
