@@ -125,7 +125,7 @@ import time
 from rljax.models import ModelConfig
 from rljax.train.config import (OptimConfig, RLConfig, SamplingConfig, SFTConfig,
                                 algorithm_preset)
-from rljax.train.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
 
 VOCAB = 100  # rljax.models.tokenizer.build_char_tokenizer(): 4 specials + 96 characters
 
@@ -177,7 +177,7 @@ def sft_baseline(cfg: ExperimentConfig, seconds: float) -> tuple[float, int]:
     """Held-out accuracy of SFT continued for about `seconds` past the warm-up."""
     from flax import nnx
 
-    from rljax.train import builders
+    from rljax.run import builders
     from rljax.train.batching import encode_pairs
     from rljax.train.rl import RLTrainer
     from rljax.train.sft import SFTTrainer
@@ -206,8 +206,8 @@ def sft_baseline(cfg: ExperimentConfig, seconds: float) -> tuple[float, int]:
 
 def main(argv=None) -> int:
     """Run the demo; print before/after accuracy, the SFT baseline and the RESULT line."""
-    from rljax.train.overrides import apply_overrides
-    from rljax.train.runner import run_experiment
+    from rljax.run.overrides import apply_overrides
+    from rljax.run.runner import run_experiment
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
 
 def _rl_seconds(run_dir: str) -> float:
     """Wall time of the RL steps, from the run's metrics (sum of per-phase times)."""
-    from rljax.train.run_dir import read_metrics
+    from rljax.run.run_dir import read_metrics
 
     rows = [r for r in read_metrics(run_dir) if r.get("phase") == "rl"]
     return float(sum(v for r in rows for k, v in r.items() if k.startswith("time_")))

@@ -31,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import arithmetic_grpo  # noqa: E402  (the shared task, model and SFT warm-up)
 
 from rljax.train.config import OptimConfig, algorithm_preset  # noqa: E402
-from rljax.train.experiment import ExperimentConfig  # noqa: E402
+from rljax.run.experiment import ExperimentConfig  # noqa: E402
 
 
 def config() -> ExperimentConfig:
@@ -58,8 +58,8 @@ def smoke(cfg: ExperimentConfig) -> ExperimentConfig:
 
 def main(argv=None) -> int:
     """Run the PPO demo and print before/after accuracy and the RESULT line."""
-    from rljax.train.overrides import apply_overrides
-    from rljax.train.runner import run_experiment
+    from rljax.run.overrides import apply_overrides
+    from rljax.run.runner import run_experiment
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

@@ -35,7 +35,7 @@ import sys
 
 from rljax.models import ModelConfig
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, SFTConfig, algorithm_preset
-from rljax.train.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
 
 # The char tokenizer's vocabulary: 4 special tokens + printable ASCII + " " and "\n".
 CHAR_VOCAB = 100

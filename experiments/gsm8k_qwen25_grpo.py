@@ -27,7 +27,7 @@ import tempfile
 
 from rljax.sharding import MeshConfig
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
-from rljax.train.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
 
 INSTRUCTION = "{prompt}\nLet's think step by step and output the final answer after \"####\"."
 
@@ -58,7 +58,7 @@ def config() -> ExperimentConfig:
 def smoke_inputs(cfg: ExperimentConfig, root: str | None = None) -> ExperimentConfig:
     """`cfg` pointed at a tiny random Qwen2 checkpoint and a small GSM8K-format set, made
     now in a temporary folder, with two RL steps of a few short completions."""
-    from rljax.train.smoke import make_tiny_hf_checkpoint, write_gsm8k_like
+    from rljax.run.smoke import make_tiny_hf_checkpoint, write_gsm8k_like
 
     root = root or tempfile.mkdtemp(prefix="rljax_smoke_")
     ckpt = make_tiny_hf_checkpoint(os.path.join(root, "tiny-qwen2"), architecture="qwen2")

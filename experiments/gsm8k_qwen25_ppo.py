@@ -23,7 +23,7 @@ import pathlib
 import sys
 
 from rljax.train.config import algorithm_preset
-from rljax.train.experiment import ExperimentConfig
+from rljax.run.experiment import ExperimentConfig
 
 
 def _grpo_recipe():

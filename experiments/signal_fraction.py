@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.objectives import zero_variance_fraction
-from rljax.train import result_line
+from rljax.run import result_line
 
 GROUP = 8
 NAMED_RATES = (0.0, 0.5, 0.95)

@@ -44,7 +44,7 @@ import numpy as np
 import optax
 
 from rljax.objectives import Coef, ObjectiveBatch, group_advantages, grpo, token_logprobs
-from rljax.train import result_line
+from rljax.run import result_line
 
 PROBS = (0.4, 0.3, 0.2, 0.1)
 CORRECT = 2  # "answer 3" in the seed's 1-based numbering

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rljax", description="RL post-training of LMs in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="run an experiment (rljax.train.runner.run_experiment)")
+    p = sub.add_parser("train", help="run an experiment (rljax.run.runner.run_experiment)")
     p.add_argument("experiment", help="experiment name under experiments/ or a .py path")
     _add_set(p)
     p.add_argument("--dry-run", action="store_true",
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="call jax.distributed.initialize() first (multi-host TPU pod slices: "
                         "run the same command on every host)")
 
-    p = sub.add_parser("eval", help="greedy accuracy and pass@k (rljax.train.artifacts.evaluate_source)")
+    p = sub.add_parser("eval", help="greedy accuracy and pass@k (rljax.run.artifacts.evaluate_source)")
     p.add_argument("source", help="run directory or HF model folder")
     p.add_argument("--experiment", default=None,
                    help="experiment giving the task and reward (default: the run's own config)")
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=1, help="samples per prompt for pass@k (default 1)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
 
-    p = sub.add_parser("sample", help="generate completions (rljax.train.artifacts.sample_texts)")
+    p = sub.add_parser("sample", help="generate completions (rljax.run.artifacts.sample_texts)")
     p.add_argument("source", help="run directory or HF model folder")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     p.add_argument("--num-samples", type=int, default=1)
@@ -60,22 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
 
-    p = sub.add_parser("export", help="write a HF model folder (rljax.train.artifacts.export_hf)")
+    p = sub.add_parser("export", help="write a HF model folder (rljax.run.artifacts.export_hf)")
     p.add_argument("source", help="run directory (latest checkpoint) or HF model folder")
     p.add_argument("out_dir", help="output folder (must not exist or be empty)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
 
-    p = sub.add_parser("plot", help="PNG plots of a run's metrics (rljax.train.plots.plot_metrics)")
+    p = sub.add_parser("plot", help="PNG plots of a run's metrics (rljax.run.plots.plot_metrics)")
     p.add_argument("run_dir")
     return parser
 
 
 def _cmd_train(args) -> int:
-    from rljax.train.experiment import load_experiment
+    from rljax.run.experiment import load_experiment
 
     cfg = load_experiment(args.experiment, args.overrides)
     if args.dry_run:
-        from rljax.train.run_dir import config_hash, config_to_dict
+        from rljax.run.run_dir import config_hash, config_to_dict
 
         print(json.dumps({"config_hash": config_hash(cfg), "config": config_to_dict(cfg)}, indent=2))
         return 0
@@ -83,14 +83,14 @@ def _cmd_train(args) -> int:
         import jax
 
         jax.distributed.initialize()  # Cloud TPU: coordinator and process ids auto-detected
-    from rljax.train.runner import run_experiment
+    from rljax.run.runner import run_experiment
 
     run_experiment(cfg)
     return 0
 
 
 def _cmd_eval(args) -> int:
-    from rljax.train.artifacts import evaluate_source
+    from rljax.run.artifacts import evaluate_source
 
     result = evaluate_source(args.source, experiment=args.experiment, overrides=args.overrides,
                              num_prompts=args.num_prompts, k=args.k, step=args.step)
@@ -99,7 +99,7 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_sample(args) -> int:
-    from rljax.train.artifacts import sample_texts
+    from rljax.run.artifacts import sample_texts
 
     outs = sample_texts(args.source, args.prompt, num_samples=args.num_samples,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -111,7 +111,7 @@ def _cmd_sample(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from rljax.train.artifacts import export_hf
+    from rljax.run.artifacts import export_hf
 
     out = export_hf(args.source, args.out_dir, step=args.step)
     print(f"exported to {out}")
@@ -119,8 +119,8 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from rljax.train.plots import plot_metrics
-    from rljax.train.run_dir import read_metrics
+    from rljax.run.plots import plot_metrics
+    from rljax.run.run_dir import read_metrics
 
     import pathlib
 

@@ -11,10 +11,10 @@ from rljax.cli import main
 from rljax.models import Decoder, ModelConfig
 from rljax.models.hf_io import from_pretrained, save_pretrained
 from rljax.models.tokenizer import build_char_tokenizer
-from rljax.train.artifacts import is_run_dir, load_policy, sample_texts
+from rljax.run.artifacts import is_run_dir, load_policy, sample_texts
 from rljax.train.checkpoint import Checkpointer
-from rljax.train.experiment import ExperimentConfig, RunConfig
-from rljax.train.run_dir import RunDir
+from rljax.run.experiment import ExperimentConfig, RunConfig
+from rljax.run.run_dir import RunDir
 
 
 @pytest.fixture(scope="module")

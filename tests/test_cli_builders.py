@@ -8,10 +8,10 @@ import pytest
 
 from rljax.models import ModelConfig
 from rljax.models.tokenizer import build_char_tokenizer
-from rljax.train.builders import build_reward, build_task
+from rljax.run.builders import build_reward, build_task
 from rljax.train.config import SFTConfig
-from rljax.train.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
-from rljax.train.smoke import write_gsm8k_like
+from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+from rljax.run.smoke import write_gsm8k_like
 
 TOK = build_char_tokenizer()
 MODEL = ModelConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_layers=1,

@@ -6,11 +6,11 @@ import textwrap
 import pytest
 
 from rljax.cli import main
-from rljax.train.run_dir import RunDir
+from rljax.run.run_dir import RunDir
 
 EXPERIMENT = textwrap.dedent('''
     from rljax.models import ModelConfig
-    from rljax.train.experiment import ExperimentConfig
+    from rljax.run.experiment import ExperimentConfig
 
     def config():
         model = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32,

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from rljax.models import ModelConfig
-from rljax.train.experiment import (
+from rljax.run.experiment import (
     ExperimentConfig,
     RewardConfig,
     RunConfig,
@@ -14,7 +14,7 @@ from rljax.train.experiment import (
     available_experiments,
     load_experiment,
 )
-from rljax.train.overrides import OverrideError
+from rljax.run.overrides import OverrideError
 
 TINY = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
                    num_heads=2, num_kv_heads=1)
@@ -22,7 +22,7 @@ TINY = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_laye
 EXPERIMENT = textwrap.dedent('''
     import dataclasses
     from rljax.models import ModelConfig
-    from rljax.train.experiment import ExperimentConfig, RunConfig
+    from rljax.run.experiment import ExperimentConfig, RunConfig
 
     def config():
         model = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
@@ -106,8 +106,8 @@ def test_config_round_trips_through_run_dir_json(tmp_path):
     import math
 
     from rljax.train.config import SFTConfig
-    from rljax.train.experiment import config_from_dict, load_run_config
-    from rljax.train.run_dir import RunDir, config_to_dict
+    from rljax.run.experiment import config_from_dict, load_run_config
+    from rljax.run.run_dir import RunDir, config_to_dict
 
     cfg = ExperimentConfig(model=TINY, sft=SFTConfig(steps=7),
                            run=RunConfig(dir=str(tmp_path / "r")))

@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from rljax.train.overrides import OverrideError, apply_overrides, parse_value
+from rljax.run.overrides import OverrideError, apply_overrides, parse_value
 
 
 @dataclasses.dataclass(frozen=True)

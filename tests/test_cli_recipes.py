@@ -8,8 +8,8 @@ import re
 import pytest
 
 from rljax.cli import main
-from rljax.train.experiment import load_experiment
-from rljax.train.run_dir import read_metrics
+from rljax.run.experiment import load_experiment
+from rljax.run.run_dir import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

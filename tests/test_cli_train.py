@@ -10,13 +10,13 @@ import pytest
 
 from rljax.cli import main
 from rljax.train.checkpoint import Checkpointer
-from rljax.train.run_dir import read_metrics
+from rljax.run.run_dir import read_metrics
 
 EXPERIMENT = textwrap.dedent('''
     import numpy as np
     from rljax.models import ModelConfig
     from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig
-    from rljax.train.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+    from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
 
     def digit_reward(completions, metadata):
         """Fraction of digits in each completion: varies within groups from step 1."""

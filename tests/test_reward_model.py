@@ -116,8 +116,8 @@ def test_bad_input():
 def test_reward_model_as_the_runs_reward(tmp_path):
     """RewardConfig(kind="reward_model") loads a saved model + tokenizer as a batch reward."""
     from rljax.models.tokenizer import build_char_tokenizer
-    from rljax.train.builders import build_reward
-    from rljax.train.experiment import ExperimentConfig, RewardConfig
+    from rljax.run.builders import build_reward
+    from rljax.run.experiment import ExperimentConfig, RewardConfig
 
     tok = build_char_tokenizer()
     cfg = ModelConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_layers=1,

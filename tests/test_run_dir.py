@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from rljax.train.plots import metric_series, plot_metrics
-from rljax.train.run_dir import (
+from rljax.run.plots import metric_series, plot_metrics
+from rljax.run.run_dir import (
     Progress,
     RunDir,
     RunDirError,

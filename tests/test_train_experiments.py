@@ -5,8 +5,8 @@ import io
 
 import pytest
 
-from rljax.train.experiment import load_experiment
-from rljax.train.runner import run_experiment
+from rljax.run.experiment import load_experiment
+from rljax.run.runner import run_experiment
 
 
 @pytest.mark.slow

@@ -5,11 +5,11 @@ import io
 from flax import nnx
 
 from rljax.models import ModelConfig
-from rljax.train import builders
+from rljax.run import builders
 from rljax.train.config import SamplingConfig, SFTConfig
-from rljax.train.experiment import ExperimentConfig, RunConfig, TaskConfig
-from rljax.train.run_dir import RunDir, read_metrics
-from rljax.train.runner import _sft_warmup
+from rljax.run.experiment import ExperimentConfig, RunConfig, TaskConfig
+from rljax.run.run_dir import RunDir, read_metrics
+from rljax.run.runner import _sft_warmup
 
 
 class ScriptedVerifier:

@@ -1,4 +1,4 @@
-"""rljax.train: SFT and the colocated RL loop (layer 6), plus runs, checkpoints and plots.
+"""rljax.train: the trainer core (layer 6): SFT, the colocated RL loop, checkpoints.
 
 The trainer core (Python API first):
 - configs: `OptimConfig`, `AlgorithmConfig` (+ `algorithm_preset(name)` for each paper's
@@ -11,14 +11,16 @@ The trainer core (Python API first):
   update with exact micro-batch accumulation and non-finite skipping;
 - `chunked_logprobs` / `policy_logprobs`: log-probs from hidden states in rematerialised
   chunks, never the whole float32 ``[B, T, V]``.
+- `Checkpointer` (orbax, every process), `abstract_like`, `pure_params`.
 
-Runs (the run/CLI layer): `ExperimentConfig`, `load_experiment`, `apply_overrides`,
-`run_experiment`, `Checkpointer`, `RunDir`, `plot_metrics`, the reward model.
+Experiment configs, overrides, run directories, plots and the runner are the run layer
+above this one: `rljax.run`.
 """
 
 from rljax.train.algorithms import (make_coef, make_objective, overlong_shaping,
                                     sequence_advantages)
 from rljax.train.batching import decode_completions, encode_pairs, encode_prompts
+from rljax.train.checkpoint import Checkpointer, abstract_like, pure_params
 from rljax.train.config import (ALGORITHMS, AlgorithmConfig, OptimConfig, RLConfig,
                                 SamplingConfig, SFTConfig, algorithm_preset)
 from rljax.train.logprobs import chunked_logprobs, completion_hidden, policy_logprobs
@@ -29,25 +31,13 @@ from rljax.train.sft import SFTTrainer, sft_loss
 from rljax.train.step import (Learner, NonFiniteError, TrainState, accumulate,
                               make_optimizer, make_schedule, make_update, new_train_state)
 
-# The run/CLI engineer's public names (run directories, overrides, checkpoints, plots).
-from rljax.train.checkpoint import Checkpointer, abstract_like, pure_params
-from rljax.train.experiment import (ExperimentConfig, RewardConfig, RunConfig, TaskConfig,
-                                    load_experiment, load_run_config)
-from rljax.train.overrides import OverrideError, apply_overrides
-from rljax.train.plots import plot_metrics
-from rljax.train.run_dir import RunDir, RunDirError, format_summary, read_metrics, result_line
-from rljax.train.runner import RunResult, run_experiment
-
 __all__ = [
-    "ALGORITHMS", "AdaptiveKLController", "AlgorithmConfig", "Checkpointer",
-    "ExperimentConfig", "Learner", "NonFiniteError", "OptimConfig", "OverrideError",
-    "RLConfig", "RLTrainer", "RewardConfig", "Rollout", "Rollouts", "RunConfig", "RunDir",
-    "RunDirError", "RunResult", "SFTConfig", "SFTTrainer", "SamplingConfig", "TaskConfig",
-    "TrainState", "abstract_like", "accumulate", "algorithm_preset", "apply_overrides",
-    "chunked_logprobs", "completion_hidden", "decode_completions", "encode_pairs",
-    "encode_prompts", "format_summary", "load_experiment", "load_run_config", "make_coef",
-    "make_objective", "make_optimizer", "make_schedule", "make_update", "new_train_state",
-    "overlong_shaping", "plot_metrics", "policy_logprobs", "ppo_advantages", "pure_params",
-    "read_metrics", "result_line", "rl_loss", "run_experiment", "sequence_advantages", "sft_loss",
-    "value_predictions",
+    "ALGORITHMS", "AdaptiveKLController", "AlgorithmConfig", "Checkpointer", "Learner",
+    "NonFiniteError", "OptimConfig", "RLConfig", "RLTrainer", "Rollout", "Rollouts",
+    "SFTConfig", "SFTTrainer", "SamplingConfig", "TrainState", "abstract_like",
+    "accumulate", "algorithm_preset", "chunked_logprobs", "completion_hidden",
+    "decode_completions", "encode_pairs", "encode_prompts", "make_coef", "make_objective",
+    "make_optimizer", "make_schedule", "make_update", "new_train_state", "overlong_shaping",
+    "policy_logprobs", "ppo_advantages", "pure_params", "rl_loss", "sequence_advantages",
+    "sft_loss", "value_predictions",
 ]

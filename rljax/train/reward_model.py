@@ -34,6 +34,7 @@ from flax import nnx
 from rljax.models import ModelConfig
 from rljax.train.batching import encode_text, pad_right, special_ids
 from rljax.train.checkpoint import pure_params
+from rljax.train.config_io import config_from_dict, config_to_dict
 
 __all__ = [
     "RewardModelConfig", "RewardModelScorer", "bradley_terry_loss", "encode_preferences",
@@ -186,8 +187,6 @@ def save_reward_model(model, path: str | pathlib.Path, tokenizer: Any | None = N
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} exists and is not empty; choose a new directory")
     path.mkdir(parents=True, exist_ok=True)
-    from rljax.train.run_dir import config_to_dict
-
     (path / "reward_model.json").write_text(json.dumps({"model": config_to_dict(model.config)}, indent=2))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path / "params", nnx.to_pure_dict(nnx.state(model)))
@@ -198,8 +197,6 @@ def save_reward_model(model, path: str | pathlib.Path, tokenizer: Any | None = N
 
 def load_reward_model(path: str | pathlib.Path):
     """`(model, tokenizer or None)` saved by `save_reward_model`."""
-    from rljax.train.experiment import config_from_dict
-
     path = pathlib.Path(path).absolute()
     meta = path / "reward_model.json"
     if not meta.is_file():

@@ -23,10 +23,10 @@ from typing import TextIO
 
 import jax
 
-from rljax.train import builders
+from rljax.run import builders
 from rljax.train.checkpoint import Checkpointer
-from rljax.train.experiment import ExperimentConfig
-from rljax.train.run_dir import Progress, RunDir, format_summary
+from rljax.run.experiment import ExperimentConfig
+from rljax.run.run_dir import Progress, RunDir, format_summary
 
 __all__ = ["RunResult", "run_experiment"]
 

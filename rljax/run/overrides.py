@@ -14,10 +14,11 @@ never trips over an intermediate state).
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from collections.abc import Sequence
 from typing import Any
+
+from rljax.train.config_io import dataclass_in, is_union
 
 __all__ = ["OverrideError", "apply_overrides", "parse_value", "parse_override"]
 
@@ -45,10 +46,6 @@ def _type_name(tp: Any) -> str:
     if isinstance(tp, type):
         return tp.__name__
     return str(tp).replace("typing.", "")
-
-
-def _is_union(tp: Any) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType)
 
 
 def _split_tuple_text(text: str) -> list[str]:
@@ -101,7 +98,7 @@ def _parse_any(text: str) -> Any:
 def parse_value(tp: Any, text: str) -> Any:
     """Parse `text` as a value of annotated type `tp`; raise ValueError/TypeError if it is not one."""
     origin = typing.get_origin(tp)
-    if _is_union(tp):
+    if is_union(tp):
         args = typing.get_args(tp)
         # None first so "none" means None even in Optional[str].
         ordered = sorted(args, key=lambda a: a is not type(None))
@@ -147,19 +144,12 @@ def _field_types(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _dataclass_in(tp: Any) -> type | None:
-    """The single dataclass type inside `tp` (e.g. `SFTConfig | None`), else None."""
-    cands = typing.get_args(tp) if _is_union(tp) else (tp,)
-    found = [c for c in cands if isinstance(c, type) and dataclasses.is_dataclass(c)]
-    return found[0] if len(found) == 1 else None
-
-
 def _section_value(obj: Any, name: str, tp: Any, where: str) -> Any:
     """The dataclass to descend into for `name`; builds a default one when it is None."""
     current = getattr(obj, name)
     if dataclasses.is_dataclass(current) and not isinstance(current, type):
         return current
-    cls = _dataclass_in(tp)
+    cls = dataclass_in(tp)
     if current is None and cls is not None:
         try:
             return cls()

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from rljax.train.experiment import ExperimentConfig
+from rljax.run.experiment import ExperimentConfig
 
 __all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_reward", "build_task", "build_tokenizer"]
 

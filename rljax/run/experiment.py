@@ -4,7 +4,7 @@ An experiment is a small Python file under `experiments/` with a function
 `config() -> ExperimentConfig` (and optionally `smoke(cfg) -> ExperimentConfig`, the
 settings `--set smoke=true` switches to: two steps on CPU with a tiny model).
 `load_experiment("arithmetic_grpo", ["optim.lr=1e-5"])` imports the file with importlib,
-calls `config()`, applies the typed overrides (see `rljax.train.overrides`) and, when
+calls `config()`, applies the typed overrides (see `rljax.run.overrides`) and, when
 `smoke` is set, the file's `smoke` function (the overrides are applied again after it, so
 the command line always wins). Nothing is `exec`'d from strings.
 """
@@ -16,15 +16,14 @@ import importlib.util
 import json
 import pathlib
 import sys
-import typing
 from collections.abc import Sequence
-from typing import Any
 
 from rljax.models import ModelConfig
 from rljax.rewards.extract import MODES as EXTRACT_MODES
+from rljax.run.overrides import apply_overrides
 from rljax.sharding import MeshConfig
 from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig
-from rljax.train.overrides import _dataclass_in, apply_overrides
+from rljax.train.config_io import config_from_dict
 
 __all__ = [
     "ExperimentConfig", "RewardConfig", "RunConfig", "TaskConfig", "available_experiments",
@@ -289,38 +288,6 @@ class ExperimentConfig:
         if self.sft is not None and not isinstance(self.sft, SFTConfig):
             _fail(c, "sft", self.sft, "a SFTConfig or None")
         _check_bool(c, "smoke", self.smoke)
-
-
-def _from_json(tp, value):
-    """Rebuild a value of annotated type `tp` from its `config_to_dict` JSON form."""
-    if value is None:
-        return None
-    cls = _dataclass_in(tp)
-    if cls is not None and isinstance(value, dict):
-        return config_from_dict(cls, value)
-    if isinstance(value, list):
-        tuples = [a for a in (typing.get_args(tp) or (tp,)) if typing.get_origin(a) is tuple]
-        args = typing.get_args(tuples[0]) if tuples else ()
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_from_json(args[0], v) for v in value)
-        if len(args) == len(value):
-            return tuple(_from_json(a, v) for a, v in zip(args, value))
-        return tuple(value)
-    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
-        return float(value)  # config_to_dict writes non-finite floats as text
-    return value
-
-
-def config_from_dict(cls: type, d: dict[str, Any]) -> Any:
-    """Rebuild dataclass `cls` from the nested dicts of `run_dir.config_to_dict` (config.json)."""
-    if not isinstance(d, dict):
-        raise TypeError(f"{cls.__name__}: expected a dict, got {type(d).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; valid: {sorted(names)}")
-    return cls(**{k: _from_json(hints[k], v) for k, v in d.items()})
 
 
 def load_run_config(run_dir: str | pathlib.Path) -> ExperimentConfig:

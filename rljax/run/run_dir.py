@@ -2,11 +2,11 @@
 
 Layout of `RunDir(path, config)`:
 
-    path/config.json        the resolved config (dataclasses.asdict) and its hash
+    path/config.json        the resolved config (`config_to_dict`) and its hash
     path/metrics.jsonl      one JSON object per step, flushed as written
     path/tb/                tensorboardX event files (scalars)
     path/checkpoints/       orbax checkpoints (see `rljax.train.checkpoint`)
-    path/plots/*.png        `RunDir.plot()` (see `rljax.train.plots`)
+    path/plots/*.png        `RunDir.plot()` (see `rljax.run.plots`)
     path/<name>.json        evaluation results and other records (`write_json`)
 
 A directory that already holds a run is refused unless `resume=True` (continue it; the
@@ -20,7 +20,6 @@ end-of-run screen whose last line is `RESULT accuracy_before=... accuracy_after=
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -31,7 +30,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from rljax.train import plots as _plots
+from rljax.run import plots as _plots
+from rljax.train.config_io import config_to_dict, jsonable
 
 __all__ = [
     "RunDir", "RunDirError", "Progress", "config_to_dict", "config_hash", "format_summary",
@@ -45,29 +45,6 @@ DEFAULT_HASH_EXCLUDE = ("run.dir", "run.resume", "run.overwrite")
 
 class RunDirError(ValueError):
     """The run directory cannot be used as asked (holds another run, not a run dir...)."""
-
-
-def _jsonable(x: Any) -> Any:
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return {f.name: _jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)  # "inf", "-inf", "nan": strict JSON has no such numbers
-    if x is None or isinstance(x, (str, int, float, bool)):
-        return x
-    if hasattr(x, "item") and getattr(x, "ndim", None) == 0:  # numpy / jax scalars
-        return _jsonable(x.item())
-    return repr(x)
-
-
-def config_to_dict(config: Any) -> dict[str, Any]:
-    """The config (a dataclass, or a dict) as strict-JSON-able nested dicts."""
-    if not (isinstance(config, dict) or dataclasses.is_dataclass(config)):
-        raise TypeError(f"config must be a dataclass instance or dict, got {type(config).__name__}")
-    return _jsonable(config)
 
 
 def _drop(d: dict[str, Any], dotted: str) -> None:
@@ -218,7 +195,7 @@ class RunDir:
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {step!r}")
         record = {"step": step, "phase": phase,
-                  **{str(k): _jsonable(v) for k, v in metrics.items()}}
+                  **{str(k): jsonable(v) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(record, sort_keys=False) + "\n")
         self._metrics.flush()
         scalars = {k: v for k, v in record.items()
@@ -252,7 +229,7 @@ class RunDir:
         out = self.path / f"{name}.json"
         if not self.primary:
             return out
-        _write_atomic(out, json.dumps(_jsonable(obj), indent=2))
+        _write_atomic(out, json.dumps(jsonable(obj), indent=2))
         return out
 
     def metrics(self) -> list[dict[str, Any]]:

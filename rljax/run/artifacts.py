@@ -51,7 +51,7 @@ def _run_tokenizer(run_dir: pathlib.Path, cfg) -> Any:
 def _policy_from_run(run_dir: pathlib.Path, step: int | None):
     from rljax.models import Decoder
     from rljax.models.hf_io import from_pretrained
-    from rljax.train.experiment import load_run_config
+    from rljax.run.experiment import load_run_config
 
     cfg = load_run_config(run_dir)
     ck_dir = run_dir / "checkpoints"
@@ -127,8 +127,8 @@ def sample_texts(source: str | pathlib.Path, prompts: Sequence[str], *, num_samp
 
 
 def _experiment_for(source_cfg, experiment, overrides):
-    from rljax.train.experiment import load_experiment
-    from rljax.train.overrides import apply_overrides
+    from rljax.run.experiment import load_experiment
+    from rljax.run.overrides import apply_overrides
 
     if experiment is not None:
         return load_experiment(experiment, overrides)
@@ -161,7 +161,7 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
     """
     from rljax.models.tokenizer import encode_prompts
     from rljax.sampling import generate
-    from rljax.train.builders import build_reward, build_task
+    from rljax.run.builders import build_reward, build_task
 
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
