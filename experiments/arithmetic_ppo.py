@@ -5,15 +5,9 @@ in InstructGPT / Ziegler et al. 2019: one completion per prompt, the verifier's 
 the last token, a per-token k1 KL penalty to the SFT reference in the reward, GAE
 (gamma 1, lambda 0.95), whitened advantages, a separate value model (the policy backbone
 with a scalar head) trained with the clipped value loss, two epochs of two minibatches.
-Target: held-out greedy accuracy rises by at least 0.10. Measured 2026-12-02 (seed 0,
-the same 2-digit task and 250-step warm-up as `arithmetic_grpo`, the value model's backbone
-copied from the warmed-up policy, 100 PPO steps x 128 prompts; load average ~4, a GRPO
-exploration run shared the 2 cores): 0.352 -> 0.832 (+0.48; 0.74 / 0.72 / 0.77 after
-25 / 50 / 75 steps), wall_s=213. With the warm-up that stops at the loss target (as in
-`arithmetic_grpo`; 260 steps for seed 0), measured 2026-12-02 16:44 UTC, alone on the
-machine: 0.459 -> 0.838 (+0.38), wall_s=158.5. With the warm-up that stops at the
-validation-accuracy target (as in `arithmetic_grpo` now; step 240), on a second VM about
-half as fast, alone: 0.459 -> 0.863 (+0.40), wall_s=227.7.
+Target: held-out greedy accuracy rises by at least 0.10. Last measured (2026-12-02, seed 0,
+the validation-accuracy warm-up of `arithmetic_grpo`, on a VM about half as fast as the
+first): 0.459 -> 0.863 (+0.40) in 228 s. History: docs/arithmetic_ppo.md.
 
 Run: `rljax train arithmetic_ppo` or `python experiments/arithmetic_ppo.py [--set k=v ...]`.
 The last line is `RESULT accuracy_before=... accuracy_after=... wall_s=...`.
@@ -30,8 +24,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import arithmetic_grpo  # noqa: E402  (the shared task, model and SFT warm-up)
 
-from rljax.train.config import OptimConfig, algorithm_preset  # noqa: E402
 from rljax.run.experiment import ExperimentConfig  # noqa: E402
+from rljax.run.overrides import apply_overrides  # noqa: E402
+from rljax.run.runner import run_experiment  # noqa: E402
+from rljax.train.config import OptimConfig, algorithm_preset  # noqa: E402
 
 
 def config() -> ExperimentConfig:
@@ -43,7 +39,7 @@ def config() -> ExperimentConfig:
         algorithm=algorithm_preset("ppo", group_size=1, kl_coef=0.02, num_epochs=2,
                                    num_minibatches=2),
         optim=OptimConfig(lr=1e-4, warmup_steps=10, schedule="constant"),
-        # Rollouts at temperature 1 (the figures above), not GRPO's 0.7.
+        # Rollouts at temperature 1 (as measured), not GRPO's 0.7.
         sampling=dataclasses.replace(base.sampling, temperature=1.0),
         rl=dataclasses.replace(base.rl, steps=100, prompts_per_step=128, value_lr_ratio=3.0),
         run=dataclasses.replace(base.run, dir="runs/arithmetic_ppo"),
@@ -58,9 +54,6 @@ def smoke(cfg: ExperimentConfig) -> ExperimentConfig:
 
 def main(argv=None) -> int:
     """Run the PPO demo and print before/after accuracy and the RESULT line."""
-    from rljax.run.overrides import apply_overrides
-    from rljax.run.runner import run_experiment
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)

@@ -7,9 +7,10 @@ template); a completion must close the reasoning and give the equation in tags:
     [7, 4] 28 <think>7 * 4</think><answer>7 * 4</answer>
 
 Reward (R1-Zero, DeepSeek-AI 2025 §2.2.2): an accuracy reward (1 when the tagged equation
-evaluates to the target with the given numbers; checked by `rljax.data.check_countdown`,
-never `eval`) plus a format reward (0.5 x 1 when the tag layout is followed). Both terms
-are logged per step as `reward/accuracy` and `reward/format`.
+evaluates to the target with the given numbers: `rljax.run.tasks.CountdownReward`, which
+parses it with `rljax.data.check_countdown`, never `eval`) plus a format reward (0.5 x 1
+when the tag layout is followed). Both terms are logged as `reward/accuracy` and
+`reward/format`.
 
 A model that has never seen the tags cannot stumble on them by chance within a CPU
 budget, so a short SFT warm-up on worked examples gives it partial ability first; then GRPO
@@ -18,14 +19,10 @@ budget, so a short SFT warm-up on worked examples gives it partial ability first
     rljax train countdown_r1zero                 # or: python experiments/countdown_r1zero.py
     rljax train countdown_r1zero --set smoke=true
 
-Measured here (2026-12-02, 1 CPU device, seed 0, 4 min 13 s wall including compilation):
-held-out greedy accuracy 0.32 after the SFT warm-up -> 0.36 after 60 GRPO steps (128
-prompts, so within noise: the standard error is about 0.04); on the sampled rollouts the
-accuracy reward went from about 0.07 (steps 1-8) to 0.10-0.14 (steps 44-60) and the
-format reward from about 0.80 to 0.85-0.89. With lr 3e-4 (same warm-up) the same run lost
-accuracy (0.32 -> 0.16 greedy at step 20), the arithmetic demo's lesson again. A clear
-rise on Countdown needs more RL steps than this CPU budget; the settings are a starting
-point, not a tuned result.
+Last measured (2026-12-02, seed 0, 4 min 13 s): greedy accuracy 0.32 after the warm-up ->
+0.36 after 60 GRPO steps (within noise on 128 prompts); the sampled accuracy reward rose
+from ~0.07 to 0.10-0.14 and the format reward from ~0.80 to 0.85-0.89. A starting point,
+not a tuned result: docs/countdown_r1zero.md.
 """
 
 from __future__ import annotations

@@ -17,8 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 from collections.abc import Sequence
+
+import jax
+
+from rljax.run.artifacts import evaluate_source, export_hf, sample_texts
+from rljax.run.experiment import load_experiment
+from rljax.run.plots import plot_metrics
+from rljax.run.run_dir import config_hash, config_to_dict, read_metrics
+from rljax.run.runner import run_experiment
 
 __all__ = ["build_parser", "main"]
 
@@ -71,27 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args) -> int:
-    from rljax.run.experiment import load_experiment
-
     cfg = load_experiment(args.experiment, args.overrides)
     if args.dry_run:
-        from rljax.run.run_dir import config_hash, config_to_dict
-
         print(json.dumps({"config_hash": config_hash(cfg), "config": config_to_dict(cfg)}, indent=2))
         return 0
     if args.distributed:
-        import jax
-
         jax.distributed.initialize()  # Cloud TPU: coordinator and process ids auto-detected
-    from rljax.run.runner import run_experiment
-
     run_experiment(cfg)
     return 0
 
 
 def _cmd_eval(args) -> int:
-    from rljax.run.artifacts import evaluate_source
-
     result = evaluate_source(args.source, experiment=args.experiment, overrides=args.overrides,
                              num_prompts=args.num_prompts, k=args.k, step=args.step)
     print(json.dumps(result, indent=2))
@@ -99,8 +98,6 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_sample(args) -> int:
-    from rljax.run.artifacts import sample_texts
-
     outs = sample_texts(args.source, args.prompt, num_samples=args.num_samples,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         seed=args.seed, step=args.step)
@@ -111,19 +108,12 @@ def _cmd_sample(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from rljax.run.artifacts import export_hf
-
     out = export_hf(args.source, args.out_dir, step=args.step)
     print(f"exported to {out}")
     return 0
 
 
 def _cmd_plot(args) -> int:
-    from rljax.run.plots import plot_metrics
-    from rljax.run.run_dir import read_metrics
-
-    import pathlib
-
     paths = plot_metrics(read_metrics(args.run_dir), pathlib.Path(args.run_dir) / "plots")
     if not paths:
         print(f"no plottable metrics in {args.run_dir}", file=sys.stderr)

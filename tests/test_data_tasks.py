@@ -1,9 +1,11 @@
-"""Procedural tasks: arithmetic and Countdown generators, checkers and rewards."""
+"""Procedural tasks: arithmetic and Countdown generators (rljax.data), checkers and rewards
+(rljax.run.tasks)."""
 
 import numpy as np
 import pytest
 
 from rljax import data as D
+from rljax.run import tasks as T
 from rljax.rewards import score_batch
 
 
@@ -15,10 +17,10 @@ def test_arithmetic_plain_format_and_determinism():
     for p in probs:
         assert 100 <= p.a <= 999 and 100 <= p.b <= 999
         assert p.prompt == f"{p.a}+{p.b}=" and p.answer == str(p.a + p.b)
-        assert D.check_arithmetic(p.answer, p.answer)
-        assert D.check_arithmetic(f" {p.answer}\nmore text", p.answer)
-        assert not D.check_arithmetic(p.answer + "0", p.answer)
-        assert not D.check_arithmetic(str(int(p.answer) + 1), p.answer)
+        assert T.check_arithmetic(p.answer, p.answer)
+        assert T.check_arithmetic(f" {p.answer}\nmore text", p.answer)
+        assert not T.check_arithmetic(p.answer + "0", p.answer)
+        assert not T.check_arithmetic(str(int(p.answer) + 1), p.answer)
 
 
 @pytest.mark.parametrize("digits", [1, 2, 5])
@@ -34,15 +36,15 @@ def test_arithmetic_all_ops_word_style(digits):
         if p.op == "/":
             assert p.a % p.b == 0
         # the worked solution passes its own checker, a wrong answer does not
-        assert D.check_arithmetic(p.solution, p.answer, style="word")
+        assert T.check_arithmetic(p.solution, p.answer, style="word")
         assert p.solution.endswith(f"#### {p.answer}")
-        assert not D.check_arithmetic(f"#### {int(p.answer) + 1}", p.answer, style="word")
+        assert not T.check_arithmetic(f"#### {int(p.answer) + 1}", p.answer, style="word")
 
 
 def test_arithmetic_reward_and_bad_config():
     probs = D.ArithmeticTask(digits=2).generate(4, seed=1)
     comps = [p.answer for p in probs[:2]] + ["nope", "-1"]
-    out = score_batch(D.ArithmeticReward(), comps, [p.to_record() for p in probs])
+    out = score_batch(T.ArithmeticReward(), comps, [p.to_record() for p in probs])
     np.testing.assert_array_equal(out.rewards, [1, 1, 0, 0])
     for bad in (dict(digits=0), dict(digits=19), dict(ops=("%",)), dict(ops=()),
                 dict(style="latex")):
@@ -86,7 +88,7 @@ def test_countdown_checker(eq, nums, target, want):
 def test_countdown_use_all_and_reward():
     assert D.check_countdown("1 + 2", [1, 2, 3], 3)
     assert not D.check_countdown("1 + 2", [1, 2, 3], 3, use_all=True)
-    fn = D.CountdownReward()
+    fn = T.CountdownReward()
     meta = {"numbers": [1, 2, 3], "target": 9}
     assert fn("<think>try</think><answer>(1 + 2) * 3</answer>", meta) == 1.0
     assert fn("<think>try</think><answer>1 + 2 * 3</answer>", meta) == pytest.approx(0.1)

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rljax import data as D
+from rljax.run import tasks as T
 from rljax import rewards as R
 from rljax.rewards._latex import normalize_answer
 
@@ -38,7 +39,7 @@ ITEM_FNS = [
     R.ConstraintReward((R.WordCount(1, 50), R.IncludeKeywords(("a",)),
                         R.ForbiddenKeywords(("b",)), R.NoCommas(), R.AllLowercase(),
                         R.BulletCount(2), R.EndsWith("done"), R.ValidJson())),
-    D.CountdownReward(), D.ArithmeticReward(), D.ArithmeticReward(style="word"),
+    T.CountdownReward(), T.ArithmeticReward(), T.ArithmeticReward(style="word"),
 ]
 META = {"answer": "42", "numbers": [1, 2, 3, 40], "target": 42}
 

@@ -1,4 +1,4 @@
-"""Procedural arithmetic problems with a difficulty knob (`digits`) and their checker.
+"""Procedural arithmetic problems with a difficulty knob (`digits`).
 
 Two prompt styles from one sampled problem:
 - plain, for tiny char-level models: prompt `"123+456="`, answer `"579"`;
@@ -8,18 +8,20 @@ Two prompt styles from one sampled problem:
   (`"123+456="` -> `"975"`, sign first for negatives: `"-12"` -> `"-21"`). Small
   transformers learn this order much more robustly, because each output digit then depends
   only on digits already seen (Lee et al. 2023, "Teaching Arithmetic to Small
-  Transformers", arXiv:2307.03381). `answer` stays the true integer; the checker reverses
-  the completion's digits before comparing, so only the reversed form is accepted.
+  Transformers", arXiv:2307.03381). `answer` stays the true integer.
+
+The checker and the item reward (`check_arithmetic`, `ArithmeticReward`) are composed with
+the answer extraction of `rljax.rewards` in the run layer: `rljax.run.tasks`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
-from rljax.rewards import extract_answer, math_equal
+__all__ = ["OPS", "ArithmeticProblem", "ArithmeticTask", "reverse_digits"]
 
 OPS = ("+", "-", "*", "/")
 _STYLES = ("plain", "reversed", "word")
@@ -110,7 +112,7 @@ class ArithmeticTask:
         if self.style == "plain":
             return ArithmeticProblem(f"{a}{op}{b}=", ans, ans, a, b, op)
         if self.style == "reversed":
-            return ArithmeticProblem(f"{a}{op}{b}=", ans, _reverse_digits(ans), a, b, op)
+            return ArithmeticProblem(f"{a}{op}{b}=", ans, reverse_digits(ans), a, b, op)
         name = _NAMES[int(rng.integers(len(_NAMES)))]
         prompt = _WORD[op].format(name=name, a=a, b=b)
         work = f"{a} {_VERB[op]} {b} is {ans}."
@@ -126,44 +128,7 @@ class ArithmeticTask:
         return [self.sample(rng) for _ in range(n)]
 
 
-def _reverse_digits(number: str) -> str:
+def reverse_digits(number: str) -> str:
     """`"579"` -> `"975"`, `"-12"` -> `"-21"`: the digits reversed, a leading sign kept."""
     sign = number[:1] if number[:1] in ("-", "+") else ""
     return sign + number[len(sign):][::-1]
-
-
-def check_arithmetic(completion: object, answer: str, *, style: str = "plain") -> bool:
-    """Whether `completion` answers correctly.
-
-    plain: the completion, after leading whitespace, starts with the exact integer (an
-    optional sign and digits, ended by anything that is not a digit), e.g. `"579\\n..."`.
-    reversed: as plain, but the integer's digits are written least-significant first
-    (`"975"` answers `"579"`; leading zeros of the reversed form must be written out, so
-    `"003"` answers `"300"` and `"03"` does not).
-    word: `extract_answer` (boxed, `####`, "the answer is") then `math_equal`.
-    """
-    if not isinstance(completion, str):
-        return False
-    if style == "word":
-        return math_equal(extract_answer(completion), answer)
-    s = completion[:64].lstrip()
-    j = 1 if s[:1] in ("-", "+") else 0
-    while j < len(s) and s[j].isascii() and s[j].isdigit():
-        j += 1
-    token = s[:j]
-    if style == "reversed":
-        token = _reverse_digits(token)
-    return token.lstrip("+") == answer and any(c.isdigit() for c in token)
-
-
-@dataclasses.dataclass(frozen=True)
-class ArithmeticReward:
-    """Item reward: 1.0 if `check_arithmetic(completion, meta["answer"], style)`."""
-
-    style: str = "plain"
-    name: str = "arithmetic"
-
-    def __call__(self, completion: str, meta: Mapping[str, Any]) -> float:
-        if "answer" not in meta:
-            raise KeyError(f"{self.name}: metadata has no 'answer' field (has {sorted(meta)})")
-        return 1.0 if check_arithmetic(completion, str(meta["answer"]), style=self.style) else 0.0

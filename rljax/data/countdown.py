@@ -4,7 +4,8 @@ The generator builds a random expression over the numbers with exact, non-negati
 integer intermediate results, so every problem is solvable. The checker parses the
 proposed equation with a small bounded parser (integers, + - * /, parentheses; no
 unary minus, no eval), checks each given number is used at most once (or exactly once
-with `use_all=True`), and compares the exact rational value with the target.
+with `use_all=True`), and compares the exact rational value with the target. The item
+reward built on it (tag format, TinyZero's format score) is `rljax.run.tasks.CountdownReward`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from fractions import Fraction
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
-
-from rljax.rewards import TagFormat, follows_format, tagged_answer
 
 MAX_EQUATION_CHARS = 256
 _MAX_DEPTH = 32
@@ -191,25 +190,3 @@ class CountdownTask:
             raise ValueError(f"CountdownTask.generate: n must be an int >= 0, got {n!r}")
         rng = np.random.default_rng(seed)
         return [self.sample(rng) for _ in range(n)]
-
-
-@dataclasses.dataclass(frozen=True)
-class CountdownReward:
-    """Item reward, TinyZero style: `correct` if the tagged equation reaches
-    `meta["target"]` with `meta["numbers"]`, else `format_score` if the completion
-    follows the tag format, else 0."""
-
-    fmt: TagFormat = TagFormat()
-    correct: float = 1.0
-    format_score: float = 0.1
-    use_all: bool = False
-    name: str = "countdown"
-
-    def __call__(self, completion: str, meta: Mapping[str, Any]) -> float:
-        for key in ("numbers", "target"):
-            if key not in meta:
-                raise KeyError(f"{self.name}: metadata has no {key!r} field (has {sorted(meta)})")
-        eq = tagged_answer(completion, self.fmt)
-        if check_countdown(eq, meta["numbers"], meta["target"], use_all=self.use_all):
-            return self.correct
-        return self.format_score if follows_format(completion, self.fmt) else 0.0

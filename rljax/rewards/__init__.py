@@ -7,11 +7,11 @@ Host-side plain Python + numpy; imports nothing from rljax above `rljax.objectiv
 """
 
 from rljax.rewards.answers import math_equal
-from rljax.rewards.batch import (BatchScores, RewardError, RewardPool, RewardTimeout,
-                                 score_batch)
-from rljax.rewards.compose import (BatchReward, Batched, ConstraintReward, FormatReward, ItemReward,
+from rljax.rewards.batch import (BatchScores, Batched, RewardError, RewardPool, RewardTimeout,
+                                 batched, score_batch)
+from rljax.rewards.compose import (BatchReward, ConstraintReward, FormatReward, ItemReward,
                                    MathAccuracy, RewardFn, Verified, WeightedSum,
-                                   accuracy_plus_format, batched, reward_name)
+                                   accuracy_plus_format, reward_name)
 from rljax.rewards.constraints import (CONSTRAINT_TYPES, AllLowercase, AllOf, AnyOf,
                                        BulletCount, Constraint, EndsWith, ForbiddenKeywords,
                                        IncludeKeywords, NoCommas, ValidJson, WordCount,

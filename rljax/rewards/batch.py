@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from rljax.rewards._pool import RewardPool
-from rljax.rewards.compose import reward_name
+from rljax.rewards.compose import ItemReward, reward_name
 
 log = logging.getLogger(__name__)
 
@@ -195,3 +195,23 @@ def _pooled(pool, item, completions, metadata, comps, group_size, timeout_s,
             timeouts.append(RewardTimeout(i, i // group_size, n, float(res[1])))
             comps[n][i] = timeout_reward
     return timeouts
+
+
+@dataclasses.dataclass(frozen=True)
+class Batched:
+    """An item reward lifted to the batch `RewardFn` protocol (in-process, sequential)."""
+
+    fn: Any
+
+    @property
+    def name(self) -> str:
+        return reward_name(self.fn)
+
+    def __call__(self, completions: Sequence[str],
+                 metadata: Sequence[Mapping[str, Any]]) -> np.ndarray:
+        return score_batch([self.fn], completions, metadata).rewards
+
+
+def batched(fn: ItemReward) -> Batched:
+    """Lift an item reward `(completion, meta) -> float` to a batch `RewardFn`."""
+    return Batched(fn)

@@ -4,8 +4,9 @@ Two shapes of reward function:
 - an *item* reward `(completion: str, meta: Mapping) -> float` scores one completion with
   its prompt's metadata (the reference answer, the constraints, the task numbers);
 - a *batch* `RewardFn` `(completions, metadata) -> float32[B]` is what the trainer calls.
-  `batched(item_fn)` lifts one to the other; `score_batch` (in `rljax.rewards.batch`) runs
-  item rewards with per-item error attribution and, in a worker pool, time limits.
+  `batched(item_fn)` lifts one to the other and `score_batch` runs item rewards with
+  per-item error attribution and, in a worker pool, time limits (both in
+  `rljax.rewards.batch`, which imports this module and not the other way round).
 
 Item rewards here are frozen dataclasses, so they pickle and can run in worker processes.
 Composition follows the papers: `Verified(fn, 10.0, 0.0)` is Tülu 3's RLVR reward (10 if
@@ -173,24 +174,3 @@ def accuracy_plus_format(fmt: TagFormat = TagFormat(), *, format_weight: float =
     acc = MathAccuracy(reference_key=reference_key, answer_tags=fmt, strip_units=strip_units)
     return WeightedSum(((1.0, acc), (float(format_weight), FormatReward(fmt))),
                        name="accuracy_plus_format")
-
-
-@dataclasses.dataclass(frozen=True)
-class Batched:
-    """An item reward lifted to the batch `RewardFn` protocol (in-process, sequential)."""
-
-    fn: Any
-
-    @property
-    def name(self) -> str:
-        return reward_name(self.fn)
-
-    def __call__(self, completions: Sequence[str],
-                 metadata: Sequence[Mapping[str, Any]]) -> np.ndarray:
-        from rljax.rewards.batch import score_batch  # batch imports this module
-        return score_batch([self.fn], completions, metadata).rewards
-
-
-def batched(fn: ItemReward) -> Batched:
-    """Lift an item reward `(completion, meta) -> float` to a batch `RewardFn`."""
-    return Batched(fn)

@@ -8,7 +8,9 @@ Everything the command line does is one Python call here:
   (`rljax.run.builders`), trains, evaluates and writes the run directory;
 - `RunDir` (config.json, metrics.jsonl, TensorBoard events, plots, summary),
   `read_metrics`, `format_summary`, `result_line`, `plot_metrics`;
-- `rljax.run.artifacts`: sample, evaluate and export a finished run.
+- `rljax.run.artifacts`: sample, evaluate and export a finished run;
+- the procedural tasks' verifiers, composed from `rljax.data` and `rljax.rewards`
+  (`rljax.run.tasks`): `check_arithmetic`, `ArithmeticReward`, `CountdownReward`.
 """
 
 from rljax.run.experiment import (ExperimentConfig, RewardConfig, RunConfig, TaskConfig,
@@ -17,9 +19,11 @@ from rljax.run.overrides import OverrideError, apply_overrides
 from rljax.run.plots import plot_metrics
 from rljax.run.run_dir import RunDir, RunDirError, format_summary, read_metrics, result_line
 from rljax.run.runner import RunResult, run_experiment
+from rljax.run.tasks import ArithmeticReward, CountdownReward, check_arithmetic
 
 __all__ = [
-    "ExperimentConfig", "OverrideError", "RewardConfig", "RunConfig", "RunDir", "RunDirError",
-    "RunResult", "TaskConfig", "apply_overrides", "format_summary", "load_experiment",
+    "ArithmeticReward", "CountdownReward", "ExperimentConfig", "OverrideError",
+    "RewardConfig", "RunConfig", "RunDir", "RunDirError", "RunResult", "TaskConfig",
+    "apply_overrides", "check_arithmetic", "format_summary", "load_experiment",
     "load_run_config", "plot_metrics", "read_metrics", "result_line", "run_experiment",
 ]

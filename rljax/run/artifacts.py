@@ -20,6 +20,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from rljax.models import Decoder
+from rljax.models.hf_io import from_pretrained, save_pretrained
+from rljax.models.tokenizer import build_char_tokenizer, encode_prompts, load_tokenizer
+from rljax.run.builders import build_reward, build_task
+from rljax.run.experiment import load_experiment, load_run_config
+from rljax.run.overrides import apply_overrides
+from rljax.sampling import generate
 from rljax.train.checkpoint import Checkpointer, pure_params
 
 __all__ = ["evaluate_source", "export_hf", "is_run_dir", "load_policy", "sample_texts"]
@@ -37,8 +44,6 @@ def is_run_dir(path: str | pathlib.Path) -> bool:
 
 
 def _run_tokenizer(run_dir: pathlib.Path, cfg) -> Any:
-    from rljax.models.tokenizer import build_char_tokenizer, load_tokenizer
-
     if (run_dir / "tokenizer").is_dir():
         return load_tokenizer(run_dir / "tokenizer")
     if cfg.tokenizer not in (None, "char"):
@@ -49,10 +54,6 @@ def _run_tokenizer(run_dir: pathlib.Path, cfg) -> Any:
 
 
 def _policy_from_run(run_dir: pathlib.Path, step: int | None):
-    from rljax.models import Decoder
-    from rljax.models.hf_io import from_pretrained
-    from rljax.run.experiment import load_run_config
-
     cfg = load_run_config(run_dir)
     ck_dir = run_dir / "checkpoints"
     if not ck_dir.is_dir():
@@ -75,9 +76,6 @@ def _policy_from_run(run_dir: pathlib.Path, step: int | None):
 
 def load_policy(source: str | pathlib.Path, *, step: int | None = None):
     """`(Decoder, tokenizer, ExperimentConfig or None)` from a run directory or HF folder."""
-    from rljax.models.hf_io import from_pretrained
-    from rljax.models.tokenizer import load_tokenizer
-
     source = pathlib.Path(source)
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is neither a run directory nor a model folder")
@@ -91,8 +89,6 @@ def load_policy(source: str | pathlib.Path, *, step: int | None = None):
 def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, *,
               step: int | None = None) -> pathlib.Path:
     """Write the policy of `source` as a Hugging Face folder (weights, config, tokenizer)."""
-    from rljax.models.hf_io import save_pretrained
-
     out = pathlib.Path(out_dir).absolute()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"export: {out} exists and is not empty; choose a new folder")
@@ -109,9 +105,6 @@ def sample_texts(source: str | pathlib.Path, prompts: Sequence[str], *, num_samp
 
     `temperature=0` decodes greedily. Prompts are used as given (no chat template).
     """
-    from rljax.models.tokenizer import encode_prompts
-    from rljax.sampling import generate
-
     if isinstance(prompts, str) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings")
     model, tokenizer, _ = load_policy(source, step=step)
@@ -127,9 +120,6 @@ def sample_texts(source: str | pathlib.Path, prompts: Sequence[str], *, num_samp
 
 
 def _experiment_for(source_cfg, experiment, overrides):
-    from rljax.run.experiment import load_experiment
-    from rljax.run.overrides import apply_overrides
-
     if experiment is not None:
         return load_experiment(experiment, overrides)
     if source_cfg is None:
@@ -159,10 +149,6 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
     when any is verified correct (Chen et al. 2021's estimator with n = k samples), and
     `sample_accuracy` is the mean over all k x prompts samples.
     """
-    from rljax.models.tokenizer import encode_prompts
-    from rljax.sampling import generate
-    from rljax.run.builders import build_reward, build_task
-
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
     model, tokenizer, run_cfg = load_policy(source, step=step)

@@ -18,6 +18,7 @@ the held-out slice: the warm-up's stop never looks at the prompts that measure i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -25,9 +26,21 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
 
+from rljax import rewards as rw
+from rljax.data import (ArithmeticTask, CountdownTask, LengthPolicy, ShuffledIterator,
+                        TfdsPromptSource, build_chat_prompt, filter_by_length, gsm8k_transform,
+                        load_prompts)
+from rljax.models import Decoder
+from rljax.models.hf_io import from_pretrained
+from rljax.models.tokenizer import build_char_tokenizer, check_vocab, load_tokenizer
 from rljax.run.experiment import ExperimentConfig
+from rljax.run.tasks import ArithmeticReward, CountdownReward
+from rljax.sharding import make_mesh
+from rljax.train.reward_model import RewardModelScorer
 
 __all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_reward", "build_task", "build_tokenizer"]
 
@@ -39,8 +52,6 @@ _SFT_FILE_ORDER = 0x534654  # "SFT": seeds the warm-up's visiting order of a fil
 
 def build_tokenizer(cfg: ExperimentConfig):
     """"char" -> `build_char_tokenizer()`; a folder -> `load_tokenizer`; None -> `hf_path`'s."""
-    from rljax.models.tokenizer import build_char_tokenizer, load_tokenizer
-
     if cfg.tokenizer == "char":
         return build_char_tokenizer()
     return load_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else cfg.hf_path)
@@ -48,10 +59,6 @@ def build_tokenizer(cfg: ExperimentConfig):
 
 def build_mesh(cfg: ExperimentConfig):
     """The device mesh of `cfg.mesh`, or None when it is a single device."""
-    import jax
-
-    from rljax.sharding import make_mesh
-
     if jax.device_count() == 1:
         return None
     return make_mesh(cfg.mesh)
@@ -59,15 +66,6 @@ def build_mesh(cfg: ExperimentConfig):
 
 def build_model(cfg: ExperimentConfig, tokenizer, mesh=None, seed: int | None = None):
     """The policy `Decoder`: random init from `cfg.model` (seed `run.seed`) or `hf_path`."""
-    import contextlib
-
-    import jax
-    from flax import nnx
-
-    from rljax.models import Decoder
-    from rljax.models.hf_io import from_pretrained
-    from rljax.models.tokenizer import check_vocab
-
     if cfg.hf_path is not None:
         model = from_pretrained(cfg.hf_path, dtype=cfg.compute_dtype, mesh=mesh)
     else:
@@ -109,8 +107,6 @@ def _prompt_text(cfg: ExperimentConfig, tokenizer, record: dict) -> str:
     t = cfg.task
     text = _fill(t.prompt_template, record, "task.prompt_template")
     if t.chat_template:
-        from rljax.data import build_chat_prompt
-
         return build_chat_prompt(tokenizer, text, system=t.system_prompt,
                                  assistant_prefix=t.assistant_prefix)
     head = f"{t.system_prompt}\n" if t.system_prompt else ""
@@ -120,8 +116,6 @@ def _prompt_text(cfg: ExperimentConfig, tokenizer, record: dict) -> str:
 def _procedural(cfg: ExperimentConfig) -> Callable[..., list[dict]]:
     """`draw(stream, start, n, exclude=())`: problems `start..start+n-1` of `stream`; a
     problem whose prompt is in `exclude` is redrawn from a sub-seed, deterministically."""
-    from rljax.data import ArithmeticTask, CountdownTask
-
     t, seed = cfg.task, cfg.run.seed
     if t.name == "arithmetic":
         task = ArithmeticTask(digits=t.difficulty, ops=t.ops, style=t.style)
@@ -159,8 +153,6 @@ class _Mapped:
 
 
 def _records(cfg: ExperimentConfig, split: str) -> Sequence[dict]:
-    from rljax.data import TfdsPromptSource, gsm8k_transform, load_prompts
-
     t = cfg.task
     mapping = {"prompt": t.prompt_field, "answer": t.answer_field}
     if t.name == "tfds":
@@ -176,8 +168,6 @@ def _records(cfg: ExperimentConfig, split: str) -> Sequence[dict]:
 
 
 def _filter_length(cfg: ExperimentConfig, tokenizer, records: Sequence[dict], where: str):
-    from rljax.data import LengthPolicy, filter_by_length
-
     kept, report = filter_by_length(
         [dict(r) for r in records], LengthPolicy(cfg.task.max_prompt_tokens, action="drop"),
         length_fn=lambda r: len(tokenizer.encode(_prompt_text(cfg, tokenizer, r),
@@ -208,8 +198,6 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         sft_records = lambda start, n: draw(_SFT_STREAM, start, n, held)
         val_records = draw(_VAL_STREAM, 0, n_val, held)
     else:
-        from rljax.data import ShuffledIterator
-
         train, _ = _filter_length(cfg, tokenizer, _records(cfg, t.split), f"split {t.split!r}")
         held, _ = _filter_length(cfg, tokenizer, _records(cfg, t.eval_split), f"split {t.eval_split!r}")
         eval_records = held[: cfg.rl.eval_prompts]
@@ -252,9 +240,6 @@ def _import(path: str, field: str) -> Callable:
 def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
     """`(reward_fns, accuracy_fn)` for `RLTrainer`: item rewards (a list) or a batch
     reward function, and the verifier `(completion, meta) -> bool` for the accuracy metric."""
-    from rljax import rewards as rw
-    from rljax.data import ArithmeticReward, CountdownReward
-
     r, t = cfg.reward, cfg.task
     prefix = t.assistant_prefix.strip()
     fmt = rw.TagFormat(think_open=f"<{r.think_tag}>", think_close=f"</{r.think_tag}>",
@@ -269,8 +254,6 @@ def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
         acc = rw.MathAccuracy(mode=r.answer_mode, answer_tags=fmt if tagged else None)
     accuracy_fn = lambda c, m: acc(c, m) > 0.5
     if r.kind == "reward_model":
-        from rljax.train.reward_model import RewardModelScorer
-
         return RewardModelScorer.from_pretrained(r.model_path), accuracy_fn
     if r.kind == "custom":
         return _import(r.function, "reward.function"), accuracy_fn
@@ -297,9 +280,7 @@ class ComponentReward:
         self.terms, self.last = terms, {}
 
     def __call__(self, completions, metadata) -> np.ndarray:
-        from rljax.rewards import score_batch
-
-        out = score_batch([f for _, f in self.terms], completions, metadata,
+        out = rw.score_batch([f for _, f in self.terms], completions, metadata,
                           weights=[w for w, _ in self.terms])
         self.last = {f"reward/{k}": float(np.mean(v)) for k, v in out.components.items()}
         return out.rewards

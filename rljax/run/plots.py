@@ -19,6 +19,9 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+# Figures made directly, not through pyplot: no GUI backend and no global state to switch.
+from matplotlib.figure import Figure
+
 __all__ = ["OWN_STEP_PHASES", "PANELS", "metric_series", "plot_metrics"]
 
 
@@ -109,27 +112,23 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | pathlib.Path,
 
     Returns the written paths (empty when no known metric is present).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     panels = _panels(records, step_key)
     written = []
     for stem, title, keys, series, xlabel in panels:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
         _draw(ax, title, keys, series, xlabel)
         fig.tight_layout()
         path = out_dir / f"{stem}.png"
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         written.append(path)
     if panels:
         cols = min(3, len(panels))
         rows = math.ceil(len(panels) / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+        fig = Figure(figsize=(5 * cols, 3.6 * rows))
+        axes = fig.subplots(rows, cols, squeeze=False)
         for ax, (_, title, keys, series, xlabel) in zip(axes.flat, panels):
             _draw(ax, title, keys, series, xlabel)
         for ax in list(axes.flat)[len(panels):]:
@@ -137,6 +136,5 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | pathlib.Path,
         fig.tight_layout()
         path = out_dir / "overview.png"
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         written.append(path)
     return written

@@ -30,6 +30,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from tensorboardX import SummaryWriter
+
 from rljax.run import plots as _plots
 from rljax.train.config_io import config_to_dict, jsonable
 
@@ -160,13 +162,11 @@ class RunDir:
             "run.overwrite=true to replace it, or choose another run.dir")
 
     def _open_tensorboard(self):
-        from tensorboardX import SummaryWriter
-
         return SummaryWriter(logdir=str(self.path / "tb"), flush_secs=10)
 
     def _open_wandb(self, project: str):
         try:
-            import wandb
+            import wandb  # optional: only runs that set wandb_project need it
         except ImportError:
             raise RunDirError(
                 "wandb logging was asked for (wandb_project) but wandb is not installed; "

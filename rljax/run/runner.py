@@ -22,11 +22,17 @@ import time
 from typing import TextIO
 
 import jax
+from flax import nnx
 
+from rljax.models import ValueModel
 from rljax.run import builders
-from rljax.train.checkpoint import Checkpointer
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.run_dir import Progress, RunDir, format_summary
+from rljax.sharding import shard_params
+from rljax.train.batching import encode_pairs
+from rljax.train.checkpoint import Checkpointer
+from rljax.train.rl import RLTrainer
+from rljax.train.sft import SFTTrainer
 
 __all__ = ["RunResult", "run_experiment"]
 
@@ -47,9 +53,6 @@ class RunResult:
 
 def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: TextIO):
     """SFT steps until `sft.steps`, or until a `stop_loss` / `stop_accuracy` target."""
-    from rljax.train.batching import encode_pairs
-    from rljax.train.sft import SFTTrainer
-
     c = cfg.sft
     sft = SFTTrainer(graphdef, c, mesh=mesh)
     state = sft.init_state(params, seed=cfg.run.seed)
@@ -83,14 +86,8 @@ def _value_model(cfg, model, mesh):
     `(None, None)` for other algorithms."""
     if cfg.algorithm.name != "ppo":
         return None, None
-    from flax import nnx
-
-    from rljax.models import ValueModel
-
     vm = ValueModel.from_policy(model, rngs=nnx.Rngs(cfg.run.seed + 1))
     if mesh is not None:
-        from rljax.sharding import shard_params
-
         graphdef, state = nnx.split(vm)
         return graphdef, shard_params(state, mesh)
     return nnx.split(vm)
@@ -114,10 +111,6 @@ def _save(ck, step, state, meta, force=False):
 def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunResult:
     """Run `cfg` end to end (see the module docstring); prints progress and the summary to
     `out` (default stderr for progress, stdout for the summary) and returns a `RunResult`."""
-    from flax import nnx
-
-    from rljax.train.rl import RLTrainer
-
     if not isinstance(cfg, ExperimentConfig):
         raise TypeError(f"run_experiment: cfg must be an ExperimentConfig, got {type(cfg).__name__}")
     t0 = time.perf_counter()
@@ -169,8 +162,6 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
     if cfg.sft is not None and cfg.sft.steps > 0:
         params = _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out)
         if value_params is not None:  # the critic starts from the warmed-up backbone
-            from flax import nnx
-
             _, value_params = _value_model(cfg, nnx.merge(graphdef, params), mesh)
     before = _evaluate(trainer, params, task, rd, "eval_before")
     rd.log(0, {f"eval/{k}": v for k, v in before.items()}, phase="eval")

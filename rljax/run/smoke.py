@@ -9,6 +9,13 @@ import json
 import pathlib
 import tempfile
 
+from flax import nnx
+
+from rljax.data import ArithmeticTask
+from rljax.models import Decoder, ModelConfig
+from rljax.models.hf_io import save_pretrained
+from rljax.models.tokenizer import build_char_tokenizer
+
 __all__ = ["make_tiny_hf_checkpoint", "write_gsm8k_like"]
 
 
@@ -17,12 +24,6 @@ def make_tiny_hf_checkpoint(path: str | pathlib.Path | None = None, *, architect
     """Write a random 1-layer, 32-wide decoder of `architecture` (Qwen2: q/k/v biases, tied
     embeddings) plus the char tokenizer as an HF folder; returns its path (a new temporary
     folder when `path` is None)."""
-    from flax import nnx
-
-    from rljax.models import Decoder, ModelConfig
-    from rljax.models.hf_io import save_pretrained
-    from rljax.models.tokenizer import build_char_tokenizer
-
     path = pathlib.Path(path or tempfile.mkdtemp(prefix=f"rljax_tiny_{architecture}_"))
     tok = build_char_tokenizer()
     qwen2 = architecture == "qwen2"
@@ -39,8 +40,6 @@ def write_gsm8k_like(path: str | pathlib.Path, *, n_train: int = 64, n_test: int
                      seed: int = 0) -> pathlib.Path:
     """`train.jsonl` / `test.jsonl` in GSM8K's release format ("question", and "answer" as a
     worked solution ending in `#### <number>`), from `rljax.data`'s word problems."""
-    from rljax.data import ArithmeticTask
-
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     task = ArithmeticTask(digits=2, ops=("+", "-"), style="word")

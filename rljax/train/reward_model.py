@@ -30,8 +30,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from transformers import AutoTokenizer
 
-from rljax.models import ModelConfig
+from rljax.models import ModelConfig, ValueModel
 from rljax.train.batching import encode_text, pad_right, special_ids
 from rljax.train.checkpoint import pure_params
 from rljax.train.config_io import config_from_dict, config_to_dict
@@ -45,8 +46,6 @@ __all__ = [
 
 def init_reward_model(config: ModelConfig, seed: int = 0):
     """A fresh `rljax.models.ValueModel` (scalar head on the decoder backbone)."""
-    from rljax.models import ValueModel
-
     return ValueModel(config, rngs=nnx.Rngs(seed))
 
 
@@ -210,8 +209,6 @@ def load_reward_model(path: str | pathlib.Path):
     nnx.update(model, state)
     tokenizer = None
     if (path / "tokenizer").is_dir():
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
     return model, tokenizer
 

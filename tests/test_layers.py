@@ -1,0 +1,69 @@
+"""The layering contracts of pyproject.toml (run by `lint-imports` in scripts/test.sh) catch
+an upward import: checked on a temporary copy of the package, with one import added."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LINT = pathlib.Path(sys.executable).with_name("lint-imports")
+
+
+def _copy(tmp_path: pathlib.Path) -> pathlib.Path:
+    """The package and its pyproject.toml (the contracts) under `tmp_path`."""
+    shutil.copytree(ROOT / "rljax", tmp_path / "rljax",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def _lint(root: pathlib.Path) -> subprocess.CompletedProcess:
+    # PYTHONPATH first, so the copy is the rljax that is analysed, not the installed one.
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(LINT), "--no-cache", "--no-logo", str(root / "pyproject.toml")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _add_import(root: pathlib.Path, module: str, line: str) -> None:
+    path = root / module
+    path.write_text(path.read_text() + f"\n{line}\n")
+
+
+@pytest.fixture(scope="module")
+def lint_available():
+    if not LINT.exists():
+        pytest.fail(f"{LINT} not found: pip install -e '.[test]' (import-linter)")
+
+
+def test_unmodified_copy_keeps_every_contract(tmp_path, lint_available):
+    res = _lint(_copy(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "0 broken" in res.stdout
+
+
+@pytest.mark.parametrize("module, line, contract, edge", [
+    # The issue's example: the lowest layer reaching up to the trainer.
+    ("rljax/objectives/kl.py", "import rljax.train  # noqa", "Layers of DESIGN.md",
+     "rljax.objectives.kl -> rljax.train"),
+    # A leaf importing the other leaf: rewards and data are independent.
+    ("rljax/data/arithmetic.py", "from rljax.rewards import math_equal  # noqa",
+     "Leaves: rewards and data never import each other",
+     "rljax.data.arithmetic -> rljax.rewards"),
+    # A leaf importing a layer below train that is still not objectives.
+    ("rljax/rewards/answers.py", "import rljax.sharding  # noqa",
+     "Leaves: rewards and data import only rljax.objectives",
+     "rljax.rewards.answers -> rljax.sharding"),
+])
+def test_added_import_breaks_the_named_contract(tmp_path, lint_available, module, line,
+                                                contract, edge):
+    root = _copy(tmp_path)
+    _add_import(root, module, line)
+    res = _lint(root)
+    assert res.returncode != 0, res.stdout
+    assert contract in res.stdout.split("Broken contracts")[-1], res.stdout
+    assert "1 broken" in res.stdout, res.stdout
+    assert edge in res.stdout, res.stdout
