@@ -60,7 +60,7 @@ def test_grpo_learns_verifiable_task_on_8_devices(mesh8):
     assert last >= first + 0.5, [round(m["reward_mean"], 3) for m in ms]
     for key in ("kl_ref", "entropy", "clip_frac_low", "clip_frac_high", "approx_kl_old",
                 "sampler_gap", "zero_var_frac", "grad_norm", "lr", "rollout_tok_s",
-                "train_tok_s", "time_rollout", "time_update", "truncation_rate",
+                "train_tok_s", "time_rollout", "time_learn", "truncation_rate",
                 "response_len_max", "model_flops_s", "accuracy"):
         assert key in ms[-1] and np.isfinite(ms[-1][key]), key
     assert ms[-1]["sampler_gap"] < 1e-4  # same weights, float32 both sides
@@ -82,6 +82,7 @@ def test_ppo_with_value_model_learns_on_8_devices(mesh8):
     last = np.mean([m["reward_mean"] for m in ms[-3:]])
     assert last >= first + 0.4, [round(m["reward_mean"], 3) for m in ms]
     assert "value_loss" in ms[-1] and "kl_coef" in ms[-1]
+    assert np.isfinite(ms[-1]["value_explained_var"]) and ms[-1]["value_explained_var"] <= 1.0
 
 
 def test_sft_lowers_heldout_loss():
@@ -136,6 +137,10 @@ def test_bad_batch_shapes_and_algorithm_wiring():
         _trainer(gd, group_size=4, num_minibatches=2, micro_batch_size=3)
     with pytest.raises(ValueError, match="value_graphdef is required for algorithm 'ppo'"):
         _trainer(gd, "ppo")
+    with pytest.raises(ValueError, match="old_logp='sampler' is invalid with SamplingConfig.top_k=5"):
+        RLTrainer(gd, TOK, starts_with_7, algorithm=algorithm_preset("grpo", old_logp="sampler"),
+                  optim=OptimConfig(), sampling=SamplingConfig(top_k=5), rl=RLConfig(),
+                  prompt_len=6)
 
 
 def test_dynamic_sampling_drops_zero_variance_groups_and_refills():

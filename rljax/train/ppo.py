@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from rljax import objectives as obj
@@ -53,14 +52,22 @@ def ppo_advantages(rewards_B, logp_BxT, ref_logp_BxT, values_BxT, mask_BxT, *, k
     return adv_BxT, ret_BxT, r_BxT
 
 
-class AdaptiveKLController:
-    """Adaptive KL coefficient (Ziegler et al. 2019, arXiv:1909.08593 §2.2; InstructGPT).
+def adaptive_kl_coef(beta, kl, *, target: float | None, horizon: int, batch_size: int):
+    """The adaptive KL coefficient (Ziegler et al. 2019, arXiv:1909.08593 §2.2; InstructGPT):
 
       e_t = clip(KL_t / KL_target - 1, -0.2, 0.2),   beta_{t+1} = beta_t (1 + K_beta e_t n_t)
 
-    with K_beta n_t = ``batch_size / horizon``. With ``target`` None it is the fixed
-    controller (beta never changes).
+    with K_beta n_t = ``batch_size / horizon``; ``target`` None is the fixed controller.
+    Pure jnp: the trainer runs it inside its learning program.
     """
+    if target is None:
+        return beta
+    err = jnp.clip(kl / target - 1.0, -0.2, 0.2)
+    return beta * (1.0 + err * batch_size / horizon)
+
+
+class AdaptiveKLController:
+    """Host-side wrapper of :func:`adaptive_kl_coef` with a fixed target and horizon."""
 
     def __init__(self, target: float | None, horizon: int):
         if target is not None and not target > 0:
@@ -72,14 +79,15 @@ class AdaptiveKLController:
     def update(self, beta: float, kl: float, batch_size: int) -> float:
         """The next coefficient given the current one and the measured mean KL per token
         summed over the sequence (the paper's KL of the whole completion)."""
-        if self.target is None:
-            return float(beta)
-        err = float(np.clip(kl / self.target - 1.0, -0.2, 0.2))
-        return float(beta * (1.0 + err * batch_size / self.horizon))
+        return float(adaptive_kl_coef(beta, kl, target=self.target, horizon=self.horizon,
+                                      batch_size=batch_size))
 
 
-def sequence_kl(logp_BxT, ref_logp_BxT, mask_BxT) -> float:
-    """Mean over sequences of sum_t (log pi - log pi_ref): the controller's KL (k1)."""
-    m = np.asarray(mask_BxT) > 0
-    d = np.where(m, np.asarray(logp_BxT) - np.asarray(ref_logp_BxT), 0.0)
-    return float(d.sum(axis=1).mean())
+def sequence_kl(logp_BxT, ref_logp_BxT, mask_BxT) -> Array:
+    """Mean over sequences of sum_t (log pi - log pi_ref): the controller's KL (k1).
+
+    Rows without real tokens (padding) are left out of the mean."""
+    m_BxT = jnp.asarray(mask_BxT) > 0
+    d_B = jnp.where(m_BxT, logp_BxT - ref_logp_BxT, 0.0).sum(axis=1)
+    rows = m_BxT.any(axis=1)
+    return jnp.sum(jnp.where(rows, d_B, 0.0)) / jnp.maximum(rows.sum(), 1)

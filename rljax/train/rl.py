@@ -1,13 +1,19 @@
-"""The colocated RL loop: rollout -> rewards -> reference / old log-probs (-> values, GAE)
--> advantages -> epochs x minibatches of jitted updates -> metrics.
+"""The colocated RL step as one SPMD program over all processes:
+
+  prompts (own block) -> sampler (global) -> own rows' texts -> rewards (global array)
+  -> one jitted learning program (``rljax.train.learn``) -> one dict of scalars.
 
 One ``RLTrainer`` serves every algorithm in ``rljax.train.config.ALGORITHMS``: the
 algorithm config picks the objective, the advantage estimator, where the KL goes and
 whether a value model is trained (see ``rljax.train.algorithms``). Prompts come from a
 *prompt source*, ``source(start, n) -> (prompts: list[str], metadata: list[dict])``,
-addressed by position so a resumed run reads exactly the prompts the original would.
-Rewards are host functions ``(completions, metadata) -> float32[B]`` or item rewards
-for ``rljax.rewards.score_batch``.
+addressed by global position, so a resumed run, or a run on another number of
+processes, reads exactly the same prompts. Rewards are host functions
+``(completions, metadata) -> float32[B]`` or item rewards for ``rljax.rewards.score_batch``.
+
+Only named transfers cross the host boundary inside a step (``rljax.train.hosts``): the
+data position and prompt ids in, own rows' token ids out, rewards in, DAPO's kept-group
+count out, and the metrics dict out.
 """
 
 from __future__ import annotations
@@ -22,15 +28,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import objectives as obj
+from rljax.sharding import replicated
 from rljax.train import algorithms as alg
+from rljax.train import hosts
 from rljax.train import ppo as ppo_lib
-from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig
+from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
+                                check_algorithm_sampling)
+from rljax.train.learn import LearnSpec, make_learn
 from rljax.train.logprobs import policy_logprobs
-from rljax.train.rollout import Rollout, Rollouts
-from rljax.train.step import Learner, TrainState, make_optimizer, new_train_state
+from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_groups
+from rljax.train.step import (NonFiniteError, TrainState, batch_constrainer, init_opt_state,
+                              make_optimizer, new_train_state, num_micro_batches)
 
 sg = jax.lax.stop_gradient
-PromptSource = Callable[[int, int], tuple[Sequence[str], Sequence[dict]]]
+__all__ = ["PromptSource", "RLTrainer", "rl_loss"]
 
 
 def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, temperature,
@@ -72,6 +83,41 @@ class _Phase:
         return out
 
 
+@jax.jit
+def _split_key(key_data):
+    """Raw key data -> (next state's key data, rollout key, learning key)."""
+    nxt, k_roll, k_learn = jax.random.split(jax.random.wrap_key_data(key_data), 3)
+    return jax.random.key_data(nxt), k_roll, k_learn
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _kept_groups(rewards_B, group_size: int):
+    """DAPO's kept-group count: groups whose verifier outcomes differ."""
+    return jnp.sum(~zero_variance_groups(rewards_B, group_size)).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _assemble(rounds: tuple, n_groups: int, pad_id: int) -> Rollout:
+    """DAPO's batch from its sampling rounds: groups whose outcomes differ first (in
+    sampling order), then zero-variance groups as padding with weight 0; prompts
+    left-padded to the widest round's bucket."""
+    g = rounds[0].group_size
+    width = max(r.prompt_BxP.shape[1] for r in rounds)
+
+    def widen(r: Rollout) -> Rollout:
+        pad = ((0, 0), (width - r.prompt_BxP.shape[1], 0))
+        return dataclasses.replace(r, prompt_BxP=jnp.pad(r.prompt_BxP, pad, constant_values=pad_id),
+                                   prompt_mask_BxP=jnp.pad(r.prompt_mask_BxP, pad))
+
+    cat = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[widen(r) for r in rounds])
+    zv_G = zero_variance_groups(cat.rewards_B, g)
+    take_N = jnp.argsort(zv_G, stable=True)[:n_groups]
+    rows = (take_N[:, None] * g + jnp.arange(g)[None]).reshape(-1)
+    out = jax.tree.map(lambda x: x[rows], cat)
+    weight_B = jnp.repeat(jnp.where(zv_G[take_N], 0.0, 1.0), g)
+    return dataclasses.replace(out, weight_B=weight_B)
+
+
 class RLTrainer:
     """RL post-training of a decoder ``(policy_graphdef, params)`` on one device mesh.
 
@@ -80,47 +126,51 @@ class RLTrainer:
       tokenizer: encodes prompts and decodes completions (needs ``eos_token_id``).
       reward_fns: a batch reward ``(completions, metadata) -> float32[B]`` or a list of
         item rewards ``(completion, meta) -> float`` (summed; see ``score_batch``).
-      algorithm, optim, sampling, rl: configs.
-      prompt_len: prompt width in tokens (longer prompts are an error naming the index).
+      algorithm, optim, sampling, rl: configs (``algorithm`` is resolved against its
+        name's preset).
+      prompt_len: prompt width cap in tokens (longer prompts are an error naming the index).
       value_graphdef: the value model's graphdef (PPO only).
       accuracy_fn: optional verifier ``(completion, meta) -> bool`` for the accuracy metric.
-      mesh: device mesh, or None for one device.
+      mesh: device mesh (all processes' devices), or None for one device.
+      reward_pool, reward_timeout_s: a ``rljax.rewards.RewardPool`` and the per-item time
+        limit of item rewards (a call past it scores 0 and is logged).
+      prompt_multiple: prompts are padded to a multiple of this (the compiled buckets).
     """
 
     def __init__(self, policy_graphdef, tokenizer, reward_fns, *, algorithm: AlgorithmConfig,
                  optim: OptimConfig, sampling: SamplingConfig, rl: RLConfig, prompt_len: int,
-                 value_graphdef=None, accuracy_fn=None, mesh=None):
+                 value_graphdef=None, accuracy_fn=None, mesh=None, reward_pool=None,
+                 reward_timeout_s: float | None = None, prompt_multiple: int = 16):
         for name, val, cls in (("algorithm", algorithm, AlgorithmConfig),
                                ("optim", optim, OptimConfig),
                                ("sampling", sampling, SamplingConfig), ("rl", rl, RLConfig)):
             if not isinstance(val, cls):
                 raise TypeError(f"RLTrainer: {name} must be a {cls.__name__}, got "
                                 f"{type(val).__name__}")
+        algorithm = algorithm.resolve()  # the preset of algorithm.name under explicit fields
+        check_algorithm_sampling(algorithm, sampling)
         if (algorithm.name == "ppo") != (value_graphdef is not None):
             raise ValueError("RLTrainer: value_graphdef is required for algorithm 'ppo' "
                              f"and not allowed otherwise (algorithm={algorithm.name!r})")
         self.gd, self.value_gd, self.mesh = policy_graphdef, value_graphdef, mesh
         self.alg, self.optim, self.sampling, self.rl = algorithm, optim, sampling, rl
         self.batch_size = rl.prompts_per_step * algorithm.group_size
-        self._check_divisions()
+        num_micro = self._check_divisions()
         self.old_mode = ("self" if algorithm.old_logp == "auto" and algorithm.single_update
                          else ("sampler" if algorithm.old_logp == "sampler" else "recompute"))
         self.uses_ref = algorithm.kl_in != "none" and algorithm.kl_coef > 0
-        self.overlong = (alg.resolve_overlong_buffer(algorithm, sampling.max_new_tokens)
-                         if algorithm.name == "dapo" or algorithm.overlong_buffer else 0)
-        self.kl_ctl = ppo_lib.AdaptiveKLController(algorithm.adaptive_kl_target,
-                                                   algorithm.adaptive_kl_horizon)
+        overlong = (alg.resolve_overlong_buffer(algorithm, sampling.max_new_tokens)
+                    if algorithm.dynamic_sampling or algorithm.overlong_buffer else 0)
+        self.spec = LearnSpec(algorithm, self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
+                              sampling.temperature, sampling.max_new_tokens, overlong)
         self.rollouts = Rollouts(policy_graphdef, tokenizer, reward_fns, sampling=sampling,
                                  prompt_len=prompt_len, group_size=algorithm.group_size,
-                                 accuracy_fn=accuracy_fn, mesh=mesh)
-        self._build_learner()
-        fwd = functools.partial(policy_logprobs, policy_graphdef, chunk=rl.logp_chunk,
-                                temperature=sampling.temperature)
-        self._logp = jax.jit(lambda p, s: fwd(p, s)[0])
-        if value_graphdef is not None:
-            self._values = jax.jit(functools.partial(ppo_lib.value_predictions, value_graphdef))
+                                 accuracy_fn=accuracy_fn, mesh=mesh, reward_pool=reward_pool,
+                                 reward_timeout_s=reward_timeout_s,
+                                 prompt_multiple=prompt_multiple)
+        self._build_program()
 
-    def _check_divisions(self):
+    def _check_divisions(self) -> int:
         a = self.alg
         if self.batch_size % a.num_minibatches:
             raise ValueError(f"AlgorithmConfig.num_minibatches={a.num_minibatches} does not "
@@ -130,12 +180,14 @@ class RLTrainer:
         if a.micro_batch_size and mb % a.micro_batch_size:
             raise ValueError(f"AlgorithmConfig.micro_batch_size={a.micro_batch_size} does not "
                              f"divide the minibatch of {mb} completions")
+        return num_micro_batches(mb, a.micro_batch_size, "minibatch")
 
-    def _build_learner(self):
+    def _build_program(self):
         a, total = self.alg, max(self.rl.steps * self.alg.num_epochs * self.alg.num_minibatches, 1)
         optims = {"policy": make_optimizer(self.optim, total)}
         if self.value_gd is not None:
             optims["value"] = make_optimizer(self.optim, total, self.rl.value_lr_ratio)
+        self.txs = {k: v[0] for k, v in optims.items()}
         loss = functools.partial(
             rl_loss, policy_gd=self.gd, value_gd=self.value_gd,
             objective=alg.make_objective(a, self.sampling.max_new_tokens),
@@ -144,164 +196,110 @@ class RLTrainer:
             use_sampler=bool(np.isfinite(a.tis_cap)) or a.old_logp == "sampler",
             entropy_grad=a.entropy_coef != 0.0,
         )
-        self.learner = Learner(loss, optims, micro_batch_size=a.micro_batch_size,
-                               max_nonfinite=self.rl.max_nonfinite_steps, mesh=self.mesh)
+        learn = make_learn(self.spec, loss, self.txs, {k: v[1] for k, v in optims.items()},
+                           self.gd, self.value_gd, batch_constrainer(self.mesh))
+        self._learn_fn = learn
+        self._learn = None  # jitted with the state's shardings at the first step
+
+    def _jit_learn(self, state: TrainState):
+        def program(params, opt_state, scalars, ref_params, ro, key):
+            counters = (scalars["updates"], scalars["nonfinite_run"], scalars["skipped"])
+            params, opt_state, c, kl, m = self._learn_fn(params, opt_state, counters, ref_params,
+                                                         ro, scalars["kl_coef"], key)
+            m.update(skipped_total=c[2].astype(jnp.float32),
+                     nonfinite_run=c[1].astype(jnp.float32))
+            out = dict(updates=c[0], nonfinite_run=c[1], skipped=c[2], kl_coef=kl,
+                       step=scalars["step"] + 1)
+            m["done_steps"] = out["step"].astype(jnp.float32)
+            return params, opt_state, out, m
+
+        if self.mesh is None:
+            return jax.jit(program, donate_argnums=(0, 1))
+        rep = replicated(self.mesh)
+        shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
+        return jax.jit(program, donate_argnums=(0, 1),
+                       out_shardings=(shard(state.params), shard(state.opt_state), rep, rep))
 
     def init_state(self, policy_params, seed: int = 0, value_params=None) -> TrainState:
         """Fresh state: new optimiser moments; the reference is a frozen copy of the
-        policy (only kept when a KL term is used). The state takes ownership of
-        ``policy_params`` / ``value_params``: updates donate their buffers, so do not
-        use the passed arrays afterwards (copy them first if you need them)."""
+        policy (only kept when a KL term is used); scalars are replicated global arrays.
+        The state takes ownership of ``policy_params`` / ``value_params``: updates donate
+        their buffers, so do not use the passed arrays afterwards (copy them first)."""
         params = {"policy": policy_params}
         if self.value_gd is not None:
             if value_params is None:
                 raise ValueError("RLTrainer.init_state: value_params is required for PPO")
             params["value"] = value_params
         ref = jax.tree.map(jnp.copy, policy_params) if self.uses_ref else None
-        return new_train_state(params, self.learner.init_opt_state(params), seed,
-                               ref_params=ref, kl_coef=self.alg.kl_coef)
+        return new_train_state(params, init_opt_state(self.txs, params, self.mesh), seed,
+                               ref_params=ref, kl_coef=self.alg.kl_coef, mesh=self.mesh)
 
     # ------------------------------------------------------------------ one RL step
     def step(self, state: TrainState, source: PromptSource):
         """One RL step on prompts ``source(state.data_pos, prompts_per_step)`` (more when
         dynamic sampling refills). Returns ``(state, metrics: dict[str, float])``."""
         ph = _Phase()
-        key, k_roll, k_perm = jax.random.split(jax.random.wrap_key_data(state.key), 3)
-        ro, data_pos, extra = self._collect(state, source, k_roll, ph)
-        batch = self._prepare(state, ro, ph)
-        kl_coef = float(state.kl_coef)
-        state, upd_metrics = self._updates(state, batch, kl_coef, k_perm, ph)
-        metrics = self._metrics(ro, batch, upd_metrics, ph, extra, state)
-        if self.alg.kl_in == "reward" and self.uses_ref:
-            kl = ppo_lib.sequence_kl(batch["old_logp_BxT"], batch["ref_logp_BxT"],
-                                     batch["completion_mask_BxT"])
-            kl_coef = self.kl_ctl.update(kl_coef, kl, self.batch_size)
-        metrics["kl_coef"] = kl_coef
+        pos = int(hosts.fetch_scalars(state.data_pos))
+        key, k_roll, k_learn = _split_key(state.key)
+        ro, pos, extra = self._collect(state, source, pos, k_roll, ph)
+        if self._learn is None:
+            self._learn = self._jit_learn(state)
+        scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
+                       skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
+        params, opt_state, out, m = ph.timed("learn", self._learn, state.params, state.opt_state,
+                                             scalars, state.ref_params, ro, k_learn)
         state = dataclasses.replace(
-            state, step=state.step + 1, key=jax.random.key_data(key),
-            data_pos=jnp.asarray(data_pos, jnp.int32), kl_coef=jnp.asarray(kl_coef, jnp.float32))
+            state, params=params, opt_state=opt_state, key=key,
+            data_pos=hosts.put_replicated(pos, self.mesh, np.int32), **out)
+        metrics = hosts.fetch_scalars(m)
+        metrics.update(extra)
+        self._add_throughput(metrics, ph)
+        done = int(metrics.pop("done_steps"))
+        if metrics.pop("nonfinite_run") >= self.rl.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"step {done - 1}: {self.rl.max_nonfinite_steps} or more consecutive updates "
+                f"had a non-finite loss or gradient (limit max_nonfinite_steps="
+                f"{self.rl.max_nonfinite_steps}); stopping")
         return state, metrics
 
-    def _collect(self, state, source, key, ph):
-        """Rollouts and rewards; DAPO's dynamic sampling drops zero-variance groups and
-        samples further prompts until the batch is full (or rounds run out)."""
-        pos, n = int(state.data_pos), self.rl.prompts_per_step
-        params = state.params["policy"]
-        kept: list[Rollout] = []
-        spare: list[Rollout] = []  # dropped groups, used as padding if refills run out
-        rounds, dropped, zero_var_first = 0, 0, None
+    def _collect(self, state, source, pos: int, key, ph):
+        """Rollouts and rewards; DAPO's dynamic sampling keeps groups whose verifier
+        outcomes differ and samples further prompts until the batch is full (or rounds
+        run out); every process takes the same decision from the global kept count."""
+        n, params = self.rl.prompts_per_step, state.params["policy"]
+        rounds, kept = [], []
         while True:
             key, k = jax.random.split(key)
-            prompts, meta = source(pos, n)
+            ro, _ = self.rollouts.sample(params, source, pos, n, k, ph)
             pos += n
-            ro = self.rollouts.sample(params, list(prompts), list(meta), k, ph)
-            if self.overlong:
-                ro.rewards_B = ro.rewards_B + alg.overlong_shaping(
-                    ro.lengths_B, self.sampling.max_new_tokens, self.overlong,
-                    self.alg.overlong_penalty)
-            zv = ro.zero_variance_groups()
-            zero_var_first = float(zv.mean()) if zero_var_first is None else zero_var_first
             if not self.alg.dynamic_sampling:
-                return ro, pos, {"zero_var_frac": zero_var_first}
-            dropped += int(zv.sum())
-            kept.append(ro.select_groups(~zv))
-            spare.append(ro.select_groups(zv))
-            have = sum(r.num_groups for r in kept)
-            if have >= n or rounds >= self.alg.max_refill_rounds:
+                return ro, pos, {}
+            rounds.append(ro)
+            kept.append(int(hosts.fetch_scalars(_kept_groups(ro.rewards_B, ro.group_size))))
+            if sum(kept) >= n or len(rounds) > self.alg.max_refill_rounds:
                 break
-            rounds += 1
-        # Zero-variance groups have zero advantage: as padding they only fill the shape.
-        ro = Rollout.concat(kept + spare).first_groups(n)
-        short = max(0, n - have)
-        return ro, pos, {"zero_var_frac": zero_var_first, "dyn_refill_rounds": rounds,
-                         "dyn_dropped_groups": dropped, "dyn_short_groups": short}
+        ro = _assemble(tuple(rounds), n, self.rollouts.pad_id)
+        return ro, pos, {"zero_var_frac": 1.0 - kept[0] / n,
+                         "dyn_refill_rounds": float(len(rounds) - 1),
+                         "dyn_dropped_groups": float(len(rounds) * n - sum(kept)),
+                         "dyn_short_groups": float(max(0, n - sum(kept)))}
 
-    def _prepare(self, state, ro: Rollout, ph) -> dict:
-        """Reference / old log-probs, values and advantages -> the update batch (host)."""
-        seqs = ro.seqs()
-        batch = dict(seqs)
-        batch["sampler_logp_BxT"] = ro.sampler_logp_BxT
-        dev = self.learner.put_batch(seqs)
-        if self.uses_ref:
-            batch["ref_logp_BxT"] = np.asarray(ph.timed("ref_logp", self._logp, state.ref_params, dev))
-        if self.old_mode == "recompute":
-            batch["old_logp_BxT"] = np.asarray(
-                ph.timed("old_logp", self._logp, state.params["policy"], dev))
-        elif self.old_mode == "sampler":
-            batch["old_logp_BxT"] = ro.sampler_logp_BxT
-        mask = seqs["completion_mask_BxT"]
-        if self.alg.name == "ppo":
-            old = batch.get("old_logp_BxT")
-            if old is None:  # single update: the rollout policy is the current one
-                old = np.asarray(ph.timed("old_logp", self._logp, state.params["policy"], dev))
-                batch["old_logp_BxT"] = old
-            values = np.asarray(ph.timed("values", self._values, state.params["value"], dev))
-            adv, ret, _ = ppo_lib.ppo_advantages(
-                ro.rewards_B, old, batch.get("ref_logp_BxT"), values, mask,
-                kl_coef=float(state.kl_coef), kl_kind=self.alg.kl_kind, gamma=self.alg.gamma,
-                lam=self.alg.lam, whiten_adv=self.alg.whiten_advantages)
-            batch.update(adv_BxT=np.asarray(adv), returns_BxT=np.asarray(ret),
-                         old_values_BxT=values)
-        else:
-            adv_B = alg.sequence_advantages(self.alg, ro.rewards_B)
-            batch["adv_BxT"] = np.asarray(obj.broadcast_to_tokens(adv_B, mask))
-        return {k: np.asarray(v) for k, v in batch.items()}
-
-    def _updates(self, state, batch, kl_coef, key, ph):
-        """``num_epochs`` passes of ``num_minibatches`` shuffled minibatch updates."""
-        a = self.alg
-        coef = alg.make_coef(a, kl_coef)
-        sums: dict[str, float] = {}
-        first: dict[str, float] = {}
-        n_upd = 0
-        t0 = time.perf_counter()
-        for epoch in range(a.num_epochs):
-            key, k = jax.random.split(key)
-            order = (np.asarray(jax.random.permutation(k, self.batch_size))
-                     if a.num_minibatches > 1 else np.arange(self.batch_size))
-            for idx in np.array_split(order, a.num_minibatches):
-                mb = {kk: v[np.sort(idx)] for kk, v in batch.items()}
-                state, m = self.learner.update(state, mb, coef, what="minibatch")
-                m = {kk: float(v) for kk, v in m.items()}
-                first = first or m
-                for kk, v in m.items():
-                    sums[kk] = sums.get(kk, 0.0) + v
-                n_upd += 1
-        ph.times["update"] = time.perf_counter() - t0
-        out = {k: v / n_upd for k, v in sums.items()}
-        # The gap is between the sampler and the weights it sampled with: first update.
-        out["sampler_gap"] = first.get("sampler_gap", float("nan"))
-        out["skipped_updates"] = out.pop("skipped_update", 0.0) * n_upd
-        return state, out
-
-    def _metrics(self, ro: Rollout, batch, upd, ph, extra, state) -> dict:
-        """The per-step metrics (see issue 5 item 6)."""
-        m = dict(upd)
-        m.update(extra)
-        m.update(ro.metrics())
-        tokens = float(batch["completion_mask_BxT"].sum())
-        seq_tokens = tokens + float(batch["prompt_mask_BxP"].sum())
-        roll_s = ph.times.get("rollout", 0.0)
-        m["rollout_tok_s"] = tokens / roll_s if roll_s > 0 else 0.0
-        upd_s = ph.times.get("update", 0.0)
-        passes = self.alg.num_epochs
-        m["train_tok_s"] = passes * seq_tokens / upd_s if upd_s > 0 else 0.0
+    def _add_throughput(self, m: dict, ph: _Phase) -> None:
+        """Tokens per second, phase times and model FLOP/s (Kaplan et al. 2020: 2N per
+        generated token, 2N per token per extra forward, 6N per token per training pass)."""
+        gen, seq = m["completion_tokens"], m["completion_tokens"] + m["prompt_tokens"]
+        roll_s, learn_s = ph.times.get("rollout", 0.0), ph.times.get("learn", 0.0)
+        m["rollout_tok_s"] = gen / roll_s if roll_s > 0 else 0.0
+        m["train_tok_s"] = self.alg.num_epochs * seq / learn_s if learn_s > 0 else 0.0
         for k, v in ph.times.items():
             m[f"time_{k}"] = v
-        flops = self._model_flops(seq_tokens, tokens)
+        n = self.rollouts.num_params
+        fwd = self.uses_ref + (self.old_mode == "recompute") + (self.value_gd is not None)
+        flops = 2 * n * gen + 2 * n * seq * fwd + 6 * n * seq * self.alg.num_epochs
         total_s = sum(ph.times.values())
         m["model_flops_s"] = flops / total_s if total_s > 0 else 0.0
         if self.rl.peak_flops > 0:
             m["mfu"] = m["model_flops_s"] / self.rl.peak_flops
-        m["skipped_total"] = float(state.skipped)
-        return m
-
-    def _model_flops(self, seq_tokens: float, gen_tokens: float) -> float:
-        """Model FLOPs of the step: 2N per generated token, 2N per token per extra forward
-        (reference / old / values), 6N per token per training pass (Kaplan et al. 2020)."""
-        n = self.rollouts.num_params
-        fwd = (self.uses_ref + (self.old_mode == "recompute") + (self.value_gd is not None))
-        return 2 * n * gen_tokens + 2 * n * seq_tokens * fwd + 6 * n * seq_tokens * self.alg.num_epochs
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, state_or_params, prompts: Sequence[str], metadata: Sequence[dict],

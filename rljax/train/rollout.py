@@ -1,216 +1,265 @@
-"""Rollouts: sample completions for prompts with the current policy weights, score them,
-and keep everything the update needs (host-side arrays, grouped consecutively).
+"""Rollouts: sample completions with the current policy, score this process's rows, and
+keep the batch on device as a frozen pytree of global arrays.
+
+Each process reads its own block of the step's prompts (by global position), the sampler
+runs one SPMD program over the whole batch, each process detokenises and scores only the
+rows it holds, and the rewards return as a global array. Shapes are fixed per bucket:
+prompts are left-padded to ``bucket_length(longest, prompt_multiple)`` (never trimmed),
+completions are ``max_new_tokens`` wide.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import time
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from rljax.train.batching import decode_completions, encode_text, special_ids
+from rljax.rewards import RewardError, reward_name, score_batch
+from rljax.sampling import generate
+from rljax.train import hosts
+from rljax.train.batching import decode_completions, encode_text, pad_left, special_ids
 from rljax.train.config import SamplingConfig
 
+log = logging.getLogger(__name__)
+Array = Any
+PromptSource = Callable[[int, int], tuple[Sequence[str], Sequence[dict]]]
 
-@dataclasses.dataclass
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Rollout:
-    """One batch of sampled completions (B = groups x group_size rows), host arrays."""
+    """One batch of sampled completions, ``B = groups x group_size`` rows (a prompt's
+    completions consecutive), as global arrays that stay on device until the update.
 
-    prompt_BxP: np.ndarray
-    prompt_mask_BxP: np.ndarray
-    completion_BxT: np.ndarray
-    completion_mask_BxT: np.ndarray
-    sampler_logp_BxT: np.ndarray
-    rewards_B: np.ndarray
-    correct_B: np.ndarray | None
-    truncated_B: np.ndarray
-    completions: list
-    metadata: list
-    group_size: int
+    prompt_BxP / prompt_mask_BxP: left-padded prompt ids (int32) and 0/1 mask (float32).
+    completion_BxT / completion_mask_BxT: completion ids and mask (stop token included).
+    sampler_logp_BxT: log-probs under the distribution the sampler drew from.
+    truncated_B: 1 where no stop token came within ``max_new_tokens``.
+    rewards_B: the task reward (before any length shaping). correct_B: verifier outcome
+      (0/1; all 0 without a verifier). weight_B: 1 for real rows, 0 for padding groups.
+    """
+
+    prompt_BxP: Array
+    prompt_mask_BxP: Array
+    completion_BxT: Array
+    completion_mask_BxT: Array
+    sampler_logp_BxT: Array
+    truncated_B: Array
+    rewards_B: Array
+    correct_B: Array
+    weight_B: Array
+    group_size: int = dataclasses.field(default=1, metadata=dict(static=True))
+    has_correct: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
-    def lengths_B(self) -> np.ndarray:
-        """Completion lengths in tokens (EOS included)."""
-        return self.completion_mask_BxT.sum(axis=1)
-
-    @property
-    def num_groups(self) -> int:
-        """Number of prompts (groups)."""
-        return self.rewards_B.shape[0] // self.group_size
-
-    def zero_variance_groups(self) -> np.ndarray:
-        """bool[groups]: True where every completion of the prompt got the same reward."""
-        r = self.rewards_B.reshape(-1, self.group_size)
-        return r.max(axis=1) == r.min(axis=1)
-
-    def select_groups(self, keep_G: np.ndarray) -> "Rollout":
-        """The rollout restricted to the groups where ``keep_G`` is True."""
-        rows = np.repeat(np.asarray(keep_G, bool), self.group_size)
-        return self._rows(np.flatnonzero(rows))
-
-    def first_groups(self, n: int) -> "Rollout":
-        """The first ``n`` groups."""
-        return self._rows(np.arange(min(n, self.num_groups) * self.group_size))
-
-    def _rows(self, idx) -> "Rollout":
-        def take(x):
-            if x is None:
-                return None
-            return [x[i] for i in idx] if isinstance(x, list) else x[idx]
-
-        return Rollout(**{f.name: (take(getattr(self, f.name)) if f.name != "group_size"
-                                   else self.group_size) for f in dataclasses.fields(self)})
-
-    @staticmethod
-    def concat(parts: Sequence["Rollout"]) -> "Rollout":
-        """Rows of several rollouts (same widths) one after another."""
-        first = parts[0]
-        out = {}
-        for f in dataclasses.fields(first):
-            vals = [getattr(p, f.name) for p in parts]
-            if f.name == "group_size":
-                out[f.name] = first.group_size
-            elif vals[0] is None:
-                out[f.name] = None
-            elif isinstance(vals[0], list):
-                out[f.name] = [x for v in vals for x in v]
-            else:
-                out[f.name] = np.concatenate(vals, axis=0)
-        return Rollout(**out)
+    def lengths_B(self) -> Array:
+        """Completion lengths in tokens (stop token included)."""
+        return jnp.sum(self.completion_mask_BxT, axis=1)
 
     def seqs(self) -> dict:
-        """The sequence arrays of the trainer's layout."""
+        """The sequence arrays of the trainer's layout (``rljax.train.batching``)."""
         return {"prompt_BxP": self.prompt_BxP, "prompt_mask_BxP": self.prompt_mask_BxP,
                 "completion_BxT": self.completion_BxT,
                 "completion_mask_BxT": self.completion_mask_BxT}
 
+    def masked_by_weight(self) -> "Rollout":
+        """Padding rows (weight 0) get an all-zero completion mask: no loss, no count."""
+        m = self.completion_mask_BxT * (self.weight_B[:, None] > 0)
+        return dataclasses.replace(self, completion_mask_BxT=m)
+
     def metrics(self) -> dict:
-        """Reward, accuracy, length and truncation statistics."""
-        lengths = self.lengths_B
-        m = {"reward_mean": float(self.rewards_B.mean()), "reward_std": float(self.rewards_B.std()),
-             "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
-             "truncation_rate": float(self.truncated_B.mean())}
-        if self.correct_B is not None:
-            m["accuracy"] = float(self.correct_B.mean())
+        """Reward, accuracy, length, truncation and token statistics over real rows."""
+        w = (self.weight_B > 0).astype(jnp.float32)
+        n = jnp.maximum(jnp.sum(w), 1.0)
+        mean = lambda x: jnp.sum(x.astype(jnp.float32) * w) / n
+        r_mean = mean(self.rewards_B)
+        lengths = jnp.sum(self.completion_mask_BxT, axis=1)
+        zv = zero_variance_groups(self.rewards_B, self.group_size)
+        m = {"reward_mean": r_mean,
+             "reward_std": jnp.sqrt(mean(jnp.square(self.rewards_B - r_mean))),
+             "response_len_mean": mean(lengths), "response_len_max": jnp.max(lengths * w),
+             "truncation_rate": mean(self.truncated_B),
+             "zero_var_frac": jnp.mean(zv.astype(jnp.float32)),
+             "completion_tokens": jnp.sum(self.completion_mask_BxT),
+             "prompt_tokens": jnp.sum(self.prompt_mask_BxP * w[:, None])}
+        if self.has_correct:
+            m["accuracy"] = mean(self.correct_B)
         return m
 
 
-def _sample(graphdef, params, prompt_ids: list, key, sampling: SamplingConfig, *,
-            num_samples: int, eos_id: int, pad_id: int, greedy: bool, mesh):
-    """``rljax.sampling.generate`` with the policy state (no copy): numpy arrays
-    ``(prompt_BxP, prompt_mask_BxP, completion_BxT, completion_mask_BxT, sampler_logp_BxT,
-    truncated_B)`` with each prompt's ``num_samples`` rows consecutive."""
-    from rljax.sampling import generate
+def zero_variance_groups(rewards_B: Array, group_size: int) -> Array:
+    """bool[groups]: True where every completion of the prompt got the same reward."""
+    r_NxG = rewards_B.reshape(-1, group_size)
+    return jnp.max(r_NxG, axis=1) == jnp.min(r_NxG, axis=1)
 
-    out = generate(
-        (graphdef, params), prompt_ids, key=key, max_new_tokens=sampling.max_new_tokens,
-        temperature=0.0 if greedy else sampling.temperature, top_k=sampling.top_k or None,
-        top_p=None if sampling.top_p >= 1.0 else sampling.top_p, stop_ids=(eos_id,),
-        num_samples=num_samples, pad_id=pad_id, mesh=mesh,
-    )
-    out = jax.device_get(out)
-    # The sampler left-pads prompts to a bucket width; drop columns that are padding in
-    # every row so the training forward passes do not pay for them.
-    pm = np.asarray(out.prompt_mask, bool)
-    first = int(np.argmax(pm.any(axis=0))) if pm.any() else 0
-    return (np.asarray(out.prompt_tokens, np.int32)[:, first:],
-            np.asarray(out.prompt_mask, np.float32)[:, first:],
-            np.asarray(out.tokens, np.int32), np.asarray(out.completion_mask, np.float32),
-            np.asarray(out.sampling_logprobs, np.float32), np.asarray(out.truncated, bool))
+
+@jax.jit
+def _to_rollout(out, rewards_B, correct_B, weight_B):
+    return (out.prompt_tokens.astype(jnp.int32), out.prompt_mask.astype(jnp.float32),
+            out.tokens.astype(jnp.int32), out.completion_mask.astype(jnp.float32),
+            out.sampling_logprobs, out.truncated.astype(jnp.float32), rewards_B, correct_B,
+            weight_B)
+
+
+@dataclasses.dataclass
+class HostRows:
+    """What the host keeps of this process's rows: ``[lo, hi)``, texts and metadata."""
+
+    lo: int
+    hi: int
+    completions: list
+    metadata: list
 
 
 class Rollouts:
     """Samples and scores completions for prompts (each repeated ``group_size`` times).
 
-    ``reward_fns``: a batch reward ``(completions, metadata) -> float[B]`` (a function
-    with ``is_batch_reward = True`` or any single callable taking two lists), or a list
-    of item rewards ``(completion, meta) -> float`` summed via ``rljax.rewards.score_batch``.
-    Errors (a raise or a non-finite value) name the function and the prompt index.
+    ``reward_fns``: a batch reward ``(completions, metadata) -> float[B]`` (any single
+    callable taking two lists), or a list of item rewards ``(completion, meta) -> float``
+    summed via ``rljax.rewards.score_batch``; with a ``reward_pool``
+    (``rljax.rewards.RewardPool``) each item call is cut at ``reward_timeout_s``, scored
+    0 and logged with its prompt index. Errors (a raise or a non-finite value) name the
+    function and the prompt index. ``prompt_multiple``: prompts are left-padded to a
+    multiple of it (the buckets).
     """
 
     def __init__(self, graphdef, tokenizer, reward_fns, *, sampling: SamplingConfig,
                  prompt_len: int, group_size: int, accuracy_fn: Callable | None = None,
-                 mesh=None):
+                 mesh=None, prompt_multiple: int = 16, reward_pool=None,
+                 reward_timeout_s: float | None = None):
         self.gd, self.tok, self.sampling, self.mesh = graphdef, tokenizer, sampling, mesh
         self.prompt_len, self.group_size = prompt_len, group_size
         self.reward_fns, self.accuracy_fn = reward_fns, accuracy_fn
+        self.prompt_multiple = prompt_multiple
+        self.reward_pool = reward_pool
+        self.reward_timeout_s = reward_timeout_s if reward_pool is not None else None
         self.pad_id, self.eos_id = special_ids(tokenizer)
         self.num_params = 0
 
-    def _count_params(self, params):
-        if not self.num_params:
-            self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
-
-    def generate(self, params, prompts: list, key, *, greedy: bool = False,
-                 num_samples: int = 1):
-        """Encode and sample; see ``_sample`` for the returned arrays."""
+    def _prompt_ids(self, prompts: Sequence[str], first: int):
+        """Own prompts -> every process's ids ``[n, prompt_len]`` and masks (gathered)."""
         ids = [encode_text(self.tok, p) for p in prompts]
         for i, x in enumerate(ids):
             if not 0 < len(x) <= self.prompt_len:
-                raise ValueError(f"prompt {i} has {len(x)} tokens; allowed: 1..{self.prompt_len} "
-                                 f"(prompt_len)")
-        return _sample(self.gd, params, ids, key, self.sampling, num_samples=num_samples,
-                       eos_id=self.eos_id, pad_id=self.pad_id, greedy=greedy, mesh=self.mesh)
+                raise ValueError(f"prompt {first + i} has {len(x)} tokens; allowed: "
+                                 f"1..{self.prompt_len} (prompt_len)")
+        tok, mask = pad_left(ids, self.prompt_len, self.pad_id)
+        return hosts.gather_rows(tok), hosts.gather_rows(mask)
 
-    def score(self, completions: list, metadata: list) -> np.ndarray:
-        """Rewards float32[B]; errors name the function and the prompt index."""
+    def generate(self, params, tok_NxW, mask_NxW, key, *, greedy: bool = False,
+                 num_samples: int = 1):
+        """The sampler on padded prompts (bucketed by the longest; the sampler's
+        ``SampleResult``, global arrays)."""
+        s = self.sampling
+        if not self.num_params:
+            self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+        return generate(
+            (self.gd, params), tok_NxW, prompt_mask=mask_NxW > 0, key=key,
+            max_new_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
+            top_k=s.top_k or None, top_p=None if s.top_p >= 1.0 else s.top_p,
+            stop_ids=(self.eos_id,), num_samples=num_samples, pad_id=self.pad_id,
+            length_multiple=self.prompt_multiple, mesh=self.mesh)
+
+    def score(self, completions: list, metadata: list, group_size: int, first: int = 0):
+        """Rewards float32 of own rows; errors name the function and the prompt index."""
         if callable(self.reward_fns):
-            return score_batch_fn(self.reward_fns, completions, metadata, self.group_size)
-        from rljax.rewards import score_batch
+            return score_batch_fn(self.reward_fns, completions, metadata, group_size, first)
+        out = score_batch(list(self.reward_fns), completions, metadata, group_size=group_size,
+                          timeout_s=self.reward_timeout_s, pool=self.reward_pool)
+        for t in out.timeouts:
+            log.warning("reward function %r timed out after %.1f s on prompt index %d "
+                        "(scored as a failure)", t.fn, t.seconds, first + t.prompt_index)
+        return out.rewards
 
-        return score_batch(list(self.reward_fns), completions, metadata,
-                           group_size=self.group_size).rewards
+    def _own_texts(self, out, lo: int, hi: int) -> list:
+        """Detokenise rows ``[lo, hi)`` (this process's) of the sampler's output."""
+        tokens = hosts.host_rows(out.tokens, lo, hi)
+        mask = hosts.host_rows(out.completion_mask, lo, hi)
+        return decode_completions(self.tok, tokens, mask, self.eos_id)
 
-    def sample(self, params, prompts: list, metadata: list, key, ph) -> Rollout:
-        """Rollouts for ``prompts`` (each ``group_size`` times, consecutively), scored."""
-        self._count_params(params)
+    def sample(self, params, source: PromptSource, pos: int, n_prompts: int, key, ph):
+        """Rollouts of prompts ``pos .. pos + n_prompts`` (this process reads its own
+        block), scored on own rows: ``(Rollout, HostRows)``."""
         g = self.group_size
-        rep_meta = [m for m in metadata for _ in range(g)]
-        ids, mask, tokens, cmask, logp, truncated = ph.timed(
-            "rollout", self.generate, params, prompts, key, num_samples=g)
-        texts = decode_completions(self.tok, tokens, cmask, self.eos_id)
+        b = n_prompts * g
+        lo, hi = hosts.own_rows(b, self.mesh)
+        if lo % g or hi % g:
+            raise ValueError(f"process {jax.process_index()} holds rows [{lo}, {hi}), not "
+                             f"whole groups of {g}: make rows per process a multiple of "
+                             "group_size")
+        prompts, meta = source(pos + lo // g, (hi - lo) // g)
+        tok, mask = self._prompt_ids(list(prompts), pos + lo // g)
+        out = ph.timed("rollout", self.generate, params, tok, mask, key, num_samples=g)
         t0 = time.perf_counter()
-        rewards = self.score(texts, rep_meta)
-        correct = (np.asarray([bool(self.accuracy_fn(c, m)) for c, m in zip(texts, rep_meta)])
-                   if self.accuracy_fn is not None else None)
+        texts = self._own_texts(out, lo, hi)
+        rep_meta = [m for m in meta for _ in range(g)]
+        rewards = np.asarray(self.score(texts, rep_meta, g, lo // g), np.float32)
+        correct = (np.asarray([bool(self.accuracy_fn(c, m)) for c, m in zip(texts, rep_meta)],
+                              np.float32) if self.accuracy_fn is not None else
+                   np.zeros(hi - lo, np.float32))
+        glob = functools.partial(hosts.to_global, n_rows=b, mesh=self.mesh)
+        ro = Rollout(*_to_rollout(out, glob(rewards), glob(correct),
+                                  glob(np.ones(hi - lo, np.float32))),
+                     group_size=g, has_correct=self.accuracy_fn is not None)
         ph.times["reward"] = ph.times.get("reward", 0.0) + time.perf_counter() - t0
-        return Rollout(ids, mask, tokens, cmask, logp, np.asarray(rewards, np.float32), correct,
-                       truncated, texts, rep_meta, g)
+        return ro, HostRows(lo, hi, texts, rep_meta)
 
     def evaluate(self, params, prompts: list, metadata: list, batch_size: int) -> dict:
-        """Greedy completions of ``prompts``: accuracy (if a verifier), reward mean."""
-        rewards, correct = [], []
+        """Greedy completions of ``prompts`` (every process passes the same list and
+        scores its own rows): accuracy (if a verifier), reward mean."""
+        sums = np.zeros(2, np.float64)
         for i in range(0, len(prompts), batch_size):
             ps, ms = prompts[i:i + batch_size], metadata[i:i + batch_size]
-            _, _, tokens, cmask, _, _ = self.generate(params, ps, jax.random.key(0), greedy=True)
-            texts = decode_completions(self.tok, tokens, cmask, self.eos_id)
-            g, self.group_size = self.group_size, 1
-            try:
-                rewards.append(self.score(texts, ms))
-            finally:
-                self.group_size = g
+            lo, hi = _eval_rows(len(ps), self.mesh)
+            tok, mask = pad_left([encode_text(self.tok, p) for p in ps], self.prompt_len,
+                                 self.pad_id)
+            out = self.generate(params, tok, mask, jax.random.key(0), greedy=True)
+            texts = self._own_texts(out, lo, hi)
+            sums[0] += float(np.sum(self.score(texts, ms[lo:hi], 1, i + lo)))
             if self.accuracy_fn is not None:
-                correct += [bool(self.accuracy_fn(c, m)) for c, m in zip(texts, ms)]
-        out = {"reward_mean": float(np.concatenate(rewards).mean()), "n": len(prompts)}
+                sums[1] += sum(bool(self.accuracy_fn(c, m)) for c, m in zip(texts, ms[lo:hi]))
+        total = _sum_over_processes(sums, self.mesh) if len(prompts) else sums
+        out = {"reward_mean": float(total[0] / max(len(prompts), 1)), "n": len(prompts)}
         if self.accuracy_fn is not None:
-            out["accuracy"] = float(np.mean(correct))
+            out["accuracy"] = float(total[1] / max(len(prompts), 1))
         return out
 
 
-def score_batch_fn(fn, completions: list, metadata: list, group_size: int) -> np.ndarray:
+def _eval_rows(n: int, mesh) -> tuple[int, int]:
+    """This process's rows of an evaluation batch: its shard block when the rows split
+    over the devices; otherwise the sampler replicates them and each process takes an
+    equal contiguous part (so every row is scored exactly once)."""
+    n_dev = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    if n % n_dev == 0:
+        return hosts.own_rows(n, mesh)
+    p, k = jax.process_index(), jax.process_count()
+    return p * n // k, (p + 1) * n // k
+
+
+def _sum_over_processes(x: np.ndarray, mesh) -> np.ndarray:
+    """Sum of a small host vector over processes (evaluation totals)."""
+    if jax.process_count() == 1:
+        return x
+    return hosts.gather_rows(x[None]).sum(axis=0)
+
+
+def score_batch_fn(fn, completions: list, metadata: list, group_size: int,
+                   first_prompt: int = 0) -> np.ndarray:
     """Call a batch reward ``fn(completions, metadata) -> float[B]`` and check it.
 
     A raise is localised by re-calling ``fn`` on single completions, so the error names
-    the first failing prompt; a non-finite or wrongly shaped result is an error too. All
-    errors are ``rljax.rewards.RewardError`` naming the function and the prompt index.
+    the first failing prompt (global index: ``first_prompt`` is this block's first); a
+    non-finite or wrongly shaped result is an error too. All errors are
+    ``rljax.rewards.RewardError`` naming the function and the prompt index.
     """
-    from rljax.rewards import RewardError, reward_name
-
     name = reward_name(fn)
-    where = lambda i: f"batch index {i} (prompt index {i // group_size})"
+    where = lambda i: f"batch index {i} (prompt index {first_prompt + i // group_size})"
     try:
         out = np.asarray(fn(list(completions), list(metadata)), np.float64)
     except Exception as e:  # find which prompt made it fail

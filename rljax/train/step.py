@@ -18,8 +18,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from rljax.sharding import batch_sharding, replicated
 from rljax.train.config import OptimConfig
 
 Array = Any
@@ -217,7 +219,6 @@ def jit_update(update, mesh, params, opt_state, batch_example: dict):
     """
     if mesh is None:
         return jax.jit(update, donate_argnums=(0, 1))
-    from rljax.sharding import batch_sharding, replicated
 
     rep = replicated(mesh)
     p_sh = jax.tree.map(lambda x: x.sharding, params)
@@ -235,7 +236,6 @@ def batch_constrainer(mesh):
     """A function re-applying the batch sharding to a micro-batch dict (None without mesh)."""
     if mesh is None:
         return None
-    from rljax.sharding import batch_sharding
 
     def constrain(mb):
         return jax.tree.map(
@@ -256,13 +256,18 @@ def init_opt_state(txs: dict, params: dict, mesh=None) -> dict:
 
 
 def new_train_state(params: dict, opt_state: dict, seed: int, *, ref_params=None,
-                    kl_coef: float = 0.0) -> TrainState:
-    """A fresh ``TrainState`` at step 0 with PRNG key ``seed``."""
-    z = jnp.zeros((), jnp.int32)
+                    kl_coef: float = 0.0, mesh=None) -> TrainState:
+    """A fresh ``TrainState`` at step 0 with PRNG key ``seed``; with a ``mesh`` its
+    scalars are replicated global arrays (what orbax saves on every process)."""
+    if mesh is None:
+        put = jnp.asarray
+    else:
+        put = lambda x: jax.device_put(x, replicated(mesh))
+    z = lambda: put(np.zeros((), np.int32))
     return TrainState(
-        params=params, opt_state=opt_state, step=z, updates=z, nonfinite_run=z, skipped=z,
-        key=jax.random.key_data(jax.random.key(seed)), data_pos=z,
-        kl_coef=jnp.asarray(kl_coef, jnp.float32), ref_params=ref_params,
+        params=params, opt_state=opt_state, step=z(), updates=z(), nonfinite_run=z(),
+        skipped=z(), key=put(np.asarray(jax.random.key_data(jax.random.key(seed)))),
+        data_pos=z(), kl_coef=put(np.asarray(kl_coef, np.float32)), ref_params=ref_params,
     )
 
 
@@ -299,7 +304,6 @@ class Learner:
         """Place host arrays on the mesh, leading axis over ("data", "fsdp")."""
         if self.mesh is None:
             return jax.tree.map(jnp.asarray, batch)
-        from rljax.sharding import batch_sharding
 
         n = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         for k, v in batch.items():

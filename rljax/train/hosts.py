@@ -1,0 +1,106 @@
+"""The host boundary of an SPMD step: which rows this process owns, and the named
+transfers across it (prompt ids in, own rows' token ids out, rewards in, scalars out).
+
+On a pod every process runs the same programs on global ``jax.Array`` s; a process may
+only read the shards it holds. Batch rows are split over the mesh's ("data", "fsdp")
+axes; the rows a process holds form one contiguous block (devices are ordered by process
+in ``rljax.sharding.make_mesh``), which is also the block of prompts it reads and scores.
+Every function here that moves data runs under ``jax.transfer_guard("allow")``, so a
+step can run under ``"disallow_explicit"`` and fail on any other transfer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from rljax.sharding import batch_sharding, replicated
+
+Array = Any
+
+
+def _rows_of(index, n: int) -> tuple[int, int]:
+    s = index[0] if index else slice(None)
+    return (s.start or 0), (n if s.stop is None else s.stop)
+
+
+def own_rows(n_rows: int, mesh) -> tuple[int, int]:
+    """``[lo, hi)``: the block of a batch-sharded ``[n_rows]`` array this process holds.
+
+    One process (or no mesh): all rows. Raises when the rows do not split evenly over
+    the ("data", "fsdp") devices or a process's rows are not one block.
+    """
+    if mesh is None or jax.process_count() == 1:
+        return 0, n_rows
+    n_dev = mesh.shape["data"] * mesh.shape["fsdp"]
+    if n_rows % n_dev:
+        raise ValueError(f"{n_rows} batch rows do not split over the data x fsdp = {n_dev} "
+                         "devices; on several processes the batch must divide evenly")
+    idx = batch_sharding(mesh, 1).addressable_devices_indices_map((n_rows,))
+    blocks = sorted({_rows_of(i, n_rows) for i in idx.values()})
+    lo, hi = blocks[0][0], blocks[0][0]
+    for a, b in blocks:
+        if a != hi:
+            raise ValueError(f"process {jax.process_index()} holds rows {blocks}, not one "
+                             "block: build the mesh with rljax.sharding.make_mesh")
+        hi = b
+    return lo, hi
+
+
+def to_global(local_N: np.ndarray, n_rows: int, mesh) -> jax.Array:
+    """This process's rows ``own_rows(n_rows)`` -> a global batch-sharded array."""
+    local_N = np.asarray(local_N)
+    with jax.transfer_guard("allow"):
+        if mesh is None:
+            return jnp.asarray(local_N)
+        sh = batch_sharding(mesh, max(local_N.ndim, 1))
+        if jax.process_count() == 1:
+            n_dev = mesh.shape["data"] * mesh.shape["fsdp"]
+            return jax.device_put(local_N, sh if n_rows % n_dev == 0 else replicated(mesh))
+        return jax.make_array_from_process_local_data(sh, local_N,
+                                                      (n_rows, *local_N.shape[1:]))
+
+
+def host_rows(x: jax.Array, lo: int, hi: int) -> np.ndarray:
+    """Rows ``[lo, hi)`` of a global array, read from this process's own shards only."""
+    n = x.shape[0]
+    out = np.empty((hi - lo, *x.shape[1:]), x.dtype)
+    filled = np.zeros(hi - lo, bool)
+    with jax.transfer_guard("allow"):
+        for shard in x.addressable_shards:
+            a, b = _rows_of(shard.index, n)
+            s, e = max(a, lo), min(b, hi)
+            if s < e and not filled[s - lo:e - lo].all():
+                out[s - lo:e - lo] = np.asarray(shard.data)[s - a:e - a]
+                filled[s - lo:e - lo] = True
+    if not filled.all():
+        raise ValueError(f"rows [{lo}, {hi}) are not all held by process "
+                         f"{jax.process_index()}; it may read only its own rows")
+    return out
+
+
+def fetch_scalars(tree):
+    """A pytree of replicated scalars -> Python floats (the step's metrics out)."""
+    with jax.transfer_guard("allow"):
+        return jax.tree.map(lambda v: float(np.asarray(v)), jax.device_get(tree))
+
+
+def put_replicated(value, mesh, dtype) -> jax.Array:
+    """A host scalar (the same on every process) -> a replicated global array."""
+    with jax.transfer_guard("allow"):
+        x = np.asarray(value, dtype)
+        return jnp.asarray(x) if mesh is None else jax.device_put(x, replicated(mesh))
+
+
+def gather_rows(local_NxW: np.ndarray) -> np.ndarray:
+    """Every process's rows, concatenated in process order, on every host (small
+    arrays only: the step's prompt ids)."""
+    if jax.process_count() == 1:
+        return local_NxW
+    with jax.transfer_guard("allow"):
+        out = multihost_utils.process_allgather(local_NxW, tiled=True)
+    return np.asarray(out)

@@ -1,0 +1,206 @@
+"""The RL step's learning program: one ``jax.jit`` from a rollout batch to updated weights.
+
+Everything between the rewards and the metrics runs in one compiled program over the
+global batch (every process calls it with the same shapes):
+
+1. reference / old-policy / value forwards (micro-batched, chunked log-probs);
+2. advantages: group-normalised, RLOO, REINFORCE, or PPO's GAE on KL-penalised token
+   rewards (whitened), all as pure functions of arrays (``rljax.objectives``);
+3. ``num_epochs x num_minibatches`` optimiser updates as a ``lax.scan`` over an in-graph
+   permutation of the rows, each with exact micro-batch accumulation
+   (``rljax.train.step.make_update``);
+4. the adaptive KL controller (Ziegler et al. 2019 §2.2) and the step's metrics, reduced
+   to replicated scalars.
+
+Parameters, optimiser state and the batch are donated. Rows whose ``weight_B`` is 0
+(padding groups of DAPO's dynamic sampling) get an all-zero completion mask, so they
+change no loss, gradient or denominator in any aggregation mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from rljax import objectives as obj
+from rljax.train import algorithms as alg
+from rljax.train import ppo as ppo_lib
+from rljax.train.config import AlgorithmConfig
+from rljax.train.logprobs import policy_logprobs
+from rljax.train.rollout import Rollout
+from rljax.train.step import make_update, split_micro
+
+Array = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnSpec:
+    """The static choices of the learning program (hashable: part of the compiled program).
+
+    old_mode: "self" (one update per batch: the ratio's denominator is the current
+      policy, stop-gradient), "recompute" (a forward before the updates) or "sampler".
+    uses_ref: a KL term needs the frozen reference's log-probs.
+    num_micro: micro-batches per minibatch update (and per extra forward pass).
+    max_new_tokens: the completion width (Dr.GRPO's constant, overlong shaping).
+    overlong: DAPO's overlong window in tokens (0 = off).
+    """
+
+    alg: AlgorithmConfig
+    old_mode: str
+    uses_ref: bool
+    num_micro: int
+    chunk: int
+    temperature: float
+    max_new_tokens: int
+    overlong: int
+
+
+def sequence_advantages(cfg: AlgorithmConfig, rewards_B: Array) -> Array:
+    """Per-completion advantages of the group-baseline algorithms (not PPO), in-graph.
+
+    Rewards are grouped consecutively, ``group_size`` completions per prompt; a user
+    estimator (``cfg.advantages``) is ``(rewards_B, group_size) -> adv_B``.
+    """
+    g = cfg.group_size
+    if cfg.advantages is not None:
+        return jnp.asarray(alg.load_import_path(cfg.advantages, "advantages")(rewards_B, g),
+                           jnp.float32)
+    if cfg.name == "rloo":
+        return obj.rloo_advantages(rewards_B, g)
+    if cfg.name == "reinforce" and g == 1:
+        return rewards_B - jnp.mean(rewards_B)
+    return obj.group_advantages(rewards_B, g, std=cfg.adv_std)
+
+
+def overlong_shaping(lengths_B: Array, max_new_tokens: int, buffer: int, penalty: float) -> Array:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476 §3.4, Eq. 13).
+
+    With L_max = ``max_new_tokens`` and L_cache = ``buffer`` (tokens):
+      0                                       if |y| <= L_max - L_cache
+      ((L_max - L_cache) - |y|) / L_cache      if L_max - L_cache < |y| <= L_max
+    scaled by ``penalty`` (the paper's -1 at the limit). Added to the task reward.
+    """
+    if buffer <= 0:
+        return jnp.zeros(lengths_B.shape, jnp.float32)
+    over = jnp.clip(lengths_B.astype(jnp.float32) - (max_new_tokens - buffer), 0.0, float(buffer))
+    return -penalty * over / buffer
+
+
+def _map_micro(fn: Callable, seqs: dict, num_micro: int) -> Array:
+    """``fn(seqs)`` computed ``num_micro`` row-strided micro-batches at a time."""
+    if num_micro == 1:
+        return fn(seqs)
+    out_MxNx = jax.lax.map(fn, jax.tree.map(lambda x: split_micro(x, num_micro), seqs))
+    b = next(iter(seqs.values())).shape[0]
+    # Undo split_micro's striding: micro-batch m holds rows m, m + M, m + 2M, ...
+    return out_MxNx.swapaxes(0, 1).reshape(b, *out_MxNx.shape[2:])
+
+
+def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollout, kl_coef):
+    """Reference / old / value forwards and advantages -> ``(batch, extra metrics)``."""
+    a = spec.alg
+    seqs = ro.seqs()
+    mask_BxT = seqs["completion_mask_BxT"]
+    logp = functools.partial(policy_logprobs, policy_gd, chunk=spec.chunk,
+                             temperature=spec.temperature)
+    fwd = lambda p: _map_micro(lambda s: logp(p, s)[0], seqs, spec.num_micro)
+    batch = dict(seqs, sampler_logp_BxT=ro.sampler_logp_BxT)
+    extra: dict = {}
+    if spec.uses_ref:
+        batch["ref_logp_BxT"] = fwd(ref_params)
+    if spec.old_mode == "recompute" or (a.name == "ppo" and spec.old_mode == "self"):
+        batch["old_logp_BxT"] = fwd(params["policy"])
+    elif spec.old_mode == "sampler":
+        batch["old_logp_BxT"] = ro.sampler_logp_BxT
+    rewards_B = ro.rewards_B
+    if spec.overlong:
+        rewards_B = rewards_B + overlong_shaping(ro.lengths_B, spec.max_new_tokens,
+                                                 spec.overlong, a.overlong_penalty)
+    if a.name == "ppo":
+        values_BxT = _map_micro(
+            lambda s: ppo_lib.value_predictions(value_gd, params["value"], s), seqs,
+            spec.num_micro)
+        adv, ret, _ = ppo_lib.ppo_advantages(
+            rewards_B, batch["old_logp_BxT"], batch.get("ref_logp_BxT"), values_BxT, mask_BxT,
+            kl_coef=kl_coef, kl_kind=a.kl_kind, gamma=a.gamma, lam=a.lam,
+            whiten_adv=a.whiten_advantages)
+        batch.update(adv_BxT=adv, returns_BxT=ret, old_values_BxT=values_BxT)
+        # How much of the returns' variance the value model predicted (before updates).
+        extra["value_explained_var"] = obj.explained_variance(values_BxT, ret, mask_BxT)
+    else:
+        batch["adv_BxT"] = obj.broadcast_to_tokens(sequence_advantages(a, rewards_B), mask_BxT)
+    if a.kl_in == "reward" and spec.uses_ref:
+        extra["seq_kl"] = ppo_lib.sequence_kl(batch["old_logp_BxT"], batch["ref_logp_BxT"],
+                                              mask_BxT)
+    extra["reward_shaped_mean"] = _row_mean(rewards_B, ro.weight_B)
+    return batch, extra
+
+
+def _row_mean(x_B: Array, w_B: Array) -> Array:
+    return jnp.sum(x_B * w_B) / jnp.maximum(jnp.sum(w_B), 1.0)
+
+
+def _minibatch_rows(key, batch_size: int, num_minibatches: int) -> Array:
+    """``[M, B/M]`` row indices: a random permutation split into minibatches (sorted
+    within each, so micro-batches keep their strided layout); identity for one."""
+    if num_minibatches == 1:
+        return jnp.arange(batch_size)[None]
+    perm = jax.random.permutation(key, batch_size)
+    return jnp.sort(perm.reshape(num_minibatches, -1), axis=1)
+
+
+def _updates(spec: LearnSpec, update, params, opt_state, counters, batch, coef, key):
+    """``num_epochs x num_minibatches`` updates as one scan; metrics stacked per update."""
+    a = spec.alg
+    b = batch["completion_mask_BxT"].shape[0]
+    keys = jax.random.split(key, a.num_epochs)
+    rows_UxN = jnp.concatenate([_minibatch_rows(k, b, a.num_minibatches) for k in keys])
+
+    def one(carry, rows_N):
+        p, o, c = carry
+        mb = jax.tree.map(lambda x: x[rows_N], batch)
+        p, o, c, m = update(p, o, c, mb, coef)
+        return (p, o, c), m
+
+    (params, opt_state, counters), m_U = jax.lax.scan(one, (params, opt_state, counters),
+                                                      rows_UxN)
+    skipped_U = m_U.pop("skipped_update")
+    metrics = {k: jnp.mean(v) for k, v in m_U.items()}
+    # The gap is between the sampler and the weights it sampled with: the first update.
+    metrics["sampler_gap"] = m_U["sampler_gap"][0]
+    metrics["skipped_updates"] = jnp.sum(skipped_U)
+    return params, opt_state, counters, metrics
+
+
+def make_learn(spec: LearnSpec, loss_fn, txs: dict, schedules: dict, policy_gd, value_gd,
+               constrain: Callable | None = None):
+    """The pure learning program ``learn(params, opt_state, counters, ref_params, ro,
+    kl_coef, key) -> (params, opt_state, counters, kl_coef, metrics)``.
+
+    ``ro`` is a :class:`~rljax.train.rollout.Rollout` with rewards; ``metrics`` is a dict
+    of float32 scalars (update means, the first update's sampler gap, rollout statistics).
+    """
+    update = make_update(loss_fn, txs, schedules, spec.num_micro, constrain)
+
+    def learn(params, opt_state, counters, ref_params, ro: Rollout, kl_coef, key):
+        ro = ro.masked_by_weight()
+        batch, extra = _prepare(spec, policy_gd, value_gd, params, ref_params, ro, kl_coef)
+        coef = alg.make_coef(spec.alg, kl_coef)
+        params, opt_state, counters, metrics = _updates(spec, update, params, opt_state,
+                                                        counters, batch, coef, key)
+        b = ro.rewards_B.shape[0]
+        seq_kl = extra.pop("seq_kl", None)
+        new_kl = kl_coef if seq_kl is None else ppo_lib.adaptive_kl_coef(
+            kl_coef, seq_kl, target=spec.alg.adaptive_kl_target,
+            horizon=spec.alg.adaptive_kl_horizon, batch_size=b)
+        metrics.update(extra)
+        metrics.update(ro.metrics())
+        metrics["kl_coef"] = kl_coef
+        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+        return params, opt_state, counters, jnp.asarray(new_kl, jnp.float32), metrics
+
+    return learn
