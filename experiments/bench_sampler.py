@@ -30,6 +30,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from rljax.models import from_pretrained
+from rljax.sampling import cached_vocab_major_weight, generate, vocab_major_head
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 32, 32, 128
 TARGET = 5  # the issue's speed target: rljax >= 5x transformers' generate
@@ -115,32 +119,24 @@ def head_step_seconds(model, rows=BATCH, steps=32, reps=5):
     """Seconds per decode step spent by the output projection alone (best of ``reps``).
 
     The sampler's first work on each step's hidden states, timed in isolation: its head
-    (:func:`rljax.sampling.sampler_head` with the weight the sampler uses: packed for the
-    CPU kernel where it is available, else XLA's vocab-major dot), then the exp and sum
-    over the vocabulary (the start of the inverse-CDF draw; the kernel returns its block
-    sums with the logits), in a ``fori_loop`` of
-    ``steps`` steps where each step's input depends on the last, as in the decode loop.
-    No layers, no cache. Reported for the reference model's untied ``lm_head``.
+    (:func:`rljax.sampling.vocab_major_head` with the weight the sampler uses), then the
+    max, exp and sum over the vocabulary (the start of the inverse-CDF draw), in a
+    ``fori_loop`` of ``steps`` steps where each step's input depends on the last, as in
+    the decode loop. No layers, no cache. Reported for the reference model's untied
+    ``lm_head``.
     """
-    from flax import nnx
-
-    from rljax.sampling import SamplingParams, sampler_head, sampler_head_weight
-
     if model.config.tie_word_embeddings:
         raise ValueError("head_step_seconds: expects an untied lm_head (the reference model)")
     graphdef, state = nnx.split(model)
-    w = sampler_head_weight(state, model.config)
+    w = cached_vocab_major_weight(state, model.config)
 
     @jax.jit
     def loop(state, w, h_RxD):
-        head = sampler_head(nnx.merge(graphdef, state), w, SamplingParams())
+        head = vocab_major_head(nnx.merge(graphdef, state), w)
 
         def step(_, h_RxD):
-            x_VxR, max_R, sums_R = head(h_RxD)
-            if sums_R is None:
-                total_R = jnp.sum(jnp.exp(x_VxR - jnp.max(x_VxR, axis=0)), axis=0)
-            else:
-                total_R = jnp.sum(sums_R, axis=0)
+            x_VxR = head(h_RxD)
+            total_R = jnp.sum(jnp.exp(x_VxR - jnp.max(x_VxR, axis=0)), axis=0)
             return h_RxD + 1e-9 * total_R[:, None]
 
         return jax.lax.fori_loop(0, steps, step, h_RxD)
@@ -164,8 +160,6 @@ def hf_run(model, prompts):
 
 
 def rljax_run(model, prompts, key, new_tokens=NEW_TOKENS):
-    from rljax.sampling import generate
-
     res = generate(model, prompts, key=key, max_new_tokens=new_tokens)
     jax.block_until_ready(res)
     assert int(res.completion_mask.sum()) == BATCH * new_tokens
@@ -184,17 +178,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.runs < 3:
         raise SystemExit("--runs must be >= 3 (medians of interleaved runs)")
-    import torch
-
-    from rljax.models import from_pretrained
-
-    from rljax.kernels import cpu_matmul
+    import torch  # the baseline's heavy optional import, only for a run
 
     print(f"jax {jax.__version__} devices={jax.devices()} torch {torch.__version__} "
           f"torch_threads={torch.get_num_threads()} cpus={os.cpu_count()} "
           f"loadavg={os.getloadavg()}")
-    print("decode dots: " + ("rljax.kernels.cpu_matmul (AVX2)" if cpu_matmul.available()
-                             else f"XLA ({cpu_matmul.unavailable_reason()})"))
     prompts = np.random.default_rng(0).integers(0, 32000, (BATCH, PROMPT_LEN)).tolist()
     with tempfile.TemporaryDirectory() as tmp:
         hf = build_checkpoint(tmp)

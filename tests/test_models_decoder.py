@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rljax.kernels import cpu_matmul
 from rljax.models import Decoder, Llama3RopeScaling, ModelConfig, kv_cache_shardings
 from rljax.sharding import MeshConfig, batch_sharding, make_mesh, state_shardings
 
@@ -43,18 +42,16 @@ def _default(model, ids, mask=None):
     return model(ids, mask_BxT=mask)
 
 
-@nnx.jit(static_argnums=(4, 5, 6))
-def _cached_run(model, ids, pos, mask, prompt_len, max_len, weights="plain"):
-    """Prefill the first `prompt_len` tokens, then decode the rest one at a time
-    (with `weights` "fused" or "packed", both through `Decoder.decode_weights`)."""
-    qkv = None if weights == "plain" else model.decode_weights(packed=weights == "packed")
+@nnx.jit(static_argnums=(4, 5))
+def _cached_run(model, ids, pos, mask, prompt_len, max_len):
+    """Prefill the first `prompt_len` tokens, then decode the rest one at a time."""
     cache = model.init_cache(ids.shape[0], max_len)
     h, cache = model.forward_cached(ids[:, :prompt_len], pos[:, :prompt_len],
-                                    mask[:, :prompt_len], cache, 0, qkv)
+                                    mask[:, :prompt_len], cache, 0)
     outs = [model.logits_from_hidden(h)]
     for t in range(prompt_len, ids.shape[1]):
         h, cache = model.forward_cached(ids[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1],
-                                        cache, t, qkv)
+                                        cache, t)
         outs.append(model.logits_from_hidden(h))
     return jnp.concatenate(outs, axis=1)
 
@@ -68,18 +65,15 @@ def _left_padded(rng, lens, t, vocab):
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
-@pytest.mark.parametrize("weights", ["plain", "fused", "packed"])
 @pytest.mark.parametrize("cfg", [BASE, QWEN3, QWEN2], ids=["llama", "qwen3", "qwen2"])
-def test_cached_prefill_decode_equals_full_forward(cfg, weights):
-    if weights == "packed" and not cpu_matmul.available():
-        pytest.skip(f"CPU kernel unavailable: {cpu_matmul.unavailable_reason()}")
+def test_cached_prefill_decode_equals_full_forward(cfg):
     model = _model(cfg)
     rng = np.random.default_rng(0)
     ids, mask = _left_padded(rng, [9, 6, 3], 9, cfg.vocab_size)
     pos = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     full = _full(model, ids, pos, mask)
     # prompt of 5 padded slots, 4 decode steps, cache longer than needed (stale slots)
-    cached = _cached_run(model, ids, pos, mask, 5, 12, weights)
+    cached = _cached_run(model, ids, pos, mask, 5, 12)
     m = np.asarray(mask)
     np.testing.assert_array_less(np.abs(np.asarray(full - cached))[m], TOL)
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rljax.kernels import cpu_matmul
 from rljax.models import Decoder, ModelConfig, grow_kv_cache
 from rljax.sampling import (
     SamplingParams,
@@ -41,17 +40,6 @@ def model():
     return m
 
 
-@pytest.fixture(params=["kernel", "xla"])
-def dots(request):
-    """Run a test with the decode step's dots in ``rljax.kernels.cpu_matmul`` (where it
-    builds; the sampler's default there) and in XLA."""
-    if request.param == "kernel" and not cpu_matmul.available():
-        pytest.skip(f"CPU kernel unavailable: {cpu_matmul.unavailable_reason()}")
-    cpu_matmul.set_enabled(request.param == "kernel")
-    yield request.param
-    cpu_matmul.set_enabled(True)
-
-
 @nnx.jit
 def _full_logits(model, ids, mask, pos):
     return model(ids, pos, mask)
@@ -73,9 +61,9 @@ def test_cached_decode_logits_equal_full_forward(model):
     """The sampler's call pattern (left-padded prefill at slot 0, then one token per slot
     P + t - 1 at position len + t - 1) gives the full forward's logits."""
     n = 5
-    packed = pack_prompts(PROMPTS, vocab_size=CFG.vocab_size, length_multiple=16,
+    batch = pack_prompts(PROMPTS, vocab_size=CFG.vocab_size, length_multiple=16,
                           max_prompt_len=64)
-    b, p = packed.tokens_BxP.shape
+    b, p = batch.tokens_BxP.shape
     cont = np.random.default_rng(0).integers(0, CFG.vocab_size, (b, n)).astype(np.int32)
 
     @nnx.jit
@@ -90,15 +78,15 @@ def test_cached_decode_logits_equal_full_forward(model):
             out.append(model.logits_from_hidden(h[:, 0]))
         return jnp.stack(out, axis=1)
 
-    got = cached(model, packed.tokens_BxP, packed.mask_BxP, packed.positions_BxP, cont)
-    ids = np.concatenate([packed.tokens_BxP, cont], axis=1)
-    mask = np.concatenate([packed.mask_BxP, np.ones((b, n), bool)], axis=1)
+    got = cached(model, batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP, cont)
+    ids = np.concatenate([batch.tokens_BxP, cont], axis=1)
+    mask = np.concatenate([batch.mask_BxP, np.ones((b, n), bool)], axis=1)
     pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
     ref = _full_logits(model, ids, mask, pos)[:, p - 1 : -1]
     assert np.abs(np.asarray(got - ref)).max() <= TOL
 
 
-def test_greedy_equals_plain_argmax_loop(model, dots):
+def test_greedy_equals_plain_argmax_loop(model):
     n = 8
     res = generate(model, PROMPTS, key=jax.random.key(0), max_new_tokens=n, temperature=0.0)
     width = max(map(len, PROMPTS)) + n
@@ -130,7 +118,7 @@ def test_greedy_alone_equals_inside_padded_batch(model):
 @pytest.mark.parametrize(
     "settings", [dict(), dict(temperature=0.7, top_k=10, top_p=0.9)], ids=["T1", "T.7k10p.9"]
 )
-def test_sampled_logprobs_equal_fresh_forward(model, settings, dots):
+def test_sampled_logprobs_equal_fresh_forward(model, settings):
     res = generate(model, PROMPTS, key=jax.random.key(2), max_new_tokens=7, num_samples=2,
                    **settings)
     logits = _fresh_logits(model, res)
@@ -142,21 +130,6 @@ def test_sampled_logprobs_equal_fresh_forward(model, settings, dots):
     ref = pick(_log_softmax(np.asarray(filt).reshape(logits.shape)))
     assert np.isfinite(ref).all(), "a sampled token lies outside the filtered support"
     np.testing.assert_allclose(np.asarray(res.sampling_logprobs), ref, atol=TOL)
-
-
-def test_sampler_takes_the_kernel_path_where_it_is_available(model):
-    """On one CPU device with float32 weights the sampler packs the output weight for the
-    kernel (so the tests above with ``dots="kernel"`` run it), and not when switched off."""
-    from rljax.sampling.head import sampler_head_weight
-
-    _, state = nnx.split(model)
-    w = sampler_head_weight(state, CFG)
-    assert w.ndim == (3 if cpu_matmul.available() else 2)
-    cpu_matmul.set_enabled(False)
-    try:
-        assert sampler_head_weight(state, CFG).ndim == 2
-    finally:
-        cpu_matmul.set_enabled(True)
 
 
 def test_decode_phases_change_cost_not_results(model):
@@ -217,7 +190,7 @@ def test_stop_ids_mask_and_lengths(model):
 
 def test_decode_loop_stops_early_once_every_row_stopped(model):
     """Every id a stop id: each row stops after its first token; the loop runs no step."""
-    packed = pack_prompts(PROMPTS, vocab_size=CFG.vocab_size, length_multiple=16,
+    batch = pack_prompts(PROMPTS, vocab_size=CFG.vocab_size, length_multiple=16,
                           max_prompt_len=64)
     n = 50
     phases = sampler_mod.plan_phases(16, n, 16 + n - 1, 4)
@@ -225,14 +198,14 @@ def test_decode_loop_stops_early_once_every_row_stopped(model):
     spec = sampler_mod.DecodeSpec(SamplingParams(), tuple(range(CFG.vocab_size)), 1, n,
                                   phases, 0)
     graphdef, state = nnx.split(model)
-    s, cache, _ = sampler_mod._prefill(graphdef, spec, None, state, None, packed.tokens_BxP,
-                                       packed.mask_BxP, packed.positions_BxP, jax.random.key(5))
+    s, cache, _ = sampler_mod._prefill(graphdef, spec, None, state, None, batch.tokens_BxP,
+                                       batch.mask_BxP, batch.positions_BxP, jax.random.key(5))
     s = sampler_mod._decode(graphdef, spec, None, state, None, s, cache)
     assert int(s.step) == 1 and np.asarray(s.lengths_R).tolist() == [1] * 4
     spec_half = dataclasses.replace(spec, stop_ids=(int(s.tokens_RxN[0, 0]),))
     s2, cache2, _ = sampler_mod._prefill(graphdef, spec_half, None, state, None,
-                                         packed.tokens_BxP, packed.mask_BxP,
-                                         packed.positions_BxP, jax.random.key(5))
+                                         batch.tokens_BxP, batch.mask_BxP,
+                                         batch.positions_BxP, jax.random.key(5))
     s2 = sampler_mod._decode(graphdef, spec_half, None, state, None, s2, cache2)
     lengths = np.asarray(s2.lengths_R)
     assert lengths[0] == 1 and lengths.max() > 1

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rljax.models.config import ModelConfig
-from rljax.models.decode_weights import packed_linear
 from rljax.models.layers import RMSNorm, annotated_param, apply_rope, compute_dtype, normal_param
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def attend(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, allowed_BxTxS):
+def attend(q_BxTxNxH: jax.Array, k_BxKxHxS: jax.Array, v_BxKxSxH: jax.Array,
+           allowed_BxTxS: jax.Array) -> jax.Array:
     """softmax(q k^T / sqrt(H) + mask) v with G = N / K query heads per kv head.
 
     Vaswani et al. 2017 eq. (1); grouped-query attention, Ainslie et al. 2023. Scores
@@ -46,7 +46,7 @@ class Attention(nnx.Module):
     Weights: q `[D, N, H]`, k and v `[D, K, H]`, o `[N, H, D]`.
     """
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         d, n, kv, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         self.q = normal_param(rngs, (d, n, h), ("embed", "heads", "head_dim"))
         self.k = normal_param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"))
@@ -63,73 +63,36 @@ class Attention(nnx.Module):
         self.qk_norm = config.qk_norm
         self.dtype = compute_dtype(config)
 
-    def _project(self, x, w, bias_name):
+    def _project(self, x: jax.Array, w: nnx.Param, bias_name: str) -> jax.Array:
         y = jnp.einsum("btd,dnh->btnh", x, w[...].astype(self.dtype),
                        preferred_element_type=jnp.float32)
         if self.qkv_bias:
             y = y + getattr(self, bias_name)[...]
         return y
 
-    def fused_qkv(self):
-        """q, k and v weights in one array ``[D, K, G + 2, H]`` (and biases ``[K, G + 2, H]``).
-
-        Per kv head ``j``: its ``G = N / K`` query heads (``n = j * G + g``, the grouping
-        ``attend`` uses), then its key, then its value head. One dot instead of three per
-        layer and decode step; kv-head-major, so a weight sharded over kv heads keeps each
-        shard's q, k and v together. Build it once per sampler call, outside the loop.
-        """
-        _, n, h = self.q.shape
-        kv = self.k.shape[1]
-
-        def cat(q, k, v):
-            q = q.reshape(q.shape[:-2] + (kv, n // kv, h))
-            return jnp.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
-
-        w = cat(self.q[...], self.k[...], self.v[...]).astype(self.dtype)
-        if not self.qkv_bias:
-            return w, None
-        return w, cat(self.q_bias[...], self.k_bias[...], self.v_bias[...])
-
-    def qkv(self, x_BxTxD, cos_sin, fused=None):
-        """Queries `[B,T,N,H]`, keys and values `[B,T,K,H]` (rotated, compute dtype).
-
-        fused: optional ``self.fused_qkv()`` (same result, one dot), or its weight packed
-        for ``rljax.kernels.cpu_matmul`` (``DecodeWeights.qkv``).
-        """
+    def qkv(self, x_BxTxD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries `[B,T,N,H]`, keys and values `[B,T,K,H]` (rotated, compute dtype)."""
         x = x_BxTxD.astype(self.dtype)
-        if fused is None:
-            q = self._project(x, self.q, "q_bias")
-            k = self._project(x, self.k, "k_bias")
-            v = self._project(x, self.v, "v_bias")
-        else:
-            w, bias = fused
-            if w.ndim == 3:  # packed: [.., K * (G + 2) * H] from the kernel
-                _, n, h = self.q.shape
-                kv = self.k.shape[1]
-                y = packed_linear(x, w, (n + 2 * kv) * h)
-                y = y.reshape(x.shape[:2] + (kv, n // kv + 2, h))
-            else:
-                y = jnp.einsum("btd,dkch->btkch", x, w, preferred_element_type=jnp.float32)
-            if bias is not None:
-                y = y + bias
-            g = y.shape[3] - 2
-            q = y[:, :, :, :g].reshape(y.shape[:2] + (-1, y.shape[-1]))
-            k, v = y[:, :, :, g], y[:, :, :, g + 1]
+        q = self._project(x, self.q, "q_bias")
+        k = self._project(x, self.k, "k_bias")
+        v = self._project(x, self.v, "v_bias")
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos_sin).astype(self.dtype)
         k = apply_rope(k, cos_sin).astype(self.dtype)
         return q, k, v.astype(self.dtype)
 
-    def __call__(self, x_BxTxD, cos_sin, allowed_BxTxS, cache_kv=None, slot=None, decode=None):
+    def __call__(self, x_BxTxD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
+                 allowed_BxTxS: jax.Array, cache_kv: tuple[jax.Array, jax.Array] | None = None,
+                 slot: jax.Array | int | None = None,
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Attention output `[B,T,D]` (float32) and this layer's (keys, values) buffers.
 
         Without `cache_kv` the keys/values are the T new ones (S = T). With it, the new
         keys/values are written at slots [slot, slot + T) of the given buffers first.
-        decode: optional ``DecodeWeights`` of this block (same results, see
-        ``rljax.models.decode_weights``).
         """
-        q, k, v = self.qkv(x_BxTxD, cos_sin, None if decode is None else decode.qkv)
+        q, k, v = self.qkv(x_BxTxD, cos_sin)
         k_BxKxHxT = jnp.transpose(k, (0, 2, 3, 1))
         v_BxKxTxH = jnp.transpose(v, (0, 2, 1, 3))
         if cache_kv is None:
@@ -143,8 +106,6 @@ class Attention(nnx.Module):
         # (n, h) made XLA:CPU copy the weight and transpose the activations in every
         # decode step (seen in the optimised HLO); the reshapes here are free.
         b, t = o.shape[:2]
-        if decode is not None and decode.packed:
-            return packed_linear(o.reshape(b, t, -1), decode.o, self.o.shape[-1]), (keys, values)
         w_FxD = self.o[...].astype(self.dtype)
         w_FxD = w_FxD.reshape(-1, w_FxD.shape[-1])
         out = jnp.einsum("btf,fd->btd", o.reshape(b, t, -1), w_FxD,

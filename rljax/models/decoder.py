@@ -8,7 +8,6 @@ from flax import nnx
 
 from rljax.models.attention import Attention
 from rljax.models.config import ModelConfig
-from rljax.models.decode_weights import DecodeWeights, build_decode_weights
 from rljax.models.kv_cache import KVCache, init_kv_cache
 from rljax.models.layers import MLP, RMSNorm, compute_dtype, normal_param, rope_cos_sin
 
@@ -16,17 +15,20 @@ from rljax.models.layers import MLP, RMSNorm, compute_dtype, normal_param, rope_
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, rngs)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, cos_sin, allowed, cache_kv=None, slot=None, decode=None):
-        """``decode``: optional ``DecodeWeights`` (``Decoder.decode_weights``)."""
-        a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot, decode)
+    def __call__(self, x: jax.Array, cos_sin: tuple[jax.Array, jax.Array], allowed: jax.Array,
+                 cache_kv: tuple[jax.Array, jax.Array] | None = None,
+                 slot: jax.Array | int | None = None,
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """(new residual stream, this layer's (keys, values)); see :class:`Attention`."""
+        a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot)
         x = x + a
-        return x + self.mlp(self.mlp_norm(x), decode), kv
+        return x + self.mlp(self.mlp_norm(x)), kv
 
 
 def _check_ids(input_ids_BxT, positions_BxT, mask_BxT):
@@ -118,25 +120,15 @@ class Decoder(nnx.Module):
         return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
                              compute_dtype(c))
 
-    def decode_weights(self, packed: bool = False) -> tuple[DecodeWeights, ...]:
-        """Per layer, its :class:`~rljax.models.decode_weights.DecodeWeights`: pass to
-        :meth:`forward_cached` in a decode loop (built once, outside the loop). q/k/v run
-        as one dot per layer; ``packed=True`` (float32 weights, and
-        ``rljax.kernels.cpu_matmul.available()``) runs every dot in the CPU kernel."""
-        if packed and compute_dtype(self.config) != jnp.float32:
-            raise ValueError("decode_weights(packed=True) needs compute_dtype float32, got "
-                             f"{self.config.compute_dtype!r}")
-        return tuple(build_decode_weights(layer, packed) for layer in self.layers)
-
-    def forward_cached(self, input_ids_BxT, positions_BxT, mask_BxT, cache: KVCache, slot,
-                       decode_weights=None):
+    def forward_cached(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array,
+                       mask_BxT: jax.Array, cache: KVCache, slot: jax.Array | int,
+                       ) -> tuple[jax.Array, KVCache]:
         """Run T new tokens against the cache: returns (final hidden `[B,T,D]`, new cache).
 
         The new keys/values go to slots [slot, slot + T) (slot: int32 scalar shared by all
         rows), marked valid where mask_BxT; the query at slot s attends to valid slots
         j <= s. Prefill: one call with the padded prompts at slot 0; decode: T = 1 calls
-        at slots P, P + 1, ... decode_weights: optional ``self.decode_weights()`` (same
-        results to float32 rounding).
+        at slots P, P + 1, ...
         """
         ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
         if not isinstance(cache, KVCache):
@@ -158,9 +150,8 @@ class Decoder(nnx.Module):
         cos_sin = rope_cos_sin(self.config, jnp.asarray(positions_BxT))
         x = self._embed(ids)
         keys, values = [], []
-        per_layer = (None,) * len(self.layers) if decode_weights is None else decode_weights
-        for layer, ck, cv, f in zip(self.layers, cache.keys, cache.values, per_layer):
-            x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot, f)
+        for layer, ck, cv in zip(self.layers, cache.keys, cache.values):
+            x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot)
             keys.append(k)
             values.append(v)
         new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid_BxS=valid)

@@ -9,7 +9,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from rljax.models.config import ModelConfig
-from rljax.models.decode_weights import packed_linear
 from rljax.sharding import fitted_spec
 
 INIT_STD = 0.02
@@ -114,15 +113,10 @@ class MLP(nnx.Module):
         self.down = normal_param(rngs, (f, d), ("mlp", "embed"))
         self.dtype = compute_dtype(config)
 
-    def __call__(self, x_BxTxD, decode=None):
-        """``decode``: optional ``DecodeWeights`` of this block; when packed, the three
-        dots run in ``rljax.kernels.cpu_matmul`` (same results to float32 rounding)."""
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        """Float32 output ``[B, T, D]``."""
         cd = self.dtype
         x = x_BxTxD.astype(cd)
-        if decode is not None and decode.packed:
-            f, d = self.down.shape
-            gu = packed_linear(x, decode.gate_up, 2 * f)
-            return packed_linear(jax.nn.silu(gu[..., :f]) * gu[..., f:], decode.down, d)
         g = jnp.einsum("btd,df->btf", x, self.gate[...].astype(cd))
         u = jnp.einsum("btd,df->btf", x, self.up[...].astype(cd))
         hidden = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(cd)

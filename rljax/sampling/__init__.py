@@ -8,9 +8,6 @@
 - :func:`vocab_major_head`: the decode loop's output projection, ``h_RxD -> logits_VxR``;
   :func:`vocab_major_weight` its ``[V, D]`` weight, and :func:`cached_vocab_major_weight`
   that weight kept across calls while the model's weight array is alive.
-- :func:`sampler_head` / :func:`sampler_head_weight`: the head the sampler runs, in
-  ``rljax.kernels.cpu_matmul`` (the weight packed once) where that kernel is available,
-  returning each row's max logit with the logits.
 """
 
 from rljax.sampling.generate import generate
@@ -18,8 +15,6 @@ from rljax.sampling.prompts import PackedPrompts, bucket_length, pack_prompts
 from rljax.sampling.result import SampleResult
 from rljax.sampling.head import (
     cached_vocab_major_weight,
-    sampler_head,
-    sampler_head_weight,
     vocab_major_head,
     vocab_major_weight,
 )
@@ -46,8 +41,6 @@ __all__ = [
     "generate",
     "pack_prompts",
     "plan_phases",
-    "sampler_head",
-    "sampler_head_weight",
     "vocab_major_head",
     "vocab_major_weight",
     "SamplingParams",

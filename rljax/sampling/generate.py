@@ -114,11 +114,11 @@ def generate(
             f"max_new_tokens={n} leaves no room for a prompt (max_len={max_len}, "
             f"max_position_embeddings={config.max_position_embeddings})"
         )
-    packed = pack_prompts(
+    batch = pack_prompts(
         prompts, vocab_size=config.vocab_size, length_multiple=mult,
         max_prompt_len=room, prompt_mask=prompt_mask, pad_id=pad_id,
     )
-    p = packed.tokens_BxP.shape[1]
+    p = batch.tokens_BxP.shape[1]
     cache_len = max(p + n - 1, p) if max_len is None else max_len
     spec = DecodeSpec(params, stops, g, n, plan_phases(p, n, cache_len, phases), pad_id)
-    return run(graphdef, state, packed, spec, key, mesh, config)
+    return run(graphdef, state, batch, spec, key, mesh, config)

@@ -217,10 +217,8 @@ def _pick(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
     return jnp.squeeze(jnp.take_along_axis(x, jnp.expand_dims(index, axis), axis=axis), axis)
 
 
-def _sample_with_logp(
-    key: jax.Array, x: jax.Array, axis: int = 1, x_max: jax.Array | None = None,
-    block_sums: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
+def _sample_with_logp(key: jax.Array, x: jax.Array, axis: int = 1,
+                      ) -> tuple[jax.Array, jax.Array]:
     """Inverse-CDF draw from ``softmax(x)`` over the vocabulary ``axis`` of 2-D logits
     (1: ``[B, V]``; 0: vocab-major ``[V, R]``) and the drawn token's log-prob, one exp pass.
 
@@ -229,12 +227,7 @@ def _sample_with_logp(
     max as an output splits XLA:CPU's fused max+exp and adds passes over ``[B, V]``
     (measured 1.9 -> 1.0 ms per step at B=32, V=32000). The two agree to float32 rounding
     unless ``w_tok`` is subnormal, i.e. a token of probability below ~1e-38. Both layouts
-    use the same uniforms and blocks, so they draw the same tokens. ``x_max``: the max of
-    ``x`` over the vocabulary, one per row, when the caller already has it.
-    ``block_sums``: with ``x_max``, the sums of ``w`` over the blocks of
-    :func:`_block_size` tokens (``[blocks, R]``, vocab-major only), when the caller already
-    has them (``rljax.kernels.cpu_matmul.softmax_block_sums``): then only the chosen
-    block's ``w`` is computed here.
+    use the same uniforms and blocks, so they draw the same tokens.
     """
     v, rows = x.shape[axis], x.shape[1 - axis]
     bs = _block_size(v)
@@ -242,26 +235,12 @@ def _sample_with_logp(
     widths = [(0, 0), (0, 0)]
     widths[axis] = (0, nb * bs - v)
     shape3 = (rows, nb, bs) if axis == 1 else (nb, bs, rows)  # vocab on axis 1 or 0
-
-    def blocks_of(a, pad):
-        return jnp.pad(a, widths, constant_values=pad).reshape(shape3)
-
-    def pick_block(a3, blk):
-        return jnp.squeeze(jnp.take_along_axis(a3, jnp.expand_dims(blk, (axis, axis + 1)),
-                                               axis=axis), axis)
-
-    x_max = jnp.max(x, axis=axis) if x_max is None else x_max
+    w = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
+    w3 = jnp.pad(w, widths).reshape(shape3)
     u_Rx2 = jax.random.uniform(key, (rows, 2), jnp.float32)
-    if block_sums is None:
-        w3 = blocks_of(jnp.exp(x - jnp.expand_dims(x_max, axis)), 0.0)
-        blk, total = _inverse_cdf(jnp.sum(w3, axis=axis + 1), u_Rx2[:, 0], axis)
-        w_block = pick_block(w3, blk)
-    else:
-        if axis != 0 or block_sums.shape != (nb, rows):
-            raise ValueError(f"block_sums: expected [{nb}, {rows}] with vocab-major logits, "
-                             f"got {block_sums.shape} (axis {axis})")
-        blk, total = _inverse_cdf(block_sums, u_Rx2[:, 0], axis)
-        w_block = jnp.exp(pick_block(blocks_of(x, -jnp.inf), blk) - x_max)
+    blk, total = _inverse_cdf(jnp.sum(w3, axis=axis + 1), u_Rx2[:, 0], axis)
+    w_block = jnp.squeeze(
+        jnp.take_along_axis(w3, jnp.expand_dims(blk, (axis, axis + 1)), axis=axis), axis)
     within, _ = _inverse_cdf(w_block, u_Rx2[:, 1], axis)
     return blk * bs + within, jnp.log(_pick(w_block, within, axis)) - jnp.log(total)
 
@@ -310,17 +289,11 @@ def sample_tokens(
 
 
 def sample_tokens_VxR(
-    key: jax.Array, logits_VxR: jax.Array, params: SamplingParams,
-    max_R: jax.Array | None = None, block_sums: jax.Array | None = None,
+    key: jax.Array, logits_VxR: jax.Array, params: SamplingParams
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`sample_tokens` for vocab-major logits ``[V, R]`` (same draws, same outputs).
 
     Temperature and greedy run in this layout; top-k / top-p transpose to ``[R, V]``.
-    ``max_R``: optional, the logits' max over the vocabulary per row (the CPU head
-    kernel returns it), so the sampling pass does not compute it again. ``block_sums``:
-    optional, with ``max_R``, the sums of ``exp((logits - max) / T)`` over blocks of
-    ``_block_size(V)`` tokens (``cpu_matmul.softmax_block_sums``); used by plain and
-    temperature sampling, ignored otherwise.
     """
     x_VxR = logits_VxR.astype(jnp.float32)
     if params.filters:
@@ -329,11 +302,7 @@ def sample_tokens_VxR(
         tok_R = _first_index_of_max(x_VxR, axis=0)
         return tok_R, token_logprobs(x_VxR, tok_R, axis=0), jnp.zeros(tok_R.shape)
     scaled_VxR = x_VxR if params.temperature == 1.0 else x_VxR / params.temperature
-    if max_R is not None and params.temperature != 1.0:
-        max_R = max_R / params.temperature  # division by T > 0 keeps the argmax exactly
-    if max_R is None:
-        block_sums = None
-    tok_R, sampling_logp_R = _sample_with_logp(key, scaled_VxR, 0, max_R, block_sums)
+    tok_R, sampling_logp_R = _sample_with_logp(key, scaled_VxR, 0)
     if params.temperature == 1.0:
         return tok_R, sampling_logp_R, sampling_logp_R
     return tok_R, token_logprobs(x_VxR, tok_R, axis=0), sampling_logp_R

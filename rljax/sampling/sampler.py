@@ -34,11 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
-from rljax.models import grow_kv_cache, kv_cache_shardings
-from rljax.sampling.head import sampler_head, sampler_head_weight
+from rljax.models import KVCache, ModelConfig, grow_kv_cache, kv_cache_shardings
+from rljax.sampling.head import cached_vocab_major_weight, vocab_major_head
 from rljax.sampling.ops import SamplingParams, sample_tokens_VxR
+from rljax.sampling.prompts import PackedPrompts
 from rljax.sampling.result import SampleResult
 from rljax.sharding import logical_sharding
 
@@ -159,7 +160,7 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
     if mesh is not None:
         cache = jax.lax.with_sharding_constraint(cache, kv_cache_shardings(cache, mesh))
     h_BxPxD, cache = model.forward_cached(tokens_BxP, pos_BxP, mask_BxP, cache, 0)
-    logits_VxB, max_B, sums_B = sampler_head(model, head_VxD, spec.params)(h_BxPxD[:, -1])
+    logits_VxB = vocab_major_head(model, head_VxD)(h_BxPxD[:, -1])
     g, n = spec.num_samples, spec.max_new_tokens
     cache = jax.tree.map(lambda x: _repeat_rows(x, g), cache)
     r = b * g
@@ -173,9 +174,7 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
         logp_RxN=zeros_RxN, sampling_logp_RxN=zeros_RxN,
     )
     logits_VxR = logits_VxB if g == 1 else jnp.repeat(logits_VxB, g, axis=1)
-    max_R, sums_R = (None if a is None else jnp.repeat(a, g, axis=-1) for a in (max_B, sums_B))
-    tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(key, 0), logits_VxR, spec.params,
-                                     max_R, sums_R)
+    tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(key, 0), logits_VxR, spec.params)
     s = _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
     prompt = tuple(_repeat_rows(x, g) for x in (tokens_BxP, mask_BxP, pos_BxP))
     return dataclasses.replace(s, cache=None), s.cache, prompt
@@ -186,23 +185,20 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, 
     """Decode until ``max_new_tokens`` or every row stopped; the state is donated.
 
     ``s.cache`` is None on the way in and out; the loops run on ``prompt_cache`` grown
-    to each phase's length. ``head_VxD``: ``sampler_head_weight`` (or None).
+    to each phase's length. ``head_VxD``: ``cached_vocab_major_weight`` (or None).
     """
     model = nnx.merge(graphdef, params)
     s = dataclasses.replace(s, cache=prompt_cache)
     r = s.last_R.shape[0]
     ones_Rx1 = jnp.ones((r, 1), bool)
-    head = sampler_head(model, head_VxD, spec.params)
-    packed = head_VxD is not None and head_VxD.ndim == 3  # the CPU kernel applies
-    fused = model.decode_weights(packed) if hasattr(model, "decode_weights") else None
+    head = vocab_major_head(model, head_VxD)
 
     def body(s):
         h_Rx1xD, cache = model.forward_cached(
-            s.last_R[:, None], s.feed_pos_R[:, None], ones_Rx1, s.cache, s.slot, fused
+            s.last_R[:, None], s.feed_pos_R[:, None], ones_Rx1, s.cache, s.slot
         )
-        logits_VxR, max_R, sums_R = head(h_Rx1xD[:, 0])
-        tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(s.key, s.step), logits_VxR,
-                                         spec.params, max_R, sums_R)
+        tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(s.key, s.step),
+                                         head(h_Rx1xD[:, 0]), spec.params)
         return _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
 
     for end_step, cache_len in spec.phases:
@@ -231,19 +227,21 @@ def _mesh_of(params):
     return None
 
 
-def run(graphdef, params, packed, spec: DecodeSpec, key, mesh=None, config=None) -> SampleResult:
-    """Prefill + decode packed prompts; see ``rljax.sampling.generate`` for the API.
+def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec: DecodeSpec,
+        key: jax.Array, mesh: Mesh | None = None, config: ModelConfig | None = None,
+        ) -> SampleResult:
+    """Prefill + decode left-padded prompts; see ``rljax.sampling.generate`` for the API.
 
     config: the model's config, to reuse its vocab-major output weight across calls
     (``rljax.sampling.head``); without it the weight is built inside each call.
     """
     mesh = _mesh_of(params) if mesh is None else mesh
-    host = (packed.tokens_BxP, packed.mask_BxP, packed.positions_BxP)
+    host = (prompts.tokens_BxP, prompts.mask_BxP, prompts.positions_BxP)
     if mesh is not None:
         host = tuple(
             jax.device_put(x, logical_sharding(("batch", None), x.shape, mesh)) for x in host
         )
-    head_VxD = None if config is None else sampler_head_weight(params, config)
+    head_VxD = None if config is None else cached_vocab_major_weight(params, config)
     s, cache, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, head_VxD, *host, key)
     s = _decode(graphdef, spec, mesh, params, head_VxD, s, cache)
     n = spec.max_new_tokens
@@ -257,5 +255,5 @@ def run(graphdef, params, packed, spec: DecodeSpec, key, mesh=None, config=None)
         positions=plen_R[:, None] + cols_N[None, :],
         lengths=s.lengths_R, truncated=~s.done_R,
         logprobs=s.logp_RxN, sampling_logprobs=s.sampling_logp_RxN,
-        prompt_index=jnp.asarray(np.repeat(np.arange(len(packed.lengths_B), dtype=np.int32), g)),
+        prompt_index=jnp.asarray(np.repeat(np.arange(len(prompts.lengths_B), dtype=np.int32), g)),
     )

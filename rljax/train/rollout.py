@@ -100,11 +100,10 @@ def zero_variance_groups(rewards_B: Array, group_size: int) -> Array:
 
 
 @jax.jit
-def _to_rollout(out, rewards_B, correct_B, weight_B):
-    return (out.prompt_tokens.astype(jnp.int32), out.prompt_mask.astype(jnp.float32),
-            out.tokens.astype(jnp.int32), out.completion_mask.astype(jnp.float32),
-            out.sampling_logprobs, out.truncated.astype(jnp.float32), rewards_B, correct_B,
-            weight_B)
+def _to_rollout(ptok, pmask, tokens, cmask, slogp, truncated, rewards_B, correct_B, weight_B):
+    return (ptok.astype(jnp.int32), pmask.astype(jnp.float32), tokens.astype(jnp.int32),
+            cmask.astype(jnp.float32), slogp, truncated.astype(jnp.float32), rewards_B,
+            correct_B, weight_B)
 
 
 @dataclasses.dataclass
@@ -204,7 +203,9 @@ class Rollouts:
                               np.float32) if self.accuracy_fn is not None else
                    np.zeros(hi - lo, np.float32))
         glob = functools.partial(hosts.to_global, n_rows=b, mesh=self.mesh)
-        ro = Rollout(*_to_rollout(out, glob(rewards), glob(correct),
+        ro = Rollout(*_to_rollout(out.prompt_tokens, out.prompt_mask, out.tokens,
+                                  out.completion_mask, out.sampling_logprobs, out.truncated,
+                                  glob(rewards), glob(correct),
                                   glob(np.ones(hi - lo, np.float32))),
                      group_size=g, has_correct=self.accuracy_fn is not None)
         ph.times["reward"] = ph.times.get("reward", 0.0) + time.perf_counter() - t0
