@@ -66,8 +66,9 @@ def smoke_inputs(cfg: ExperimentConfig, root: str | None = None) -> ExperimentCo
     return dataclasses.replace(
         cfg, hf_path=str(ckpt), compute_dtype="float32",
         task=dataclasses.replace(cfg.task, path=str(data), max_prompt_tokens=144),
-        algorithm=dataclasses.replace(cfg.algorithm, group_size=min(cfg.algorithm.group_size, 4),
-                                      micro_batch_size=0),
+        algorithm=dataclasses.replace(
+            cfg.algorithm, group_size=min(cfg.algorithm.resolve().group_size, 4),
+            micro_batch_size=0),
         sampling=dataclasses.replace(cfg.sampling, max_new_tokens=8),
         rl=dataclasses.replace(cfg.rl, steps=2, prompts_per_step=4, eval_every=0,
                                eval_prompts=8, remat=False, logp_chunk=8),

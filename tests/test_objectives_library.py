@@ -90,7 +90,7 @@ def test_ppo_policy_value_entropy_and_explained_variance():
     s, n, metrics = jax.jit(ro.ppo)(BATCH, coef)
     assert float(s) / float(n) == pytest.approx(per_tok[M].mean(), rel=1e-5)
     assert float(metrics["value_loss"][0] / metrics["value_loss"][1]) == pytest.approx(vloss[M].mean(), rel=1e-5)
-    ev = ro.explained_variance(metrics)
+    ev = ro.explained_variance_from_sums(metrics)
     assert float(ev) == pytest.approx(1 - np.var((ret - v)[M]) / np.var(ret[M]), rel=1e-4)
 
 
@@ -105,3 +105,18 @@ def test_zero_advantage_sequences_metric():
     b = dataclasses.replace(BATCH, adv_BxT=adv)
     _, _, metrics = ro.grpo(b, ro.Coef())
     assert float(metrics["zero_adv_seq_frac"][0]) == 3 and float(metrics["zero_adv_seq_frac"][1]) == 8
+
+
+def test_explained_variance_matches_numpy_on_real_tokens():
+    rng = np.random.default_rng(0)
+    ret = rng.normal(2.0, 1.5, (4, 7)).astype(np.float32)
+    v = (0.7 * ret + rng.normal(0.0, 0.5, ret.shape)).astype(np.float32)
+    mask = rng.random(ret.shape) < 0.6
+    # Padding holds garbage: it must not enter either variance.
+    ret_pad, v_pad = np.where(mask, ret, 1e6), np.where(mask, v, -1e6)
+    got = float(jax.jit(ro.explained_variance)(v_pad, ret_pad, mask.astype(np.float32)))
+    r, res = ret[mask].astype(np.float64), (ret - v)[mask].astype(np.float64)
+    assert got == pytest.approx(1 - np.var(res) / np.var(r), rel=1e-5)
+    assert float(ro.explained_variance(ret, ret, np.ones_like(ret))) == pytest.approx(1.0)
+    const = np.full_like(ret, 3.0)
+    assert np.isnan(float(ro.explained_variance(v, const, np.ones_like(ret))))

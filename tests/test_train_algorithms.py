@@ -154,12 +154,12 @@ def test_dapo_overlong_shaping_eq13():
 
 
 def test_presets_carry_each_papers_defaults():
-    g = algorithm_preset("grpo")
+    g = algorithm_preset("grpo").resolve()
     assert (g.kl_coef, g.kl_kind, g.kl_in, g.clip_low) == (0.04, "k3", "loss", 0.2)
-    d = algorithm_preset("dapo")
+    d = algorithm_preset("dapo").resolve()
     assert (d.clip_low, d.clip_high, d.aggregation, d.dynamic_sampling) == (0.2, 0.28,
                                                                             "token-mean", True)
-    p = algorithm_preset("ppo")
+    p = algorithm_preset("ppo").resolve()
     assert (p.kl_in, p.kl_kind) == ("reward", "k1")
 
 

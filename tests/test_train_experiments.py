@@ -27,7 +27,7 @@ def test_full_demo_configs_are_valid():
     assert grpo.sampling.temperature < 1.0 and grpo.rl.prompts_per_step == 64
     assert grpo.optim.warmup_steps > 0 and grpo.sft is not None
     ppo = load_experiment("arithmetic_ppo")
-    assert ppo.algorithm.kl_in == "reward" and ppo.algorithm.name == "ppo"
+    assert ppo.algorithm.resolve().kl_in == "reward" and ppo.algorithm.name == "ppo"
     assert ppo.sampling.temperature == 1.0  # PPO keeps its measured setting
 
 

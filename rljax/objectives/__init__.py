@@ -28,7 +28,8 @@ from rljax.objectives.surrogates import (
     ppo_clip_objective,
     truncated_is_weights,
 )
-from rljax.objectives.value import clipped_value_loss, explained_variance
+from rljax.objectives.value import (clipped_value_loss, explained_variance,
+                                    explained_variance_from_sums)
 
 __all__ = [
     "AGGREGATIONS",
@@ -42,6 +43,7 @@ __all__ = [
     "clip_indicators",
     "clipped_value_loss",
     "explained_variance",
+    "explained_variance_from_sums",
     "final_token_rewards",
     "gae",
     "group_advantages",

@@ -240,7 +240,7 @@ def ppo(
     `old_values_BxT`, `returns_BxT` (required). The KL to the reference normally enters
     the reward (`kl_penalized_rewards`, DeepSeekMath Eq. 2) before GAE, so by default it
     is only reported; `kl_kind` adds it as a loss term too. Metrics include the pieces
-    of the value model's explained variance (`explained_variance`).
+    of the value model's explained variance (`explained_variance_from_sums`).
     """
     return _objective(batch, coef, _ratio_clipped(coef),
                       (aggregation, kl_kind, kl_clamp, norm_const),

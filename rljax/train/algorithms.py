@@ -1,5 +1,6 @@
 """Algorithm configs -> the pure pieces the loop plugs in: objective, coefficients,
-advantage estimator and reward shaping.
+advantage estimator and reward shaping. Each takes an ``AlgorithmConfig`` resolved or not
+(preset fields left ``None`` take ``name``'s paper values, see ``AlgorithmConfig.resolve``).
 
 | name      | objective (rljax.objectives) | advantages                            | KL            |
 |-----------|------------------------------|---------------------------------------|---------------|
@@ -48,6 +49,7 @@ def make_objective(cfg: AlgorithmConfig, max_new_tokens: int) -> Callable:
     """
     if cfg.objective is not None:
         return load_import_path(cfg.objective, "objective")
+    cfg = cfg.resolve()
     kl_kind = cfg.kl_kind if (cfg.kl_in == "loss" and cfg.kl_coef > 0) else None
     norm = float(max_new_tokens) if cfg.aggregation == "seq-mean-token-sum-norm" else None
     base = {"reinforce": obj.reinforce, "rloo": obj.reinforce, "gspo": obj.gspo,
@@ -58,6 +60,7 @@ def make_objective(cfg: AlgorithmConfig, max_new_tokens: int) -> Callable:
 
 def make_coef(cfg: AlgorithmConfig, kl_coef: Any | None = None) -> obj.Coef:
     """``Coef`` from the config; ``kl_coef`` overrides the weight (adaptive controller)."""
+    cfg = cfg.resolve()
     kl = cfg.kl_coef if kl_coef is None else kl_coef
     return obj.Coef(
         kl=kl if cfg.kl_in == "loss" else 0.0, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -71,6 +74,7 @@ def sequence_advantages(cfg: AlgorithmConfig, rewards_B: np.ndarray) -> np.ndarr
 
     Rewards are grouped consecutively, ``group_size`` completions per prompt.
     """
+    cfg = cfg.resolve()
     g = cfg.group_size
     if rewards_B.shape[0] % g:
         raise ValueError(f"{rewards_B.shape[0]} rewards do not divide into groups of "
@@ -102,10 +106,6 @@ def overlong_shaping(lengths_B: np.ndarray, max_new_tokens: int, buffer: int,
 
 
 def resolve_overlong_buffer(cfg: AlgorithmConfig, max_new_tokens: int) -> int:
-    """The overlong window in tokens: None means 20% of ``max_new_tokens`` (DAPO's
-    4096 of 20480); it must be smaller than ``max_new_tokens``."""
-    buf = max_new_tokens // 5 if cfg.overlong_buffer is None else cfg.overlong_buffer
-    if buf >= max_new_tokens:
-        raise ValueError(f"AlgorithmConfig.overlong_buffer={buf} must be < "
-                         f"SamplingConfig.max_new_tokens={max_new_tokens}")
-    return buf
+    """The overlong window in tokens ("auto" = 20% of ``max_new_tokens``, DAPO's 4096 of
+    20480; None = the preset of ``cfg.name``); it must be smaller than ``max_new_tokens``."""
+    return cfg.overlong_tokens(max_new_tokens)

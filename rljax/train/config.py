@@ -1,14 +1,21 @@
 """Frozen, validated configuration dataclasses for SFT and the RL loop.
 
 Every config validates itself in ``__post_init__``; an error names the field, the bad
-value and what is allowed. Algorithms are configurations of one loop: use
-:func:`algorithm_preset` to get a paper's defaults and override what you need.
+value and what is allowed. Algorithms are configurations of one loop: the fields a
+paper decides default to ``None`` ("the preset of ``name``", see
+``rljax.train.presets``), so ``AlgorithmConfig(name="dapo")``,
+``dataclasses.replace(cfg, name="gspo")`` and ``--set algorithm.name=gspo`` all give
+that paper's settings with the fields set explicitly on top; ``AlgorithmConfig.resolve()``
+fills them in. Checks that need two configs are in :func:`check_algorithm_sampling`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+from rljax.train.checks import check_bool, check_choice, check_import_path, check_num, fail
+from rljax.train.presets import BASE, PRESET_FIELDS, PRESETS
 
 ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce", "ppo")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -22,34 +29,7 @@ AGGREGATIONS = (
 )
 ADV_STDS = ("population", "sample", "none")
 OLD_LOGP = ("auto", "recompute", "sampler")
-
-
-def _fail(cls: str, field: str, value, allowed: str):
-    raise ValueError(f"{cls}.{field}={value!r} is invalid; allowed: {allowed}")
-
-
-def _check_choice(cls, field, value, choices):
-    if value not in choices:
-        _fail(cls, field, value, "one of " + ", ".join(repr(c) for c in choices))
-
-
-def _check_num(cls, field, value, *, lo=None, hi=None, lo_open=False, integer=False):
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        _fail(cls, field, value, "an int" if integer else "a number")
-    if integer is False and math.isnan(value):
-        _fail(cls, field, value, "a number, not NaN")
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        _fail(cls, field, value, f"a value {'>' if lo_open else '>='} {lo}")
-    if hi is not None and value > hi:
-        _fail(cls, field, value, f"a value <= {hi}")
-
-
-def _check_import_path(cls, field, value):
-    if value is None:
-        return
-    if not isinstance(value, str) or value.count(":") != 1 or not all(value.split(":")):
-        _fail(cls, field, value, "None or an import path 'package.module:function'")
+GROUP_BASELINES = ("grpo", "dr_grpo", "dapo", "gspo", "rloo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +45,8 @@ class OptimConfig:
         ``lr * min_lr_ratio`` at the last update.
       min_lr_ratio: final learning rate as a fraction of ``lr``.
       weight_decay: decoupled weight decay (AdamW, Loshchilov & Hutter 2019).
-      b1, b2, eps: Adam moments and epsilon.
+      b1, b2, eps: Adam moments (in [0, 1): 1 makes the bias correction divide by 0) and
+        epsilon.
       clip_norm: clip the global gradient norm to this value (0 = no clipping).
     """
 
@@ -81,49 +62,60 @@ class OptimConfig:
 
     def __post_init__(self):
         c = "OptimConfig"
-        _check_num(c, "lr", self.lr, lo=0.0, lo_open=True)
-        _check_num(c, "warmup_steps", self.warmup_steps, lo=0, integer=True)
-        _check_choice(c, "schedule", self.schedule, SCHEDULES)
-        _check_num(c, "min_lr_ratio", self.min_lr_ratio, lo=0.0, hi=1.0)
-        _check_num(c, "weight_decay", self.weight_decay, lo=0.0)
-        _check_num(c, "b1", self.b1, lo=0.0, hi=1.0)
-        _check_num(c, "b2", self.b2, lo=0.0, hi=1.0)
-        _check_num(c, "eps", self.eps, lo=0.0, lo_open=True)
-        _check_num(c, "clip_norm", self.clip_norm, lo=0.0)
+        check_num(c, "lr", self.lr, lo=0.0, lo_open=True)
+        check_num(c, "warmup_steps", self.warmup_steps, lo=0, integer=True)
+        check_choice(c, "schedule", self.schedule, SCHEDULES)
+        check_num(c, "min_lr_ratio", self.min_lr_ratio, lo=0.0, hi=1.0)
+        check_num(c, "weight_decay", self.weight_decay, lo=0.0)
+        check_num(c, "b1", self.b1, lo=0.0, hi=1.0, hi_open=True)
+        check_num(c, "b2", self.b2, lo=0.0, hi=1.0, hi_open=True)
+        check_num(c, "eps", self.eps, lo=0.0, lo_open=True)
+        check_num(c, "clip_norm", self.clip_norm, lo=0.0, finite=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
-    """One RL algorithm as a configuration of the shared loop (see :func:`algorithm_preset`).
+    """One RL algorithm as a configuration of the shared loop.
+
+    The fields marked *preset* default to ``None``: "what ``name``'s paper uses"
+    (``rljax.train.presets``). Setting ``name`` (in the constructor, with
+    ``dataclasses.replace`` or ``--set algorithm.name=X``) therefore switches every preset
+    field that was not set explicitly; explicit values stay on top. ``resolve()`` returns
+    the config with every preset field filled in: readers use that one.
 
     Attributes:
       name: which loss and advantage estimator: one of ``ALGORITHMS``.
-      group_size: completions sampled per prompt (G); group baselines need G >= 2.
-      kl_coef: KL-to-reference weight (beta); with ``kl_in="reward"`` the initial value of
-        the (possibly adaptive) controller.
-      kl_kind: KL estimator "k1" | "k2" | "k3" (Schulman's approximations).
-      kl_in: "loss" (GRPO), "reward" (PPO / InstructGPT per-token penalty) or "none".
-      clip_low, clip_high: ratio clip range [1 - clip_low, 1 + clip_high] (DAPO's
-        clip-higher uses a larger ``clip_high``).
+      group_size: (preset) completions sampled per prompt (G); group baselines need G >= 2.
+      kl_coef: (preset) KL-to-reference weight (beta); with ``kl_in="reward"`` the initial
+        value of the (possibly adaptive) controller.
+      kl_kind: (preset) KL estimator "k1" | "k2" | "k3" (Schulman's approximations).
+      kl_in: (preset) "loss" (GRPO), "reward" (PPO / InstructGPT per-token penalty, PPO
+        only) or "none".
+      clip_low, clip_high: (preset) ratio clip range [1 - clip_low, 1 + clip_high]
+        (clip_low in [0, 1); DAPO's clip-higher uses a larger ``clip_high``; inf = no
+        upper clip).
       dual_clip: dual-clip constant c > 1 for negative advantages (``inf`` = off).
-      aggregation: how per-token losses reduce: one of ``AGGREGATIONS``.
-      adv_std: group-advantage normalisation: "population", "sample" or "none".
-      num_epochs, num_minibatches: passes over each rollout batch and minibatches per pass;
-        both 1 means one update per batch (ratio 1, no extra forward pass).
+      aggregation: (preset) how per-token losses reduce: one of ``AGGREGATIONS``.
+      adv_std: (preset) group-advantage normalisation: "population", "sample" or "none".
+      num_epochs, num_minibatches: (preset) passes over each rollout batch and minibatches
+        per pass; both 1 means one update per batch (ratio 1, no extra forward pass).
       micro_batch_size: sequences per accumulation micro-batch (0 = whole minibatch).
       old_logp: "auto" (ratio 1 for single-update batches, else "recompute"),
-        "recompute" (a forward pass before the updates) or "sampler" (the sampler's).
-      tis_cap: truncated importance-sampling cap for the sampler/trainer gap (inf = off).
-      entropy_coef: entropy bonus weight.
-      value_coef, value_clip: PPO value-loss weight and clip range.
+        "recompute" (a forward pass before the updates) or "sampler" (the sampler's; not
+        with top-k / top-p, see :func:`check_algorithm_sampling`).
+      tis_cap: truncated importance-sampling cap for the sampler/trainer gap (inf = off;
+        not with top-k / top-p either).
+      entropy_coef: entropy bonus weight (negative = entropy penalty).
+      value_coef, value_clip: PPO value-loss weight and clip range (inf = no clip).
       gamma, lam: GAE discount and lambda (PPO).
       adaptive_kl_target, adaptive_kl_horizon: adaptive KL controller (Ziegler et al.
-        2019, §2.2); target None = fixed coefficient.
+        2019, §2.2) for ``kl_in="reward"``; target None = fixed coefficient.
       whiten_advantages: PPO: whiten GAE advantages over the batch's real tokens.
-      dynamic_sampling: DAPO: drop zero-variance groups and sample more prompts to refill.
+      dynamic_sampling: (preset) DAPO: drop zero-variance groups and sample more prompts
+        to refill (needs group_size >= 2).
       max_refill_rounds: extra sampling rounds allowed to refill a dynamic-sampling batch.
-      overlong_buffer: DAPO overlong shaping window in tokens (0 = off; None = 20% of
-        ``max_new_tokens``, the paper's 4096 of 20480).
+      overlong_buffer: (preset) DAPO overlong shaping window in tokens (0 = off; "auto" =
+        20% of ``max_new_tokens``, the paper's 4096 of 20480).
       overlong_penalty: penalty at the maximum length (DAPO Eq. 13).
       objective: optional import path "pkg.mod:fn" of a user objective with the contract
         ``(ObjectiveBatch, Coef) -> (loss_sum, count, metrics)`` replacing the library one.
@@ -132,17 +124,17 @@ class AlgorithmConfig:
     """
 
     name: str = "grpo"
-    group_size: int = 8
-    kl_coef: float = 0.04
-    kl_kind: str = "k3"
-    kl_in: str = "loss"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    group_size: int | None = None
+    kl_coef: float | None = None
+    kl_kind: str | None = None
+    kl_in: str | None = None
+    clip_low: float | None = None
+    clip_high: float | None = None
     dual_clip: float = math.inf
-    aggregation: str = "seq-mean-token-mean"
-    adv_std: str = "population"
-    num_epochs: int = 1
-    num_minibatches: int = 1
+    aggregation: str | None = None
+    adv_std: str | None = None
+    num_epochs: int | None = None
+    num_minibatches: int | None = None
     micro_batch_size: int = 0
     old_logp: str = "auto"
     tis_cap: float = math.inf
@@ -154,109 +146,119 @@ class AlgorithmConfig:
     adaptive_kl_target: float | None = None
     adaptive_kl_horizon: int = 10000
     whiten_advantages: bool = True
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool | None = None
     max_refill_rounds: int = 4
-    overlong_buffer: int | None = 0
+    overlong_buffer: int | str | None = None
     overlong_penalty: float = 1.0
     objective: str | None = None
     advantages: str | None = None
 
     def __post_init__(self):
         c = "AlgorithmConfig"
-        _check_choice(c, "name", self.name, ALGORITHMS)
-        _check_num(c, "group_size", self.group_size, lo=1, integer=True)
-        if self.name in ("grpo", "dr_grpo", "dapo", "gspo", "rloo") and self.group_size < 2:
-            _fail(c, "group_size", self.group_size, f">= 2 for {self.name} (group baseline)")
-        _check_num(c, "kl_coef", self.kl_coef, lo=0.0)
-        _check_choice(c, "kl_kind", self.kl_kind, KL_KINDS)
-        _check_choice(c, "kl_in", self.kl_in, KL_IN)
-        if self.kl_in == "reward" and self.name != "ppo":
-            _fail(c, "kl_in", self.kl_in, "'loss' or 'none' unless name='ppo'")
-        _check_num(c, "clip_low", self.clip_low, lo=0.0, hi=1.0)
-        _check_num(c, "clip_high", self.clip_high, lo=0.0)
-        _check_num(c, "dual_clip", self.dual_clip, lo=1.0, lo_open=True)
-        _check_choice(c, "aggregation", self.aggregation, AGGREGATIONS)
-        _check_choice(c, "adv_std", self.adv_std, ADV_STDS)
-        _check_num(c, "num_epochs", self.num_epochs, lo=1, integer=True)
-        _check_num(c, "num_minibatches", self.num_minibatches, lo=1, integer=True)
-        _check_num(c, "micro_batch_size", self.micro_batch_size, lo=0, integer=True)
-        _check_choice(c, "old_logp", self.old_logp, OLD_LOGP)
-        _check_num(c, "tis_cap", self.tis_cap, lo=0.0, lo_open=True)
-        _check_num(c, "entropy_coef", self.entropy_coef)
-        _check_num(c, "value_coef", self.value_coef, lo=0.0)
-        _check_num(c, "value_clip", self.value_clip, lo=0.0, lo_open=True)
-        _check_num(c, "gamma", self.gamma, lo=0.0, hi=1.0)
-        _check_num(c, "lam", self.lam, lo=0.0, hi=1.0)
+        check_choice(c, "name", self.name, ALGORITHMS)
+        # Validate what will run: explicit values, and the preset's for the rest.
+        v = {f: self.resolved(f) for f in PRESET_FIELDS}
+        check_num(c, "group_size", v["group_size"], lo=1, integer=True)
+        if self.name in GROUP_BASELINES and v["group_size"] < 2:
+            fail(c, "group_size", v["group_size"], f">= 2 for {self.name} (group baseline)")
+        check_num(c, "kl_coef", v["kl_coef"], lo=0.0)
+        check_choice(c, "kl_kind", v["kl_kind"], KL_KINDS)
+        check_choice(c, "kl_in", v["kl_in"], KL_IN)
+        if v["kl_in"] == "reward" and self.name != "ppo":
+            fail(c, "kl_in", v["kl_in"], f"'loss' or 'none' unless name='ppo' (name={self.name!r})")
+        check_num(c, "clip_low", v["clip_low"], lo=0.0, hi=1.0, hi_open=True)
+        check_num(c, "clip_high", v["clip_high"], lo=0.0, finite=False)
+        check_num(c, "dual_clip", self.dual_clip, lo=1.0, lo_open=True, finite=False)
+        check_choice(c, "aggregation", v["aggregation"], AGGREGATIONS)
+        check_choice(c, "adv_std", v["adv_std"], ADV_STDS)
+        check_num(c, "num_epochs", v["num_epochs"], lo=1, integer=True)
+        check_num(c, "num_minibatches", v["num_minibatches"], lo=1, integer=True)
+        check_num(c, "micro_batch_size", self.micro_batch_size, lo=0, integer=True)
+        check_choice(c, "old_logp", self.old_logp, OLD_LOGP)
+        check_num(c, "tis_cap", self.tis_cap, lo=0.0, lo_open=True, finite=False)
+        self._check_value_and_kl(c)
+        check_bool(c, "whiten_advantages", self.whiten_advantages)
+        check_bool(c, "dynamic_sampling", v["dynamic_sampling"])
+        if v["dynamic_sampling"] and v["group_size"] < 2:
+            fail(c, "dynamic_sampling", True, "False when group_size < 2 (every group of "
+                  "one completion has zero reward variance and would be dropped)")
+        check_num(c, "max_refill_rounds", self.max_refill_rounds, lo=0, integer=True)
+        if v["overlong_buffer"] != "auto":
+            if isinstance(v["overlong_buffer"], str):
+                fail(c, "overlong_buffer", v["overlong_buffer"], "an int >= 0 or 'auto'")
+            check_num(c, "overlong_buffer", v["overlong_buffer"], lo=0, integer=True)
+        check_num(c, "overlong_penalty", self.overlong_penalty, lo=0.0)
+        check_import_path(c, "objective", self.objective)
+        check_import_path(c, "advantages", self.advantages)
+
+    def _check_value_and_kl(self, c: str):
+        check_num(c, "entropy_coef", self.entropy_coef)
+        check_num(c, "value_coef", self.value_coef, lo=0.0)
+        check_num(c, "value_clip", self.value_clip, lo=0.0, lo_open=True, finite=False)
+        check_num(c, "gamma", self.gamma, lo=0.0, hi=1.0)
+        check_num(c, "lam", self.lam, lo=0.0, hi=1.0)
         if self.adaptive_kl_target is not None:
-            _check_num(c, "adaptive_kl_target", self.adaptive_kl_target, lo=0.0, lo_open=True)
-        _check_num(c, "adaptive_kl_horizon", self.adaptive_kl_horizon, lo=1, integer=True)
-        if not isinstance(self.whiten_advantages, bool):
-            _fail(c, "whiten_advantages", self.whiten_advantages, "True or False")
-        if not isinstance(self.dynamic_sampling, bool):
-            _fail(c, "dynamic_sampling", self.dynamic_sampling, "True or False")
-        _check_num(c, "max_refill_rounds", self.max_refill_rounds, lo=0, integer=True)
-        if self.overlong_buffer is not None:
-            _check_num(c, "overlong_buffer", self.overlong_buffer, lo=0, integer=True)
-        _check_num(c, "overlong_penalty", self.overlong_penalty, lo=0.0)
-        _check_import_path(c, "objective", self.objective)
-        _check_import_path(c, "advantages", self.advantages)
+            check_num(c, "adaptive_kl_target", self.adaptive_kl_target, lo=0.0, lo_open=True)
+            kl_in = self.resolved("kl_in")
+            if kl_in != "reward":
+                fail(c, "adaptive_kl_target", self.adaptive_kl_target,
+                      f"None unless kl_in='reward' (the controller adapts the reward "
+                      f"penalty; kl_in={kl_in!r})")
+        check_num(c, "adaptive_kl_horizon", self.adaptive_kl_horizon, lo=1, integer=True)
+
+    def explicit_presets(self) -> dict:
+        """The preset fields set explicitly (not None), by name."""
+        return {f: getattr(self, f) for f in PRESET_FIELDS if getattr(self, f) is not None}
+
+    def resolved(self, field: str):
+        """One field's value: the explicit one, else the preset of ``name``."""
+        value = getattr(self, field)
+        if value is not None or field not in PRESET_FIELDS:
+            return value
+        return PRESETS[self.name].get(field, BASE[field])
+
+    def resolve(self) -> AlgorithmConfig:
+        """This config with every preset field filled in (explicit values kept).
+
+        The result pins the preset's values: ``dataclasses.replace(cfg.resolve(),
+        name=...)`` keeps them as if they were explicit, so switch ``name`` on the
+        unresolved config.
+        """
+        return dataclasses.replace(self, **{f: self.resolved(f) for f in PRESET_FIELDS})
 
     @property
     def single_update(self) -> bool:
         """True when each rollout batch gets exactly one optimiser update."""
-        return self.num_epochs == 1 and self.num_minibatches == 1
+        return self.resolved("num_epochs") == 1 and self.resolved("num_minibatches") == 1
 
-
-# Each paper's defaults. Values not listed keep the AlgorithmConfig defaults.
-_PRESETS: dict[str, dict] = {
-    # DeepSeekMath (Shao et al. 2024) §4.1, Eq. 3: group-normalised advantages, clip 0.2,
-    # k3 KL in the loss with beta 0.04, per-sequence mean of per-token losses.
-    "grpo": dict(kl_coef=0.04, kl_kind="k3", kl_in="loss", aggregation="seq-mean-token-mean"),
-    # Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", §3.1): no std
-    # normalisation, no per-response length normalisation (a constant instead), no KL.
-    "dr_grpo": dict(
-        kl_coef=0.0, kl_in="none", adv_std="none", aggregation="seq-mean-token-sum-norm"
-    ),
-    # DAPO (Yu et al. 2025): clip-higher 0.2/0.28 (§3.1), dynamic sampling (§3.2),
-    # token-level loss (§3.3), overlong reward shaping (§3.4, Eq. 13), no KL.
-    "dapo": dict(
-        kl_coef=0.0, kl_in="none", clip_low=0.2, clip_high=0.28, aggregation="token-mean",
-        dynamic_sampling=True, overlong_buffer=None, overlong_penalty=1.0,
-    ),
-    # GSPO (Zheng et al. 2025) §4.1: sequence-level ratios, clip 3e-4 / 4e-4, no KL.
-    "gspo": dict(
-        kl_coef=0.0, kl_in="none", clip_low=3e-4, clip_high=4e-4, aggregation="seq-mean-token-mean"
-    ),
-    # RLOO (Ahmadian et al. 2024, Eq. 5): leave-one-out baseline, REINFORCE loss.
-    "rloo": dict(kl_coef=0.0, kl_in="none", adv_std="none", aggregation="seq-mean-token-sum"),
-    # REINFORCE (Williams 1992) with the group-mean baseline.
-    "reinforce": dict(
-        kl_coef=0.0, kl_in="none", adv_std="none", aggregation="seq-mean-token-sum"
-    ),
-    # PPO (Schulman et al. 2017; Ouyang et al. 2022): value model + GAE, clip 0.2, k1 KL
-    # penalty per token in the reward (DeepSeekMath Eq. 2), clipped value loss.
-    "ppo": dict(
-        group_size=1, kl_coef=0.05, kl_kind="k1", kl_in="reward", aggregation="token-mean",
-        gamma=1.0, lam=0.95, value_coef=0.5, value_clip=0.2, num_epochs=2, num_minibatches=2,
-    ),
-}
+    def overlong_tokens(self, max_new_tokens: int) -> int:
+        """The DAPO overlong window in tokens ("auto" = 20% of ``max_new_tokens``)."""
+        buf = self.resolved("overlong_buffer")
+        buf = max_new_tokens // 5 if buf == "auto" else buf
+        if buf and buf >= max_new_tokens:
+            raise ValueError(f"AlgorithmConfig.overlong_buffer={buf} must be < "
+                             f"SamplingConfig.max_new_tokens={max_new_tokens}")
+        return buf
 
 
 def algorithm_preset(name: str, **overrides) -> AlgorithmConfig:
-    """Return ``AlgorithmConfig`` with the defaults of ``name``'s paper, then ``overrides``.
+    """``AlgorithmConfig`` for ``name``'s paper with ``overrides`` set explicitly.
+
+    Same as ``AlgorithmConfig(name=name, **overrides)``: the preset fields not overridden
+    stay ``None`` and follow ``name`` (see ``AlgorithmConfig.resolve``).
 
     Raises:
       ValueError: ``name`` is not one of ``ALGORITHMS`` or an override key is unknown.
     """
-    if name not in _PRESETS:
-        _fail("algorithm_preset", "name", name, "one of " + ", ".join(ALGORITHMS))
+    if name not in PRESETS:
+        fail("algorithm_preset", "name", name, "one of " + ", ".join(ALGORITHMS))
     valid = {f.name for f in dataclasses.fields(AlgorithmConfig)}
     unknown = sorted(set(overrides) - valid)
     if unknown:
         raise ValueError(
             f"algorithm_preset: unknown option(s) {unknown}; valid: {sorted(valid)}"
         )
-    return AlgorithmConfig(**{"name": name, **_PRESETS[name], **overrides})
+    return AlgorithmConfig(name=name, **overrides)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,10 +279,52 @@ class SamplingConfig:
 
     def __post_init__(self):
         c = "SamplingConfig"
-        _check_num(c, "max_new_tokens", self.max_new_tokens, lo=1, integer=True)
-        _check_num(c, "temperature", self.temperature, lo=0.0, lo_open=True)
-        _check_num(c, "top_k", self.top_k, lo=0, integer=True)
-        _check_num(c, "top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        check_num(c, "max_new_tokens", self.max_new_tokens, lo=1, integer=True)
+        check_num(c, "temperature", self.temperature, lo=0.0, lo_open=True)
+        check_num(c, "top_k", self.top_k, lo=0, integer=True)
+        check_num(c, "top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+
+    @property
+    def filters(self) -> bool:
+        """True when top-k or top-p removes tokens from the draw."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def check_algorithm_sampling(algorithm: AlgorithmConfig, sampling: SamplingConfig) -> None:
+    """Reject algorithm settings that the sampling settings make wrong.
+
+    The sampler reports each token's log-prob under the distribution it drew from: with
+    top-k / top-p that is the filtered, renormalised softmax, while the trainer's log-probs
+    are of the full softmax. So
+
+    - ``old_logp="sampler"`` would put the filtered probability in the ratio's denominator:
+      at theta = theta_old the ratio equals the kept probability mass (< 1), not 1, and the
+      clip acts from the first update;
+    - ``tis_cap`` would weight each token by pi / pi_filtered = the kept mass, a shrinking
+      of the gradient rather than a correction of the sampler/trainer numerical gap.
+
+    Both are rejected; ``old_logp="auto"`` / ``"recompute"`` (full softmax on both sides)
+    work with any filter. Also checks the overlong window against ``max_new_tokens``.
+
+    Raises:
+      ValueError: naming the fields, their values and what is allowed.
+    """
+    a = algorithm
+    if sampling.filters:
+        why = (f"with SamplingConfig.top_k={sampling.top_k}, top_p={sampling.top_p} the "
+               "sampler's log-probs are of the filtered, renormalised distribution while "
+               "the trainer's are of the full softmax")
+        if a.old_logp == "sampler":
+            raise ValueError(
+                f"AlgorithmConfig.old_logp='sampler' is invalid {why}: at theta = theta_old "
+                "the ratio would equal the kept probability mass, not 1. Allowed: "
+                "old_logp='auto' or 'recompute', or top_k=0 and top_p=1.0")
+        if math.isfinite(a.tis_cap):
+            raise ValueError(
+                f"AlgorithmConfig.tis_cap={a.tis_cap} is invalid {why}: every importance "
+                "weight would be the kept probability mass, not a correction near 1. "
+                "Allowed: tis_cap=inf, or top_k=0 and top_p=1.0")
+    a.overlong_tokens(sampling.max_new_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,16 +358,15 @@ class RLConfig:
 
     def __post_init__(self):
         c = "RLConfig"
-        _check_num(c, "steps", self.steps, lo=0, integer=True)
-        _check_num(c, "prompts_per_step", self.prompts_per_step, lo=1, integer=True)
-        _check_num(c, "eval_every", self.eval_every, lo=0, integer=True)
-        _check_num(c, "eval_prompts", self.eval_prompts, lo=1, integer=True)
-        if not isinstance(self.remat, bool):
-            _fail(c, "remat", self.remat, "True or False")
-        _check_num(c, "logp_chunk", self.logp_chunk, lo=1, integer=True)
-        _check_num(c, "max_nonfinite_steps", self.max_nonfinite_steps, lo=1, integer=True)
-        _check_num(c, "peak_flops", self.peak_flops, lo=0.0)
-        _check_num(c, "value_lr_ratio", self.value_lr_ratio, lo=0.0, lo_open=True)
+        check_num(c, "steps", self.steps, lo=0, integer=True)
+        check_num(c, "prompts_per_step", self.prompts_per_step, lo=1, integer=True)
+        check_num(c, "eval_every", self.eval_every, lo=0, integer=True)
+        check_num(c, "eval_prompts", self.eval_prompts, lo=1, integer=True)
+        check_bool(c, "remat", self.remat)
+        check_num(c, "logp_chunk", self.logp_chunk, lo=1, integer=True)
+        check_num(c, "max_nonfinite_steps", self.max_nonfinite_steps, lo=1, integer=True)
+        check_num(c, "peak_flops", self.peak_flops, lo=0.0)
+        check_num(c, "value_lr_ratio", self.value_lr_ratio, lo=0.0, lo_open=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,17 +410,19 @@ class SFTConfig:
 
     def __post_init__(self):
         c = "SFTConfig"
-        _check_num(c, "stop_loss", self.stop_loss, lo=0)
-        _check_num(c, "stop_accuracy", self.stop_accuracy, lo=0, hi=1)
-        _check_num(c, "stop_every", self.stop_every, lo=1, integer=True)
-        _check_num(c, "stop_prompts", self.stop_prompts, lo=1, integer=True)
-        _check_num(c, "steps", self.steps, lo=0, integer=True)
-        _check_num(c, "batch_size", self.batch_size, lo=1, integer=True)
-        _check_num(c, "micro_batch_size", self.micro_batch_size, lo=0, integer=True)
+        check_num(c, "stop_loss", self.stop_loss, lo=0)
+        check_num(c, "stop_accuracy", self.stop_accuracy, lo=0, hi=1)
+        check_num(c, "stop_every", self.stop_every, lo=1, integer=True)
+        check_num(c, "stop_prompts", self.stop_prompts, lo=1, integer=True)
+        check_num(c, "steps", self.steps, lo=0, integer=True)
+        check_num(c, "batch_size", self.batch_size, lo=1, integer=True)
+        check_num(c, "micro_batch_size", self.micro_batch_size, lo=0, integer=True)
+        if 0 < self.micro_batch_size < self.batch_size and self.batch_size % self.micro_batch_size:
+            fail(c, "micro_batch_size", self.micro_batch_size,
+                  f"0 or a divisor of batch_size={self.batch_size}")
         if not isinstance(self.optim, OptimConfig):
-            _fail(c, "optim", self.optim, "an OptimConfig")
-        if not isinstance(self.remat, bool):
-            _fail(c, "remat", self.remat, "True or False")
-        _check_num(c, "logp_chunk", self.logp_chunk, lo=1, integer=True)
-        _check_num(c, "max_nonfinite_steps", self.max_nonfinite_steps, lo=1, integer=True)
-        _check_num(c, "eval_every", self.eval_every, lo=0, integer=True)
+            fail(c, "optim", self.optim, "an OptimConfig")
+        check_bool(c, "remat", self.remat)
+        check_num(c, "logp_chunk", self.logp_chunk, lo=1, integer=True)
+        check_num(c, "max_nonfinite_steps", self.max_nonfinite_steps, lo=1, integer=True)
+        check_num(c, "eval_every", self.eval_every, lo=0, integer=True)

@@ -1,0 +1,45 @@
+"""Each algorithm's paper settings: the values ``AlgorithmConfig.resolve()`` gives the
+fields left ``None`` (see :class:`rljax.train.config.AlgorithmConfig`).
+
+``PRESET_FIELDS`` are the fields a preset decides; ``BASE`` holds their values for every
+algorithm, and ``PRESETS[name]`` what ``name``'s paper changes on top of ``BASE``.
+"""
+
+from __future__ import annotations
+
+# Shared values: no KL, PPO's symmetric clip 0.2, one update per batch, no DAPO shaping.
+BASE: dict = dict(
+    group_size=8, kl_coef=0.0, kl_kind="k3", kl_in="none", clip_low=0.2, clip_high=0.2,
+    aggregation="seq-mean-token-mean", adv_std="population", num_epochs=1, num_minibatches=1,
+    dynamic_sampling=False, overlong_buffer=0,
+)
+PRESET_FIELDS: tuple[str, ...] = tuple(BASE)
+
+PRESETS: dict[str, dict] = {
+    # DeepSeekMath (Shao et al. 2024) §4.1, Eq. 3: group-normalised advantages, clip 0.2,
+    # k3 KL in the loss with beta 0.04, per-sequence mean of per-token losses.
+    "grpo": dict(kl_coef=0.04, kl_kind="k3", kl_in="loss", aggregation="seq-mean-token-mean"),
+    # Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", §3.1): no std
+    # normalisation, no per-response length normalisation (a constant instead), no KL.
+    "dr_grpo": dict(kl_coef=0.0, kl_in="none", adv_std="none",
+                    aggregation="seq-mean-token-sum-norm"),
+    # DAPO (Yu et al. 2025): clip-higher 0.2/0.28 (§3.1), dynamic sampling (§3.2),
+    # token-level loss (§3.3), overlong reward shaping over the last 20% of the budget
+    # (§3.4, Eq. 13: 4096 of 20480 tokens), no KL.
+    "dapo": dict(kl_coef=0.0, kl_in="none", clip_low=0.2, clip_high=0.28,
+                 aggregation="token-mean", dynamic_sampling=True, overlong_buffer="auto"),
+    # GSPO (Zheng et al. 2025) §4.1: sequence-level ratios, clip 3e-4 / 4e-4, no KL.
+    "gspo": dict(kl_coef=0.0, kl_in="none", clip_low=3e-4, clip_high=4e-4,
+                 aggregation="seq-mean-token-mean"),
+    # RLOO (Ahmadian et al. 2024, Eq. 5): leave-one-out baseline, REINFORCE loss.
+    "rloo": dict(kl_coef=0.0, kl_in="none", adv_std="none", aggregation="seq-mean-token-sum"),
+    # REINFORCE (Williams 1992) with the group-mean baseline.
+    "reinforce": dict(kl_coef=0.0, kl_in="none", adv_std="none",
+                      aggregation="seq-mean-token-sum"),
+    # PPO (Schulman et al. 2017; Ouyang et al. 2022): value model + GAE, one completion per
+    # prompt, k1 KL penalty per token in the reward (DeepSeekMath Eq. 2), 2 epochs x 2
+    # minibatches. Its value settings (gamma 1, lambda 0.95, clipped value loss 0.5 / 0.2)
+    # are AlgorithmConfig's plain defaults.
+    "ppo": dict(group_size=1, kl_coef=0.05, kl_kind="k1", kl_in="reward",
+                aggregation="token-mean", num_epochs=2, num_minibatches=2),
+}

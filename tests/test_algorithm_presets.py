@@ -1,0 +1,154 @@
+"""Algorithm configs run what they name: `name` selects the paper's preset, explicit
+fields go on top (in Python and with `--set`); ranges and sampler/filter combinations
+fail when the config is built."""
+
+import dataclasses
+import math
+
+import pytest
+
+from rljax.train.config import (ALGORITHMS, AlgorithmConfig, OptimConfig, RLConfig,
+                                SamplingConfig, SFTConfig, algorithm_preset,
+                                check_algorithm_sampling)
+from rljax.train.presets import BASE, PRESET_FIELDS, PRESETS
+
+# Each paper's settings, written out from the papers (not read from PRESETS):
+# (clip_low, clip_high, aggregation, adv_std, kl_in, kl_coef, kl_kind, dynamic_sampling,
+#  overlong_buffer, group_size, num_epochs, num_minibatches)
+PAPER = {
+    "grpo": (0.2, 0.2, "seq-mean-token-mean", "population", "loss", 0.04, "k3", False, 0, 8, 1, 1),
+    "dr_grpo": (0.2, 0.2, "seq-mean-token-sum-norm", "none", "none", 0.0, "k3", False, 0, 8, 1, 1),
+    "dapo": (0.2, 0.28, "token-mean", "population", "none", 0.0, "k3", True, "auto", 8, 1, 1),
+    "gspo": (3e-4, 4e-4, "seq-mean-token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 1),
+    "rloo": (0.2, 0.2, "seq-mean-token-sum", "none", "none", 0.0, "k3", False, 0, 8, 1, 1),
+    "reinforce": (0.2, 0.2, "seq-mean-token-sum", "none", "none", 0.0, "k3", False, 0, 8, 1, 1),
+    "ppo": (0.2, 0.2, "token-mean", "population", "reward", 0.05, "k1", False, 0, 1, 2, 2),
+}
+FIELDS = ("clip_low", "clip_high", "aggregation", "adv_std", "kl_in", "kl_coef", "kl_kind",
+          "dynamic_sampling", "overlong_buffer", "group_size", "num_epochs", "num_minibatches")
+
+
+def _values(cfg):
+    r = cfg.resolve()
+    return tuple(getattr(r, f) for f in FIELDS)
+
+
+def test_presets_cover_every_algorithm_and_only_preset_fields():
+    assert set(PRESETS) == set(ALGORITHMS) == set(PAPER)
+    assert set(FIELDS) == set(PRESET_FIELDS)
+    for preset in PRESETS.values():
+        assert set(preset) <= set(BASE)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_name_alone_gives_the_papers_settings(name):
+    assert _values(AlgorithmConfig(name=name)) == PAPER[name]
+    assert _values(algorithm_preset(name)) == PAPER[name]
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_replace_name_switches_preset_and_keeps_explicit_fields(name):
+    other = "ppo" if name != "ppo" else "grpo"
+    built = algorithm_preset(other)
+    assert _values(dataclasses.replace(built, name=name)) == PAPER[name]
+    # Explicit fields stay on top of the new preset.
+    explicit = dict(clip_high=0.5, entropy_coef=0.01, num_minibatches=4)
+    got = dataclasses.replace(algorithm_preset(other, **explicit), name=name).resolve()
+    assert (got.clip_high, got.entropy_coef, got.num_minibatches) == (0.5, 0.01, 4)
+    assert got.clip_low == PAPER[name][0] and got.aggregation == PAPER[name][2]
+
+
+def test_resolve_is_idempotent_and_none_means_preset():
+    r = AlgorithmConfig(name="dapo", clip_high=0.3).resolve()
+    assert r.resolve() == r and r.clip_high == 0.3 and r.dynamic_sampling is True
+    assert all(getattr(r, f) is not None for f in PRESET_FIELDS)
+    # Setting a field back to None returns it to the preset.
+    assert dataclasses.replace(r, clip_high=None).resolve().clip_high == 0.28
+    assert AlgorithmConfig(name="ppo").single_update is False
+    assert AlgorithmConfig(name="grpo").single_update is True
+
+
+def test_explicit_fields_are_validated_against_the_new_name():
+    ppo = algorithm_preset("ppo", kl_in="reward")
+    with pytest.raises(ValueError, match=r"AlgorithmConfig.kl_in='reward'.*name='grpo'"):
+        dataclasses.replace(ppo, name="grpo")
+    with pytest.raises(ValueError, match=r"AlgorithmConfig.group_size=1 .*>= 2 for gspo"):
+        dataclasses.replace(algorithm_preset("ppo", group_size=1), name="gspo")
+
+
+@pytest.mark.parametrize("cls, kwargs, match", [
+    (AlgorithmConfig, dict(clip_low=1.0), r"clip_low=1.0 is invalid; allowed: a finite number in \[0.0, 1.0\)"),
+    (AlgorithmConfig, dict(clip_low=-0.1), r"clip_low=-0.1"),
+    (AlgorithmConfig, dict(clip_high=-0.1), r"clip_high=-0.1"),
+    (AlgorithmConfig, dict(clip_high=math.nan), r"clip_high=nan"),
+    (AlgorithmConfig, dict(dual_clip=1.0), r"dual_clip=1.0"),
+    (AlgorithmConfig, dict(kl_coef=math.inf), r"kl_coef=inf .*finite"),
+    (AlgorithmConfig, dict(kl_coef=-1.0), r"kl_coef=-1.0"),
+    (AlgorithmConfig, dict(tis_cap=0.0), r"tis_cap=0.0"),
+    (AlgorithmConfig, dict(entropy_coef=math.nan), r"entropy_coef=nan"),
+    (AlgorithmConfig, dict(value_clip=0.0), r"value_clip=0.0"),
+    (AlgorithmConfig, dict(gamma=1.5), r"gamma=1.5"),
+    (AlgorithmConfig, dict(lam=-0.1), r"lam=-0.1"),
+    (AlgorithmConfig, dict(name="ppo", adaptive_kl_target=0.0), r"adaptive_kl_target=0.0"),
+    (AlgorithmConfig, dict(adaptive_kl_target=6.0), r"adaptive_kl_target=6.0.*kl_in='reward'"),
+    (AlgorithmConfig, dict(adaptive_kl_horizon=0), r"adaptive_kl_horizon=0"),
+    (AlgorithmConfig, dict(name="ppo", dynamic_sampling=True), r"dynamic_sampling=True.*group_size < 2"),
+    (AlgorithmConfig, dict(dynamic_sampling=1), r"dynamic_sampling=1.*True or False"),
+    (AlgorithmConfig, dict(overlong_buffer=-1), r"overlong_buffer=-1"),
+    (AlgorithmConfig, dict(overlong_buffer="half"), r"overlong_buffer='half'.*'auto'"),
+    (AlgorithmConfig, dict(overlong_penalty=-1.0), r"overlong_penalty=-1.0"),
+    (AlgorithmConfig, dict(max_refill_rounds=-1), r"max_refill_rounds=-1"),
+    (AlgorithmConfig, dict(micro_batch_size=-1), r"micro_batch_size=-1"),
+    (AlgorithmConfig, dict(num_minibatches=0), r"num_minibatches=0"),
+    (AlgorithmConfig, dict(adv_std="std"), r"adv_std='std'"),
+    (OptimConfig, dict(b1=1.0), r"OptimConfig.b1=1.0 is invalid; allowed: a finite number in \[0.0, 1.0\)"),
+    (OptimConfig, dict(b2=1.0), r"OptimConfig.b2=1.0"),
+    (OptimConfig, dict(lr=math.inf), r"OptimConfig.lr=inf"),
+    (OptimConfig, dict(eps=0.0), r"OptimConfig.eps=0.0"),
+    (OptimConfig, dict(weight_decay=-0.1), r"OptimConfig.weight_decay=-0.1"),
+    (OptimConfig, dict(min_lr_ratio=1.5), r"OptimConfig.min_lr_ratio=1.5"),
+    (OptimConfig, dict(clip_norm=-1.0), r"OptimConfig.clip_norm=-1.0"),
+    (SamplingConfig, dict(temperature=math.inf), r"SamplingConfig.temperature=inf"),
+    (SamplingConfig, dict(top_p=0.0), r"SamplingConfig.top_p=0.0"),
+    (SamplingConfig, dict(top_k=-1), r"SamplingConfig.top_k=-1"),
+    (SamplingConfig, dict(max_new_tokens=0), r"SamplingConfig.max_new_tokens=0"),
+    (RLConfig, dict(value_lr_ratio=0.0), r"RLConfig.value_lr_ratio=0.0"),
+    (RLConfig, dict(peak_flops=math.inf), r"RLConfig.peak_flops=inf"),
+    (RLConfig, dict(logp_chunk=0), r"RLConfig.logp_chunk=0"),
+    (RLConfig, dict(remat=1), r"RLConfig.remat=1"),
+    (SFTConfig, dict(batch_size=32, micro_batch_size=5), r"SFTConfig.micro_batch_size=5.*divisor of batch_size=32"),
+    (SFTConfig, dict(stop_accuracy=1.5), r"SFTConfig.stop_accuracy=1.5"),
+    (SFTConfig, dict(stop_loss=math.inf), r"SFTConfig.stop_loss=inf"),
+])
+def test_out_of_range_fields_fail_at_construction(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+def test_edges_that_are_allowed():
+    AlgorithmConfig(clip_low=0.0, clip_high=math.inf, value_clip=math.inf, tis_cap=math.inf)
+    AlgorithmConfig(name="ppo", adaptive_kl_target=6.0, overlong_buffer="auto")
+    OptimConfig(b1=0.0, clip_norm=math.inf)
+    SFTConfig(batch_size=32, micro_batch_size=64)  # larger than the batch: one micro-batch
+
+
+@pytest.mark.parametrize("filt", [dict(top_k=10), dict(top_p=0.9)])
+def test_sampler_logprobs_with_filters_are_rejected(filt):
+    sampling = SamplingConfig(**filt)
+    with pytest.raises(ValueError, match=r"old_logp='sampler'.*kept probability mass"):
+        check_algorithm_sampling(AlgorithmConfig(old_logp="sampler"), sampling)
+    with pytest.raises(ValueError, match=r"tis_cap=2.0.*kept probability mass"):
+        check_algorithm_sampling(AlgorithmConfig(tis_cap=2.0), sampling)
+    # Both sides of the ratio from the full softmax: any filter works.
+    for old in ("auto", "recompute"):
+        check_algorithm_sampling(AlgorithmConfig(old_logp=old), sampling)
+    # No filter: the sampler's log-probs are the policy's.
+    check_algorithm_sampling(AlgorithmConfig(old_logp="sampler", tis_cap=2.0), SamplingConfig())
+
+
+def test_overlong_window_is_checked_against_max_new_tokens():
+    with pytest.raises(ValueError, match="overlong_buffer=64 must be < SamplingConfig.max_new_tokens=32"):
+        check_algorithm_sampling(AlgorithmConfig(name="dapo", overlong_buffer=64),
+                                 SamplingConfig(max_new_tokens=32))
+    assert AlgorithmConfig(name="dapo").overlong_tokens(20480) == 4096
+    assert AlgorithmConfig(name="grpo").overlong_tokens(20480) == 0
