@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike
 
 from rljax.models.attention import Attention
 from rljax.models.config import ModelConfig
@@ -51,7 +52,7 @@ def _run_layer(layer, x, cos_sin, allowed, remat):
     return fn(state, x)
 
 
-def default_positions(mask_BxT):
+def default_positions(mask_BxT: jax.Array) -> jax.Array:
     """Positions of real tokens counted from 0 within each row: cumsum(mask) - 1 (>= 0)."""
     return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=1) - 1, 0)
 
@@ -64,7 +65,7 @@ class Decoder(nnx.Module):
     `jax.set_mesh(mesh)` to create each parameter already sharded.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"Decoder: config must be a ModelConfig, got {type(config).__name__}")
         self.config = config
@@ -78,8 +79,8 @@ class Decoder(nnx.Module):
     def _embed(self, ids_BxT):
         return jnp.take(self.embed[...], ids_BxT, axis=0)
 
-    def hidden_states(self, input_ids_BxT, positions_BxT=None, mask_BxT=None, *,
-                      remat: bool = False):
+    def hidden_states(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike | None = None,
+                      mask_BxT: ArrayLike | None = None, *, remat: bool = False) -> jax.Array:
         """Final-norm hidden states `[B, T, D]` (float32) of a full (causal) forward.
 
         mask_BxT marks real tokens (padding left or right); padding slots are never
@@ -100,7 +101,7 @@ class Decoder(nnx.Module):
             x = _run_layer(layer, x, cos_sin, allowed, remat)
         return self.final_norm(x)
 
-    def logits_from_hidden(self, h_xD):
+    def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
         """Output projection of hidden states `[..., D]` to float32 logits `[..., V]`."""
         cd = compute_dtype(self.config)
         h = h_xD.astype(cd)
@@ -110,7 +111,8 @@ class Decoder(nnx.Module):
         return jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(cd),
                           preferred_element_type=jnp.float32)
 
-    def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxT=None):
+    def __call__(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike | None = None,
+                 mask_BxT: ArrayLike | None = None) -> jax.Array:
         """Float32 logits `[B, T, V]`; see `hidden_states` for the arguments."""
         return self.logits_from_hidden(self.hidden_states(input_ids_BxT, positions_BxT, mask_BxT))
 
@@ -120,8 +122,8 @@ class Decoder(nnx.Module):
         return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
                              compute_dtype(c))
 
-    def forward_cached(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array,
-                       mask_BxT: jax.Array, cache: KVCache, slot: jax.Array | int,
+    def forward_cached(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike,
+                       mask_BxT: ArrayLike, cache: KVCache, slot: ArrayLike,
                        ) -> tuple[jax.Array, KVCache]:
         """Run T new tokens against the cache: returns (final hidden `[B,T,D]`, new cache).
 

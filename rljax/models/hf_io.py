@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from rljax.models.config import ModelConfig
 from rljax.models.decoder import Decoder
@@ -154,7 +156,8 @@ def _parse_dtype(dtype) -> str:
     return name
 
 
-def from_pretrained(path, *, dtype=jnp.float32, mesh=None) -> Decoder:
+def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
+                    mesh: Mesh | None = None) -> Decoder:
     """Load an HF Llama / Qwen2 / Qwen3 checkpoint folder as a `Decoder`.
 
     dtype: the compute dtype (parameters are always float32). mesh: when given, every
@@ -183,7 +186,8 @@ def from_pretrained(path, *, dtype=jnp.float32, mesh=None) -> Decoder:
     return nnx.merge(graphdef, state)
 
 
-def save_pretrained(model: Decoder, path, *, max_shard_bytes: int | None = None) -> None:
+def save_pretrained(model: Decoder, path: str | os.PathLike, *,
+                    max_shard_bytes: int | None = None) -> None:
     """Write `model` as an HF checkpoint (config.json + float32 safetensors) to `path`.
 
     max_shard_bytes: split the weights over several files with model.safetensors.index.json.

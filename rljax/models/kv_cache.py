@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
+from jax.typing import DTypeLike
 
 from rljax.sharding import fitted_spec
 
@@ -46,7 +47,8 @@ class KVCache:
         return self.valid_BxS.shape[1]
 
 
-def init_kv_cache(num_layers, batch, max_len, num_kv_heads, head_dim, dtype) -> KVCache:
+def init_kv_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                  dtype: DTypeLike) -> KVCache:
     """An empty cache (zeros, no valid slots)."""
     for name, v in (("batch", batch), ("max_len", max_len)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.typing import ArrayLike, DTypeLike
 
 from rljax.models.config import ModelConfig
 from rljax.sharding import fitted_spec
@@ -23,7 +26,7 @@ def _place(value, names):
     return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
 
 
-def annotated_param(value, names) -> nnx.Param:
+def annotated_param(value: ArrayLike, names: Sequence[str | None]) -> nnx.Param:
     """A float32 `nnx.Param` carrying its logical axis names as `logical_axes` metadata.
 
     The names are turned into mesh axes by `rljax.sharding.LOGICAL_RULES` (see
@@ -37,12 +40,13 @@ def annotated_param(value, names) -> nnx.Param:
     return nnx.Param(value, eager_sharding=False, logical_axes=names)
 
 
-def normal_param(rngs: nnx.Rngs, shape, names) -> nnx.Param:
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], names: Sequence[str | None],
+                 ) -> nnx.Param:
     """N(0, 0.02^2) initialised float32 parameter (the HF initializer_range default)."""
     return annotated_param(INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32), names)
 
 
-def compute_dtype(config: ModelConfig):
+def compute_dtype(config: ModelConfig) -> DTypeLike:
     """The jnp dtype matmul inputs are cast to."""
     return jnp.bfloat16 if config.compute_dtype == "bfloat16" else jnp.float32
 
@@ -53,11 +57,11 @@ class RMSNorm(nnx.Module):
     Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. (4).
     """
 
-    def __init__(self, dim: int, eps: float, names=("norm",)):
+    def __init__(self, dim: int, eps: float, names: Sequence[str | None] = ("norm",)) -> None:
         self.scale = annotated_param(jnp.ones((dim,), jnp.float32), names)
         self.eps = eps
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
         return self.scale[...] * (x32 * jax.lax.rsqrt(var + self.eps))
@@ -88,13 +92,14 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(config: ModelConfig, positions_BxT):
+def rope_cos_sin(config: ModelConfig, positions_BxT: jax.Array,
+                 ) -> tuple[jax.Array, jax.Array]:
     """(cos, sin) tables of shape [B, T, H/2] in float32 for integer positions."""
     angles = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config))
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x_BxTxNxH, cos_sin):
+def apply_rope(x_BxTxNxH: jax.Array, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotate pairs (x_i, x_{i+H/2}) by the position angle (the HF "rotate_half" layout)."""
     cos, sin = (c[:, :, None, :] for c in cos_sin)
     x = x_BxTxNxH.astype(jnp.float32)
@@ -106,7 +111,7 @@ def apply_rope(x_BxTxNxH, cos_sin):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(x W_gate) * (x W_up)) (Shazeer 2020, eq. 6)."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         d, f = config.hidden_size, config.intermediate_size
         self.gate = normal_param(rngs, (d, f), ("embed", "mlp"))
         self.up = normal_param(rngs, (d, f), ("embed", "mlp"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -21,11 +22,14 @@ _DTYPES = {
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
+# (name, shape, numpy dtype, producer): producer() returns the array to write.
+TensorSpec = tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]
+
 
 class SafetensorsFile:
     """Read-only view of one .safetensors file; `get(name)` returns a memory-mapped array."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
         size = os.path.getsize(self.path)
         with open(self.path, "rb") as f:
@@ -70,7 +74,8 @@ class SafetensorsFile:
         return buf.view(dtype).reshape(e["shape"])
 
 
-def write_safetensors(path, specs, metadata=None):
+def write_safetensors(path: str | os.PathLike, specs: Sequence[TensorSpec],
+                      metadata: dict[str, str] | None = None) -> None:
     """Write tensors to `path` one at a time.
 
     specs: list of (name, shape, numpy dtype, producer) where producer() returns the array;

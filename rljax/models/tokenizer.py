@@ -4,12 +4,13 @@ chat templates and prompt encoding. Nothing is downloaded.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import string
 from collections.abc import Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from rljax.models.config import ModelConfig
 
@@ -22,7 +23,7 @@ CHAR_CHAT_TEMPLATE = (
 )
 
 
-def load_tokenizer(path):
+def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """`transformers.AutoTokenizer` from a local folder (never the Hub)."""
     path = pathlib.Path(path)
     if not path.is_dir():
@@ -30,7 +31,8 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, path=None) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, path: str | os.PathLike | None = None,
+                         ) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: ids 0-3 are <pad> <bos> <eos> <unk>, then one id per
     character of `alphabet` in order. Has a simple chat template (`CHAR_CHAT_TEMPLATE`).
 
@@ -58,7 +60,9 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, path=None) -> PreTrai
     return fast
 
 
-def apply_chat_template(tokenizer, messages_list, *, add_generation_prompt: bool = True) -> list[str]:
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase,
+                        messages_list: Sequence[Sequence[dict[str, str]]], *,
+                        add_generation_prompt: bool = True) -> list[str]:
     """Render each conversation (a list of {"role", "content"} dicts) to prompt text."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("apply_chat_template: the tokenizer has no chat_template")
@@ -76,8 +80,8 @@ def apply_chat_template(tokenizer, messages_list, *, add_generation_prompt: bool
     return out
 
 
-def encode_prompts(tokenizer, texts: Sequence[str], *, max_len: int | None = None,
-                   truncate: str = "error") -> list[list[int]]:
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *,
+                   max_len: int | None = None, truncate: str = "error") -> list[list[int]]:
     """Token ids of each text (special tokens only where the text spells them out).
 
     max_len: longest allowed prompt. truncate="error" raises for a longer prompt (naming
@@ -103,7 +107,7 @@ def encode_prompts(tokenizer, texts: Sequence[str], *, max_len: int | None = Non
     return out
 
 
-def check_vocab(tokenizer, config: ModelConfig) -> None:
+def check_vocab(tokenizer: PreTrainedTokenizerBase, config: ModelConfig) -> None:
     """Raise if the tokenizer can produce ids outside the model's embedding table."""
     n = len(tokenizer)
     if n > config.vocab_size:

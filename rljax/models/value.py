@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.typing import ArrayLike, DTypeLike
 
 from rljax.models.config import ModelConfig
 from rljax.models.decoder import Decoder
+from rljax.models.hf_io import from_pretrained
 from rljax.models.layers import annotated_param
 
 
@@ -22,7 +26,7 @@ class ValueModel(nnx.Module):
     parameter is the input embedding). `config` is the policy config it was built from.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"ValueModel: config must be a ModelConfig, got {type(config).__name__}")
         self.config = config
@@ -32,16 +36,18 @@ class ValueModel(nnx.Module):
         self.head = annotated_param(w, ("embed",))
         self.head_bias = annotated_param(jnp.zeros(()), ())
 
-    def hidden_states(self, input_ids_BxT, positions_BxT=None, mask_BxT=None, *, remat=False):
+    def hidden_states(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike | None = None,
+                      mask_BxT: ArrayLike | None = None, *, remat: bool = False) -> jax.Array:
         """Backbone final-norm hidden states `[B, T, D]` (see `Decoder.hidden_states`)."""
         return self.backbone.hidden_states(input_ids_BxT, positions_BxT, mask_BxT, remat=remat)
 
-    def values_from_hidden(self, h_xD):
+    def values_from_hidden(self, h_xD: jax.Array) -> jax.Array:
         """Scalar values `[...]` (float32) from hidden states `[..., D]`."""
         return jnp.einsum("...d,d->...", h_xD.astype(jnp.float32), self.head[...]) + \
             self.head_bias[...]
 
-    def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxT=None):
+    def __call__(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike | None = None,
+                 mask_BxT: ArrayLike | None = None) -> jax.Array:
         """value_BxT, float32."""
         return self.values_from_hidden(self.hidden_states(input_ids_BxT, positions_BxT, mask_BxT))
 
@@ -70,8 +76,7 @@ class ValueModel(nnx.Module):
         return nnx.merge(graphdef, nnx.from_flat_state(sorted(flat.items())))
 
     @classmethod
-    def from_pretrained(cls, path, *, dtype=jnp.float32, mesh=None, rngs=None) -> ValueModel:
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
+                        mesh: Mesh | None = None, rngs: nnx.Rngs | None = None) -> ValueModel:
         """A value model with the backbone of an HF policy checkpoint (see `from_pretrained`)."""
-        from rljax.models.hf_io import from_pretrained
-
         return cls.from_policy(from_pretrained(path, dtype=dtype, mesh=mesh), rngs=rngs)

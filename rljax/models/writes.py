@@ -7,10 +7,11 @@ import os
 import pathlib
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def atomic_dir(path):
+def atomic_dir(path: str | os.PathLike) -> Iterator[pathlib.Path]:
     """Yield a temporary folder; on success its files replace those at `path`.
 
     A new `path` appears by one `os.rename` of the finished folder. An existing `path`

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
+from jax.typing import ArrayLike
+
+from rljax.models import Decoder, ModelConfig
 
 from rljax.sampling.ops import SamplingParams
 from rljax.sampling.prompts import pack_prompts
@@ -33,10 +37,12 @@ def _stop_ids(stop_ids, vocab_size) -> tuple[int, ...]:
     return out
 
 
-_CONFIGS: dict = {}  # graphdef -> ModelConfig (merging a model only to read it is slow)
+# graphdef -> its ModelConfig (merging a model only to read it is slow)
+_CONFIGS: dict[nnx.GraphDef, ModelConfig] = {}
 
 
-def _split(model):
+def _split(model: Decoder | tuple[nnx.GraphDef, nnx.State],
+           ) -> tuple[nnx.GraphDef, nnx.State, ModelConfig]:
     """(graphdef, state, config) from a Decoder or a (graphdef, state) pair."""
     if isinstance(model, tuple) and len(model) == 2:
         graphdef, state = model
@@ -53,8 +59,8 @@ def _split(model):
 
 
 def generate(
-    model,
-    prompts,
+    model: Decoder | tuple[nnx.GraphDef, nnx.State],
+    prompts: Sequence[Sequence[int]] | ArrayLike,
     *,
     key: jax.Array,
     max_new_tokens: int,
@@ -63,11 +69,11 @@ def generate(
     top_p: float | None = None,
     stop_ids: Iterable[int] = (),
     num_samples: int = 1,
-    prompt_mask=None,
+    prompt_mask: ArrayLike | None = None,
     max_len: int | None = None,
     length_multiple: int = 16,
     pad_id: int = 0,
-    mesh=None,
+    mesh: Mesh | None = None,
     decode_phases: int = 4,
 ) -> SampleResult:
     """Sample ``num_samples`` completions of each prompt with a KV cache, in two jitted calls.

@@ -1,11 +1,9 @@
 """The sampler's output projection, vocab-major, and its weight kept across calls.
 
-On XLA:CPU the decode step's output projection runs ~1.5x faster as
-``logits_VxR = W_VxD . h^T`` than as ``h . W_DxV`` (see ``ops.sample_tokens_VxR``). A
-tied model's embedding is already ``[V, D]``; an untied ``lm_head`` is stored ``[D, V]``,
-and transposing it is a copy of the whole matrix (32000 x 256 float32 on the benchmark
-model: 8-10 ms alone, up to 33 ms in a profile under load; 0.5-2.5% of a 128-token
-``generate`` call). :func:`cached_vocab_major_weight` builds it once per weight array and
+The decode step computes ``logits_VxR = W_VxD . h^T`` (on XLA:CPU ~1.5x faster than
+``h . W_DxV``; see ``ops.sample_tokens_VxR``). A tied model's embedding is already
+``[V, D]``; an untied ``lm_head`` is stored ``[D, V]`` and its transpose is a copy of the
+whole matrix, so :func:`cached_vocab_major_weight` builds it once per weight array and
 reuses it while that array is alive.
 """
 

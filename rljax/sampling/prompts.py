@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+from jax.typing import ArrayLike
 
 __all__ = ["PackedPrompts", "bucket_length", "pack_prompts"]
 
@@ -67,12 +68,12 @@ def _rows_from_lists(prompts) -> list[np.ndarray]:
 
 
 def pack_prompts(
-    prompts,
+    prompts: Sequence[Sequence[int]] | ArrayLike,
     *,
     vocab_size: int,
     length_multiple: int,
     max_prompt_len: int,
-    prompt_mask=None,
+    prompt_mask: ArrayLike | None = None,
     pad_id: int = 0,
 ) -> PackedPrompts:
     """Validate prompts and left-pad them to ``bucket_length(longest, length_multiple)``.

@@ -66,7 +66,8 @@ class DecodeSpec:
 MIN_PHASE_STEPS = 16
 
 
-def plan_phases(prompt_len: int, max_new_tokens: int, cache_len: int, max_phases: int):
+def plan_phases(prompt_len: int, max_new_tokens: int, cache_len: int, max_phases: int,
+                ) -> tuple[tuple[int, int], ...]:
     """Split decode steps ``1 .. N-1`` into at most ``max_phases`` near-equal loops.
 
     Each phase gets the smallest cache that holds its last step (step ``t`` feeds slot
