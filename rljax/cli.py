@@ -64,8 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="run directory or HF model folder")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: the run's sampling.max_new_tokens (64 for a model folder)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; default: the run's sampling.temperature (1.0 for a model "
+                        "folder); a run's top-k / top-p apply too")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
 
@@ -82,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_train(args) -> int:
     cfg = load_experiment(args.experiment, args.overrides)
     if args.dry_run:
+        cfg = cfg.resolved()  # the algorithm preset's values, as the run will use and save
         print(json.dumps({"config_hash": config_hash(cfg), "config": config_to_dict(cfg)}, indent=2))
         return 0
     if args.distributed:

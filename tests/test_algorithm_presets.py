@@ -152,3 +152,52 @@ def test_overlong_window_is_checked_against_max_new_tokens():
                                  SamplingConfig(max_new_tokens=32))
     assert AlgorithmConfig(name="dapo").overlong_tokens(20480) == 4096
     assert AlgorithmConfig(name="grpo").overlong_tokens(20480) == 0
+
+
+# ------------------------------------------------------------- the run layer (--set, --dry-run)
+def _experiment(algorithm):
+    from rljax.models import ModelConfig
+    from rljax.run.experiment import ExperimentConfig
+
+    model = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
+                        num_heads=2, num_kv_heads=1)
+    return ExperimentConfig(model=model, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_set_algorithm_name_resolves_to_that_preset_with_explicit_fields_on_top(name):
+    from rljax.run.overrides import apply_overrides
+
+    other = "ppo" if name != "ppo" else "grpo"
+    cfg = apply_overrides(_experiment(algorithm_preset(other)), [f"algorithm.name={name}"])
+    assert _values(cfg.algorithm) == PAPER[name] == _values(cfg.resolved().algorithm)
+    # Explicit in the experiment, and with --set, both stay on top of the new preset.
+    cfg = apply_overrides(_experiment(algorithm_preset(other, entropy_coef=0.01)),
+                          [f"algorithm.name={name}", "algorithm.clip_high=0.5"])
+    r = cfg.resolved().algorithm
+    assert (r.name, r.clip_high, r.entropy_coef) == (name, 0.5, 0.01)
+    assert (r.clip_low, r.aggregation, r.kl_in) == (PAPER[name][0], PAPER[name][2], PAPER[name][4])
+
+
+def test_set_gspo_on_the_grpo_demo_and_dry_run_prints_the_resolved_config(capsys):
+    import json
+
+    from rljax.cli import main
+    from rljax.run.experiment import load_experiment
+
+    demo = load_experiment("arithmetic_grpo")
+    cfg = load_experiment("arithmetic_grpo", ["algorithm.name=gspo"]).resolved().algorithm
+    assert (cfg.clip_low, cfg.clip_high) == (3e-4, 4e-4)
+    assert cfg.group_size == demo.algorithm.group_size  # the demo's explicit fields stay
+    assert main(["train", "arithmetic_grpo", "--set", "algorithm.name=dapo", "--dry-run"]) == 0
+    alg = json.loads(capsys.readouterr().out)["config"]["algorithm"]
+    assert (alg["clip_high"], alg["aggregation"], alg["dynamic_sampling"]) == (0.28, "token-mean", True)
+    assert alg["overlong_buffer"] == "auto" and all(alg[f] is not None for f in PRESET_FIELDS)
+
+
+def test_experiment_rejects_sampler_logprobs_with_filters():
+    from rljax.run.overrides import OverrideError, apply_overrides
+
+    cfg = _experiment(algorithm_preset("grpo", old_logp="sampler"))
+    with pytest.raises(OverrideError, match=r"old_logp='sampler' is invalid with SamplingConfig.top_k=20"):
+        apply_overrides(cfg, ["sampling.top_k=20"])

@@ -94,3 +94,27 @@ def test_eval_command(tiny, capsys):
     assert "--experiment" in capsys.readouterr().err
     assert main(argv[:2] + ["--k", "0"]) == 2
     assert main(argv[:2] + ["--num-prompts", "99", "--set", "rl.eval_prompts=6"]) == 2
+
+
+def test_sample_takes_its_defaults_from_the_runs_config(tiny, capsys):
+    from rljax.run.artifacts import _sampling_defaults
+    from rljax.train.config import SamplingConfig
+
+    # The model has 64 positions: the old fixed default of 64 new tokens left no room.
+    run_dir = tiny.root / "run_short"
+    exp = ExperimentConfig(name="short", model=tiny.cfg, run=RunConfig(dir=str(run_dir)),
+                           sampling=SamplingConfig(max_new_tokens=4, temperature=0.5, top_k=3))
+    RunDir(run_dir, exp).close()
+    tiny.tok.save_pretrained(str(run_dir / "tokenizer"))
+    with Checkpointer(run_dir / "checkpoints") as ck:
+        ck.save(1, {"params": {"policy": nnx.state(tiny.trained)}}, {})
+    assert main(["sample", str(run_dir), "--prompt", "12+34=", "--num-samples", "2"]) == 0
+    assert capsys.readouterr().out.count("=== prompt: '12+34=' sample") == 2
+    greedy = sample_texts(run_dir, ["12+34="], temperature=0.0)
+    assert greedy == sample_texts(tiny.run_dir, ["12+34="], max_new_tokens=4, temperature=0.0)
+    _, _, cfg = load_policy(run_dir)
+    assert _sampling_defaults(cfg, None, None) == dict(max_new_tokens=4, temperature=0.5,
+                                                       top_k=3, top_p=None)
+    assert _sampling_defaults(None, None, None) == dict(max_new_tokens=64, temperature=1.0,
+                                                        top_k=None, top_p=None)
+    assert _sampling_defaults(cfg, 2, 0.0)["max_new_tokens"] == 2

@@ -28,6 +28,7 @@ from rljax.run.experiment import load_experiment, load_run_config
 from rljax.run.overrides import apply_overrides
 from rljax.sampling import generate
 from rljax.train.checkpoint import Checkpointer, pure_params
+from rljax.train.config import SamplingConfig
 
 __all__ = ["evaluate_source", "export_hf", "is_run_dir", "load_policy", "sample_texts"]
 
@@ -98,21 +99,32 @@ def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, *,
     return out
 
 
+def _sampling_defaults(run_cfg, max_new_tokens, temperature) -> dict:
+    """`generate`'s sampling options: those given, else the run's `sampling` config (the
+    distribution it was trained with, top-k / top-p included), else 64 tokens at T = 1."""
+    s = run_cfg.sampling if run_cfg is not None else SamplingConfig()
+    return dict(max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                temperature=s.temperature if temperature is None else temperature,
+                top_k=s.top_k or None, top_p=s.top_p if s.top_p < 1 else None)
+
+
 def sample_texts(source: str | pathlib.Path, prompts: Sequence[str], *, num_samples: int = 1,
-                 max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
-                 step: int | None = None) -> list[list[str]]:
+                 max_new_tokens: int | None = None, temperature: float | None = None,
+                 seed: int = 0, step: int | None = None) -> list[list[str]]:
     """`num_samples` completions (text, up to EOS) of each prompt from the policy of `source`.
 
-    `temperature=0` decodes greedily. Prompts are used as given (no chat template).
+    `max_new_tokens` / `temperature` None take the run's `sampling` config (and its top-k /
+    top-p); a model folder defaults to 64 tokens at temperature 1. `temperature=0` decodes
+    greedily. Prompts are used as given (no chat template).
     """
     if isinstance(prompts, str) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings")
-    model, tokenizer, _ = load_policy(source, step=step)
+    model, tokenizer, run_cfg = load_policy(source, step=step)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     res = generate(model, encode_prompts(tokenizer, list(prompts)), key=jax.random.key(seed),
-                   max_new_tokens=max_new_tokens, temperature=temperature,
-                   stop_ids=() if eos is None else (eos,), num_samples=num_samples, pad_id=pad)
+                   stop_ids=() if eos is None else (eos,), num_samples=num_samples, pad_id=pad,
+                   **_sampling_defaults(run_cfg, max_new_tokens, temperature))
     tokens, mask = np.asarray(res.tokens), np.asarray(res.completion_mask)
     texts = [tokenizer.decode([int(t) for t, m in zip(row, mrow) if m and t != eos])
              for row, mrow in zip(tokens, mask)]
@@ -161,18 +173,18 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
     _, accuracy_fn = build_reward(cfg)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    s = cfg.sampling
+    opts = _sampling_defaults(cfg, None, None)
     greedy, passed, sampled = [], [], []
     for i in range(0, n, batch_size):
         prompts = task.eval_prompts[i:min(i + batch_size, n)]
         meta = task.eval_metadata[i:min(i + batch_size, n)]
         ids = encode_prompts(tokenizer, prompts)
-        common = dict(max_new_tokens=s.max_new_tokens, stop_ids=(eos,), pad_id=pad)
-        res = generate(model, ids, key=jax.random.key(0), temperature=0.0, **common)
+        common = dict(stop_ids=(eos,), pad_id=pad)
+        res = generate(model, ids, key=jax.random.key(0), temperature=0.0,
+                       max_new_tokens=opts["max_new_tokens"], **common)
         greedy.append(_correct(accuracy_fn, _decode(tokenizer, res, eos), meta))
-        res = generate(model, ids, key=jax.random.key(cfg.run.seed + 1 + i),
-                       temperature=s.temperature, top_k=s.top_k or None,
-                       top_p=s.top_p if s.top_p < 1 else None, num_samples=k, **common)
+        res = generate(model, ids, key=jax.random.key(cfg.run.seed + 1 + i), num_samples=k,
+                       **opts, **common)
         rep_meta = [m for m in meta for _ in range(k)]
         ok = _correct(accuracy_fn, _decode(tokenizer, res, eos), rep_meta).reshape(len(prompts), k)
         passed.append(ok.any(axis=1))
@@ -180,4 +192,4 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
     return {"n": n, "k": k, "accuracy": float(np.concatenate(greedy).mean()),
             f"pass@{k}": float(np.concatenate(passed).mean()),
             "sample_accuracy": float(np.concatenate(sampled).mean()),
-            "temperature": s.temperature}
+            "temperature": opts["temperature"]}

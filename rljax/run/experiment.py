@@ -22,7 +22,8 @@ from rljax.models import ModelConfig
 from rljax.rewards.extract import MODES as EXTRACT_MODES
 from rljax.run.overrides import apply_overrides
 from rljax.sharding import MeshConfig
-from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig
+from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig,
+                                check_algorithm_sampling)
 from rljax.train.config_io import config_from_dict
 
 __all__ = [
@@ -287,7 +288,14 @@ class ExperimentConfig:
                 _fail(c, field, getattr(self, field), f"a {cls.__name__}")
         if self.sft is not None and not isinstance(self.sft, SFTConfig):
             _fail(c, "sft", self.sft, "a SFTConfig or None")
+        check_algorithm_sampling(self.algorithm, self.sampling)
         _check_bool(c, "smoke", self.smoke)
+
+    def resolved(self) -> ExperimentConfig:
+        """This config with the algorithm's preset filled in (``AlgorithmConfig.resolve``):
+        what a run uses, saves in its config.json and ``--dry-run`` prints. Switch
+        ``algorithm.name`` on the unresolved config (resolving pins the preset values)."""
+        return dataclasses.replace(self, algorithm=self.algorithm.resolve())
 
 
 def load_run_config(run_dir: str | pathlib.Path) -> ExperimentConfig:

@@ -113,6 +113,7 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
     `out` (default stderr for progress, stdout for the summary) and returns a `RunResult`."""
     if not isinstance(cfg, ExperimentConfig):
         raise TypeError(f"run_experiment: cfg must be an ExperimentConfig, got {type(cfg).__name__}")
+    cfg = cfg.resolved()  # the algorithm's preset filled in: what runs is what is saved
     t0 = time.perf_counter()
     progress_out = out if out is not None else sys.stderr
     rd = RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
