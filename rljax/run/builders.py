@@ -18,10 +18,12 @@ the held-out slice: the warm-up's stop never looks at the prompts that measure i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
 import importlib
+import logging
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +43,8 @@ from rljax.run.experiment import ExperimentConfig
 from rljax.run.tasks import ArithmeticReward, CountdownReward
 from rljax.sharding import make_mesh
 from rljax.train.reward_model import RewardModelScorer
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_reward", "build_task", "build_tokenizer"]
 
@@ -263,24 +267,46 @@ def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
     if r.kind in ("format", "accuracy+format"):
         terms.append((r.format_weight if r.kind == "accuracy+format" else 1.0,
                       rw.FormatReward(fmt, name="format")))
-    return ComponentReward(tuple(terms)), accuracy_fn
+    return ComponentReward(tuple(terms), timeout_s=r.timeout_s, workers=r.workers), accuracy_fn
 
 
 class ComponentReward:
     """Batch reward `sum_j w_j f_j` over item rewards that keeps each term's batch mean.
 
     `last` holds `{"reward/<name>": mean}` of the latest call, so the run logs the
-    accuracy and format terms separately (R1-Zero's two rewards).
+    accuracy and format terms separately (R1-Zero's two rewards). With `workers > 0` the
+    item calls run in a `rljax.rewards.RewardPool` (started on first use, closed at exit)
+    and each is cut at `timeout_s`: a call past it scores 0 and is logged with its row
+    and the prompt id from its metadata, and the run goes on.
     """
 
     is_batch_reward = True
     name = "reward"
 
-    def __init__(self, terms: tuple[tuple[float, Callable], ...]):
+    def __init__(self, terms: tuple[tuple[float, Callable], ...], *, timeout_s: float | None = None,
+                 workers: int = 0):
         self.terms, self.last = terms, {}
+        self.timeout_s, self.workers, self._pool = timeout_s, workers, None
+
+    def _pool_or_none(self):
+        if self.workers > 0 and self._pool is None:
+            self._pool = rw.RewardPool(self.workers)
+            atexit.register(self.close)
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the worker processes (if any)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def __call__(self, completions, metadata) -> np.ndarray:
+        pool = self._pool_or_none()
         out = rw.score_batch([f for _, f in self.terms], completions, metadata,
-                          weights=[w for w, _ in self.terms])
+                             weights=[w for w, _ in self.terms], pool=pool,
+                             timeout_s=self.timeout_s if pool is not None else None)
+        for t in out.timeouts:
+            log.warning("reward %r timed out after %.1f s on row %d (prompt %s); scored 0",
+                        t.fn, t.seconds, t.index, metadata[t.index].get("index", "?"))
         self.last = {f"reward/{k}": float(np.mean(v)) for k, v in out.components.items()}
         return out.rewards

@@ -149,7 +149,10 @@ class RewardConfig:
       think_in_prompt: the prompt already opens the think tag (TinyZero's template).
       model_path: saved reward model directory (kind="reward_model").
       function: import path of a custom reward function (kind="custom").
-      timeout_s: per-call time limit of a check.
+      timeout_s: per-call time limit of a check (item rewards run in `workers` worker
+        processes; a call past the limit scores 0 and is logged, and the run goes on).
+      workers: reward worker processes (0 = score in the training process, where a call
+        cannot be cut, so `timeout_s` does not apply).
     """
 
     kind: str = "accuracy"
@@ -163,9 +166,12 @@ class RewardConfig:
     model_path: str | None = None
     function: str | None = None
     timeout_s: float = 5.0
+    workers: int = 2
 
     def __post_init__(self):
         c = "RewardConfig"
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
+            _fail(c, "workers", self.workers, "an int >= 0")
         if self.kind not in REWARD_KINDS:
             _fail(c, "kind", self.kind, "one of " + ", ".join(map(repr, REWARD_KINDS)))
         for f in ("accuracy_weight", "format_weight", "correct_reward"):

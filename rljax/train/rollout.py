@@ -158,12 +158,15 @@ class Rollouts:
         s = self.sampling
         if not self.num_params:
             self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
-        return generate(
-            (self.gd, params), tok_NxW, prompt_mask=mask_NxW > 0, key=key,
-            max_new_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
-            top_k=s.top_k or None, top_p=None if s.top_p >= 1.0 else s.top_p,
-            stop_ids=(self.eos_id,), num_samples=num_samples, pad_id=self.pad_id,
-            length_multiple=self.prompt_multiple, mesh=self.mesh)
+        # The sampler's entry is the step's "prompt ids in" transfer: it packs the ids on
+        # the host and places them on the mesh (rljax.sampling has its own tests).
+        with jax.transfer_guard("allow"):
+            return generate(
+                (self.gd, params), tok_NxW, prompt_mask=mask_NxW > 0, key=key,
+                max_new_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
+                top_k=s.top_k or None, top_p=None if s.top_p >= 1.0 else s.top_p,
+                stop_ids=(self.eos_id,), num_samples=num_samples, pad_id=self.pad_id,
+                length_multiple=self.prompt_multiple, mesh=self.mesh)
 
     def score(self, completions: list, metadata: list, group_size: int, first: int = 0):
         """Rewards float32 of own rows; errors name the function and the prompt index."""

@@ -1,0 +1,69 @@
+"""Fixed shapes: RL steps on prompts of random length compile nothing new once each
+prompt bucket has been seen (the sampler, log-prob and learning programs included)."""
+
+import jax
+import numpy as np
+
+from _train_common import CharTok, tiny_model
+from rljax.sampling.prompts import bucket_length
+from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
+from rljax.train.rl import RLTrainer
+
+TOK = CharTok()
+RNG = np.random.default_rng(0)
+# Prompts of 5..60 tokens, addressed by position like any prompt source.
+PROMPTS = ["".join(RNG.choice(list("0123456789+="), size=int(n)))
+           for n in RNG.integers(5, 61, size=40)]
+N_PROMPTS = 4
+
+
+def source(start, n):
+    return [PROMPTS[(start + i) % len(PROMPTS)] for i in range(n)], [{}] * n
+
+
+def length_reward(completions, metadata):
+    return np.array([float(len(c)) for c in completions], np.float32)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations (jax.monitoring's compile-duration events)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event, duration, **kw):
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+def test_rl_steps_compile_once_per_prompt_bucket():
+    gd, st = tiny_model()
+    tr = RLTrainer(gd, TOK, length_reward,
+                   algorithm=algorithm_preset("grpo", group_size=2, num_minibatches=2),
+                   optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=3),
+                   rl=RLConfig(steps=10, prompts_per_step=N_PROMPTS, logp_chunk=2),
+                   prompt_len=60)
+    state = tr.init_state(st)
+    seen, log = set(), []
+    with CompileCounter() as counter:
+        for step in range(10):
+            prompts, _ = source(step * N_PROMPTS, N_PROMPTS)
+            width = bucket_length(max(len(p) for p in prompts), 16)
+            before = counter.count
+            state, metrics = tr.step(state, source)
+            log.append((step, width, counter.count - before))
+            if width in seen:
+                assert counter.count == before, f"recompiled in a seen bucket: {log}"
+            seen.add(width)
+            assert np.isfinite(metrics["loss"])
+    assert len(seen) >= 2, f"the prompts must cover several buckets: {log}"
+    assert log[0][2] > 0  # the counter does see compilations

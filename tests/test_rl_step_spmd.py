@@ -1,0 +1,116 @@
+"""The RL step as one SPMD program on one process: only the named host transfers,
+DAPO's refill rounds of different prompt widths, padding groups that change nothing,
+and a hung reward cut at its time limit."""
+
+import dataclasses
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _train_common import CharTok, random_seqs, tiny_model
+from rljax.rewards import RewardPool
+from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
+from rljax.train.rl import RLTrainer
+from rljax.train.rollout import Rollout
+
+TOK = CharTok()
+SHORT = ["1+2=", "3+4=", "5+6=", "7+8="]
+LONG = ["1+2+3+4+5+6+7+8+9=", "9+8+7+6+5+4+3+2+1=", "2*3*4*5*6*7*8*9=", "11+22+33+44+55="]
+
+
+def source(start, n):
+    """Positions 0-3 are short prompts (bucket 16), 4-7 long ones (bucket 32), repeating."""
+    idx = [(start + i) % 8 for i in range(n)]
+    return [(SHORT + LONG)[i] for i in idx], [{"i": i} for i in idx]
+
+
+def starts_with_7(completions, metadata):
+    return np.array([1.0 if c.startswith("7") else 0.0 for c in completions], np.float32)
+
+
+def _trainer(gd, reward=starts_with_7, mesh=None, name="grpo", prompts=4, **alg):
+    return RLTrainer(gd, TOK, reward, algorithm=algorithm_preset(name, **alg),
+                     optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=3),
+                     rl=RLConfig(steps=4, prompts_per_step=prompts, logp_chunk=2),
+                     prompt_len=24, mesh=mesh, accuracy_fn=lambda c, m: c.startswith("7"))
+
+
+def test_step_makes_only_the_named_host_transfers(mesh8):
+    gd, st = tiny_model(mesh=mesh8)
+    tr = _trainer(gd, mesh=mesh8, group_size=2, num_minibatches=2, kl_coef=0.04)
+    state, _ = tr.step(tr.init_state(st), source)  # compiles
+    with jax.transfer_guard("disallow_explicit"):
+        state, m = tr.step(state, source)
+    assert np.isfinite(m["loss"]) and np.isfinite(m["kl_ref"])
+
+
+def test_dapo_refills_with_rounds_of_different_prompt_widths():
+    gd, st = tiny_model()
+
+    def short_prompts_never_vary(completions, metadata):
+        # Short prompts (round 1): every completion scores 1 -> no signal, dropped.
+        return np.array([1.0 if m["i"] < 4 else float(k % 2)
+                         for k, m in enumerate(metadata)], np.float32)
+
+    tr = _trainer(gd, short_prompts_never_vary, name="dapo", group_size=2, overlong_buffer=0)
+    state, m = tr.step(tr.init_state(st), source)
+    assert m["zero_var_frac"] == 1.0 and m["dyn_refill_rounds"] == 1
+    assert m["dyn_short_groups"] == 0 and m["dyn_dropped_groups"] == 4
+    assert np.isfinite(m["loss"]) and int(state.data_pos) == 8
+
+
+def _rollout(rng, groups: int, weight: float, rewards=None) -> Rollout:
+    g = 2
+    s = random_seqs(rng, groups * g, 6, 4)
+    r = rng.integers(0, 2, groups * g).astype(np.float32) if rewards is None else rewards
+    b = groups * g
+    return Rollout(s["prompt_BxP"], s["prompt_mask_BxP"], s["completion_BxT"],
+                   s["completion_mask_BxT"], -rng.random((b, 4), dtype=np.float32),
+                   np.zeros(b, np.float32), r, np.zeros(b, np.float32),
+                   np.full(b, weight, np.float32), group_size=g)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean",
+                                         "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_padding_groups_change_neither_loss_nor_gradient(aggregation):
+    gd, st = tiny_model()
+    tr = _trainer(gd, name="dapo", group_size=2, aggregation=aggregation, overlong_buffer=0)
+    rng = np.random.default_rng(1)
+    kept = _rollout(rng, 3, 1.0, np.array([1, 0, 0, 1, 1, 0], np.float32))
+    pad = _rollout(rng, 2, 0.0, np.ones(4, np.float32))
+    both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), kept, pad)
+    state = tr.init_state(st)
+    counters = (state.updates, state.nonfinite_run, state.skipped)
+    learn = jax.jit(tr._learn_fn)
+    out = [learn(state.params, state.opt_state, counters, None, ro, state.kl_coef,
+                 jax.random.key(0)) for ro in (kept, both)]
+    (p0, _, _, _, m0), (p1, _, _, _, m1) = out
+    for k in ("loss", "grad_norm"):
+        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6, err_msg=k)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), p0, p1)
+
+
+def sleeps_on_prompt_3(completion, meta):
+    """Module-level, so it pickles into a reward worker: hangs on prompt 3."""
+    if meta["i"] == 3:
+        time.sleep(600)
+    return 1.0 if completion.startswith("7") else 0.0
+
+
+def test_hung_reward_is_cut_at_timeout_and_the_run_goes_on(caplog):
+    gd, st = tiny_model()
+    with RewardPool(2) as pool:
+        tr = RLTrainer(gd, TOK, [sleeps_on_prompt_3], algorithm=algorithm_preset("grpo", group_size=2),
+                       optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=3),
+                       rl=RLConfig(steps=2, prompts_per_step=4, logp_chunk=2), prompt_len=24,
+                       reward_pool=pool, reward_timeout_s=1.0)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="rljax.train.rollout"):
+            state, m = tr.step(tr.init_state(st), source)
+        assert time.monotonic() - t0 < 120  # hang guard: the 600 s sleep was abandoned
+    assert "prompt index 3" in caplog.text and "timed out" in caplog.text
+    assert np.isfinite(m["loss"]) and int(state.step) == 1
