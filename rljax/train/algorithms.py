@@ -20,10 +20,11 @@ import importlib
 from typing import Any, Callable
 
 import jax.numpy as jnp
-import numpy as np
 
 from rljax import objectives as obj
 from rljax.train.config import AlgorithmConfig
+
+Array = Any
 
 
 def load_import_path(path: str, field: str) -> Callable:
@@ -69,40 +70,42 @@ def make_coef(cfg: AlgorithmConfig, kl_coef: Any | None = None) -> obj.Coef:
     )
 
 
-def sequence_advantages(cfg: AlgorithmConfig, rewards_B: np.ndarray) -> np.ndarray:
-    """Per-completion advantages for the group-baseline algorithms (not PPO).
+def sequence_advantages(cfg: AlgorithmConfig, rewards_B: Array) -> Array:
+    """Per-completion advantages of the group-baseline algorithms (not PPO); pure jnp,
+    so the trainer computes them inside its learning program.
 
-    Rewards are grouped consecutively, ``group_size`` completions per prompt.
+    Rewards are grouped consecutively, ``group_size`` completions per prompt; a user
+    estimator (``cfg.advantages``) is ``(rewards_B, group_size) -> adv_B``.
     """
     cfg = cfg.resolve()
     g = cfg.group_size
     if rewards_B.shape[0] % g:
         raise ValueError(f"{rewards_B.shape[0]} rewards do not divide into groups of "
                          f"group_size={g}")
+    rewards_B = jnp.asarray(rewards_B, jnp.float32)
     if cfg.advantages is not None:
         fn = load_import_path(cfg.advantages, "advantages")
-        return np.asarray(fn(jnp.asarray(rewards_B), g), np.float32)
+        return jnp.asarray(fn(rewards_B, g), jnp.float32)
     if cfg.name == "rloo":
-        return np.asarray(obj.rloo_advantages(rewards_B, g))
+        return obj.rloo_advantages(rewards_B, g)
     if cfg.name == "reinforce" and g == 1:
-        return (rewards_B - rewards_B.mean()).astype(np.float32)
-    return np.asarray(obj.group_advantages(rewards_B, g, std=cfg.adv_std))
+        return rewards_B - jnp.mean(rewards_B)
+    return obj.group_advantages(rewards_B, g, std=cfg.adv_std)
 
 
-def overlong_shaping(lengths_B: np.ndarray, max_new_tokens: int, buffer: int,
-                     penalty: float) -> np.ndarray:
+def overlong_shaping(lengths_B: Array, max_new_tokens: int, buffer: int, penalty: float) -> Array:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476 §3.4, Eq. 13).
 
     With L_max = ``max_new_tokens`` and L_cache = ``buffer`` (tokens):
       0                                       if |y| <= L_max - L_cache
       ((L_max - L_cache) - |y|) / L_cache      if L_max - L_cache < |y| <= L_max
-    scaled by ``penalty`` (the paper's -1 at the limit). Added to the task reward.
+    scaled by ``penalty`` (the paper's -1 at the limit). Added to the task reward; pure jnp.
     """
     if buffer <= 0:
-        return np.zeros_like(lengths_B, np.float32)
-    start = max_new_tokens - buffer
-    over = np.clip(lengths_B.astype(np.float32) - start, 0.0, float(buffer))
-    return (-penalty * over / buffer).astype(np.float32)
+        return jnp.zeros(jnp.shape(lengths_B), jnp.float32)
+    over = jnp.clip(jnp.asarray(lengths_B, jnp.float32) - (max_new_tokens - buffer), 0.0,
+                    float(buffer))
+    return -penalty * over / buffer
 
 
 def resolve_overlong_buffer(cfg: AlgorithmConfig, max_new_tokens: int) -> int:

@@ -59,37 +59,6 @@ class LearnSpec:
     overlong: int
 
 
-def sequence_advantages(cfg: AlgorithmConfig, rewards_B: Array) -> Array:
-    """Per-completion advantages of the group-baseline algorithms (not PPO), in-graph.
-
-    Rewards are grouped consecutively, ``group_size`` completions per prompt; a user
-    estimator (``cfg.advantages``) is ``(rewards_B, group_size) -> adv_B``.
-    """
-    g = cfg.group_size
-    if cfg.advantages is not None:
-        return jnp.asarray(alg.load_import_path(cfg.advantages, "advantages")(rewards_B, g),
-                           jnp.float32)
-    if cfg.name == "rloo":
-        return obj.rloo_advantages(rewards_B, g)
-    if cfg.name == "reinforce" and g == 1:
-        return rewards_B - jnp.mean(rewards_B)
-    return obj.group_advantages(rewards_B, g, std=cfg.adv_std)
-
-
-def overlong_shaping(lengths_B: Array, max_new_tokens: int, buffer: int, penalty: float) -> Array:
-    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476 §3.4, Eq. 13).
-
-    With L_max = ``max_new_tokens`` and L_cache = ``buffer`` (tokens):
-      0                                       if |y| <= L_max - L_cache
-      ((L_max - L_cache) - |y|) / L_cache      if L_max - L_cache < |y| <= L_max
-    scaled by ``penalty`` (the paper's -1 at the limit). Added to the task reward.
-    """
-    if buffer <= 0:
-        return jnp.zeros(lengths_B.shape, jnp.float32)
-    over = jnp.clip(lengths_B.astype(jnp.float32) - (max_new_tokens - buffer), 0.0, float(buffer))
-    return -penalty * over / buffer
-
-
 def _map_micro(fn: Callable, seqs: dict, num_micro: int) -> Array:
     """``fn(seqs)`` computed ``num_micro`` row-strided micro-batches at a time."""
     if num_micro == 1:
@@ -118,7 +87,7 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
         batch["old_logp_BxT"] = ro.sampler_logp_BxT
     rewards_B = ro.rewards_B
     if spec.overlong:
-        rewards_B = rewards_B + overlong_shaping(ro.lengths_B, spec.max_new_tokens,
+        rewards_B = rewards_B + alg.overlong_shaping(ro.lengths_B, spec.max_new_tokens,
                                                  spec.overlong, a.overlong_penalty)
     if a.name == "ppo":
         values_BxT = _map_micro(
@@ -132,7 +101,7 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
         # How much of the returns' variance the value model predicted (before updates).
         extra["value_explained_var"] = obj.explained_variance(values_BxT, ret, mask_BxT)
     else:
-        batch["adv_BxT"] = obj.broadcast_to_tokens(sequence_advantages(a, rewards_B), mask_BxT)
+        batch["adv_BxT"] = obj.broadcast_to_tokens(alg.sequence_advantages(a, rewards_B), mask_BxT)
     if a.kl_in == "reward" and spec.uses_ref:
         extra["seq_kl"] = ppo_lib.sequence_kl(batch["old_logp_BxT"], batch["ref_logp_BxT"],
                                               mask_BxT)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -159,8 +159,7 @@ class RLTrainer:
         self.old_mode = ("self" if algorithm.old_logp == "auto" and algorithm.single_update
                          else ("sampler" if algorithm.old_logp == "sampler" else "recompute"))
         self.uses_ref = algorithm.kl_in != "none" and algorithm.kl_coef > 0
-        overlong = (alg.resolve_overlong_buffer(algorithm, sampling.max_new_tokens)
-                    if algorithm.dynamic_sampling or algorithm.overlong_buffer else 0)
+        overlong = alg.resolve_overlong_buffer(algorithm, sampling.max_new_tokens)
         self.spec = LearnSpec(algorithm, self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
                               sampling.temperature, sampling.max_new_tokens, overlong)
         self.rollouts = Rollouts(policy_graphdef, tokenizer, reward_fns, sampling=sampling,
