@@ -153,8 +153,9 @@ class Rollouts:
 
     def generate(self, params, tok_NxW, mask_NxW, key, *, greedy: bool = False,
                  num_samples: int = 1):
-        """The sampler on padded prompts (bucketed by the longest; the sampler's
-        ``SampleResult``, global arrays)."""
+        """The sampler on padded prompts, bucketed: ``min(bucket_length(longest,
+        prompt_multiple), prompt_len)`` columns (the sampler's ``SampleResult``, global
+        arrays)."""
         s = self.sampling
         if not self.num_params:
             self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
@@ -166,7 +167,9 @@ class Rollouts:
                 max_new_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
                 top_k=s.top_k or None, top_p=None if s.top_p >= 1.0 else s.top_p,
                 stop_ids=(self.eos_id,), num_samples=num_samples, pad_id=self.pad_id,
-                length_multiple=self.prompt_multiple, mesh=self.mesh)
+                length_multiple=self.prompt_multiple, mesh=self.mesh,
+                # Buckets never exceed prompt_len: the last one is prompt_len itself.
+                max_len=self.prompt_len + s.max_new_tokens - 1)
 
     def score(self, completions: list, metadata: list, group_size: int, first: int = 0):
         """Rewards float32 of own rows; errors name the function and the prompt index."""
