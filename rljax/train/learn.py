@@ -105,12 +105,10 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
     if a.kl_in == "reward" and spec.uses_ref:
         extra["seq_kl"] = ppo_lib.sequence_kl(batch["old_logp_BxT"], batch["ref_logp_BxT"],
                                               mask_BxT)
-    extra["reward_shaped_mean"] = _row_mean(rewards_B, ro.weight_B)
+    if spec.overlong:  # the reward the advantages saw, after DAPO's length shaping
+        w_B = ro.weight_B
+        extra["reward_shaped_mean"] = jnp.sum(rewards_B * w_B) / jnp.maximum(jnp.sum(w_B), 1.0)
     return batch, extra
-
-
-def _row_mean(x_B: Array, w_B: Array) -> Array:
-    return jnp.sum(x_B * w_B) / jnp.maximum(jnp.sum(w_B), 1.0)
 
 
 def _minibatch_rows(key, batch_size: int, num_minibatches: int) -> Array:

@@ -179,7 +179,14 @@ class RLTrainer:
         if a.micro_batch_size and mb % a.micro_batch_size:
             raise ValueError(f"AlgorithmConfig.micro_batch_size={a.micro_batch_size} does not "
                              f"divide the minibatch of {mb} completions")
-        return num_micro_batches(mb, a.micro_batch_size, "minibatch")
+        num_micro = num_micro_batches(mb, a.micro_batch_size, "minibatch")
+        n_dev = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if (mb // num_micro) % n_dev:
+            raise ValueError(f"micro-batches of {mb // num_micro} completions do not split over "
+                             f"the data x fsdp = {n_dev} devices; choose prompts_per_step, "
+                             f"num_minibatches and micro_batch_size so they are a multiple "
+                             f"of {n_dev}")
+        return num_micro
 
     def _build_program(self):
         a, total = self.alg, max(self.rl.steps * self.alg.num_epochs * self.alg.num_minibatches, 1)
