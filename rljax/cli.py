@@ -1,6 +1,7 @@
 """The `rljax` command line (also `python -m rljax`).
 
-    rljax train EXPERIMENT [--set a.b=value ...] [--dry-run] [--distributed]
+    rljax train EXPERIMENT [--set a.b=value ...] [--dry-run]
+                [--distributed [--coordinator HOST:PORT --num-processes N --process-id I]]
     rljax eval SOURCE [--experiment EXP] [--set ...] [--num-prompts N] [--k K]
     rljax sample SOURCE --prompt TEXT [--prompt ...] [--num-samples N] [--max-new-tokens N]
     rljax export SOURCE OUT_DIR [--step N]
@@ -49,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the resolved config as JSON and exit")
     p.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() first (multi-host TPU pod slices: "
-                        "run the same command on every host)")
+                        "run the same command on every host; TPU VMs find their peers)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="with --distributed: process 0's address (elsewhere than TPU VMs)")
+    p.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="with --distributed --coordinator: how many processes take part")
+    p.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="with --distributed --coordinator: this process's index, 0..N-1")
 
     p = sub.add_parser("eval", help="greedy accuracy and pass@k (rljax.run.artifacts.evaluate_source)")
     p.add_argument("source", help="run directory or HF model folder")
@@ -82,14 +89,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _launch_args(args) -> dict | None:
+    """The keyword arguments of `jax.distributed.initialize` from the launch flags, or
+    None without --distributed; a bad combination is a ValueError naming the flags."""
+    given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+             "--process-id": args.process_id}
+    named = [k for k, v in given.items() if v is not None]
+    if not args.distributed:
+        if named:
+            raise ValueError(f"{', '.join(named)}: only with --distributed (a multi-process "
+                             "run)")
+        return None
+    if not named:
+        return {}  # TPU VMs (and other auto-detected clusters) find their peers themselves
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise ValueError(f"--distributed with {', '.join(named)} also needs "
+                         f"{', '.join(missing)} (give --coordinator HOST:PORT "
+                         "--num-processes N --process-id I together, or none of them)")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+    if args.num_processes < 1:
+        raise ValueError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id must be in 0..{args.num_processes - 1} "
+                         f"(--num-processes {args.num_processes}), got {args.process_id}")
+    return {"coordinator_address": args.coordinator, "num_processes": args.num_processes,
+            "process_id": args.process_id}
+
+
+def _init_distributed(kwargs: dict) -> None:
+    """`jax.distributed.initialize`, with gloo collectives when the devices are CPUs
+    (set before the backend starts; devices per process come from XLA_FLAGS)."""
+    platforms = (jax.config.jax_platforms or "cpu").split(",")  # unset: may fall back to CPU
+    if "cpu" in platforms:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
+
+
 def _cmd_train(args) -> int:
+    launch = _launch_args(args)
+    if launch is not None and not args.dry_run:
+        _init_distributed(launch)  # before anything starts a JAX backend
     cfg = load_experiment(args.experiment, args.overrides)
     if args.dry_run:
         cfg = cfg.resolved()  # the algorithm preset's values, as the run will use and save
         print(json.dumps({"config_hash": config_hash(cfg), "config": config_to_dict(cfg)}, indent=2))
         return 0
-    if args.distributed:
-        jax.distributed.initialize()  # Cloud TPU: coordinator and process ids auto-detected
     run_experiment(cfg)
     return 0
 

@@ -14,11 +14,12 @@ never share an axis with the RL steps.
 from __future__ import annotations
 
 import math
-import pathlib
+import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from etils import epath
 # Figures made directly, not through pyplot: no GUI backend and no global state to switch.
 from matplotlib.figure import Figure
 
@@ -105,14 +106,19 @@ def _draw(ax, title: str, keys: Sequence[str], series, xlabel: str) -> None:
     ax.legend(fontsize=7)
 
 
-def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | pathlib.Path,
-                 *, step_key: str = "step") -> list[pathlib.Path]:
+def _save(fig: Figure, path: epath.Path) -> None:
+    with path.open("wb") as fh:
+        fig.savefig(fh, format="png", dpi=100)
+
+
+def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
+                 *, step_key: str = "step") -> list[epath.Path]:
     """Write one PNG per metric family present in `records` (per phase of
     ``OWN_STEP_PHASES`` too) and `overview.png`.
 
     Returns the written paths (empty when no known metric is present).
     """
-    out_dir = pathlib.Path(out_dir)
+    out_dir = epath.Path(out_dir)  # a local folder or a bucket (gs://...)
     out_dir.mkdir(parents=True, exist_ok=True)
     panels = _panels(records, step_key)
     written = []
@@ -122,7 +128,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | pathlib.Path,
         _draw(ax, title, keys, series, xlabel)
         fig.tight_layout()
         path = out_dir / f"{stem}.png"
-        fig.savefig(path, dpi=100)
+        _save(fig, path)
         written.append(path)
     if panels:
         cols = min(3, len(panels))
@@ -135,6 +141,6 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | pathlib.Path,
             ax.set_visible(False)
         fig.tight_layout()
         path = out_dir / "overview.png"
-        fig.savefig(path, dpi=100)
+        _save(fig, path)
         written.append(path)
     return written

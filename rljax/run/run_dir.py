@@ -14,6 +14,10 @@ config may differ, e.g. more steps, and the difference is reported) or `overwrit
 (delete it and start afresh). A non-empty directory that is not a run directory is never
 deleted. The hash ignores the run-control fields `run.dir`, `run.resume`, `run.overwrite`.
 
+Paths go through `etils.epath` (orbax's path library), so `path` may be a bucket
+(`gs://...`). On several processes only process 0 (`primary=True`) owns these files;
+every process writes its own checkpoint shards through orbax.
+
 `Progress` prints a progress line with key metrics to stderr; `format_summary` builds the
 end-of-run screen whose last line is `RESULT accuracy_before=... accuracy_after=... wall_s=...`.
 """
@@ -25,11 +29,14 @@ import json
 import math
 import os
 import pathlib
-import shutil
 import sys
 import time
 from typing import Any, TextIO
 
+import jax
+import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
 from tensorboardX import SummaryWriter
 
 from rljax.run import plots as _plots
@@ -67,10 +74,21 @@ def config_hash(config: Any, exclude: tuple[str, ...] = DEFAULT_HASH_EXCLUDE) ->
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+def run_path(path: str | os.PathLike) -> epath.Path:
+    """`path` as an `epath.Path`: a local path made absolute, a URI (`gs://...`) as is."""
+    text = os.fspath(path)
+    return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
+def is_local(path: epath.Path) -> bool:
+    """True for a path on this machine's file system (not a bucket URI)."""
+    return "://" not in os.fspath(path)
+
+
+def _write_atomic(path: epath.Path, text: str) -> None:
+    tmp = path.parent / (path.name + ".tmp")
     tmp.write_text(text)
-    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    tmp.replace(path)  # readers see the old file or the new one, never half of one
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
@@ -79,7 +97,7 @@ def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     A torn last line (a run killed mid-write) is skipped; a bad line elsewhere is an error
     naming the file and line.
     """
-    path = pathlib.Path(path)
+    path = run_path(path)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.exists():
@@ -111,7 +129,9 @@ class RunDir:
       hash_exclude: config keys left out of the hash.
       primary: False on the non-first processes of a multi-host run: they apply no refusal
         rule and write nothing (the first process owns the directory's files; checkpoints
-        are written by every process through orbax).
+        are written by every process through orbax). On several processes all of them
+        wait here for process 0's verdict: an `overwrite` has cleared the directory before
+        any process goes on, and a refusal stops every process.
     """
 
     def __init__(self, path: str | pathlib.Path, config: Any, *, resume: bool = False,
@@ -120,19 +140,28 @@ class RunDir:
                  hash_exclude: tuple[str, ...] = DEFAULT_HASH_EXCLUDE, primary: bool = True):
         if resume and overwrite:
             raise RunDirError("resume and overwrite are exclusive: choose one")
-        self.path = pathlib.Path(path).absolute()
+        self.path = run_path(path)
         self.config = config_to_dict(config)
         self.config_hash = config_hash(config, hash_exclude)
         self.primary = primary
+        self._lines: list[str] | None = None  # a bucket's metrics (no appends there)
         if not primary:
             self.resumed, self._tb, self._wandb = resume, None, None
             self._metrics = open(os.devnull, "a", encoding="utf-8")
+            if not _primary_verdict(True):
+                raise RunDirError(f"process 0 refused the run directory {self.path} "
+                                  "(its error says why)")
             return
-        self.resumed = self._prepare(resume, overwrite)
+        try:
+            self.resumed = self._prepare(resume, overwrite)
+        except BaseException:
+            _primary_verdict(False)  # the other processes stop too, instead of hanging
+            raise
+        _primary_verdict(True)  # after any overwrite: the directory is clear for all
         self.path.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.path / CONFIG_FILE, json.dumps(
             {"config_hash": self.config_hash, "config": self.config}, indent=2, sort_keys=True))
-        self._metrics = open(self.path / METRICS_FILE, "a", encoding="utf-8")
+        self._metrics = self._open_metrics()
         self._tb = self._open_tensorboard() if tensorboard else None
         self._wandb = self._open_wandb(wandb_project) if wandb_project else None
 
@@ -148,7 +177,7 @@ class RunDir:
                 "choose another run directory (run.dir=PATH)")
         old_hash = json.loads(cfg_file.read_text()).get("config_hash")
         if overwrite:
-            shutil.rmtree(self.path)
+            self.path.rmtree()
             return False
         if resume:
             if old_hash != self.config_hash:
@@ -160,6 +189,15 @@ class RunDir:
         raise RunDirError(
             f"{self.path} already holds {what}; set run.resume=true to continue it, "
             "run.overwrite=true to replace it, or choose another run.dir")
+
+    def _open_metrics(self):
+        """The metrics file opened for appending; on a bucket (no appends) its lines are
+        kept here and the whole file is rewritten at each log."""
+        path = self.path / METRICS_FILE
+        if is_local(path):
+            return open(path, "a", encoding="utf-8")
+        self._lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+        return _Lines(self._lines, path)
 
     def _open_tensorboard(self):
         return SummaryWriter(logdir=str(self.path / "tb"), flush_secs=10)
@@ -176,12 +214,12 @@ class RunDir:
 
     # -- paths ----------------------------------------------------------------------------
     @property
-    def checkpoint_dir(self) -> pathlib.Path:
+    def checkpoint_dir(self) -> epath.Path:
         """Where the run's orbax checkpoints go."""
         return self.path / "checkpoints"
 
     @property
-    def plots_dir(self) -> pathlib.Path:
+    def plots_dir(self) -> epath.Path:
         """Where `plot()` writes PNGs."""
         return self.path / "plots"
 
@@ -220,9 +258,9 @@ class RunDir:
                 if (phase is not None and r.get("phase", "rl") != phase)
                 or r.get("step", -1) <= after_step]
         _write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
-        self._metrics = open(path, "a", encoding="utf-8")
+        self._metrics = self._open_metrics()
 
-    def write_json(self, name: str, obj: Any) -> pathlib.Path:
+    def write_json(self, name: str, obj: Any) -> epath.Path:
         """Write `obj` to `path/name.json` atomically (e.g. evaluation results)."""
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"name must be a plain file stem, got {name!r}")
@@ -240,7 +278,7 @@ class RunDir:
             self._metrics.flush()
         return read_metrics(self.path)
 
-    def plot(self) -> list[pathlib.Path]:
+    def plot(self) -> list[epath.Path]:
         """Draw the PNG plots of the metrics so far into `plots/`."""
         if not self.primary:
             return []
@@ -262,6 +300,33 @@ class RunDir:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _primary_verdict(ok: bool) -> bool:
+    """Process 0's `ok` on every process (a barrier: none passes before process 0 has
+    applied the refusal rules and cleared an overwritten directory)."""
+    if jax.process_count() == 1:
+        return ok
+    multihost_utils.sync_global_devices("rljax.run_dir.prepared")
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+
+
+class _Lines:
+    """A write-only text sink for `metrics.jsonl` on a bucket: each write adds to the
+    kept lines and `flush` rewrites the file (buckets have no appends)."""
+
+    def __init__(self, lines: list[str], path: epath.Path):
+        self.lines, self.path, self.closed = lines, path, False
+
+    def write(self, text: str) -> int:
+        self.lines.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        _write_atomic(self.path, "".join(self.lines))
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def _fmt(value: Any) -> str:

@@ -12,22 +12,29 @@ With `run.resume=true` the latest checkpoint of the run directory is restored (t
 coefficient) and the loop continues from its step; metric lines after that step are
 dropped first, so `metrics.jsonl` reads as one uninterrupted run. Ctrl-C saves the
 current state (waiting for the write) before the KeyboardInterrupt propagates.
+
+On several processes (`jax.distributed`) every process runs this same function: all of
+them save and restore checkpoints (each writes its own shards), and only process 0 writes
+the run directory's files and prints progress and the summary.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import sys
+import tempfile
 import time
 from typing import TextIO
 
 import jax
+from etils import epath
 from flax import nnx
 
 from rljax.models import ValueModel
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
-from rljax.run.run_dir import Progress, RunDir, format_summary
+from rljax.run.run_dir import Progress, RunDir, format_summary, is_local
 from rljax.sharding import shard_params
 from rljax.train.batching import encode_pairs
 from rljax.train.checkpoint import Checkpointer
@@ -49,6 +56,25 @@ class RunResult:
     run_dir: str
     steps: int
     summary: str
+
+
+class _Silent(io.TextIOBase):
+    """Where the other processes' progress and summary go: nowhere."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+def _save_tokenizer(tokenizer, dest: epath.Path) -> None:
+    """`save_pretrained` into the run directory (through a local folder for a bucket)."""
+    if is_local(dest):
+        tokenizer.save_pretrained(str(dest))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in epath.Path(tmp).iterdir():  # save_pretrained writes flat files
+            f.copy(dest / f.name, overwrite=True)
 
 
 def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: TextIO):
@@ -115,14 +141,17 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
         raise TypeError(f"run_experiment: cfg must be an ExperimentConfig, got {type(cfg).__name__}")
     cfg = cfg.resolved()  # the algorithm's preset filled in: what runs is what is saved
     t0 = time.perf_counter()
+    primary = jax.process_index() == 0
+    if not primary:
+        out = _Silent()
     progress_out = out if out is not None else sys.stderr
     rd = RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
                 tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project,
-                primary=jax.process_index() == 0)
+                primary=primary)
     try:
         tokenizer = builders.build_tokenizer(cfg)
         if rd.primary and not (rd.path / "tokenizer").exists():
-            tokenizer.save_pretrained(str(rd.path / "tokenizer"))
+            _save_tokenizer(tokenizer, rd.path / "tokenizer")
         mesh = builders.build_mesh(cfg)
         model = builders.build_model(cfg, tokenizer, mesh)
         graphdef, params = nnx.split(model)

@@ -18,18 +18,23 @@
 
 `restore(target)` reads the latest valid step into `target`, a pytree of arrays or
 `jax.ShapeDtypeStruct`s whose `.sharding` says where each restored array goes
-(`abstract_like(state)` builds one from a live state).
+(`abstract_like(state)` builds one from a live state), so a checkpoint written on one
+topology (say 2 processes x 4 devices) restores on another (1 x 8) and vice versa.
+
+On several processes every process makes the same calls with the same global arrays;
+each writes its own shards. The directory is an `etils.epath` path (local or `gs://...`).
 """
 
 from __future__ import annotations
 
 import json
-import pathlib
+import os
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 __all__ = ["Checkpointer", "abstract_like", "key_from_json", "key_to_json", "pure_params"]
 
@@ -87,13 +92,14 @@ class Checkpointer:
       async_save: write in a background thread (True) or block in `save` (False).
     """
 
-    def __init__(self, directory: str | pathlib.Path, *, save_every: int = 1, keep: int = 3,
+    def __init__(self, directory: str | os.PathLike, *, save_every: int = 1, keep: int = 3,
                  async_save: bool = True):
         if not isinstance(save_every, int) or save_every < 1:
             raise ValueError(f"save_every must be an int >= 1, got {save_every!r}")
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
-        self.directory = pathlib.Path(directory).absolute()
+        text = os.fspath(directory)
+        self.directory = epath.Path(text if "://" in text else os.path.abspath(text))
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=save_every,
             max_to_keep=keep,
