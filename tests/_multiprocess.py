@@ -61,7 +61,7 @@ EXPERIMENT = textwrap.dedent('''
             sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
             sft=None,
             rl=RLConfig(steps=3, prompts_per_step={prompts}, eval_prompts=8, logp_chunk=8),
-            run=RunConfig(dir="runs/unset", save_every=3, plots=True),
+            run=RunConfig(dir="runs/unset", save_every=3, plots=False),
         )
 ''')
 
@@ -92,8 +92,9 @@ def _start(args: list[str], devices: int, cwd: pathlib.Path, log: pathlib.Path):
 class Scenario:
     """One algorithm's runs (see the module docstring) in `root`; `run()` does them all."""
 
-    def __init__(self, root: pathlib.Path, name: str, algorithm: str, prompts: int):
-        self.root, self.name = root, name
+    def __init__(self, root: pathlib.Path, name: str, algorithm: str, prompts: int, *,
+                 plots: bool = False):
+        self.root, self.name, self.plots = root, name, plots
         self.exp = root / f"{name}.py"
         self.exp.write_text(EXPERIMENT.format(name=name, algorithm=algorithm, prompts=prompts))
         self.logs: dict[str, str] = {}
@@ -119,7 +120,9 @@ class Scenario:
         port = free_port()
         out = []
         for i in range(2):
-            args = [*self._args(run, sets), "--distributed", "--coordinator",
+            # plots (seconds of matplotlib per run) only where they are checked
+            plots = ("--set", "run.plots=true") if self.plots else ()
+            args = [*self._args(run, sets), *plots, "--distributed", "--coordinator",
                     f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
             out.append((f"{tag}.p{i}", *_start(args, 4, self.root,
                                                 self.root / f"{tag}.p{i}.log")))
@@ -230,7 +233,7 @@ def check_single_writer(runs: Scenario) -> None:
     assert json.loads((d / "config.json").read_text())["config"]["rl"]["steps"] == 5
     for name in ("metrics.jsonl", "eval_before.json", "eval_after.json", "tokenizer"):
         assert (d / name).exists(), name
-    assert list((d / "plots").glob("*.png"))
+    assert bool(list((d / "plots").glob("*.png"))) == runs.plots
     # one event file per invocation (the first run and the resume), none from process 1
     assert len(list((d / "tb").glob("events.out.tfevents.*"))) == 2
     records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]

@@ -13,7 +13,7 @@ NUMERIC = ("loss", "grad_norm")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return mp.Scenario(tmp_path_factory.mktemp("mp_grpo"), "mp_grpo",
-                       'name="grpo", group_size=4', prompts=4).run()
+                       'name="grpo", group_size=4', prompts=4, plots=True).run()
 
 
 def test_steps_equal_one_process(runs):
