@@ -256,5 +256,14 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
         positions=plen_R[:, None] + cols_N[None, :],
         lengths=s.lengths_R, truncated=~s.done_R,
         logprobs=s.logp_RxN, sampling_logprobs=s.sampling_logp_RxN,
-        prompt_index=jnp.asarray(np.repeat(np.arange(len(prompts.lengths_B), dtype=np.int32), g)),
+        prompt_index=_prompt_index(len(prompts.lengths_B), g, mesh),
     )
+
+
+def _prompt_index(n_prompts: int, g: int, mesh: Mesh | None) -> jax.Array:
+    """``row // g`` as a global array placed like the sampled rows (the same host data on
+    every process), so it mixes with the other outputs on a pod."""
+    index_R = np.repeat(np.arange(n_prompts, dtype=np.int32), g)
+    if mesh is None:
+        return jnp.asarray(index_R)
+    return jax.device_put(index_R, logical_sharding(("batch",), index_R.shape, mesh))
