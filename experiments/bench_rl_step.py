@@ -25,8 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rljax.run import builders
 from rljax.train.rl import RLTrainer
+
+try:
+    from rljax.run import builders
+except ImportError:  # rljax before the run layer had its own package (side-by-side runs)
+    from rljax.train import builders  # type: ignore[no-redef]
 
 _DEMO = pathlib.Path(__file__).with_name("arithmetic_grpo.py")
 
@@ -58,6 +62,17 @@ def matmul_params(params, cfg) -> int:
     return total - (0 if cfg.model.tie_word_embeddings else cfg.model.vocab_size * cfg.model.hidden_size)
 
 
+def _learn_fields(m: dict, epochs: int) -> None:
+    """``time_learn`` and ``seq_tokens`` of a step's metrics; rljax before the one
+    learning program timed its forwards and updates apart and logged no token counts."""
+    if "time_learn" not in m:
+        m["time_learn"] = sum(m.get(f"time_{k}", 0.0)
+                              for k in ("ref_logp", "old_logp", "values", "update"))
+        m["seq_tokens"] = m["train_tok_s"] * m["time_update"] / epochs
+    else:
+        m["seq_tokens"] = m["completion_tokens"] + m["prompt_tokens"]
+
+
 def main(argv=None) -> int:
     """Time the steps and print the split, the FLOP/s ratio and the RESULT line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -84,8 +99,10 @@ def main(argv=None) -> int:
         if i >= args.warmup:
             rows.append(m)
     med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)
+    for r in rows:
+        _learn_fields(r, a.num_epochs)
     learn_s = med("time_learn")
-    seq_tokens = med("completion_tokens") + med("prompt_tokens")
+    seq_tokens = med("seq_tokens")
     fwd = tr.uses_ref + (tr.old_mode == "recompute")
     flops = (6 * a.num_epochs + 2 * fwd) * n_matmul * seq_tokens
     peak = matmul_peak_flops()
