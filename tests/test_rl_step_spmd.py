@@ -2,7 +2,6 @@
 DAPO's refill rounds of different prompt widths, padding groups that change nothing,
 and a hung reward cut at its time limit."""
 
-import dataclasses
 import logging
 import time
 
@@ -12,7 +11,9 @@ import numpy as np
 import pytest
 
 from _train_common import CharTok, random_seqs, tiny_model
+from rljax import objectives as obj
 from rljax.rewards import RewardPool
+from rljax.train import algorithms as alg
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
 from rljax.train.rl import RLTrainer
 from rljax.train.rollout import Rollout
@@ -63,26 +64,26 @@ def test_dapo_refills_with_rounds_of_different_prompt_widths():
     assert np.isfinite(m["loss"]) and int(state.data_pos) == 8
 
 
-def _rollout(rng, groups: int, weight: float, rewards=None) -> Rollout:
+def _rollout(rng, groups: int, weight: float, rewards) -> Rollout:
     g = 2
     s = random_seqs(rng, groups * g, 6, 4)
-    r = rng.integers(0, 2, groups * g).astype(np.float32) if rewards is None else rewards
     b = groups * g
     return Rollout(s["prompt_BxP"], s["prompt_mask_BxP"], s["completion_BxT"],
                    s["completion_mask_BxT"], -rng.random((b, 4), dtype=np.float32),
-                   np.zeros(b, np.float32), r, np.zeros(b, np.float32),
+                   np.zeros(b, np.float32), rewards, np.zeros(b, np.float32),
                    np.full(b, weight, np.float32), group_size=g)
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean",
-                                         "seq-mean-token-sum", "seq-mean-token-sum-norm"])
-def test_padding_groups_change_neither_loss_nor_gradient(aggregation):
-    gd, st = tiny_model()
-    tr = _trainer(gd, name="dapo", group_size=2, aggregation=aggregation, overlong_buffer=0)
-    rng = np.random.default_rng(1)
+def _padded_pair(rng):
     kept = _rollout(rng, 3, 1.0, np.array([1, 0, 0, 1, 1, 0], np.float32))
     pad = _rollout(rng, 2, 0.0, np.ones(4, np.float32))
-    both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), kept, pad)
+    return kept, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), kept, pad)
+
+
+def test_padding_groups_change_neither_loss_nor_gradient_of_the_learning_program():
+    gd, st = tiny_model()
+    tr = _trainer(gd, name="dapo", group_size=2, overlong_buffer=0)  # token-mean
+    kept, both = _padded_pair(np.random.default_rng(1))
     state = tr.init_state(st)
     counters = (state.updates, state.nonfinite_run, state.skipped)
     learn = jax.jit(tr._learn_fn)
@@ -92,6 +93,34 @@ def test_padding_groups_change_neither_loss_nor_gradient(aggregation):
     for k in ("loss", "grad_norm"):
         np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6, err_msg=k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), p0, p1)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean",
+                                         "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_padding_groups_carry_zero_weight_in_every_aggregation(aggregation):
+    """The objective on a batch with weight-0 groups equals the objective without them,
+    in value and in gradient (which is exactly 0 on the padding rows)."""
+    cfg = algorithm_preset("dapo", group_size=2, aggregation=aggregation).resolve()
+    objective = alg.make_objective(cfg, max_new_tokens=4)
+    coef = alg.make_coef(cfg)
+    kept, both = _padded_pair(np.random.default_rng(2))
+
+    def loss(logp_BxT, ro):
+        ro = ro.masked_by_weight()
+        adv = obj.broadcast_to_tokens(alg.sequence_advantages(cfg, ro.rewards_B),
+                                      ro.completion_mask_BxT)
+        batch = obj.ObjectiveBatch(logp_BxT=logp_BxT, old_logp_BxT=ro.sampler_logp_BxT,
+                                   mask_BxT=ro.completion_mask_BxT, adv_BxT=adv)
+        loss_sum, count, _ = objective(batch, coef)
+        return loss_sum / count
+
+    logp = both.sampler_logp_BxT + 0.1 * jnp.arange(both.sampler_logp_BxT.size).reshape(-1, 4) / 40
+    b = kept.rewards_B.shape[0]
+    l0, g0 = jax.value_and_grad(loss)(logp[:b], kept)
+    l1, g1 = jax.value_and_grad(loss)(logp, both)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    np.testing.assert_allclose(g1[:b], g0, rtol=1e-6, atol=1e-9)
+    assert np.all(np.asarray(g1[b:]) == 0.0)
 
 
 def sleeps_on_prompt_3(completion, meta):
