@@ -12,9 +12,9 @@ from scratch:
    demo shows RL learning from a verifier, not that RL beats SFT).
 
 Target: accuracy >= 0.75 and a gain >= +0.30 in under 5 minutes. Last measured
-(2026-12-03, without the CPU kernels): seeds 0-5 gain +0.31 to +0.44 (0.47-0.54 -> 0.76-0.92;
-0.39 -> 0.76 on seed 5) in 175-220 s; margins are small, and float32 rounding changes move
-seeds. History and what was tried: docs/arithmetic_grpo.md.
+(2026-12-03, the one-program RL step): seeds 0-4 gain +0.28 to +0.43 (0.47-0.54 ->
+0.75-0.92; seed 0 in 200 s); seed 2 misses by 0.002 / 0.021 (0.469 -> 0.748). Margins are
+small, and float32 rounding changes move seeds. History and what was tried: docs/arithmetic_grpo.md.
 
 Run: `rljax train arithmetic_grpo` (the RL run only) or
 `python experiments/arithmetic_grpo.py [--no-baseline] [--set key=value ...]`.
