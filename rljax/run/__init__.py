@@ -13,13 +13,27 @@ Everything the command line does is one Python call here:
   (`rljax.run.tasks`): `check_arithmetic`, `ArithmeticReward`, `CountdownReward`.
 """
 
-from rljax.run.experiment import (ExperimentConfig, RewardConfig, RunConfig, TaskConfig,
-                                  load_experiment, load_run_config)
-from rljax.run.overrides import OverrideError, apply_overrides
-from rljax.run.plots import plot_metrics
-from rljax.run.run_dir import RunDir, RunDirError, format_summary, read_metrics, result_line
-from rljax.run.runner import RunResult, run_experiment
-from rljax.run.tasks import ArithmeticReward, CountdownReward, check_arithmetic
+import importlib
+
+# Names load their module on first use (PEP 562), so importing a light submodule such as
+# rljax.run.tasks (which a reward worker process unpickles) does not load JAX, orbax and
+# matplotlib with the runner.
+_HOME = {
+    "ExperimentConfig": "experiment", "RewardConfig": "experiment", "RunConfig": "experiment",
+    "TaskConfig": "experiment", "load_experiment": "experiment",
+    "load_run_config": "experiment", "OverrideError": "overrides",
+    "apply_overrides": "overrides", "plot_metrics": "plots", "RunDir": "run_dir",
+    "RunDirError": "run_dir", "format_summary": "run_dir", "read_metrics": "run_dir",
+    "result_line": "run_dir", "RunResult": "runner", "run_experiment": "runner",
+    "ArithmeticReward": "tasks", "CountdownReward": "tasks", "check_arithmetic": "tasks",
+}
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'rljax.run' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rljax.run.{_HOME[name]}"), name)
+
 
 __all__ = [
     "ArithmeticReward", "CountdownReward", "ExperimentConfig", "OverrideError",

@@ -270,14 +270,26 @@ def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
     return ComponentReward(tuple(terms), timeout_s=r.timeout_s, workers=r.workers), accuracy_fn
 
 
+_POOLS: dict[int, rw.RewardPool] = {}  # workers -> the process's reward pool
+
+
+def shared_reward_pool(workers: int) -> rw.RewardPool:
+    """One `rljax.rewards.RewardPool` per size for the whole process, started on first use
+    and closed at exit: runs in one process (tests, sweeps) share its warm workers."""
+    if workers not in _POOLS:
+        _POOLS[workers] = rw.RewardPool(workers)
+        atexit.register(_POOLS[workers].close)
+    return _POOLS[workers]
+
+
 class ComponentReward:
     """Batch reward `sum_j w_j f_j` over item rewards that keeps each term's batch mean.
 
     `last` holds `{"reward/<name>": mean}` of the latest call, so the run logs the
     accuracy and format terms separately (R1-Zero's two rewards). With `workers > 0` the
-    item calls run in a `rljax.rewards.RewardPool` (started on first use, closed at exit)
-    and each is cut at `timeout_s`: a call past it scores 0 and is logged with its row
-    and the prompt id from its metadata, and the run goes on.
+    item calls run in the process's shared `RewardPool` (`shared_reward_pool`) and each is
+    cut at `timeout_s`: a call past it scores 0 and is logged with its row and the prompt
+    id from its metadata, and the run goes on.
     """
 
     is_batch_reward = True
@@ -286,22 +298,10 @@ class ComponentReward:
     def __init__(self, terms: tuple[tuple[float, Callable], ...], *, timeout_s: float | None = None,
                  workers: int = 0):
         self.terms, self.last = terms, {}
-        self.timeout_s, self.workers, self._pool = timeout_s, workers, None
-
-    def _pool_or_none(self):
-        if self.workers > 0 and self._pool is None:
-            self._pool = rw.RewardPool(self.workers)
-            atexit.register(self.close)
-        return self._pool
-
-    def close(self) -> None:
-        """Stop the worker processes (if any)."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self.timeout_s, self.workers = timeout_s, workers
 
     def __call__(self, completions, metadata) -> np.ndarray:
-        pool = self._pool_or_none()
+        pool = shared_reward_pool(self.workers) if self.workers > 0 else None
         out = rw.score_batch([f for _, f in self.terms], completions, metadata,
                              weights=[w for w, _ in self.terms], pool=pool,
                              timeout_s=self.timeout_s if pool is not None else None)
