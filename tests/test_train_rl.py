@@ -2,7 +2,6 @@
 verifiable task on the 8-device mesh, SFT lowers held-out loss, bad input gets clear
 errors, dynamic sampling refills, and a resumed run reproduces the uninterrupted one."""
 
-import dataclasses
 
 import jax
 import numpy as np

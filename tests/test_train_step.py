@@ -14,7 +14,7 @@ from _train_common import random_seqs, tiny_model
 from rljax.objectives import Coef, token_logprobs
 from rljax.train.algorithms import make_objective
 from rljax.train.config import OptimConfig, algorithm_preset
-from rljax.train.logprobs import chunked_logprobs, head_logits, policy_logprobs
+from rljax.train.logprobs import policy_logprobs
 from rljax.train.rl import rl_loss
 from rljax.train.step import (Learner, NonFiniteError, accumulate, make_optimizer,
                               make_schedule, new_train_state, num_micro_batches)

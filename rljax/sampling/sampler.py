@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from rljax.models import KVCache, ModelConfig, grow_kv_cache, kv_cache_shardings
+from rljax.models import ModelConfig, grow_kv_cache, kv_cache_shardings
 from rljax.sampling.head import cached_vocab_major_weight, vocab_major_head
 from rljax.sampling.ops import SamplingParams, sample_tokens_VxR
 from rljax.sampling.prompts import PackedPrompts
