@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from rljax.train.checks import check_algorithm_sampling  # noqa: F401 (public here too)
 from rljax.train.checks import check_bool, check_choice, check_import_path, check_num, fail
 from rljax.train.presets import BASE, PRESET_FIELDS, PRESETS
 
@@ -288,43 +289,6 @@ class SamplingConfig:
     def filters(self) -> bool:
         """True when top-k or top-p removes tokens from the draw."""
         return self.top_k > 0 or self.top_p < 1.0
-
-
-def check_algorithm_sampling(algorithm: AlgorithmConfig, sampling: SamplingConfig) -> None:
-    """Reject algorithm settings that the sampling settings make wrong.
-
-    The sampler reports each token's log-prob under the distribution it drew from: with
-    top-k / top-p that is the filtered, renormalised softmax, while the trainer's log-probs
-    are of the full softmax. So
-
-    - ``old_logp="sampler"`` would put the filtered probability in the ratio's denominator:
-      at theta = theta_old the ratio equals the kept probability mass (< 1), not 1, and the
-      clip acts from the first update;
-    - ``tis_cap`` would weight each token by pi / pi_filtered = the kept mass, a shrinking
-      of the gradient rather than a correction of the sampler/trainer numerical gap.
-
-    Both are rejected; ``old_logp="auto"`` / ``"recompute"`` (full softmax on both sides)
-    work with any filter. Also checks the overlong window against ``max_new_tokens``.
-
-    Raises:
-      ValueError: naming the fields, their values and what is allowed.
-    """
-    a = algorithm
-    if sampling.filters:
-        why = (f"with SamplingConfig.top_k={sampling.top_k}, top_p={sampling.top_p} the "
-               "sampler's log-probs are of the filtered, renormalised distribution while "
-               "the trainer's are of the full softmax")
-        if a.old_logp == "sampler":
-            raise ValueError(
-                f"AlgorithmConfig.old_logp='sampler' is invalid {why}: at theta = theta_old "
-                "the ratio would equal the kept probability mass, not 1. Allowed: "
-                "old_logp='auto' or 'recompute', or top_k=0 and top_p=1.0")
-        if math.isfinite(a.tis_cap):
-            raise ValueError(
-                f"AlgorithmConfig.tis_cap={a.tis_cap} is invalid {why}: every importance "
-                "weight would be the kept probability mass, not a correction near 1. "
-                "Allowed: tis_cap=inf, or top_k=0 and top_p=1.0")
-    a.overlong_tokens(sampling.max_new_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

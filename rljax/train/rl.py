@@ -276,7 +276,7 @@ class RLTrainer:
         rounds, kept = [], []
         while True:
             key, k = jax.random.split(key)
-            ro, _ = self.rollouts.sample(params, source, pos, n, k, ph)
+            ro = self.rollouts.sample(params, source, pos, n, k, ph)
             pos += n
             if not self.alg.dynamic_sampling:
                 return ro, pos, {}

@@ -106,16 +106,6 @@ def _to_rollout(ptok, pmask, tokens, cmask, slogp, truncated, rewards_B, correct
             correct_B, weight_B)
 
 
-@dataclasses.dataclass
-class HostRows:
-    """What the host keeps of this process's rows: ``[lo, hi)``, texts and metadata."""
-
-    lo: int
-    hi: int
-    completions: list
-    metadata: list
-
-
 class Rollouts:
     """Samples and scores completions for prompts (each repeated ``group_size`` times).
 
@@ -188,9 +178,10 @@ class Rollouts:
         mask = hosts.host_rows(out.completion_mask, lo, hi)
         return decode_completions(self.tok, tokens, mask, self.eos_id)
 
-    def sample(self, params, source: PromptSource, pos: int, n_prompts: int, key, ph):
+    def sample(self, params, source: PromptSource, pos: int, n_prompts: int, key,
+               ph) -> Rollout:
         """Rollouts of prompts ``pos .. pos + n_prompts`` (this process reads its own
-        block), scored on own rows: ``(Rollout, HostRows)``."""
+        block), scored on its own rows."""
         g = self.group_size
         b = n_prompts * g
         lo, hi = hosts.own_rows(b, self.mesh)
@@ -215,7 +206,7 @@ class Rollouts:
                                   glob(np.ones(hi - lo, np.float32))),
                      group_size=g, has_correct=self.accuracy_fn is not None)
         ph.times["reward"] = ph.times.get("reward", 0.0) + time.perf_counter() - t0
-        return ro, HostRows(lo, hi, texts, rep_meta)
+        return ro
 
     def evaluate(self, params, prompts: list, metadata: list, batch_size: int) -> dict:
         """Greedy completions of ``prompts`` (every process passes the same list and
