@@ -27,6 +27,7 @@ _OPTIONAL = (
     "old_values_BxT",
     "returns_BxT",
     "entropy_BxT",
+    "cov_select_BxT",
 )
 #: Fields an objective may differentiate (the others are data from the rollout).
 DIFFERENTIABLE_FIELDS = ("logp_BxT", "values_BxT", "entropy_BxT")
@@ -51,6 +52,8 @@ class ObjectiveBatch:
       values_BxT, old_values_BxT, returns_BxT: value-model predictions now and at rollout
         time, and the value targets (PPO only).
       entropy_BxT: per-token entropy of pi_theta, for an entropy bonus or metric.
+      cov_select_BxT: 0/1 tokens chosen by Clip-Cov / KL-Cov (`cov_selection`, computed
+        by the trainer over the whole minibatch before the objective; no gradient).
     """
 
     logp_BxT: Array
@@ -63,6 +66,7 @@ class ObjectiveBatch:
     old_values_BxT: Array | None = None
     returns_BxT: Array | None = None
     entropy_BxT: Array | None = None
+    cov_select_BxT: Array | None = None
 
     def validate(self) -> tuple[int, int]:
         """Check every present field is `[B, T]` like `logp_BxT`; return (B, T).
@@ -116,7 +120,12 @@ class Coef:
       entropy: weight of the entropy bonus.
       value: weight of the value loss (PPO2's vf_coef 0.5).
       value_clip: clip range of the value prediction around old values (PPO2).
-      tis_cap: cap of truncated importance-sampling weights; inf = uncapped.
+      tis_cap: cap of truncated importance-sampling weights, and the upper bound of the
+        band of masked IS (`sampler_correction`); inf = uncapped.
+      is_low: lower bound of the masked-IS band (0 = none).
+      sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for A > 0 and A < 0
+        (arXiv:2511.20347: 1.0 and 1.05).
+      kl_cov: weight of KL-Cov's |log r| penalty on the selected tokens (arXiv:2505.22617: 1).
     """
 
     kl: Any = 0.04
@@ -127,6 +136,10 @@ class Coef:
     value: Any = 0.5
     value_clip: Any = 0.2
     tis_cap: Any = math.inf
+    is_low: Any = 0.0
+    sapo_tau_pos: Any = 1.0
+    sapo_tau_neg: Any = 1.05
+    kl_cov: Any = 1.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -140,14 +153,18 @@ class Coef:
             v = getattr(self, name)
             return float(v) if isinstance(v, (np.floating, np.ndarray)) and np.ndim(v) == 0 else None
 
-        for name in ("kl", "clip_low", "clip_high", "entropy", "value", "value_clip"):
+        for name in ("kl", "clip_low", "clip_high", "entropy", "value", "value_clip", "is_low",
+                     "kl_cov"):
             v = num(name)
             if v is not None and not v >= 0:
                 raise ValueError(f"Coef.{name} must be >= 0; got {v}")
-        for name in ("clip_low",):
+        v = num("clip_low")
+        if v is not None and not v <= 1:
+            raise ValueError(f"Coef.clip_low must be in [0, 1] (1 = no lower clip); got {v}")
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
             v = num(name)
-            if v is not None and not v < 1:
-                raise ValueError(f"Coef.clip_low must be in [0, 1); got {v}")
+            if v is not None and not v > 0:
+                raise ValueError(f"Coef.{name} must be > 0; got {v}")
         v = num("dual_clip")
         if v is not None and not v > 1:
             raise ValueError(f"Coef.dual_clip must be > 1 (inf turns it off); got {v}")

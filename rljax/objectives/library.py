@@ -9,7 +9,9 @@ noted), computed under stop_gradient. Bind static options with `functools.partia
   rloo = reinforce  # with rloo_advantages in adv_BxT
 
 Optional batch fields switch terms on: `ref_logp_BxT` the KL-to-reference term (when a
-`kl_kind` is set), `sampler_logp_BxT` truncated importance sampling, `entropy_BxT` the
+`kl_kind` is set), `sampler_logp_BxT` the sampler-gap correction (`sampler_correction`:
+token- or sequence-level, truncated or masked, chosen by the static `is_level` /
+`is_mode`; bounds `coef.is_low`, `coef.tis_cap`), `entropy_BxT` the
 entropy bonus (weight `coef.entropy`) and its metric. Whatever masked positions hold is
 replaced by 0 first, so junk padding never reaches exp or log and gets zero gradient.
 """
@@ -25,13 +27,13 @@ import jax.numpy as jnp
 from rljax.objectives._validate import check_choice
 from rljax.objectives.aggregation import AGGREGATIONS, aggregate
 from rljax.objectives.batch import Coef, ObjectiveBatch
+from rljax.objectives.correction import IS_LEVELS, IS_MODES, sampler_correction
 from rljax.objectives.kl import KL_KINDS, kl_estimate
 from rljax.objectives.surrogates import (
     clip_indicators,
     gspo_token_ratio,
     policy_gradient_objective,
     ppo_clip_objective,
-    truncated_is_weights,
 )
 from rljax.objectives.value import clipped_value_loss
 
@@ -40,8 +42,10 @@ Metrics = dict[str, tuple[Array, Array]]
 sg = jax.lax.stop_gradient
 
 
-def _check_options(aggregation: str, kl_kind: str | None) -> None:
+def _check_options(aggregation: str, kl_kind: str | None, correction: tuple[str, str]) -> None:
     check_choice("aggregation", aggregation, AGGREGATIONS)
+    check_choice("is_level", correction[0], IS_LEVELS)
+    check_choice("is_mode", correction[1], IS_MODES)
     if kl_kind is not None:
         check_choice("kl_kind", kl_kind, KL_KINDS + (None,))
 
@@ -61,8 +65,9 @@ def _clean(batch: ObjectiveBatch) -> tuple[ObjectiveBatch, Array]:
 class _Terms:
     """Accumulates the per-token loss and the metric pairs of one objective call."""
 
-    def __init__(self, m: Array):
+    def __init__(self, m: Array, correction: tuple[str, str] = ("token", "truncate")):
         self.m = m
+        self.correction = correction
         self.n_tokens = m.sum().astype(jnp.float32)
         self.loss = jnp.zeros(m.shape, jnp.float32)
         self.metrics: Metrics = {}
@@ -94,10 +99,14 @@ def _common_terms(t: _Terms, b: ObjectiveBatch, coef: Coef, kl_kind: str | None,
 
 
 def _tis(t: _Terms, b: ObjectiveBatch, coef: Coef, obj: Array) -> Array:
-    """Weight a per-token objective by truncated IS weights when sampler log-probs exist."""
+    """Weight a per-token objective by the sampler-gap correction (`sampler_correction`,
+    level and mode from ``t.correction``) when sampler log-probs exist."""
     if b.sampler_logp_BxT is None:
         return obj
-    w = truncated_is_weights(b.old_logp_BxT, b.sampler_logp_BxT, coef.tis_cap)
+    level, mode = t.correction
+    w, metrics = sampler_correction(b.old_logp_BxT, b.sampler_logp_BxT, t.m, level=level,
+                                    mode=mode, low=coef.is_low, high=coef.tis_cap)
+    t.metrics.update(metrics)
     t.metric("tis_weight", w)
     return obj * w
 
@@ -114,17 +123,19 @@ def _clipped(t: _Terms, b: ObjectiveBatch, coef: Coef, ratio: Array) -> Array:
     return obj
 
 
-def _objective(batch, coef, surrogate, options, extra=None) -> tuple[Array, Array, Metrics]:
+def _objective(batch, coef, surrogate, options, extra=None,
+               correction=("token", "truncate")) -> tuple[Array, Array, Metrics]:
     """The shared frame of every library objective.
 
     ``surrogate(t, b) -> obj_BxT`` is the per-token objective to maximise; the loss is its
     negative, plus ``extra(t, b)`` (the value loss for PPO), the common KL / entropy
-    terms, then aggregation. ``options`` = (aggregation, kl_kind, kl_clamp, norm_const).
+    terms, then aggregation. ``options`` = (aggregation, kl_kind, kl_clamp, norm_const);
+    ``correction`` = (is_level, is_mode) of the sampler-gap correction.
     """
     aggregation, kl_kind, kl_clamp, norm_const = options
-    _check_options(aggregation, kl_kind)
+    _check_options(aggregation, kl_kind, correction)
     b, m = _clean(batch)
-    t = _Terms(m)
+    t = _Terms(m, correction)
     t.loss = -surrogate(t, b)
     if extra is not None:
         extra(t, b)
@@ -145,6 +156,8 @@ def reinforce(
     kl_kind: str | None = "k3",
     kl_clamp: float | None = None,
     norm_const: float | None = None,
+    is_level: str = "token",
+    is_mode: str = "truncate",
 ) -> tuple[Array, Array, Metrics]:
     """REINFORCE with a baseline: loss = -A_t log pi(a_t) [+ beta KL_t - alpha H_t].
 
@@ -157,7 +170,8 @@ def reinforce(
         t.metric("pg_objective", obj)
         return obj
 
-    return _objective(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const))
+    return _objective(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const),
+                      correction=(is_level, is_mode))
 
 
 def grpo(
@@ -168,6 +182,8 @@ def grpo(
     kl_kind: str | None = "k3",
     kl_clamp: float | None = None,
     norm_const: float | None = None,
+    is_level: str = "token",
+    is_mode: str = "truncate",
 ) -> tuple[Array, Array, Metrics]:
     """GRPO (DeepSeekMath arXiv:2402.03300 §4.1, Eq. 3), to minimise:
 
@@ -182,7 +198,8 @@ def grpo(
     `coef.dual_clip`, TIS via `sampler_logp_BxT`.
     """
     return _objective(batch, coef, _ratio_clipped(coef),
-                      (aggregation, kl_kind, kl_clamp, norm_const))
+                      (aggregation, kl_kind, kl_clamp, norm_const),
+                      correction=(is_level, is_mode))
 
 
 def gspo(
@@ -193,6 +210,8 @@ def gspo(
     kl_kind: str | None = None,
     kl_clamp: float | None = None,
     norm_const: float | None = None,
+    is_level: str = "token",
+    is_mode: str = "truncate",
 ) -> tuple[Array, Array, Metrics]:
     """GSPO (arXiv:2507.18071): GRPO with the length-normalised sequence ratio.
 
@@ -207,7 +226,8 @@ def gspo(
         ratio = gspo_token_ratio(b.logp_BxT, b.old_logp_BxT, b.mask_BxT)
         return _tis(t, b, coef, _clipped(t, b, coef, ratio))
 
-    return _objective(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const))
+    return _objective(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const),
+                      correction=(is_level, is_mode))
 
 
 def _value_terms(t: _Terms, b: ObjectiveBatch, coef: Coef) -> None:
@@ -231,6 +251,8 @@ def ppo(
     kl_kind: str | None = None,
     kl_clamp: float | None = None,
     norm_const: float | None = None,
+    is_level: str = "token",
+    is_mode: str = "truncate",
 ) -> tuple[Array, Array, Metrics]:
     """PPO with a value model; the loss is minus the objective of arXiv:1707.06347 Eq. 9:
 
@@ -244,4 +266,5 @@ def ppo(
     """
     return _objective(batch, coef, _ratio_clipped(coef),
                       (aggregation, kl_kind, kl_clamp, norm_const),
-                      extra=lambda t, b: _value_terms(t, b, coef))
+                      extra=lambda t, b: _value_terms(t, b, coef),
+                      correction=(is_level, is_mode))
