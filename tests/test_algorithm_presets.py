@@ -23,6 +23,16 @@ PAPER = {
     "rloo": (0.2, 0.2, "seq-mean-token-sum", "none", "none", 0.0, "k3", False, 0, 8, 1, 1),
     "reinforce": (0.2, 0.2, "seq-mean-token-sum", "none", "none", 0.0, "k3", False, 0, 8, 1, 1),
     "ppo": (0.2, 0.2, "token-mean", "population", "reward", 0.05, "k1", False, 0, 1, 2, 2),
+    # MiniMax-M1 Eq. 4: token-level mean, no lower bound on the IS weight, no KL (its
+    # eps_high is unpublished: 4.0 is rljax's choice).
+    "cispo": (1.0, 4.0, "token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 1),
+    # SAPO: per-sequence token mean; the gate replaces the clip.
+    "sapo": (0.2, 0.2, "seq-mean-token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 1),
+    # GMPO: clip (e^-0.4, e^0.4) in log space, mean over sequences.
+    "gmpo": (0.4, 0.4, "seq-mean-token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 1),
+    # Cui et al. 2025 (Clip-Cov / KL-Cov on a token-level GRPO without KL).
+    "clip_cov": (0.2, 0.2, "token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 1),
+    "kl_cov": (0.2, 0.2, "token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 1),
 }
 FIELDS = ("clip_low", "clip_high", "aggregation", "adv_std", "kl_in", "kl_coef", "kl_kind",
           "dynamic_sampling", "overlong_buffer", "group_size", "num_epochs", "num_minibatches")
@@ -77,7 +87,7 @@ def test_explicit_fields_are_validated_against_the_new_name():
 
 
 @pytest.mark.parametrize("cls, kwargs, match", [
-    (AlgorithmConfig, dict(clip_low=1.0), r"clip_low=1.0 is invalid; allowed: a finite number in \[0.0, 1.0\)"),
+    (AlgorithmConfig, dict(clip_low=1.5), r"clip_low=1.5 is invalid; allowed: a finite number in \[0.0, 1.0\]"),
     (AlgorithmConfig, dict(clip_low=-0.1), r"clip_low=-0.1"),
     (AlgorithmConfig, dict(clip_high=-0.1), r"clip_high=-0.1"),
     (AlgorithmConfig, dict(clip_high=math.nan), r"clip_high=nan"),
@@ -85,6 +95,16 @@ def test_explicit_fields_are_validated_against_the_new_name():
     (AlgorithmConfig, dict(kl_coef=math.inf), r"kl_coef=inf .*finite"),
     (AlgorithmConfig, dict(kl_coef=-1.0), r"kl_coef=-1.0"),
     (AlgorithmConfig, dict(tis_cap=0.0), r"tis_cap=0.0"),
+    (AlgorithmConfig, dict(is_level="batch"), r"is_level='batch'.*'token', 'sequence'"),
+    (AlgorithmConfig, dict(is_mode="clip"), r"is_mode='clip'.*'truncate', 'mask'"),
+    (AlgorithmConfig, dict(is_low=0.5), r"is_low=0.5.*is_mode='mask'"),
+    (AlgorithmConfig, dict(is_mode="mask", is_low=2.0, tis_cap=2.0), r"is_low=2.0.*< tis_cap"),
+    (AlgorithmConfig, dict(mask_truncated=1), r"mask_truncated=1.*True or False"),
+    (AlgorithmConfig, dict(sapo_tau_neg=0.0), r"sapo_tau_neg=0.0"),
+    (AlgorithmConfig, dict(clip_cov_ratio=0.0), r"clip_cov_ratio=0.0.*\(0.0, 1.0\]"),
+    (AlgorithmConfig, dict(kl_cov_ratio=1.5), r"kl_cov_ratio=1.5"),
+    (AlgorithmConfig, dict(clip_cov_low=6.0), r"clip_cov_low=6.0.*<= clip_cov_high=5.0"),
+    (AlgorithmConfig, dict(kl_cov_coef=-1.0), r"kl_cov_coef=-1.0"),
     (AlgorithmConfig, dict(entropy_coef=math.nan), r"entropy_coef=nan"),
     (AlgorithmConfig, dict(value_clip=0.0), r"value_clip=0.0"),
     (AlgorithmConfig, dict(gamma=1.5), r"gamma=1.5"),
@@ -127,6 +147,7 @@ def test_out_of_range_fields_fail_at_construction(cls, kwargs, match):
 
 def test_edges_that_are_allowed():
     AlgorithmConfig(clip_low=0.0, clip_high=math.inf, value_clip=math.inf, tis_cap=math.inf)
+    AlgorithmConfig(clip_low=1.0, is_mode="mask", is_low=0.5)  # MIS with no upper bound
     AlgorithmConfig(name="ppo", adaptive_kl_target=6.0, overlong_buffer="auto")
     OptimConfig(b1=0.0, clip_norm=math.inf)
     SFTConfig(batch_size=32, micro_batch_size=64)  # larger than the batch: one micro-batch
@@ -139,6 +160,8 @@ def test_sampler_logprobs_with_filters_are_rejected(filt):
         check_algorithm_sampling(AlgorithmConfig(old_logp="sampler"), sampling)
     with pytest.raises(ValueError, match=r"tis_cap=2.0.*kept probability mass"):
         check_algorithm_sampling(AlgorithmConfig(tis_cap=2.0), sampling)
+    with pytest.raises(ValueError, match=r"is_low=0.5 is invalid.*kept probability mass"):
+        check_algorithm_sampling(AlgorithmConfig(is_mode="mask", is_low=0.5), sampling)
     # Both sides of the ratio from the full softmax: any filter works.
     for old in ("auto", "recompute"):
         check_algorithm_sampling(AlgorithmConfig(old_logp=old), sampling)

@@ -11,6 +11,15 @@ advantage estimator and reward shaping. Each takes an ``AlgorithmConfig`` resolv
 | dapo      | grpo, token-mean, clip-higher| group_advantages + dynamic sampling    | none          |
 | gspo      | gspo (sequence ratio)        | group_advantages                       | none          |
 | ppo       | ppo (+ clipped value loss)   | GAE on KL-penalised token rewards      | k1 in reward  |
+| cispo     | cispo (clipped IS weight)    | group_advantages                       | none          |
+| sapo      | sapo (soft gate)             | group_advantages                       | none          |
+| gmpo      | gmpo (geometric mean ratio)  | group_advantages                       | none          |
+| clip_cov  | clip_cov (+ Clip-Cov tokens) | group_advantages                       | none          |
+| kl_cov    | kl_cov (+ KL-Cov tokens)     | group_advantages                       | none          |
+
+Every objective takes the sampler-gap correction (``is_level`` / ``is_mode`` /
+``is_low`` / ``tis_cap``); ``mask_truncated`` and the Clip-Cov / KL-Cov selection are
+applied by the learning program (``rljax.train.learn``).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from rljax import objectives as obj
+from rljax.train.checks import corrects_sampler
 from rljax.train.config import AlgorithmConfig
 
 Array = Any
@@ -54,9 +64,31 @@ def make_objective(cfg: AlgorithmConfig, max_new_tokens: int) -> Callable:
     kl_kind = cfg.kl_kind if (cfg.kl_in == "loss" and cfg.kl_coef > 0) else None
     norm = float(max_new_tokens) if cfg.aggregation == "seq-mean-token-sum-norm" else None
     base = {"reinforce": obj.reinforce, "rloo": obj.reinforce, "gspo": obj.gspo,
-            "ppo": obj.ppo}.get(cfg.name, obj.grpo)
+            "ppo": obj.ppo, "cispo": obj.cispo, "sapo": obj.sapo, "gmpo": obj.gmpo,
+            "clip_cov": obj.clip_cov, "kl_cov": obj.kl_cov}.get(cfg.name, obj.grpo)
     return functools.partial(base, aggregation=cfg.aggregation, kl_kind=kl_kind,
-                             norm_const=norm)
+                             norm_const=norm, is_level=cfg.is_level, is_mode=cfg.is_mode)
+
+
+#: The entropy-control rule of each algorithm name that selects tokens by covariance.
+COV_RULE_OF = {"clip_cov": "clip-cov", "kl_cov": "kl-cov"}
+
+
+def cov_rule(cfg: AlgorithmConfig) -> tuple | None:
+    """``(rule, ratio, low, high)`` for ``rljax.objectives.cov_selection``, or None when
+    ``cfg.name`` selects no tokens by covariance (static: part of the compiled program)."""
+    rule = COV_RULE_OF.get(cfg.name)
+    if rule is None:
+        return None
+    if rule == "kl-cov":
+        return rule, cfg.kl_cov_ratio, 0.0, 0.0
+    return rule, cfg.clip_cov_ratio, cfg.clip_cov_low, cfg.clip_cov_high
+
+
+def uses_sampler_logp(cfg: AlgorithmConfig) -> bool:
+    """True when the objective needs the sampler's log-probs (the importance correction,
+    or the sampler's log-probs as the ratio's denominator)."""
+    return corrects_sampler(cfg) or cfg.old_logp == "sampler"
 
 
 def make_coef(cfg: AlgorithmConfig, kl_coef: Any | None = None) -> obj.Coef:
@@ -66,7 +98,8 @@ def make_coef(cfg: AlgorithmConfig, kl_coef: Any | None = None) -> obj.Coef:
     return obj.Coef(
         kl=kl if cfg.kl_in == "loss" else 0.0, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip, entropy=cfg.entropy_coef, value=cfg.value_coef,
-        value_clip=cfg.value_clip, tis_cap=cfg.tis_cap,
+        value_clip=cfg.value_clip, tis_cap=cfg.tis_cap, is_low=cfg.is_low,
+        sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, kl_cov=cfg.kl_cov_coef,
     )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from rljax.objectives import IS_LEVELS, IS_MODES
+
 
 def fail(cls: str, field: str, value, allowed: str):
     raise ValueError(f"{cls}.{field}={value!r} is invalid; allowed: {allowed}")
@@ -48,6 +50,47 @@ def check_import_path(cls, field, value):
         fail(cls, field, value, "None or an import path 'package.module:function'")
 
 
+def check_algorithm_extras(cfg) -> None:
+    """``AlgorithmConfig``'s value, KL-controller, sampler-correction, SAPO and Clip-Cov /
+    KL-Cov fields (the checks ``__post_init__`` delegates here)."""
+    c = "AlgorithmConfig"
+    check_num(c, "entropy_coef", cfg.entropy_coef)
+    check_num(c, "value_coef", cfg.value_coef, lo=0.0)
+    check_num(c, "value_clip", cfg.value_clip, lo=0.0, lo_open=True, finite=False)
+    check_num(c, "gamma", cfg.gamma, lo=0.0, hi=1.0)
+    check_num(c, "lam", cfg.lam, lo=0.0, hi=1.0)
+    if cfg.adaptive_kl_target is not None:
+        check_num(c, "adaptive_kl_target", cfg.adaptive_kl_target, lo=0.0, lo_open=True)
+        kl_in = cfg.resolved("kl_in")
+        if kl_in != "reward":
+            fail(c, "adaptive_kl_target", cfg.adaptive_kl_target,
+                 f"None unless kl_in='reward' (the controller adapts the reward "
+                 f"penalty; kl_in={kl_in!r})")
+    check_num(c, "adaptive_kl_horizon", cfg.adaptive_kl_horizon, lo=1, integer=True)
+    check_choice(c, "is_level", cfg.is_level, IS_LEVELS)
+    check_choice(c, "is_mode", cfg.is_mode, IS_MODES)
+    check_num(c, "is_low", cfg.is_low, lo=0.0)
+    if cfg.is_low > 0 and cfg.is_mode != "mask":
+        fail(c, "is_low", cfg.is_low, "0 unless is_mode='mask' (truncation has no lower bound)")
+    if cfg.is_low >= cfg.tis_cap:
+        fail(c, "is_low", cfg.is_low, f"< tis_cap={cfg.tis_cap} (the band [is_low, tis_cap])")
+    check_bool(c, "mask_truncated", cfg.mask_truncated)
+    check_num(c, "sapo_tau_pos", cfg.sapo_tau_pos, lo=0.0, lo_open=True)
+    check_num(c, "sapo_tau_neg", cfg.sapo_tau_neg, lo=0.0, lo_open=True)
+    check_num(c, "clip_cov_ratio", cfg.clip_cov_ratio, lo=0.0, hi=1.0, lo_open=True)
+    check_num(c, "kl_cov_ratio", cfg.kl_cov_ratio, lo=0.0, hi=1.0, lo_open=True)
+    check_num(c, "clip_cov_low", cfg.clip_cov_low)
+    check_num(c, "clip_cov_high", cfg.clip_cov_high)
+    if cfg.clip_cov_low > cfg.clip_cov_high:
+        fail(c, "clip_cov_low", cfg.clip_cov_low, f"<= clip_cov_high={cfg.clip_cov_high}")
+    check_num(c, "kl_cov_coef", cfg.kl_cov_coef, lo=0.0)
+
+
+def corrects_sampler(cfg) -> bool:
+    """True when ``cfg`` asks for the sampler-gap importance correction."""
+    return math.isfinite(cfg.tis_cap) or cfg.is_low > 0
+
+
 def check_algorithm_sampling(algorithm, sampling) -> None:
     """Reject ``AlgorithmConfig`` settings that the ``SamplingConfig`` makes wrong.
 
@@ -77,9 +120,10 @@ def check_algorithm_sampling(algorithm, sampling) -> None:
                 f"AlgorithmConfig.old_logp='sampler' is invalid {why}: at theta = theta_old "
                 "the ratio would equal the kept probability mass, not 1. Allowed: "
                 "old_logp='auto' or 'recompute', or top_k=0 and top_p=1.0")
-        if math.isfinite(a.tis_cap):
+        if corrects_sampler(a):
             raise ValueError(
-                f"AlgorithmConfig.tis_cap={a.tis_cap} is invalid {why}: every importance "
+                f"AlgorithmConfig.tis_cap={a.tis_cap}, is_low={a.is_low} is invalid {why}: "
+                "every importance "
                 "weight would be the kept probability mass, not a correction near 1. "
-                "Allowed: tis_cap=inf, or top_k=0 and top_p=1.0")
+                "Allowed: tis_cap=inf and is_low=0, or top_k=0 and top_p=1.0")
     a.overlong_tokens(sampling.max_new_tokens)

@@ -15,10 +15,12 @@ import dataclasses
 import math
 
 from rljax.train.checks import check_algorithm_sampling  # noqa: F401 (public here too)
-from rljax.train.checks import check_bool, check_choice, check_import_path, check_num, fail
+from rljax.train.checks import (check_algorithm_extras, check_bool, check_choice,
+                                check_import_path, check_num, fail)
 from rljax.train.presets import BASE, PRESET_FIELDS, PRESETS
 
-ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce", "ppo")
+ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce", "ppo", "cispo", "sapo",
+              "gmpo", "clip_cov", "kl_cov")
 SCHEDULES = ("constant", "cosine", "linear")
 KL_KINDS = ("k1", "k2", "k3")
 KL_IN = ("loss", "reward", "none")
@@ -30,7 +32,8 @@ AGGREGATIONS = (
 )
 ADV_STDS = ("population", "sample", "none")
 OLD_LOGP = ("auto", "recompute", "sampler")
-GROUP_BASELINES = ("grpo", "dr_grpo", "dapo", "gspo", "rloo")
+GROUP_BASELINES = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "cispo", "sapo", "gmpo",
+                   "clip_cov", "kl_cov")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +96,9 @@ class AlgorithmConfig:
       kl_in: (preset) "loss" (GRPO), "reward" (PPO / InstructGPT per-token penalty, PPO
         only) or "none".
       clip_low, clip_high: (preset) ratio clip range [1 - clip_low, 1 + clip_high]
-        (clip_low in [0, 1); DAPO's clip-higher uses a larger ``clip_high``; inf = no
-        upper clip).
+        (clip_low in [0, 1], 1 = no lower clip; DAPO's clip-higher uses a larger
+        ``clip_high``; inf = no upper clip). CISPO clips its IS weight with them; GMPO
+        clips in log space, ratios in [e^-clip_low, e^clip_high].
       dual_clip: dual-clip constant c > 1 for negative advantages (``inf`` = off).
       aggregation: (preset) how per-token losses reduce: one of ``AGGREGATIONS``.
       adv_std: (preset) group-advantage normalisation: "population", "sample" or "none".
@@ -104,8 +108,16 @@ class AlgorithmConfig:
       old_logp: "auto" (ratio 1 for single-update batches, else "recompute"),
         "recompute" (a forward pass before the updates) or "sampler" (the sampler's; not
         with top-k / top-p, see :func:`check_algorithm_sampling`).
-      tis_cap: truncated importance-sampling cap for the sampler/trainer gap (inf = off;
-        not with top-k / top-p either).
+      tis_cap, is_low, is_level, is_mode: importance correction of the sampler/trainer
+        gap (``rljax.objectives.sampler_correction``), on when ``tis_cap`` is finite or
+        ``is_low > 0`` (not with top-k / top-p): ``is_level`` "token" | "sequence",
+        ``is_mode`` "truncate" (weights min(rho, tis_cap)) | "mask" (rho outside
+        [is_low, tis_cap] gets weight 0; IcePop / MIS).
+      mask_truncated: completions cut at ``max_new_tokens`` contribute no loss (DAPO §3.4).
+      sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (name="sapo").
+      clip_cov_ratio, clip_cov_low, clip_cov_high: Clip-Cov's fraction of tokens and
+        covariance band (name="clip_cov"); kl_cov_ratio, kl_cov_coef: KL-Cov's fraction
+        and penalty weight (name="kl_cov"); see ``rljax.objectives.cov_selection``.
       entropy_coef: entropy bonus weight (negative = entropy penalty).
       value_coef, value_clip: PPO value-loss weight and clip range (inf = no clip).
       gamma, lam: GAE discount and lambda (PPO).
@@ -139,6 +151,17 @@ class AlgorithmConfig:
     micro_batch_size: int = 0
     old_logp: str = "auto"
     tis_cap: float = math.inf
+    is_low: float = 0.0
+    is_level: str = "token"
+    is_mode: str = "truncate"
+    mask_truncated: bool = False
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    clip_cov_ratio: float = 2e-4
+    clip_cov_low: float = 1.0
+    clip_cov_high: float = 5.0
+    kl_cov_ratio: float = 2e-3
+    kl_cov_coef: float = 1.0
     entropy_coef: float = 0.0
     value_coef: float = 0.5
     value_clip: float = 0.2
@@ -167,7 +190,7 @@ class AlgorithmConfig:
         check_choice(c, "kl_in", v["kl_in"], KL_IN)
         if v["kl_in"] == "reward" and self.name != "ppo":
             fail(c, "kl_in", v["kl_in"], f"'loss' or 'none' unless name='ppo' (name={self.name!r})")
-        check_num(c, "clip_low", v["clip_low"], lo=0.0, hi=1.0, hi_open=True)
+        check_num(c, "clip_low", v["clip_low"], lo=0.0, hi=1.0)
         check_num(c, "clip_high", v["clip_high"], lo=0.0, finite=False)
         check_num(c, "dual_clip", self.dual_clip, lo=1.0, lo_open=True, finite=False)
         check_choice(c, "aggregation", v["aggregation"], AGGREGATIONS)
@@ -177,7 +200,7 @@ class AlgorithmConfig:
         check_num(c, "micro_batch_size", self.micro_batch_size, lo=0, integer=True)
         check_choice(c, "old_logp", self.old_logp, OLD_LOGP)
         check_num(c, "tis_cap", self.tis_cap, lo=0.0, lo_open=True, finite=False)
-        self._check_value_and_kl(c)
+        check_algorithm_extras(self)
         check_bool(c, "whiten_advantages", self.whiten_advantages)
         check_bool(c, "dynamic_sampling", v["dynamic_sampling"])
         if v["dynamic_sampling"] and v["group_size"] < 2:
@@ -191,21 +214,6 @@ class AlgorithmConfig:
         check_num(c, "overlong_penalty", self.overlong_penalty, lo=0.0)
         check_import_path(c, "objective", self.objective)
         check_import_path(c, "advantages", self.advantages)
-
-    def _check_value_and_kl(self, c: str):
-        check_num(c, "entropy_coef", self.entropy_coef)
-        check_num(c, "value_coef", self.value_coef, lo=0.0)
-        check_num(c, "value_clip", self.value_clip, lo=0.0, lo_open=True, finite=False)
-        check_num(c, "gamma", self.gamma, lo=0.0, hi=1.0)
-        check_num(c, "lam", self.lam, lo=0.0, hi=1.0)
-        if self.adaptive_kl_target is not None:
-            check_num(c, "adaptive_kl_target", self.adaptive_kl_target, lo=0.0, lo_open=True)
-            kl_in = self.resolved("kl_in")
-            if kl_in != "reward":
-                fail(c, "adaptive_kl_target", self.adaptive_kl_target,
-                      f"None unless kl_in='reward' (the controller adapts the reward "
-                      f"penalty; kl_in={kl_in!r})")
-        check_num(c, "adaptive_kl_horizon", self.adaptive_kl_horizon, lo=1, integer=True)
 
     def explicit_presets(self) -> dict:
         """The preset fields set explicitly (not None), by name."""

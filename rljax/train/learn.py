@@ -14,7 +14,10 @@ global batch (every process calls it with the same shapes):
 
 Parameters, optimiser state and the batch are donated. Rows whose ``weight_B`` is 0
 (padding groups of DAPO's dynamic sampling) get an all-zero completion mask, so they
-change no loss, gradient or denominator in any aggregation mode.
+change no loss, gradient or denominator in any aggregation mode; with
+``mask_truncated`` so do truncated completions, after the advantages (they still count
+in their group's baseline). Clip-Cov / KL-Cov select their tokens once per minibatch,
+from the current policy's log-probs over the whole minibatch, before the objective.
 """
 
 from __future__ import annotations
@@ -120,21 +123,49 @@ def _minibatch_rows(key, batch_size: int, num_minibatches: int) -> Array:
     return jnp.sort(perm.reshape(num_minibatches, -1), axis=1)
 
 
-def _updates(spec: LearnSpec, update, params, opt_state, counters, batch, coef, key):
+def _cov_selector(spec: LearnSpec, policy_gd) -> Callable | None:
+    """``select(params, minibatch, key) -> cov_select_BxT`` for Clip-Cov / KL-Cov (None
+    for the other algorithms): the current policy's log-probs over the minibatch, then
+    ``rljax.objectives.cov_selection`` on the whole minibatch."""
+    rule = alg.cov_rule(spec.alg)
+    if rule is None:
+        return None
+    name, ratio, low, high = rule
+    logp = functools.partial(policy_logprobs, policy_gd, chunk=spec.chunk,
+                             temperature=spec.temperature)
+
+    def select(params, mb: dict, key) -> Array:
+        seqs = {k: mb[k] for k in ("prompt_BxP", "prompt_mask_BxP", "completion_BxT",
+                                   "completion_mask_BxT")}
+        logp_BxT = _map_micro(lambda s: logp(params["policy"], s)[0], seqs, spec.num_micro)
+        return obj.cov_selection(jax.lax.stop_gradient(logp_BxT), mb["adv_BxT"],
+                                 mb["completion_mask_BxT"], rule=name, ratio=ratio, low=low,
+                                 high=high, key=key)
+
+    return select
+
+
+def _updates(spec: LearnSpec, update, params, opt_state, counters, batch, coef, key,
+             select: Callable | None = None):
     """``num_epochs x num_minibatches`` updates as one scan; metrics stacked per update."""
     a = spec.alg
     b = batch["completion_mask_BxT"].shape[0]
     keys = jax.random.split(key, a.num_epochs)
     rows_UxN = jnp.concatenate([_minibatch_rows(k, b, a.num_minibatches) for k in keys])
+    # Clip-Cov's draws: their own stream, so the minibatch permutation is unchanged.
+    sel_keys_U = jax.random.split(jax.random.fold_in(key, 1), rows_UxN.shape[0])
 
-    def one(carry, rows_N):
+    def one(carry, xs):
+        rows_N, sel_key = xs
         p, o, c = carry
         mb = jax.tree.map(lambda x: x[rows_N], batch)
+        if select is not None:
+            mb["cov_select_BxT"] = select(p, mb, sel_key)
         p, o, c, m = update(p, o, c, mb, coef)
         return (p, o, c), m
 
     (params, opt_state, counters), m_U = jax.lax.scan(one, (params, opt_state, counters),
-                                                      rows_UxN)
+                                                      (rows_UxN, sel_keys_U))
     skipped_U = m_U.pop("skipped_update")
     metrics = {k: jnp.mean(v) for k, v in m_U.items()}
     # The gap is between the sampler and the weights it sampled with: the first update.
@@ -152,13 +183,17 @@ def make_learn(spec: LearnSpec, loss_fn, txs: dict, schedules: dict, policy_gd, 
     of float32 scalars (update means, the first update's sampler gap, rollout statistics).
     """
     update = make_update(loss_fn, txs, schedules, spec.num_micro, constrain)
+    select = _cov_selector(spec, policy_gd)
 
     def learn(params, opt_state, counters, ref_params, ro: Rollout, kl_coef, key):
         ro = ro.masked_by_weight()
         batch, extra = _prepare(spec, policy_gd, value_gd, params, ref_params, ro, kl_coef)
+        if spec.alg.mask_truncated:
+            batch["completion_mask_BxT"] = obj.mask_truncated_completions(
+                batch["completion_mask_BxT"], ro.truncated_B)
         coef = alg.make_coef(spec.alg, kl_coef)
         params, opt_state, counters, metrics = _updates(spec, update, params, opt_state,
-                                                        counters, batch, coef, key)
+                                                        counters, batch, coef, key, select)
         b = ro.rewards_B.shape[0]
         seq_kl = extra.pop("seq_kl", None)
         new_kl = kl_coef if seq_kl is None else ppo_lib.adaptive_kl_coef(

@@ -42,4 +42,21 @@ PRESETS: dict[str, dict] = {
     # are AlgorithmConfig's plain defaults.
     "ppo": dict(group_size=1, kl_coef=0.05, kl_kind="k1", kl_in="reward",
                 aggregation="token-mean", num_epochs=2, num_minibatches=2),
+    # CISPO (MiniMax-M1, Chen et al. 2025, §3.1): token-level normalisation (Eq. 4), no
+    # lower bound on the IS weight (clip_low 1: weights >= 0), no KL. The paper does not
+    # publish its eps_high: 4.0 (weights capped at 5) is rljax's choice, inside the range
+    # peers use for CISPO's cap.
+    "cispo": dict(kl_coef=0.0, kl_in="none", clip_low=1.0, clip_high=4.0,
+                  aggregation="token-mean"),
+    # SAPO (Gao et al. 2025): the soft gate replaces the clip (temperatures 1.0 / 1.05 are
+    # AlgorithmConfig.sapo_tau_pos / sapo_tau_neg); per-sequence token mean; no KL.
+    "sapo": dict(kl_coef=0.0, kl_in="none", aggregation="seq-mean-token-mean"),
+    # GMPO (Zhao et al. 2025): geometric mean of token ratios, clipped in log space to
+    # (e^-0.4, e^0.4), mean over sequences; no KL.
+    "gmpo": dict(kl_coef=0.0, kl_in="none", clip_low=0.4, clip_high=0.4,
+                 aggregation="seq-mean-token-mean"),
+    # Clip-Cov / KL-Cov (Cui et al. 2025): GRPO-style advantages, token-level loss, no KL;
+    # their ratios and bands are AlgorithmConfig.clip_cov_* / kl_cov_* (paper values).
+    "clip_cov": dict(kl_coef=0.0, kl_in="none", aggregation="token-mean"),
+    "kl_cov": dict(kl_coef=0.0, kl_in="none", aggregation="token-mean"),
 }

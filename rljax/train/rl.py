@@ -60,6 +60,7 @@ def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, te
         sampler_logp_BxT=mb["sampler_logp_BxT"] if use_sampler else None,
         values_BxT=values, old_values_BxT=mb.get("old_values_BxT"),
         returns_BxT=mb.get("returns_BxT"), entropy_BxT=ent if entropy_grad else sg(ent),
+        cov_select_BxT=mb.get("cov_select_BxT"),
     )
     loss_sum, count, metrics = objective(batch, coef)
     n = jnp.sum(m)
@@ -199,7 +200,7 @@ class RLTrainer:
             objective=alg.make_objective(a, self.sampling.max_new_tokens),
             chunk=self.rl.logp_chunk, temperature=self.sampling.temperature, remat=self.rl.remat,
             self_old=self.old_mode == "self",
-            use_sampler=bool(np.isfinite(a.tis_cap)) or a.old_logp == "sampler",
+            use_sampler=alg.uses_sampler_logp(a),
             entropy_grad=a.entropy_coef != 0.0,
         )
         learn = make_learn(self.spec, loss, self.txs, {k: v[1] for k, v in optims.items()},
