@@ -50,6 +50,7 @@ SWITCHES=(
 die() { echo "error: $*" >&2; exit 1; }
 note() { echo "$*" >&2; }
 on() { [ "${!1}" = 1 ]; }
+sq() { local q="'"; printf "'%s'" "${1//$q/$q\\$q$q}"; }  # single-quoted for the worker's shell
 
 usage() {  # the script's header comment (lines starting '# ' after the shebang)
   sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"
@@ -164,12 +165,13 @@ finish_settings() {
 }
 
 require() {  # require VAR...: each setting must be given
-  local var flag
+  local var entry flag v
   for var in "$@"; do
-    if [ -z "${!var}" ]; then
-      flag=$(for e in "${SETTINGS[@]}"; do read -r f v _ <<<"$e"; [ "$v" = "$var" ] && echo "$f"; done)
-      die "--$flag (or $var= in the env file) is required"
-    fi
+    [ -z "${!var}" ] || continue
+    for entry in "${SETTINGS[@]}"; do
+      read -r flag v _ <<<"$entry"
+      if [ "$v" = "$var" ]; then die "--$flag (or $var= in the env file) is required"; fi
+    done
   done
 }
 
@@ -250,8 +252,13 @@ wait_for_state() {
 
 # On the workers: one folder per run holds pid (the wrapper's pid = its process group),
 # rc (written when the command ends), cmd and log.
+# alive PID: false for a zombie too, which a container's init may leave unreaped for a while
+# (`kill -0` succeeds on a zombie).
 # shellcheck disable=SC2016  # $HOME is the worker's
-run_dir_snippet() { printf 'd=$HOME/rljax-launch/%s\n' "$RUN"; }
+run_dir_snippet() {
+  printf 'd=$HOME/rljax-launch/%s\n' "$RUN"
+  echo 'alive() { if command -v ps >/dev/null; then ps -o stat= -p "$1" | grep -q "^[^Z]"; else kill -0 "$1" 2>/dev/null; fi; }'
+}
 
 # Prints `RLJAX_STATE running|exited RC|died|none` then the log's last line. A wrapper that
 # is gone without writing rc was killed (OOM killer, kill -9, a host that rebooted).
@@ -260,7 +267,7 @@ status_snippet() {
   cat <<'EOF'
 if [ ! -f "$d/pid" ]; then echo "RLJAX_STATE none"; exit 0; fi
 pid=$(cat "$d/pid")
-if kill -0 "$pid" 2>/dev/null; then echo "RLJAX_STATE running pid=$pid"
+if alive "$pid"; then echo "RLJAX_STATE running pid=$pid"
 elif [ -f "$d/rc" ]; then echo "RLJAX_STATE exited $(cat "$d/rc")"
 else echo "RLJAX_STATE died"; fi
 tail -n 1 "$d/log" 2>/dev/null || true
@@ -273,12 +280,12 @@ stop_snippet() {
   run_dir_snippet
   printf 'grace=%s\n' "$STOP_GRACE_S"
   cat <<'EOF'
-if [ ! -f "$d/pid" ] || ! kill -0 "$(cat "$d/pid")" 2>/dev/null; then echo "not running"; exit 0; fi
+if [ ! -f "$d/pid" ] || ! alive "$(cat "$d/pid")"; then echo "not running"; exit 0; fi
 pid=$(cat "$d/pid")
 kill -TERM -- "-$pid" 2>/dev/null || true
 end=$((SECONDS + ${grace%.*}))
-while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$end" ]; do sleep 0.2; done
-if kill -0 "$pid" 2>/dev/null; then kill -KILL -- "-$pid" 2>/dev/null || true; echo "killed after ${grace}s"
+while alive "$pid" && [ "$SECONDS" -lt "$end" ]; do sleep 0.2; done
+if alive "$pid"; then kill -KILL -- "-$pid" 2>/dev/null || true; echo "killed after ${grace}s"
 else echo "stopped"; fi
 EOF
 }
@@ -286,7 +293,7 @@ EOF
 # gather_logs: every worker's log of the run into LOG_DIR/<worker>.log.
 gather_logs() {
   on DRY_RUN || mkdir -p "$LOG_DIR"
-  on_workers "$(run_dir_snippet)"$'\ncat "$d/log"' --output-directory="$LOG_DIR" >/dev/null
+  on_workers "$(run_dir_snippet)"$'\ncat "$d/log"' --output-directory="$LOG_DIR"
   on DRY_RUN || note "logs of every worker: $LOG_DIR/<worker>.log"
 }
 

@@ -21,7 +21,7 @@
 # the launch. The command itself must continue the run (rljax: --set run.resume=true with
 # run.dir on gs://, where the checkpoints outlive the slice).
 set -euo pipefail
-# shellcheck source-path=SCRIPTDIR source=common.sh
+# shellcheck source=/dev/null  # common.sh is linted on its own (following it 8 times is slow)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 parse_args "$@"
 require ZONE TPU_NAME COMMAND
@@ -57,30 +57,32 @@ ensure_slice() {
 }
 
 # The launch on each worker. The wrapper writes its pid (its process group: setsid made it
-# a session leader), traps SIGTERM only so it outlives the command and records its exit
-# code, and runs the command with eval, so $HOME and quotes mean what they would in a shell.
+# a session leader) and runs the command with eval in a subshell, so $HOME and quotes mean
+# what they would in a shell and an `exit` in it still leaves an exit code in rc. Both
+# trap SIGTERM (a no-op; the command itself gets the default action back) so that on a
+# stop they wait for the command to finish its checkpoint and record how it ended.
 # shellcheck disable=SC2016  # $d and $HOME are the worker's
 launch_snippet() {
   run_dir_snippet
   cat <<'EOS'
-if [ -f "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null; then
+if [ -f "$d/pid" ] && alive "$(cat "$d/pid")"; then
   echo "run already running here (pid $(cat "$d/pid")): stop.sh first" >&2; exit 1
 fi
 [ -f "$HOME/rljax-venv/bin/activate" ] || { echo "no ~/rljax-venv here: run setup.sh first" >&2; exit 1; }
 mkdir -p "$d" && rm -f "$d/pid" "$d/rc"
 if [ -f "$d/log" ]; then mv "$d/log" "$d/log.$(date +%Y%m%d-%H%M%S)"; fi
 EOS
-  printf 'printf "%%s\\n" %q >"$d/cmd"\n' "$COMMAND"
+  printf 'printf "%%s\\n" %s >"$d/cmd"\n' "$(sq "$COMMAND")"
   printf ': >"$d/env"\n'
   if [ -n "$JAX_CACHE" ]; then
-    printf 'echo %q >>"$d/env"\n' "export JAX_COMPILATION_CACHE_DIR=$(printf %q "$JAX_CACHE")"
+    printf 'echo %s >>"$d/env"\n' "$(sq "export JAX_COMPILATION_CACHE_DIR=$(sq "$JAX_CACHE")")"
   fi
   cat <<'EOS'
 cd "$HOME/rljax" 2>/dev/null || cd "$HOME"
 setsid nohup bash -c 'd=$1; echo $$ >"$d/pid"; trap : TERM
 . "$HOME/rljax-venv/bin/activate"; . "$d/env"
 echo "[launch] $(date -u +%FT%TZ) $(hostname): $(cat "$d/cmd")"
-eval "$(cat "$d/cmd")"; rc=$?
+(trap : TERM; eval "$(cat "$d/cmd")"); rc=$?
 echo "[launch] exit code $rc"; echo "$rc" >"$d/rc"' wrapper "$d" >"$d/log" 2>&1 </dev/null &
 for _ in $(seq 50); do [ -s "$d/pid" ] && break; sleep 0.1; done
 echo "started pid $(cat "$d/pid"), log $d/log"

@@ -12,7 +12,7 @@
 # jax[tpu] (==JAX_VERSION when given) and gcsfs (gs:// run directories, compilation cache)
 # are installed. Safe to run again.
 set -euo pipefail
-# shellcheck source-path=SCRIPTDIR source=common.sh
+# shellcheck source=/dev/null  # common.sh is linted on its own (following it 8 times is slow)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 parse_args "$@"
 require ZONE TPU_NAME
@@ -26,8 +26,8 @@ extras=${EXTRAS:+[$EXTRAS]}
   if [ -n "$WHEEL" ]; then
     [[ "$WHEEL" == gs://*.whl ]] || die "--wheel must be a gs://.../*.whl file, got '$WHEEL'"
     wheel_file="\$HOME/$(basename "$WHEEL")"
-    steps+=$'\n'"gcloud storage cp $(printf %q "$WHEEL") \"$wheel_file\""
-    target="$wheel_file$extras"
+    steps+=$'\n'"gcloud storage cp $(sq "$WHEEL") \"$wheel_file\""
+    target="\"$wheel_file$extras\""
   else
     tarball="${TMPDIR:-/tmp}/rljax-$TPU_NAME.tar.gz"
     steps+=$'\n''rm -rf "$HOME/rljax.new" && mkdir "$HOME/rljax.new"'
@@ -36,8 +36,8 @@ extras=${EXTRAS:+[$EXTRAS]}
     target="-e \"\$HOME/rljax$extras\""
   fi
   steps+=$'\n''python3 -m pip install -q --user -U uv'
-  steps+=$'\n'"\"\$HOME/.local/bin/uv\" venv -q --allow-existing --python $(printf %q "$PYTHON_VERSION") \"\$HOME/rljax-venv\""
-  steps+=$'\n'"\"\$HOME/.local/bin/uv\" pip install -q --python \"\$HOME/rljax-venv/bin/python\" $target $(printf %q "$jax_req") gcsfs"
+  steps+=$'\n'"\"\$HOME/.local/bin/uv\" venv -q --allow-existing --python $(sq "$PYTHON_VERSION") \"\$HOME/rljax-venv\""
+  steps+=$'\n'"\"\$HOME/.local/bin/uv\" pip install -q --python \"\$HOME/rljax-venv/bin/python\" $target $(sq "$jax_req") gcsfs"
   steps+=$'\n''"$HOME/rljax-venv/bin/python" -c "import jax; jax.distributed.initialize(); print(f\"worker {jax.process_index()}: jax.device_count()={jax.device_count()} local={jax.local_device_count()} {jax.devices()[0].device_kind}\")"'
 }
 

@@ -8,7 +8,7 @@
 # (`gcloud storage rsync`, so a second run copies only what changed). Point the run at them
 # with --set hf_path=$HOME/models/NAME --set task.path=$HOME/data/NAME.
 set -euo pipefail
-# shellcheck source-path=SCRIPTDIR source=common.sh
+# shellcheck source=/dev/null  # common.sh is linted on its own (following it 8 times is slow)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 parse_args "$@"
 require ZONE TPU_NAME
@@ -22,7 +22,7 @@ for pair in "models:$MODEL" "data:$DATA"; do
   src=${src%/}
   dest="\$HOME/$kind/$(basename "$src")"
   steps+=$'\n'"mkdir -p \"$dest\""
-  steps+=$'\n'"gcloud storage rsync --recursive $(printf %q "$src") \"$dest\""
+  steps+=$'\n'"gcloud storage rsync --recursive $(sq "$src") \"$dest\""
   steps+=$'\n'"du -sh \"$dest\""
 done
 on_workers "$steps"

