@@ -203,20 +203,23 @@ on_workers() {
   gc compute tpus tpu-vm ssh "$TPU_NAME" "${WHERE[@]}" --worker=all --command="$script" "$@"
 }
 
+# describe_slice: print the state of the queued resource (queued) or of the VM.
+describe_slice() {
+  if on QUEUED; then
+    gc compute tpus queued-resources describe "$QUEUED_RESOURCE" "${WHERE[@]}" --format='value(state.state)'
+  else
+    gc compute tpus tpu-vm describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)'
+  fi
+}
+
 # slice_state: the queued resource's state (queued) or the VM's; empty when it does not
 # exist; any other failure (no credentials, no network) stops the script.
 slice_state() {
   local out err rc=0
   err=$(mktemp)
-  if on QUEUED; then
-    out=$(gcloud compute tpus queued-resources describe "$QUEUED_RESOURCE" "${WHERE[@]}" \
-      --format='value(state.state)' 2>"$err") || rc=$?
-  else
-    out=$(gcloud compute tpus tpu-vm describe "$TPU_NAME" "${WHERE[@]}" \
-      --format='value(state)' 2>"$err") || rc=$?
-  fi
+  out=$(describe_slice 2>"$err") || rc=$?
   if [ "$rc" != 0 ]; then
-    if grep -q -i -E 'NOT_FOUND|not found' "$err"; then out=""; else cat "$err" >&2; rm -f "$err"; exit 1; fi
+    if grep -q -i -E 'NOT_FOUND|not found' "$err"; then out=""; else grep -v '^+ gcloud' "$err" >&2; rm -f "$err"; exit 1; fi
   fi
   rm -f "$err"
   echo "$out"
@@ -227,11 +230,7 @@ slice_state() {
 wait_for_state() {
   local want=$1 state start=$SECONDS
   if on DRY_RUN; then
-    if on QUEUED; then
-      gc compute tpus queued-resources describe "$QUEUED_RESOURCE" "${WHERE[@]}" --format='value(state.state)'
-    else
-      gc compute tpus tpu-vm describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)'
-    fi
+    describe_slice
     echo "# ... repeated every ${POLL_S}s until the state is $want"
     return 0
   fi

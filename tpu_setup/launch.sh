@@ -37,7 +37,7 @@ ensure_slice() {
   local want=READY state
   if on QUEUED; then want=ACTIVE; fi
   if on DRY_RUN; then
-    wait_for_state "$want" | head -n 1
+    describe_slice
     echo "# --resume: when that state is SUSPENDED, FAILED or PREEMPTED:"
     "$TPU_SETUP_DIR/delete.sh" "${ARGS[@]}"
     echo "# --resume: then, or when the slice is gone:"

@@ -10,11 +10,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 parse_args "$@"
 require ZONE TPU_NAME
 if on WATCH; then watch_run; exit; fi
-if on QUEUED; then
-  gc compute tpus queued-resources describe "$QUEUED_RESOURCE" "${WHERE[@]}" --format='value(state.state)'
-else
-  gc compute tpus tpu-vm describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)'
-fi
+describe_slice
 if on DRY_RUN; then on_workers "$(status_snippet)" --output-directory="$LOG_DIR/.status"; exit 0; fi
 poll_states
 for f in "$LOG_DIR"/.status/*.log; do
