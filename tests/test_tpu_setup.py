@@ -276,10 +276,10 @@ def test_launch_resume_recreates_a_suspended_or_gone_slice(recorded):
 
 def test_launch_runs_detached_on_all_workers_and_gathers_logs(recorded):
     p, calls = recorded["launch"]
-    status = ssh(V5E, "--output-directory=tpu_logs/rl-v5e/r1/.status")
-    assert masked(calls) == [ssh(V5E), status, ssh(V5E, "--output-directory=tpu_logs/rl-v5e/r1")]
+    status = ssh(V5E, "--output-directory=runs/tpu_logs/rl-v5e/r1/.status")
+    assert masked(calls) == [ssh(V5E), status, ssh(V5E, "--output-directory=runs/tpu_logs/rl-v5e/r1")]
     for i, home in enumerate(recorded["launch_homes"]):
-        log = (recorded["launch_dir"] / f"tpu_logs/rl-v5e/r1/{i}.log").read_text()
+        log = (recorded["launch_dir"] / f"runs/tpu_logs/rl-v5e/r1/{i}.log").read_text()
         assert f"hi {home} gs://b/jax-cache" in log and "[launch] exit code 0" in log
         assert pathlib.Path(home, "rljax-launch/r1/rc").read_text().strip() == "0"
     assert "all 2 workers exited 0" in p.stderr
@@ -302,7 +302,7 @@ def test_watcher_stops_the_others_when_a_worker_dies(tmp_path):
         assert rc0 == str(128 + signal.SIGTERM)
         assert not pathlib.Path(homes[1], "rljax-launch/run/rc").exists()
         assert any("kill -TERM" in c for c in commands(calls))
-        assert (tmp_path / "tpu_logs/rl-v4/run/0.log").exists()
+        assert (tmp_path / "runs/tpu_logs/rl-v4/run/0.log").exists()
     finally:
         kill_leftovers(homes)
     p, _ = f.run("status")  # afterwards, status tells how each worker ended
@@ -324,7 +324,7 @@ def test_dry_run_calls_nothing_and_prints_the_commands(tmp_path, recorded):
         assert calls == [], (verb, args)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("gcloud ")]
         assert lines, (verb, args, p.stdout)
-    assert not list(tmp_path.glob("tpu_logs")) and not list(tmp_path.glob("*.tar.gz"))
+    assert not list(tmp_path.glob("runs")) and not list(tmp_path.glob("*.tar.gz"))
     # What --dry-run prints is what a real run calls (polls collapsed).
     for verb, args, key in [("create", ["--spot"], "create_spot"),
                             ("stage", ["--model", "gs://b/models/Qwen2.5-0.5B-Instruct/",

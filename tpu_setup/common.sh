@@ -154,7 +154,8 @@ finish_settings() {
   # Spot and reserved capacity are asked for through a queued resource, as Google advises.
   if on SPOT || on RESERVED || [ -n "$QUEUED_RESOURCE" ]; then QUEUED=1; fi
   if on QUEUED && [ -z "$QUEUED_RESOURCE" ]; then QUEUED_RESOURCE=$TPU_NAME; fi
-  [ -n "$LOG_DIR" ] || LOG_DIR="tpu_logs/$TPU_NAME/$RUN"
+  # Under runs/, which git ignores, when run from the repository's root.
+  [ -n "$LOG_DIR" ] || LOG_DIR="runs/tpu_logs/$TPU_NAME/$RUN"
   [[ "$RUN" =~ ^[A-Za-z0-9._-]+$ ]] || die "--run must be letters, digits, '.', '_' or '-', got '$RUN'"
   local n
   for n in POLL_S TIMEOUT_S STOP_GRACE_S LOG_LINES; do

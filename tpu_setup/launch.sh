@@ -94,7 +94,10 @@ if ! on DRY_RUN && compgen -G "$LOG_DIR/*.log" >/dev/null; then
   old="$LOG_DIR/before-$(date +%Y%m%d-%H%M%S)"  # logs gathered from an earlier launch
   mkdir -p "$old" && mv "$LOG_DIR"/*.log "$old"/
 fi
-on_workers "$(launch_snippet)"
+if ! on_workers "$(launch_snippet)"; then
+  # Not stopped here: the usual cause is a run already running, which must not be killed.
+  die "the launch failed on at least one worker (see above); status.sh shows where it runs, stop.sh stops it"
+fi
 if on DETACH; then
   on DRY_RUN || note "detached: status.sh --watch, logs.sh and stop.sh take the same settings"
   exit 0

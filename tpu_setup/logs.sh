@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Gather every worker's log of the run into LOG_DIR/<worker>.log (default
-# tpu_logs/<name>/<run>/) and print the last LOG_LINES lines of each.
+# runs/tpu_logs/<name>/<run>/) and print the last LOG_LINES lines of each.
 #
 #   logs.sh --env my.env [--run NAME] [--log-lines 50]
 set -euo pipefail

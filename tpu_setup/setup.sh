@@ -35,7 +35,9 @@ extras=${EXTRAS:+[$EXTRAS]}
     steps+=$'\n''rm -rf "$HOME/rljax" && mv "$HOME/rljax.new" "$HOME/rljax"'
     target="-e \"\$HOME/rljax$extras\""
   fi
-  steps+=$'\n''python3 -m pip install -q --user -U uv'
+  # Ubuntu 24.04 images mark the system Python as externally managed; 22.04's pip has no
+  # --break-system-packages.
+  steps+=$'\n''python3 -m pip install -q --user -U uv || python3 -m pip install -q --user -U --break-system-packages uv'
   steps+=$'\n'"\"\$HOME/.local/bin/uv\" venv -q --allow-existing --python $(sq "$PYTHON_VERSION") \"\$HOME/rljax-venv\""
   steps+=$'\n'"\"\$HOME/.local/bin/uv\" pip install -q --python \"\$HOME/rljax-venv/bin/python\" $target $(sq "$jax_req") gcsfs"
   steps+=$'\n''"$HOME/rljax-venv/bin/python" -c "import jax; jax.distributed.initialize(); print(f\"worker {jax.process_index()}: jax.device_count()={jax.device_count()} local={jax.local_device_count()} {jax.devices()[0].device_kind}\")"'
