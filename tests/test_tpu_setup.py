@@ -110,12 +110,18 @@ def ssh(s, *rest):
     return vm("ssh", s, "--worker=all", "--command=…", *rest)
 
 
+def scp(s, src):
+    return ["compute", "tpus", "tpu-vm", "scp", src, f"{s['TPU_NAME']}:rljax.tar.gz", *at(s),
+            "--worker=all"]
+
+
 def masked(calls):
     """Calls with the --command text replaced (checked apart), repeated polls collapsed."""
     out = []
     for c in calls:
         c = ["--command=…" if a.startswith("--command=") else a for a in c]
-        if not out or out[-1] != c or "describe" not in c and "--output-directory" not in str(c):
+        poll = "describe" in c or any(a.endswith("/.status") for a in c)
+        if not (poll and out and out[-1] == c):
             out.append(c)
     return out
 
@@ -222,9 +228,7 @@ def test_plain_v4_8_vm_waits_for_ready(recorded):
 def test_setup_from_repo_and_from_wheel(recorded, tmp_path):
     _, calls = recorded["setup_repo"]
     tarball = [c for c in calls if "scp" in c][0][4]
-    assert masked(calls) == [vm("scp", V5E, "--worker=all")[:4] + [tarball, "rl-v5e:rljax.tar.gz",
-                                                                  *at(V5E), "--worker=all"],
-                             ssh(V5E)]
+    assert masked(calls) == [scp(V5E, tarball), ssh(V5E)]
     # The tarball is the repository's HEAD.
     listing = subprocess.run(["tar", "-tzf", tarball], capture_output=True, text=True).stdout
     assert "pyproject.toml" in listing
@@ -256,7 +260,7 @@ def test_delete_queued_resource_and_vm(recorded):
 
 
 def test_launch_resume_recreates_a_suspended_or_gone_slice(recorded):
-    setup = [vm("scp", V5E)[:4] + ["…", "rl-v5e:rljax.tar.gz", *at(V5E), "--worker=all"], ssh(V5E)]
+    setup = [scp(V5E, "…"), ssh(V5E)]
     create = [qr("create", V5E, "--node-id=rl-v5e", "--accelerator-type=v5litepod-16",
                  "--runtime-version=v2-alpha-tpuv5-lite", "--spot")]
     describe = [qr("describe", V5E, "--format=value(state.state)")]
@@ -305,9 +309,16 @@ def test_watcher_stops_the_others_when_a_worker_dies(tmp_path):
         assert (tmp_path / "runs/tpu_logs/rl-v4/run/0.log").exists()
     finally:
         kill_leftovers(homes)
-    p, _ = f.run("status")  # afterwards, status tells how each worker ended
+    p, calls = f.run("status")  # afterwards, status tells how each worker ended
     assert "worker 0: exited 143" in p.stdout and "worker 1: died" in p.stdout
     assert "worker 2: exited 3" in p.stdout
+    assert masked(calls) == [vm("describe", V4, "--format=value(state)"),
+                             ssh(V4, "--output-directory=runs/tpu_logs/rl-v4/run/.status")]
+    p, calls = f.run("logs", "--log-lines", "1")
+    assert masked(calls) == [ssh(V4, "--output-directory=runs/tpu_logs/rl-v4/run")]
+    assert "==> runs/tpu_logs/rl-v4/run/2.log <==\n[launch] exit code 3" in p.stdout
+    p, calls = f.run("stop")
+    assert masked(calls) == [ssh(V4)] and p.stdout.count("not running") == 3
 
 
 DRY_RUNS = [
