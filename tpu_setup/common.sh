@@ -116,6 +116,7 @@ parse_args() {
   for entry in "${SWITCHES[@]}"; do read -r flag var <<<"$entry"; printf -v "$var" 0; done
   for ((i = 1; i <= $#; i++)); do  # the env file first, so flags override it
     case "${!i}" in
+      --) break ;;
       --env=*) env_file=${!i#--env=} ;;
       --env) i=$((i + 1)); env_file=${!i:-} ;;
     esac
