@@ -1,25 +1,34 @@
 """The `rljax` command line (also `python -m rljax`).
 
     rljax train EXPERIMENT [--set a.b=value ...] [--dry-run]
-                [--distributed [--coordinator HOST:PORT --num-processes N --process-id I]]
+                [--distributed [--coordinator HOST:PORT --num-processes N --process-id I]
+                 [--heartbeat-timeout S]]
     rljax eval SOURCE [--experiment EXP] [--set ...] [--num-prompts N] [--k K]
     rljax sample SOURCE --prompt TEXT [--prompt ...] [--num-samples N] [--max-new-tokens N]
-    rljax export SOURCE OUT_DIR [--step N]
+    rljax export SOURCE OUT_DIR [--step N] [--dtype float32|bfloat16] [--max-shard-size SIZE]
+                 [--distributed ...]
     rljax plot RUN_DIR
 
 EXPERIMENT is a file under `experiments/` (by name) or a path to one. SOURCE is a run
 directory (its latest checkpoint) or a Hugging Face model folder. Each command is a thin
 layer over one Python call (named in its help), so everything here is also a library call.
 Bad input (missing experiment, unknown or mistyped override, a run directory that holds
-another run) prints one clear error line and exits with status 2.
+another run) prints one clear error line and exits with status 2. A run stopped by SIGTERM
+(preemption: every process saves the same step) exits 0 with the step and the resume hint.
+With --distributed, a process whose run fails (typically because another process died:
+its collectives fail) prints why and exits 1 at once instead of waiting in JAX's shutdown;
+one that hangs in a collective is ended by JAX's coordination service after
+--heartbeat-timeout seconds without a heartbeat from a peer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
+import traceback
 from collections.abc import Sequence
 
 import jax
@@ -27,15 +36,37 @@ import jax
 from rljax.run.artifacts import evaluate_source, export_hf, sample_texts
 from rljax.run.experiment import load_experiment
 from rljax.run.plots import plot_metrics
+from rljax.run.preemption import Preempted
 from rljax.run.run_dir import config_hash, config_to_dict, read_metrics
 from rljax.run.runner import run_experiment
 
-__all__ = ["build_parser", "main"]
+__all__ = ["HEARTBEAT_TIMEOUT_S", "build_parser", "main"]
+
+# Seconds without heartbeats after which JAX's coordination service declares a process dead
+# and ends the others (JAX's default, 100 s, is longer than a preemption notice lasts).
+HEARTBEAT_TIMEOUT_S = 30
+# Configuration and input errors: one line and status 2.
+_INPUT_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set optim.lr=1e-5 --set run.dir=runs/x")
+
+
+def _add_launch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first (multi-host TPU pod slices: "
+                        "run the same command on every host; TPU VMs find their peers)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="with --distributed: process 0's address (elsewhere than TPU VMs)")
+    p.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="with --distributed --coordinator: how many processes take part")
+    p.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="with --distributed --coordinator: this process's index, 0..N-1")
+    p.add_argument("--heartbeat-timeout", type=int, default=HEARTBEAT_TIMEOUT_S, metavar="S",
+                   help="with --distributed: seconds without a peer's heartbeat before JAX "
+                        f"ends every process (default {HEARTBEAT_TIMEOUT_S})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,15 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config as JSON and exit")
-    p.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() first (multi-host TPU pod slices: "
-                        "run the same command on every host; TPU VMs find their peers)")
-    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="with --distributed: process 0's address (elsewhere than TPU VMs)")
-    p.add_argument("--num-processes", type=int, default=None, metavar="N",
-                   help="with --distributed --coordinator: how many processes take part")
-    p.add_argument("--process-id", type=int, default=None, metavar="I",
-                   help="with --distributed --coordinator: this process's index, 0..N-1")
+    _add_launch(p)
 
     p = sub.add_parser("eval", help="greedy accuracy and pass@k (rljax.run.artifacts.evaluate_source)")
     p.add_argument("source", help="run directory or HF model folder")
@@ -81,8 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a HF model folder (rljax.run.artifacts.export_hf)")
     p.add_argument("source", help="run directory (latest checkpoint) or HF model folder")
-    p.add_argument("out_dir", help="output folder (must not exist or be empty)")
+    p.add_argument("out_dir", help="output folder (must not exist or be empty; local or gs://)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype of the written weights (default float32)")
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="split the weights into files of at most SIZE (bytes, or with KB / "
+                        "MB / GB as in transformers: 5GB = 5e9 bytes), with "
+                        "model.safetensors.index.json (default: one file)")
+    _add_launch(p)
 
     p = sub.add_parser("plot", help="PNG plots of a run's metrics (rljax.run.plots.plot_metrics)")
     p.add_argument("run_dir")
@@ -100,8 +130,11 @@ def _launch_args(args) -> dict | None:
             raise ValueError(f"{', '.join(named)}: only with --distributed (a multi-process "
                              "run)")
         return None
+    if args.heartbeat_timeout < 1:
+        raise ValueError(f"--heartbeat-timeout must be >= 1 second, got {args.heartbeat_timeout}")
+    beat = {"heartbeat_timeout_seconds": args.heartbeat_timeout}
     if not named:
-        return {}  # TPU VMs (and other auto-detected clusters) find their peers themselves
+        return beat  # TPU VMs (and other auto-detected clusters) find their peers themselves
     missing = [k for k, v in given.items() if v is None]
     if missing:
         raise ValueError(f"--distributed with {', '.join(named)} also needs "
@@ -116,7 +149,7 @@ def _launch_args(args) -> dict | None:
         raise ValueError(f"--process-id must be in 0..{args.num_processes - 1} "
                          f"(--num-processes {args.num_processes}), got {args.process_id}")
     return {"coordinator_address": args.coordinator, "num_processes": args.num_processes,
-            "process_id": args.process_id}
+            "process_id": args.process_id, **beat}
 
 
 def _init_distributed(kwargs: dict) -> None:
@@ -128,16 +161,47 @@ def _init_distributed(kwargs: dict) -> None:
     jax.distributed.initialize(**kwargs)
 
 
-def _cmd_train(args) -> int:
+def _exit_failed_process(command: str, err: Exception) -> None:
+    """In a multi-process run: say why this process fails, then leave at once, so that
+    the peers' collectives fail too instead of waiting for this process (and so that JAX's
+    shutdown barrier does not wait for peers that may be dead). Status 2 for bad input."""
+    n, i = jax.process_count(), jax.process_index()
+    code = 2 if isinstance(err, _INPUT_ERRORS) else 1
+    if code == 1:
+        print(traceback.format_exc(limit=-4), file=sys.stderr)
+    print(f"rljax {command}: error: process {i} of {n} failed: {err}\n"
+          f"rljax {command}: with several processes a failed collective usually means "
+          "another process died or was killed (its log says why); exiting now.",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _distributed(args) -> bool:
+    """Parse the launch flags and initialise `jax.distributed` when asked; True if so."""
     launch = _launch_args(args)
-    if launch is not None and not args.dry_run:
+    if launch is not None and not getattr(args, "dry_run", False):
         _init_distributed(launch)  # before anything starts a JAX backend
+        return True
+    return False
+
+
+def _cmd_train(args) -> int:
+    distributed = _distributed(args)
     cfg = load_experiment(args.experiment, args.overrides)
     if args.dry_run:
         cfg = cfg.resolved()  # the algorithm preset's values, as the run will use and save
         print(json.dumps({"config_hash": config_hash(cfg), "config": config_to_dict(cfg)}, indent=2))
         return 0
-    run_experiment(cfg)
+    try:
+        run_experiment(cfg)
+    except Preempted as e:
+        print(f"rljax train: {e}", file=sys.stderr, flush=True)
+        return 0
+    except Exception as e:
+        if distributed and jax.process_count() > 1:
+            _exit_failed_process("train", e)
+        raise
     return 0
 
 
@@ -158,9 +222,38 @@ def _cmd_sample(args) -> int:
     return 0
 
 
+_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1, "": 1}
+
+
+def _parse_size(text: str | None) -> int | None:
+    """"5GB" -> 5_000_000_000 (transformers' convention); None stays None."""
+    if text is None:
+        return None
+    t = text.strip().upper()
+    unit = next(u for u in _SIZE_UNITS if t.endswith(u))  # "" matches last
+    number = t[:len(t) - len(unit)] if unit else t
+    try:
+        size = int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ValueError(f"--max-shard-size must be a positive size such as 20000, 500MB or "
+                         f"5GB, got {text!r}")
+    return size
+
+
 def _cmd_export(args) -> int:
-    out = export_hf(args.source, args.out_dir, step=args.step)
-    print(f"exported to {out}")
+    shard = _parse_size(args.max_shard_size)
+    distributed = _distributed(args)
+    try:
+        out = export_hf(args.source, args.out_dir, step=args.step, dtype=args.dtype,
+                        max_shard_bytes=shard)
+    except Exception as e:
+        if distributed and jax.process_count() > 1:
+            _exit_failed_process("export", e)
+        raise
+    if jax.process_index() == 0:
+        print(f"exported to {out}")
     return 0
 
 
@@ -187,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
+    except _INPUT_ERRORS as e:
         print(f"rljax {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -186,26 +187,48 @@ def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
     return nnx.merge(graphdef, state)
 
 
+_WRITE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
 def save_pretrained(model: Decoder, path: str | os.PathLike, *,
-                    max_shard_bytes: int | None = None) -> None:
-    """Write `model` as an HF checkpoint (config.json + float32 safetensors) to `path`.
+                    max_shard_bytes: int | None = None, dtype: str = "float32") -> None:
+    """Write `model` as an HF checkpoint (config.json + safetensors) to `path`.
 
     max_shard_bytes: split the weights over several files with model.safetensors.index.json.
+    dtype: "float32" (default) or "bfloat16" for the written weights.
     Atomic: everything is written to a temporary folder first (see `atomic_dir`).
     """
     if not isinstance(model, Decoder):
         raise TypeError(f"save_pretrained: model must be a Decoder, got {type(model).__name__}")
-    config = model.config
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    specs = []
-    for name, spath, hf_shape, (_, to_hf) in weight_map(config):
-        var = flat[spath]
-        specs.append((name, hf_shape, np.float32,
-                      lambda v=var, f=to_hf: f(np.asarray(jax.device_get(v.get_value())))))
+    write_pretrained(model.config, lambda spath: jax.device_get(flat[spath].get_value()), path,
+                     max_shard_bytes=max_shard_bytes, dtype=dtype)
+
+
+def write_pretrained(config: ModelConfig, get_tensor, path: str | os.PathLike | None, *,
+                     max_shard_bytes: int | None = None, dtype: str = "float32") -> None:
+    """Write an HF checkpoint of `config` whose tensors come one at a time, in
+    `weight_map` order, from `get_tensor(state_path)` (an array in rljax's layout); only
+    one converted tensor is alive at a time.
+
+    path=None writes nothing but calls `get_tensor` in the same order: what the other
+    processes of a multi-process export do, taking part in each tensor's gather while
+    process 0 writes. Sharding into files and atomicity as in `save_pretrained`.
+    """
+    if dtype not in _WRITE_DTYPES:
+        raise ValueError(f"dtype={dtype!r}; allowed: {sorted(_WRITE_DTYPES)}")
+    np_dtype = _WRITE_DTYPES[dtype]
+    specs = [(name, hf_shape, np_dtype, lambda s=spath, f=to_hf: f(np.asarray(get_tensor(s))))
+             for name, spath, hf_shape, (_, to_hf) in weight_map(config)]
     groups = _shard_groups(specs, max_shard_bytes)
+    if path is None:
+        for _, _, _, produce in specs:
+            produce()
+        return
+    hf_config = {**config_to_hf(config), "dtype": dtype}
     with atomic_dir(path) as tmp:
         with open(tmp / "config.json", "w") as fh:
-            json.dump(config_to_hf(config), fh, indent=2)
+            json.dump(hf_config, fh, indent=2)
         if len(groups) == 1:
             write_safetensors(tmp / "model.safetensors", groups[0])
             return
@@ -214,9 +237,13 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *,
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             write_safetensors(tmp / fname, group)
             weight_names.update({name: fname for name, *_ in group})
-        total = sum(int(np.prod(s)) * 4 for _, s, _, _ in specs)
+        total = sum(_nbytes(spec) for spec in specs)
         with open(tmp / "model.safetensors.index.json", "w") as fh:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_names}, fh, indent=2)
+
+
+def _nbytes(spec) -> int:
+    return int(np.prod(spec[1], dtype=np.int64)) * np.dtype(spec[2]).itemsize
 
 
 def _shard_groups(specs, max_shard_bytes):
@@ -226,7 +253,7 @@ def _shard_groups(specs, max_shard_bytes):
         raise ValueError(f"save_pretrained: max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     groups, size = [[]], 0
     for spec in specs:
-        nbytes = int(np.prod(spec[1])) * 4
+        nbytes = _nbytes(spec)
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0

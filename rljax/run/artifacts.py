@@ -7,26 +7,39 @@ A *source* is either
 - a Hugging Face model folder (`config.json` + safetensors + tokenizer files).
 
 These are the Python calls behind `rljax export`, `rljax sample` and `rljax eval`.
+
+A run's policy is read from its checkpoint alone (`params["policy"]`, not the optimiser
+moments), sharded over every device of every process; `export_hf` then gathers one tensor
+at a time, so no host ever holds more than the largest tensor of the model, and process 0
+alone writes. Launched on all hosts of a pod (`rljax export --distributed`) or on one
+process, it writes the same files.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import SingleDeviceSharding
 
 from rljax.models import Decoder
-from rljax.models.hf_io import from_pretrained, save_pretrained
+from rljax.models.hf_config import config_from_hf
+from rljax.models.hf_io import from_pretrained, weight_map, write_pretrained
 from rljax.models.tokenizer import build_char_tokenizer, encode_prompts, load_tokenizer
 from rljax.run.builders import build_reward, build_task
 from rljax.run.experiment import load_experiment, load_run_config
 from rljax.run.overrides import apply_overrides
 from rljax.sampling import generate
+from rljax.sharding import MeshConfig, make_mesh, state_shardings
 from rljax.train.checkpoint import Checkpointer, pure_params
 from rljax.train.config import SamplingConfig
 
@@ -54,21 +67,51 @@ def _run_tokenizer(run_dir: pathlib.Path, cfg) -> Any:
     return build_char_tokenizer()
 
 
-def _policy_from_run(run_dir: pathlib.Path, step: int | None):
+def _model_config(cfg):
+    if cfg.model is not None:
+        return cfg.model
+    return config_from_hf(json.loads((pathlib.Path(cfg.hf_path) / "config.json").read_text()))
+
+
+def _policy_target(config, mesh) -> dict:
+    """`{"params": {"policy": ...}}` as saved (string keys, `{"value": leaf}`), with
+    ShapeDtypeStruct leaves sharded over `mesh` (or on this process's first device)."""
+    abs_state = nnx.state(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))), nnx.Param)
+    flat = dict(nnx.to_flat_state(abs_state))
+    if mesh is not None:
+        shardings = {k: v.get_value() for k, v in
+                     nnx.to_flat_state(state_shardings(abs_state, mesh))}
+    tree: dict = {}
+    for _, spath, _, _ in weight_map(config):
+        leaf = flat[spath].get_value()
+        node = tree
+        for key in spath:
+            node = node.setdefault(str(key), {})
+        sharding = shardings[spath] if mesh is not None else SingleDeviceSharding(
+            jax.local_devices()[0])
+        node["value"] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    return {"params": {"policy": tree}}
+
+
+def _restore_policy(run_dir: pathlib.Path, step: int | None, mesh=None):
+    """`(run config, model config, policy as pure nested dicts, checkpoint meta)`."""
     cfg = load_run_config(run_dir)
     ck_dir = run_dir / "checkpoints"
     if not ck_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} has no checkpoints/ to load a policy from")
+    config = _model_config(cfg)
     with Checkpointer(ck_dir) as ck:
-        raw, meta = ck.restore_raw(step)
-    try:
-        policy = pure_params(raw["params"]["policy"])
-    except (KeyError, TypeError):
-        raise ValueError(f"checkpoint {meta.get('step')} in {ck_dir} holds no params['policy']") from None
-    if cfg.model is not None:
-        model = Decoder(cfg.model, rngs=nnx.Rngs(0))
-    else:
-        model = from_pretrained(cfg.hf_path)
+        try:
+            raw, meta = ck.restore_subtree(_policy_target(config, mesh), step)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"a checkpoint in {ck_dir} holds no params['policy'] of this "
+                             f"run's model: {e}") from None
+    return cfg, config, pure_params(raw["params"]["policy"]), meta
+
+
+def _policy_from_run(run_dir: pathlib.Path, step: int | None):
+    cfg, config, policy, _ = _restore_policy(run_dir, step)
+    model = Decoder(config, rngs=nnx.Rngs(0))
     state = nnx.state(model)
     nnx.replace_by_pure_dict(state, policy)
     nnx.update(model, state)
@@ -87,16 +130,68 @@ def load_policy(source: str | pathlib.Path, *, step: int | None = None):
     return from_pretrained(source), load_tokenizer(source), None
 
 
-def export_hf(source: str | pathlib.Path, out_dir: str | pathlib.Path, *,
-              step: int | None = None) -> pathlib.Path:
-    """Write the policy of `source` as a Hugging Face folder (weights, config, tokenizer)."""
-    out = pathlib.Path(out_dir).absolute()
+def _out_path(out_dir) -> epath.Path:
+    text = os.fspath(out_dir)
+    return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
+def _write_folder(out: epath.Path, write) -> None:
+    """`write(local_folder)`, then, for a bucket (`gs://...`), copy the files up."""
+    if "://" not in os.fspath(out):
+        write(pathlib.Path(out))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        write(pathlib.Path(tmp) / "out")
+        out.mkdir(parents=True, exist_ok=True)
+        files = sorted((pathlib.Path(tmp) / "out").iterdir(), key=lambda f: f.name == "config.json")
+        for f in files:  # config.json last: a reader never sees a folder without weights
+            epath.Path(f).copy(out / f.name, overwrite=True)
+
+
+def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
+              step: int | None = None, dtype: str = "float32",
+              max_shard_bytes: int | None = None) -> epath.Path:
+    """Write the policy of `source` as a Hugging Face folder (weights, config, tokenizer).
+
+    `out_dir` is a local folder or an `etils.epath` URL such as `gs://bucket/model` (written
+    locally first, then copied; not tried against a real bucket). `dtype` "float32" or
+    "bfloat16"; `max_shard_bytes` splits the weights into files with an index. On several
+    processes every process must call this (each takes part in every tensor's gather);
+    process 0 alone writes.
+    """
+    out = _out_path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"export: {out} exists and is not empty; choose a new folder")
-    model, tokenizer, _ = load_policy(source, step=step)
-    save_pretrained(model, out)
-    tokenizer.save_pretrained(str(out))
+    source = pathlib.Path(source)
+    if not is_run_dir(source):
+        model, tokenizer, _ = load_policy(source, step=step)
+        flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+        config, get = model.config, lambda spath: jax.device_get(flat[spath].get_value())
+    else:
+        mesh = make_mesh(MeshConfig()) if jax.device_count() > 1 else None
+        cfg, config, policy, _ = _restore_policy(source, step, mesh)
+        tokenizer = _run_tokenizer(source, cfg)
+        get = lambda spath: multihost_utils.process_allgather(  # noqa: E731
+            _leaf(policy, spath), tiled=True)
+    primary = jax.process_index() == 0
+
+    def write(folder: pathlib.Path) -> None:
+        write_pretrained(config, get, folder if primary else None, dtype=dtype,
+                         max_shard_bytes=max_shard_bytes)
+        if primary:
+            tokenizer.save_pretrained(str(folder))
+
+    if primary:
+        _write_folder(out, write)
+    else:
+        write(out)  # gathers without writing
     return out
+
+
+def _leaf(tree, spath):
+    for key in spath:
+        tree = tree[str(key)]
+    return tree
 
 
 def _sampling_defaults(run_cfg, max_new_tokens, temperature) -> dict:

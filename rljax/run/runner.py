@@ -11,7 +11,9 @@ With `run.resume=true` the latest checkpoint of the run directory is restored (t
 `TrainState`: parameters, optimiser moments, step, PRNG key, data position, KL
 coefficient) and the loop continues from its step; metric lines after that step are
 dropped first, so `metrics.jsonl` reads as one uninterrupted run. Ctrl-C saves the
-current state (waiting for the write) before the KeyboardInterrupt propagates.
+current state (waiting for the write) before the KeyboardInterrupt propagates. SIGTERM
+(a TPU maintenance event or spot reclaim) stops every process after the same step
+(`rljax.run.preemption`), saves that step, waits for the write and raises `Preempted`.
 
 On several processes (`jax.distributed`) every process runs this same function: all of
 them save and restore checkpoints (each writes its own shards), and only process 0 writes
@@ -34,6 +36,7 @@ from flax import nnx
 from rljax.models import ValueModel
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
+from rljax.run.preemption import Preempted, StopSignal
 from rljax.run.run_dir import Progress, RunDir, format_summary, is_local
 from rljax.sharding import shard_params
 from rljax.train.batching import encode_pairs
@@ -163,11 +166,12 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
                             prompt_len=cfg.task.max_prompt_tokens, value_graphdef=value_gd,
                             accuracy_fn=accuracy_fn, mesh=mesh)
         every = cfg.run.save_every or max(cfg.rl.steps, 1)
-        with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck:
+        with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck, \
+                StopSignal() as stop:
             state, acc_before = _start(cfg, rd, ck, trainer, graphdef, params, value_params,
                                        task, tokenizer, mesh, progress_out)
             state = _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before,
-                             progress_out)
+                             progress_out, stop)
             after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
             rd.log(int(state.step), {f"eval/{k}": v for k, v in after.items()}, phase="eval")
             _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
@@ -199,8 +203,9 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
         float(before.get("accuracy", 0.0))
 
 
-def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out):
+def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, stop):
     bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=out, desc="rl")
+    stop.reached(int(state.step))  # every process reports its starting step to JAX
     try:
         for step in range(int(state.step), cfg.rl.steps):
             state, metrics = trainer.step(state, task.train)
@@ -212,6 +217,8 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out):
             rd.log(done, metrics)
             if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
                 bar.update(done, metrics)
+            if done < cfg.rl.steps and stop.reached(done):  # before orbax's own check
+                _stop_preempted(cfg, rd, ck, state, acc_before, out)
             _save(ck, done, state, _meta(cfg, rd, state, "rl", acc_before))
     except KeyboardInterrupt:
         # Keep what was learned: save the current state (forced) and wait for the write.
@@ -222,6 +229,16 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out):
               f"{rd.checkpoint_dir}; continue with --set run.resume=true", file=out)
         raise
     return state
+
+
+def _stop_preempted(cfg, rd, ck, state, acc_before, out):
+    """Save the agreed step (forced), wait until it is on disk, raise `Preempted`."""
+    step = int(state.step)
+    _save(ck, step, state, _meta(cfg, rd, state, "preempted", acc_before), force=True)
+    ck.wait_until_finished()
+    err = Preempted(step, str(rd.checkpoint_dir))
+    print(f"\n[rljax] {err}", file=out, flush=True)
+    raise err
 
 
 def _finish(cfg, rd, acc_before, after: dict, t0: float, out) -> RunResult:

@@ -181,13 +181,8 @@ class Checkpointer:
             out["state"], target)
         return state, dict(out["meta"])
 
-    def restore_raw(self, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-        """Read checkpoint `step` (default latest) without a target: nested dicts of arrays.
-
-        NNX states come back as `{name: {"value": array}}`; `pure_params` turns them into
-        the pure dicts `flax.nnx.replace_by_pure_dict` takes. Use `restore` with a target
-        when the layout (shardings, dtypes) matters.
-        """
+    def _step_to_read(self, step: int | None) -> int:
+        """`step`, or the latest complete one; FileNotFoundError when it is not complete."""
         self.wait_until_finished()
         steps = self.all_steps()
         step = (steps[-1] if steps else None) if step is None else step
@@ -195,7 +190,35 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"no complete checkpoint {'' if step is None else f'for step {step} '}"
                 f"in {self.directory}; have {steps}")
+        return step
+
+    def restore_raw(self, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """Read checkpoint `step` (default latest) without a target: nested dicts of arrays.
+
+        NNX states come back as `{name: {"value": array}}`; `pure_params` turns them into
+        the pure dicts `flax.nnx.replace_by_pure_dict` takes. Use `restore` with a target
+        when the layout (shardings, dtypes) matters.
+        """
+        step = self._step_to_read(step)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
+        out = self._mgr.restore(step, args=args)
+        return out["state"], dict(out["meta"])
+
+    def restore_subtree(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """Read only the arrays named by `target` from checkpoint `step` (default latest).
+
+        `target` is nested dicts as saved (string keys; NNX variables as `{"value": leaf}`)
+        covering part of the state, e.g. `{"params": {"policy": ...}}`, with
+        `jax.ShapeDtypeStruct` leaves whose shardings say where each array goes (any
+        topology, e.g. all devices of all processes). Nothing else is read: an export reads
+        the policy without the optimiser moments. Returns `(subtree, meta)`.
+        """
+        step = self._step_to_read(step)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        args = ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                         partial_restore=True),
+            meta=ocp.args.JsonRestore())
         out = self._mgr.restore(step, args=args)
         return out["state"], dict(out["meta"])
 

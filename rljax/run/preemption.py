@@ -1,0 +1,67 @@
+"""Stopping a run at a step every process agrees on, when it is told to stop (SIGTERM).
+
+Cloud TPU VMs get SIGTERM before a maintenance event or a spot / preemptible reclaim; on
+a pod slice it may reach only some of the hosts. Every process must then stop after the
+same step, or the checkpoint's collective save would hang or mix steps.
+
+- Several processes (`jax.distributed` initialised): JAX's preemption sync manager (created
+  by `jax.distributed.initialize`; it catches SIGTERM in C++) propagates the notice
+  through the coordination service, and `multihost_utils.reached_preemption_sync_point(step)`
+  returns True on every process at the same step (the largest step any process had reported
+  plus one). It must be called at every step boundary, in order, by every process; checked
+  here on CPU processes with gloo collectives. A SIGTERM that comes before the first call
+  (setup, compilation, the first evaluation) is not acted upon by JAX: the run goes on.
+- One process: a Python SIGTERM handler sets a flag, read at the next step boundary
+  (installed only from the main thread, the previous handler restored on exit).
+
+`Preempted` is what `run_experiment` raises once the state of that step is saved.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import jax
+from jax.experimental import multihost_utils
+
+__all__ = ["Preempted", "StopSignal"]
+
+
+class Preempted(Exception):
+    """The run stopped on SIGTERM at `step` with its checkpoint saved in `checkpoint_dir`
+    (complete on disk); `rljax train` reports it and exits 0."""
+
+    def __init__(self, step: int, checkpoint_dir: str):
+        self.step, self.checkpoint_dir = step, checkpoint_dir
+        super().__init__(f"stopped by SIGTERM at step {step}; checkpoint saved in "
+                         f"{checkpoint_dir}; continue with --set run.resume=true")
+
+
+class StopSignal:
+    """`reached(step)` is True at the step boundary where every process stops (see the
+    module docstring); a context manager that installs / removes the one-process handler."""
+
+    def __init__(self) -> None:
+        self.distributed = jax.distributed.is_initialized()
+        self._flag = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self._flag = True
+
+    def __enter__(self) -> StopSignal:
+        if not self.distributed and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def reached(self, step: int) -> bool:
+        """Call after every step (and once with the starting step), on every process."""
+        if self.distributed:
+            return bool(multihost_utils.reached_preemption_sync_point(int(step)))
+        return self._flag
