@@ -36,8 +36,9 @@ from rljax.models.hf_config import config_from_hf
 from rljax.models.hf_io import from_pretrained, weight_map, write_pretrained
 from rljax.models.tokenizer import build_char_tokenizer, encode_prompts, load_tokenizer
 from rljax.run.builders import build_reward, build_task
-from rljax.run.experiment import load_experiment, load_run_config
+from rljax.run.experiment import ExperimentConfig, config_from_dict, load_experiment
 from rljax.run.overrides import apply_overrides
+from rljax.run.run_dir import is_local
 from rljax.sampling import generate
 from rljax.sharding import MeshConfig, make_mesh, state_shardings
 from rljax.train.checkpoint import Checkpointer, pure_params
@@ -46,9 +47,16 @@ from rljax.train.config import SamplingConfig
 __all__ = ["evaluate_source", "export_hf", "is_run_dir", "load_policy", "sample_texts"]
 
 
-def is_run_dir(path: str | pathlib.Path) -> bool:
-    """True when `path` is an rljax run directory (its config.json carries a config hash)."""
-    cfg = pathlib.Path(path) / "config.json"
+def _as_path(path: str | os.PathLike) -> epath.Path:
+    """A local path (made absolute) or a bucket URL such as gs://b/x, as an `epath.Path`."""
+    text = os.fspath(path)
+    return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
+def is_run_dir(path: str | os.PathLike) -> bool:
+    """True when `path` (local or gs://) is an rljax run directory (its config.json
+    carries a config hash)."""
+    cfg = _as_path(path) / "config.json"
     if not cfg.is_file():
         return False
     try:
@@ -57,9 +65,15 @@ def is_run_dir(path: str | pathlib.Path) -> bool:
         return False
 
 
-def _run_tokenizer(run_dir: pathlib.Path, cfg) -> Any:
-    if (run_dir / "tokenizer").is_dir():
-        return load_tokenizer(run_dir / "tokenizer")
+def _run_tokenizer(run_dir, cfg) -> Any:
+    tok = run_dir / "tokenizer"
+    if tok.is_dir() and not is_local(tok):  # tokenizers load from local folders only
+        with tempfile.TemporaryDirectory() as tmp:
+            for f in tok.iterdir():
+                f.copy(epath.Path(tmp) / f.name)
+            return load_tokenizer(tmp)
+    if tok.is_dir():
+        return load_tokenizer(tok)
     if cfg.tokenizer not in (None, "char"):
         return load_tokenizer(cfg.tokenizer)
     if cfg.tokenizer is None:
@@ -93,9 +107,11 @@ def _policy_target(config, mesh) -> dict:
     return {"params": {"policy": tree}}
 
 
-def _restore_policy(run_dir: pathlib.Path, step: int | None, mesh=None):
-    """`(run config, model config, policy as pure nested dicts, checkpoint meta)`."""
-    cfg = load_run_config(run_dir)
+def _restore_policy(run_dir, step: int | None, mesh=None):
+    """`(run config, model config, policy as pure nested dicts, checkpoint meta)` of a
+    run directory (local or gs://)."""
+    blob = json.loads((run_dir / "config.json").read_text())  # load_run_config, via epath
+    cfg = config_from_dict(ExperimentConfig, blob.get("config", blob))
     ck_dir = run_dir / "checkpoints"
     if not ck_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} has no checkpoints/ to load a policy from")
@@ -130,14 +146,9 @@ def load_policy(source: str | pathlib.Path, *, step: int | None = None):
     return from_pretrained(source), load_tokenizer(source), None
 
 
-def _out_path(out_dir) -> epath.Path:
-    text = os.fspath(out_dir)
-    return epath.Path(text if "://" in text else os.path.abspath(text))
-
-
 def _write_folder(out: epath.Path, write) -> None:
     """`write(local_folder)`, then, for a bucket (`gs://...`), copy the files up."""
-    if "://" not in os.fspath(out):
+    if is_local(out):
         write(pathlib.Path(out))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,24 +164,24 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
               max_shard_bytes: int | None = None) -> epath.Path:
     """Write the policy of `source` as a Hugging Face folder (weights, config, tokenizer).
 
-    `out_dir` is a local folder or an `etils.epath` URL such as `gs://bucket/model` (written
-    locally first, then copied; not tried against a real bucket). `dtype` "float32" or
+    `source` is a run directory (local or an `etils.epath` URL such as gs://bucket/run) or
+    a local HF folder. `out_dir` is a local folder or a URL (written locally first, then
+    copied). Bucket paths go through `etils.epath` and were not tried against a real bucket. `dtype` "float32" or
     "bfloat16"; `max_shard_bytes` splits the weights into files with an index. On several
     processes every process must call this (each takes part in every tensor's gather);
     process 0 alone writes.
     """
-    out = _out_path(out_dir)
+    out = _as_path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"export: {out} exists and is not empty; choose a new folder")
-    source = pathlib.Path(source)
     if not is_run_dir(source):
         model, tokenizer, _ = load_policy(source, step=step)
         flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
         config, get = model.config, lambda spath: jax.device_get(flat[spath].get_value())
     else:
         mesh = make_mesh(MeshConfig()) if jax.device_count() > 1 else None
-        cfg, config, policy, _ = _restore_policy(source, step, mesh)
-        tokenizer = _run_tokenizer(source, cfg)
+        cfg, config, policy, _ = _restore_policy(_as_path(source), step, mesh)
+        tokenizer = _run_tokenizer(_as_path(source), cfg)
         get = lambda spath: multihost_utils.process_allgather(  # noqa: E731
             _leaf(policy, spath), tiled=True)
     primary = jax.process_index() == 0
