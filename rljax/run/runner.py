@@ -139,7 +139,9 @@ def _save(ck, step, state, meta, force=False):
 
 def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunResult:
     """Run `cfg` end to end (see the module docstring); prints progress and the summary to
-    `out` (default stderr for progress, stdout for the summary) and returns a `RunResult`."""
+    `out` (default stderr for progress, stdout for the summary) and returns a `RunResult`.
+    Raises `rljax.run.preemption.Preempted` after a SIGTERM, once the step every process
+    stopped at is saved."""
     if not isinstance(cfg, ExperimentConfig):
         raise TypeError(f"run_experiment: cfg must be an ExperimentConfig, got {type(cfg).__name__}")
     cfg = cfg.resolved()  # the algorithm's preset filled in: what runs is what is saved
