@@ -1,17 +1,20 @@
-"""Multi-process `rljax train` runs for the acceptance tests of tests/test_multiprocess_*.py.
+"""Multi-process `rljax train` runs for the acceptance tests of tests/test_multiprocess_rl.py.
 
-A 2 x 4 run is two `python -m rljax train` subprocesses with `JAX_PLATFORMS=cpu` and
-`XLA_FLAGS=--xla_force_host_platform_device_count=4`, joined through `--distributed
---coordinator 127.0.0.1:PORT --num-processes 2 --process-id I` (gloo collectives). A
-1 x 8 run is `rljax.cli.main` in the test process itself (8 devices by tests/conftest.py),
-while the pair runs: the 2-core machine overlaps their compilation, and the test process
-starts no third interpreter.
+A 2 x 4 run is two processes with `JAX_PLATFORMS=cpu` and
+`XLA_FLAGS=--xla_force_host_platform_device_count=4`, joined through `rljax train ...
+--distributed --coordinator 127.0.0.1:PORT --num-processes 2 --process-id I` (gloo
+collectives). Each process of a pair is tests/_mp_driver.py: it runs several `rljax train`
+invocations one after another (GRPO, PPO, DAPO), so the pair starts once per phase and
+shares its compiled programs (model init, sampler, evaluation) across algorithms. A 1 x 8
+run is `rljax.cli.main` in the test process itself (8 devices by tests/conftest.py), while
+the pair runs: the 2-core machine overlaps their compilation.
 
-Plan of one test module (`Scenario.run`), for one algorithm on one tiny experiment:
+Plan (`run_all`), for each `Scenario` (one algorithm on one tiny experiment):
 
   phase 1 (together): "ref"  1 x 8, steps 1..3 from scratch
-                      "mp"   2 x 4, steps 1..3 from scratch, checkpoint at every step
-  phase 2 (together): "mp"   2 x 4 resumes its step-3 checkpoint for steps 4..5
+                      "mp"   2 x 4, steps 1..3 from scratch, checkpoint at step 3
+  phase 2 (together, scenarios with `resume`):
+                      "mp"   2 x 4 resumes its step-3 checkpoint for steps 4..5
                       "x8"   1 x 8 resumes a copy of "mp"'s step-3 checkpoint (4..5)
 
 so steps 1..3 compare the topologies from the same start, and steps 4..5 compare them
@@ -32,11 +35,16 @@ import sys
 import textwrap
 import time
 
+import numpy as np
+from conftest import TEST_XLA_FLAGS
+
 from rljax import cli
+from rljax.data import ShuffledIterator
 from rljax.run.run_dir import read_metrics
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TIMEOUT_S = 600  # a guard against a hung collective, not a speed assertion
+DRIVER = pathlib.Path(__file__).with_name("_mp_driver.py")
+TIMEOUT_S = 900  # a guard against a hung collective, not a speed assertion
 
 EXPERIMENT = textwrap.dedent('''
     import numpy as np
@@ -48,14 +56,20 @@ EXPERIMENT = textwrap.dedent('''
         """Fraction of digits in each completion: varies within groups from step 1."""
         return np.array([sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions])
 
+    def width_reward(completions, metadata):
+        """Short prompts score 1 (no signal: DAPO drops their groups); long prompts score
+        0, 1, 0, 1, ... within their group (rows of a group are contiguous)."""
+        return np.array([1.0 if m["answer"] == "short" else float(k % 2)
+                         for k, m in enumerate(metadata)])
+
     def config():
         return ExperimentConfig(
             name="{name}",
             model=ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
                               num_layers=1, num_heads=2, num_kv_heads=1,
-                              max_position_embeddings=32),
-            task=TaskConfig(name="arithmetic", difficulty=1, max_prompt_tokens=8),
-            reward=RewardConfig(kind="custom", function="rljax_experiment_{name}:digit_reward"),
+                              max_position_embeddings=64),
+            task={task},
+            reward=RewardConfig(kind="custom", function="rljax_experiment_{name}:{reward}"),
             algorithm=AlgorithmConfig({algorithm}),
             optim=OptimConfig(lr=3e-3),
             sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
@@ -64,6 +78,9 @@ EXPERIMENT = textwrap.dedent('''
             run=RunConfig(dir="runs/unset", save_every=3, plots=False),
         )
 ''')
+ARITHMETIC = 'TaskConfig(name="arithmetic", difficulty=1, max_prompt_tokens=8)'
+# Prompts of two widths: 5-9 tokens (the 16 bucket) and 21-29 tokens (the 32 bucket).
+WIDTHS = 'TaskConfig(name="jsonl", path="{path}", max_prompt_tokens=32)'
 
 # Metrics that are wall-clock measurements, not functions of the run's numbers.
 VOLATILE = ("time_", "_tok_s", "flops", "mfu")
@@ -77,88 +94,130 @@ def free_port() -> int:
 
 def _env(devices: int) -> dict:
     env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env.update(JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
     return env
 
 
-def _start(args: list[str], devices: int, cwd: pathlib.Path, log: pathlib.Path):
-    fh = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "rljax", "train", *args], cwd=cwd,
-                            env=_env(devices), stdout=fh, stderr=subprocess.STDOUT)
-    return proc, fh, log
+def write_width_data(folder: pathlib.Path, n: int = 24, long_at=(4, 5, 6, 7),
+                     run_seed: int = 0) -> None:
+    """train.jsonl / test.jsonl of sums, answers "short" / "long" (what width_reward
+    reads): short prompts have 3 terms (the 16-token bucket), long ones 12 (the 32
+    bucket). The training records are placed so that a run with `run_seed` draws long
+    prompts exactly at positions `long_at` of its first epoch (file tasks visit records
+    in `ShuffledIterator(records, seed=run.seed)` order): DAPO's step 1 then drops an
+    all-short round and refills from a round with long prompts."""
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def row(kind):
+        terms = 12 if kind == "long" else 3
+        q = "+".join(str(x) for x in rng.integers(1, 10, size=terms)) + "="
+        return {"question": q, "answer": kind}
+
+    order = ShuffledIterator(list(range(n)), seed=run_seed).permutation(0)
+    train = [None] * n
+    for i, rec in enumerate(order):
+        train[int(rec)] = row("long" if i in long_at else "short")
+    test = [row(k) for k in ("short", "long") * 4]
+    for split, rows in (("train", train), ("test", test)):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 class Scenario:
-    """One algorithm's runs (see the module docstring) in `root`; `run()` does them all."""
+    """One algorithm's runs (see the module docstring) in `root / name`."""
 
     def __init__(self, root: pathlib.Path, name: str, algorithm: str, prompts: int, *,
-                 plots: bool = False):
-        self.root, self.name, self.plots = root, name, plots
-        self.exp = root / f"{name}.py"
-        self.exp.write_text(EXPERIMENT.format(name=name, algorithm=algorithm, prompts=prompts))
+                 plots: bool = False, resume: bool = True, widths: bool = False):
+        self.root, self.name, self.plots, self.resume = root / name, name, plots, resume
+        self.root.mkdir(parents=True)
+        task, reward = ARITHMETIC, "digit_reward"
+        if widths:
+            write_width_data(self.root / "data")
+            task, reward = WIDTHS.format(path=self.root / "data"), "width_reward"
+        self.exp = self.root / f"{name}.py"
+        self.exp.write_text(EXPERIMENT.format(name=name, algorithm=algorithm, prompts=prompts,
+                                              task=task, reward=reward))
         self.logs: dict[str, str] = {}
-        self.wall_s = 0.0
 
     def dir(self, run: str) -> pathlib.Path:
         return self.root / "runs" / run
 
-    def _args(self, run: str, sets: tuple) -> list[str]:
-        return [str(self.exp), "--set", f"run.dir={self.dir(run)}",
-                *[a for s in sets for a in ("--set", s)]]
+    def args(self, run: str, *sets: str) -> list[str]:
+        plots = ("run.plots=true",) if self.plots and run == "mp" else ()
+        return ["train", str(self.exp), "--set", f"run.dir={self.dir(run)}",
+                *[a for s in (*sets, *plots) for a in ("--set", s)]]
 
-    def _in_process(self, run: str, *sets: str) -> None:
+    def in_process(self, run: str, *sets: str) -> None:
         """A 1 x 8 run: `rljax train` in this process; its output kept in `logs[run]`."""
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-            rc = cli.main(["train", *self._args(run, sets)])
+            rc = cli.main(self.args(run, *sets))
         self.logs[run] = buf.getvalue()
-        assert rc == 0, f"--- {run} exited with {rc}:\n{self.logs[run][-3000:]}"
+        assert rc == 0, f"--- {self.name} {run} exited with {rc}:\n{self.logs[run][-3000:]}"
 
-    def _pair(self, run: str, tag: str, *sets: str):
-        """Start a 2 x 4 run (two subprocesses); `_wait` for it."""
-        port = free_port()
-        out = []
+
+RESUME = ("rl.steps=5", "run.resume=true")
+
+
+class _Pair:
+    """Two driver processes running `runs` ([(scenario, tag, argv)]) in order."""
+
+    def __init__(self, root: pathlib.Path, phase: str, runs: list):
+        self.root, self.phase, self.runs = root, phase, runs
+        port, self.procs = free_port(), []
+        launch = ["--distributed", "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+                  "2", "--process-id"]
         for i in range(2):
-            # plots (seconds of matplotlib per run) only where they are checked
-            plots = ("--set", "run.plots=true") if self.plots else ()
-            args = [*self._args(run, sets), *plots, "--distributed", "--coordinator",
-                    f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
-            out.append((f"{tag}.p{i}", *_start(args, 4, self.root,
-                                                self.root / f"{tag}.p{i}.log")))
-        return out
+            plan = [(f"{s.name}.{tag}.p{i}.log", argv + (launch + [str(i)] if k == 0 else []))
+                    for k, (s, tag, argv) in enumerate(runs)]
+            log = open(root / f"{phase}.p{i}.log", "w")
+            proc = subprocess.Popen([sys.executable, str(DRIVER), str(root), json.dumps(plan)],
+                                    cwd=root, env=_env(4), stdout=log, stderr=subprocess.STDOUT)
+            self.procs.append((proc, log))
 
-    def _wait(self, started) -> None:
+    def wait(self) -> None:
         deadline = time.monotonic() + TIMEOUT_S
         failed = []
-        for tag, proc, fh, log in started:
+        for i, (proc, fh) in enumerate(self.procs):
             try:
                 rc = proc.wait(timeout=max(deadline - time.monotonic(), 1))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 rc = proc.wait()
             fh.close()
-            self.logs[tag] = log.read_text()
+            for s, tag, _ in self.runs:
+                path = self.root / f"{s.name}.{tag}.p{i}.log"
+                s.logs[f"{tag}.p{i}"] = path.read_text() if path.exists() else ""
             if rc != 0:
-                failed.append(f"--- {tag} exited with {rc}:\n{self.logs[tag][-3000:]}")
+                tails = [f"{s.name} {tag}: {s.logs[f'{tag}.p{i}'][-2500:]}"
+                         for s, tag, _ in self.runs if s.logs[f"{tag}.p{i}"]]
+                failed.append(f"--- {self.phase} process {i} exited with {rc}:\n"
+                              + (self.root / f"{self.phase}.p{i}.log").read_text()[-1000:]
+                              + "\n".join(tails[-1:]))
         assert not failed, "\n".join(failed)
 
-    def run(self) -> "Scenario":
-        t0 = time.perf_counter()
-        pair = self._pair("mp", "mp")
-        try:
-            self._in_process("ref")
-        finally:
-            self._wait(pair)
-        shutil.copytree(self.dir("mp"), self.dir("x8"))
-        resume = ("rl.steps=5", "run.resume=true")
-        pair = self._pair("mp", "mp_resume", *resume)
-        try:
-            self._in_process("x8", *resume)
-        finally:
-            self._wait(pair)
-        self.wall_s = time.perf_counter() - t0
-        return self
+
+def run_all(root: pathlib.Path, scenarios: list[Scenario]) -> float:
+    """Both phases of every scenario (the module docstring); returns the wall seconds."""
+    t0 = time.perf_counter()
+    pair = _Pair(root, "phase1", [(s, "mp", s.args("mp")) for s in scenarios])
+    try:
+        for s in scenarios:
+            s.in_process("ref")
+    finally:
+        pair.wait()
+    again = [s for s in scenarios if s.resume]
+    for s in again:
+        shutil.copytree(s.dir("mp"), s.dir("x8"))
+    pair = _Pair(root, "phase2", [(s, "mp_resume", s.args("mp", *RESUME)) for s in again])
+    try:
+        for s in again:
+            s.in_process("x8", *RESUME)
+    finally:
+        pair.wait()
+    return time.perf_counter() - t0
 
 
 def rl_rows(run_dir: pathlib.Path) -> dict[int, dict]:
@@ -201,8 +260,9 @@ def check_steps_equal_one_process(runs: Scenario, numeric: tuple, later: tuple) 
     `numeric + later` within 1e-4, the rollouts' token statistics equal. Returns the
     relative differences by step."""
     ref, two = rl_rows(runs.dir("ref")), rl_rows(runs.dir("mp"))
-    assert sorted(ref) == [1, 2, 3] and sorted(two) == [1, 2, 3, 4, 5]
-    assert ref[1]["reward_std"] > 0 and ref[1]["grad_norm"] > 0  # a real update
+    assert sorted(ref) == [1, 2, 3]
+    assert sorted(two) == ([1, 2, 3, 4, 5] if runs.resume else [1, 2, 3])
+    assert ref[1]["grad_norm"] > 0  # a real update
     diffs = {1: assert_close(two[1], ref[1], numeric, FIRST_RTOL, "step 1, 2x4 vs 1x8")}
     for step in (2, 3):
         diffs[step] = assert_close(two[step], ref[step], numeric + later, LATER_RTOL,

@@ -108,7 +108,7 @@ def test_train_interrupt_resume_reproduce(exp, tmp_path, capsys, monkeypatch):
 def test_sft_stop_loss_ends_the_warm_up_early(exp, tmp_path, capsys):
     # Any loss is below 100: the warm-up stops as soon as 20 steps give a mean.
     assert main(["train", exp, "--set", "run.dir=runs/s", "--set", "sft.steps=60",
-                 "--set", "sft.stop_loss=100", "--set", "rl.steps=1"]) == 0
+                 "--set", "sft.stop_loss=100", "--set", "rl.steps=0"]) == 0
     sft_rows = [r for r in read_metrics(tmp_path / "runs/s") if r["phase"] == "sft"]
     assert len(sft_rows) == 20
     capsys.readouterr()
@@ -121,7 +121,7 @@ def test_sft_stop_accuracy_checks_real_greedy_accuracy_on_validation_prompts(exp
     # A target the tiny model cannot reach: every step runs, checked every 2 steps.
     assert main(["train", exp, "--set", "run.dir=runs/v", "--set", "sft.steps=4",
                  "--set", "sft.stop_accuracy=1.0", "--set", "sft.stop_every=2",
-                 "--set", "sft.stop_prompts=8", "--set", "rl.steps=1"]) == 0
+                 "--set", "sft.stop_prompts=8", "--set", "rl.steps=0"]) == 0
     sft_rows = [r for r in read_metrics(tmp_path / "runs/v") if r["phase"] == "sft"]
     assert [r["step"] for r in sft_rows] == [1, 2, 3, 4]
     checked = [r["sft/val_accuracy"] for r in sft_rows if "sft/val_accuracy" in r]

@@ -1,17 +1,23 @@
 """The arithmetic demos' configs build and their smoke settings run end to end on the
-8-device mesh through the same call as `rljax train` (tiny model, two steps)."""
+8-device mesh through the same call as `rljax train` (tiny model, two steps); PPO's value
+model starts from the warmed-up policy."""
 
 import io
 
+import numpy as np
 import pytest
+from flax import nnx
 
+from rljax.run import builders
 from rljax.run.experiment import load_experiment
 from rljax.run.runner import run_experiment
+from rljax.train.rl import RLTrainer
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, algo", [("arithmetic_grpo", "grpo"), ("arithmetic_ppo", "ppo")])
-def test_demo_smoke_runs_and_reports(tmp_path, name, algo):
+def test_demo_smoke_runs_and_reports(tmp_path, name, algo, monkeypatch):
+    seen = _spy_on_init_state(monkeypatch)
     cfg = load_experiment(name, ["smoke=true", f"run.dir={tmp_path / 'run'}", "run.plots=false",
                                  "run.tensorboard=false"])
     assert cfg.algorithm.name == algo and cfg.rl.steps == 2
@@ -19,6 +25,36 @@ def test_demo_smoke_runs_and_reports(tmp_path, name, algo):
     res = run_experiment(cfg, out=out)
     assert 0.0 <= res.accuracy_before <= 1.0 and 0.0 <= res.accuracy_after <= 1.0
     assert out.getvalue().strip().splitlines()[-1].startswith("RESULT accuracy_before=")
+    if algo == "ppo":  # the value model starts from the policy after the SFT warm-up
+        pol, val = seen["policy"], seen["value"]
+        backbone = {k[1:]: v for k, v in val.items() if k[0] == "backbone"}
+        assert backbone and set(backbone) <= set(pol)
+        for k, v in backbone.items():
+            np.testing.assert_array_equal(v, pol[k], err_msg=str(k))
+        changed = [k for k in backbone if not np.array_equal(pol[k], seen["random"][k])]
+        assert changed, "the SFT warm-up changed no weight: the check above proves nothing"
+
+
+def _spy_on_init_state(monkeypatch) -> dict:
+    """Records the policy and value parameters `RLTrainer.init_state` receives, and the
+    random-init policy `build_model` returned before the warm-up."""
+    seen = {}
+    flat = lambda s: {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(s)}
+    orig_init, orig_build = RLTrainer.init_state, builders.build_model
+
+    def init_state(self, policy_params, seed=0, value_params=None):
+        seen["policy"] = flat(policy_params)
+        seen["value"] = flat(value_params) if value_params is not None else None
+        return orig_init(self, policy_params, seed=seed, value_params=value_params)
+
+    def build_model(*a, **kw):
+        model = orig_build(*a, **kw)
+        seen["random"] = flat(nnx.state(model))
+        return model
+
+    monkeypatch.setattr(RLTrainer, "init_state", init_state)
+    monkeypatch.setattr(builders, "build_model", build_model)
+    return seen
 
 
 def test_full_demo_configs_are_valid():
@@ -29,30 +65,3 @@ def test_full_demo_configs_are_valid():
     ppo = load_experiment("arithmetic_ppo")
     assert ppo.algorithm.resolve().kl_in == "reward" and ppo.algorithm.name == "ppo"
     assert ppo.sampling.temperature == 1.0  # PPO keeps its measured setting
-
-
-@pytest.mark.slow
-def test_ppo_value_model_starts_from_the_warmed_up_policy(tmp_path, monkeypatch):
-    import numpy as np
-    from flax import nnx
-
-    from rljax.train.rl import RLTrainer
-
-    seen = {}
-    orig = RLTrainer.init_state
-
-    def spy(self, policy_params, seed=0, value_params=None):
-        flat = lambda s: {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(s)}
-        seen["policy"], seen["value"] = flat(policy_params), flat(value_params)
-        return orig(self, policy_params, seed=seed, value_params=value_params)
-
-    monkeypatch.setattr(RLTrainer, "init_state", spy)
-    cfg = load_experiment("arithmetic_ppo", ["smoke=true", f"run.dir={tmp_path / 'run'}",
-                                             "run.plots=false", "run.tensorboard=false",
-                                             "rl.steps=1", "sft.optim.lr=0.01"])
-    run_experiment(cfg, out=io.StringIO())
-    pol, val = seen["policy"], seen["value"]
-    backbone = {k[1:]: v for k, v in val.items() if k[0] == "backbone"}
-    assert backbone and set(backbone) <= set(pol)
-    for k, v in backbone.items():  # a copy of the policy AFTER the SFT warm-up
-        np.testing.assert_array_equal(v, pol[k], err_msg=str(k))

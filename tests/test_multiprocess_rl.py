@@ -1,0 +1,70 @@
+"""Issue 16's acceptance on two processes x 4 CPU devices through the CLI (`rljax train
+--distributed --coordinator ...`), against one process x 8 devices, for GRPO, PPO (value
+model, GAE, KL in the reward, 2 epochs x 2 minibatches with the in-graph permutation) and
+DAPO (dynamic sampling with refill rounds of different prompt widths):
+
+- steps 1..3 equal (loss and gradient norms 1e-5 at step 1, 1e-4 later; equal tokens);
+- GRPO and PPO save, exit and resume on 2x4 for steps 4..5, and the 2x4 checkpoint
+  restores on 1x8 with equal steps and tokens;
+- only process 0 writes the run directory.
+
+The runs are described in tests/_multiprocess.py: one pair of processes per phase runs
+all three algorithms."""
+
+import _multiprocess as mp
+import pytest
+
+pytestmark = pytest.mark.slow
+GRPO = ("loss", "grad_norm")
+PPO = ("loss", "grad_norm", "grad_norm_policy", "grad_norm_value")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mp")
+    scenarios = {
+        "grpo": mp.Scenario(root, "mp_grpo", 'name="grpo", group_size=4', prompts=4,
+                            plots=True),
+        "ppo": mp.Scenario(root, "mp_ppo", 'name="ppo", group_size=1, kl_coef=0.02, '
+                           'num_epochs=2, num_minibatches=2', prompts=16),
+        "dapo": mp.Scenario(root, "mp_dapo", 'name="dapo", group_size=4, max_refill_rounds=3',
+                            prompts=4, resume=False, widths=True),
+    }
+    mp.run_all(root, list(scenarios.values()))
+    return scenarios
+
+
+def test_grpo_steps_equal_one_process(runs):
+    mp.check_steps_equal_one_process(runs["grpo"], GRPO, later=("kl_ref",))
+    assert mp.rl_rows(runs["grpo"].dir("ref"))[1]["reward_std"] > 0
+
+
+def test_ppo_steps_equal_one_process(runs):
+    mp.check_steps_equal_one_process(runs["ppo"], PPO, later=("kl_ref", "value_loss"))
+
+
+@pytest.mark.parametrize("name, numeric", [("grpo", GRPO + ("kl_ref",)), ("ppo", PPO)])
+def test_checkpoint_restores_on_both_topologies(runs, name, numeric):
+    mp.check_restore_on_both_topologies(runs[name], numeric)
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_only_process_zero_writes_the_run_directory(runs, name):
+    mp.check_single_writer(runs[name])
+
+
+def test_dapo_refills_prompts_of_other_widths_equally_on_both_topologies(runs):
+    s = runs["dapo"]
+    mp.check_steps_equal_one_process(s, GRPO, later=())
+    ref, two = mp.rl_rows(s.dir("ref")), mp.rl_rows(s.dir("mp"))
+    dyn = ("zero_var_frac", "dyn_refill_rounds", "dyn_dropped_groups", "dyn_short_groups")
+    for step in (1, 2, 3):
+        assert {k: two[step][k] for k in dyn} == {k: ref[step][k] for k in dyn}, step
+    # Step 1 draws 4 short prompts (the 16-token bucket; outcomes never differ: dropped),
+    # then 4 long ones (the 32 bucket; kept): rounds of two widths in one batch. Step 2
+    # draws only short prompts: every round dropped, the batch is all zero-weight padding.
+    assert {k: ref[1][k] for k in dyn} == {"zero_var_frac": 1.0, "dyn_refill_rounds": 1.0,
+                                          "dyn_dropped_groups": 4.0, "dyn_short_groups": 0.0}
+    assert {k: ref[2][k] for k in dyn} == {"zero_var_frac": 1.0, "dyn_refill_rounds": 3.0,
+                                          "dyn_dropped_groups": 16.0, "dyn_short_groups": 4.0}
+    assert ref[2]["grad_norm"] == 0.0 and ref[1]["grad_norm"] > 0
