@@ -44,6 +44,9 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.distributed = jax.distributed.is_initialized()
+        # Without JAX's service (jax_enable_preemption_service=False) the processes could
+        # not agree: SIGTERM then keeps its default effect.
+        self._agreed = self.distributed and jax.config.jax_enable_preemption_service
         self._flag = False
         self._previous = None
 
@@ -62,6 +65,6 @@ class StopSignal:
 
     def reached(self, step: int) -> bool:
         """Call after every step (and once with the starting step), on every process."""
-        if self.distributed:
+        if self._agreed:
             return bool(multihost_utils.reached_preemption_sync_point(int(step)))
         return self._flag
