@@ -9,8 +9,11 @@ same step, or the checkpoint's collective save would hang or mix steps.
   through the coordination service, and `multihost_utils.reached_preemption_sync_point(step)`
   returns True on every process at the same step (the largest step any process had reported
   plus one). It must be called at every step boundary, in order, by every process; checked
-  here on CPU processes with gloo collectives. A SIGTERM that comes before the first call
-  (setup, compilation, the first evaluation) is not acted upon by JAX: the run goes on.
+  here on CPU processes with gloo collectives. JAX ignores a notice that comes before a
+  process's first call (checked here), so `run_experiment` reports the first RL step as soon
+  as its checkpoint directory is open: a SIGTERM during the setup (model, compilation, first
+  evaluation) stops the run after its first step; only one during the start of the
+  process (imports, `jax.distributed.initialize`) is lost, and the run goes on.
 - One process: a Python SIGTERM handler sets a flag, read at the next step boundary
   (installed only from the main thread, the previous handler restored on exit).
 

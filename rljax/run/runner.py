@@ -154,35 +154,49 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
                 tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project,
                 primary=primary)
     try:
-        tokenizer = builders.build_tokenizer(cfg)
-        if rd.primary and not (rd.path / "tokenizer").exists():
-            _save_tokenizer(tokenizer, rd.path / "tokenizer")
-        mesh = builders.build_mesh(cfg)
-        model = builders.build_model(cfg, tokenizer, mesh)
-        graphdef, params = nnx.split(model)
-        value_gd, value_params = _value_model(cfg, model, mesh)
-        task = builders.build_task(cfg, tokenizer)
-        reward_fns, accuracy_fn = builders.build_reward(cfg)
-        trainer = RLTrainer(graphdef, tokenizer, reward_fns, algorithm=cfg.algorithm,
-                            optim=cfg.optim, sampling=cfg.sampling, rl=cfg.rl,
-                            prompt_len=cfg.task.max_prompt_tokens, value_graphdef=value_gd,
-                            accuracy_fn=accuracy_fn, mesh=mesh)
         every = cfg.run.save_every or max(cfg.rl.steps, 1)
         with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck, \
                 StopSignal() as stop:
-            state, acc_before = _start(cfg, rd, ck, trainer, graphdef, params, value_params,
-                                       task, tokenizer, mesh, progress_out)
-            state = _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before,
-                             progress_out, stop)
-            after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
-            rd.log(int(state.step), {f"eval/{k}": v for k, v in after.items()}, phase="eval")
-            _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
-                  force=True)  # the final state, whatever save_every is
+            # Every process reports its first RL step to JAX now, so that a SIGTERM during
+            # the setup below stops the run after that step (JAX ignores earlier notices).
+            stop.reached(_first_step(cfg, ck))
+            acc_before, after = _train(cfg, rd, ck, stop, progress_out)
         if cfg.run.plots:
             rd.plot()
     finally:
         rd.close()
     return _finish(cfg, rd, acc_before, after, t0, out)
+
+
+def _first_step(cfg, ck) -> int:
+    """The step the RL loop starts from: the latest checkpoint's when resuming, else 0."""
+    latest = ck.latest_step() if cfg.run.resume else None
+    return 0 if latest is None else latest
+
+
+def _train(cfg, rd, ck, stop, out):
+    """Build everything, RL-train, evaluate, save the final state; `(acc_before, after)`."""
+    tokenizer = builders.build_tokenizer(cfg)
+    if rd.primary and not (rd.path / "tokenizer").exists():
+        _save_tokenizer(tokenizer, rd.path / "tokenizer")
+    mesh = builders.build_mesh(cfg)
+    model = builders.build_model(cfg, tokenizer, mesh)
+    graphdef, params = nnx.split(model)
+    value_gd, value_params = _value_model(cfg, model, mesh)
+    task = builders.build_task(cfg, tokenizer)
+    reward_fns, accuracy_fn = builders.build_reward(cfg)
+    trainer = RLTrainer(graphdef, tokenizer, reward_fns, algorithm=cfg.algorithm,
+                        optim=cfg.optim, sampling=cfg.sampling, rl=cfg.rl,
+                        prompt_len=cfg.task.max_prompt_tokens, value_graphdef=value_gd,
+                        accuracy_fn=accuracy_fn, mesh=mesh)
+    state, acc_before = _start(cfg, rd, ck, trainer, graphdef, params, value_params,
+                               task, tokenizer, mesh, out)
+    state = _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, stop)
+    after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
+    rd.log(int(state.step), {f"eval/{k}": v for k, v in after.items()}, phase="eval")
+    _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
+          force=True)  # the final state, whatever save_every is
+    return acc_before, after
 
 
 def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer, mesh, out):
@@ -207,7 +221,6 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
 
 def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, stop):
     bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=out, desc="rl")
-    stop.reached(int(state.step))  # every process reports its starting step to JAX
     try:
         for step in range(int(state.step), cfg.rl.steps):
             state, metrics = trainer.step(state, task.train)
