@@ -42,8 +42,13 @@ def annotated_param(value: ArrayLike, names: Sequence[str | None]) -> nnx.Param:
 
 def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], names: Sequence[str | None],
                  ) -> nnx.Param:
-    """N(0, 0.02^2) initialised float32 parameter (the HF initializer_range default)."""
-    return annotated_param(INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32), names)
+    """N(0, 0.02^2) initialised float32 parameter (the HF initializer_range default).
+
+    The barrier keeps XLA from fusing the scaling into the draw when the model is built
+    inside ``jax.jit``, so a jitted build gives bit-identical weights to an eager one.
+    """
+    draw = jax.lax.optimization_barrier(jax.random.normal(rngs.params(), shape, jnp.float32))
+    return annotated_param(INIT_STD * draw, names)
 
 
 def compute_dtype(config: ModelConfig) -> DTypeLike:

@@ -73,9 +73,10 @@ def build_model(cfg: ExperimentConfig, tokenizer, mesh=None, seed: int | None = 
     if cfg.hf_path is not None:
         model = from_pretrained(cfg.hf_path, dtype=cfg.compute_dtype, mesh=mesh)
     else:
+        seed = cfg.run.seed if seed is None else seed
         ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-        with ctx:
-            model = Decoder(cfg.model, rngs=nnx.Rngs(cfg.run.seed if seed is None else seed))
+        with ctx:  # one compiled program builds every weight, already sharded
+            model = nnx.jit(lambda: Decoder(cfg.model, rngs=nnx.Rngs(seed)))()
     check_vocab(tokenizer, model.config)
     return model
 

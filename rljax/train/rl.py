@@ -91,6 +91,12 @@ def _split_key(key_data):
     return jax.random.key_data(nxt), k_roll, k_learn
 
 
+@jax.jit
+def _copy_tree(tree):
+    """Fresh buffers for every leaf of ``tree`` (one program, not one per leaf shape)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
 @functools.partial(jax.jit, static_argnums=(1,))
 def _kept_groups(rewards_B, group_size: int):
     """DAPO's kept-group count: groups whose verifier outcomes differ."""
@@ -117,6 +123,14 @@ def _assemble(rounds: tuple, n_groups: int, pad_id: int) -> Rollout:
     out = jax.tree.map(lambda x: x[rows], cat)
     weight_B = jnp.repeat(jnp.where(zv_G[take_N], 0.0, 1.0), g)
     return dataclasses.replace(out, weight_B=weight_B)
+
+
+# Jitted learning programs by ``RLTrainer._program_key``: the model's graphdef, the
+# configs the program reads, the mesh and the state's shardings. A program's closures are
+# those of the trainer that built it, equal by construction to those of any trainer with
+# the same key. The oldest goes when a process has seen more than _MAX_PROGRAMS.
+_PROGRAMS: dict = {}
+_MAX_PROGRAMS = 8
 
 
 class RLTrainer:
@@ -191,6 +205,7 @@ class RLTrainer:
 
     def _build_program(self):
         a, total = self.alg, max(self.rl.steps * self.alg.num_epochs * self.alg.num_minibatches, 1)
+        self._total_updates = total
         optims = {"policy": make_optimizer(self.optim, total)}
         if self.value_gd is not None:
             optims["value"] = make_optimizer(self.optim, total, self.rl.value_lr_ratio)
@@ -207,6 +222,27 @@ class RLTrainer:
                            self.gd, self.value_gd, batch_constrainer(self.mesh))
         self._learn_fn = learn
         self._learn = None  # jitted with the state's shardings at the first step
+
+    def _program_key(self, state: TrainState) -> tuple:
+        """Everything the learning program is a function of (see ``_PROGRAMS``)."""
+        r, s = self.rl, self.sampling
+        shardings = None
+        if self.mesh is not None:
+            t = jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state))
+            shardings = (jax.tree.structure(t), tuple(jax.tree.leaves(t)))
+        return (self.spec, self.gd, self.value_gd, self.optim, self._total_updates,
+                r.value_lr_ratio, r.logp_chunk, r.remat, s.temperature, s.max_new_tokens,
+                self.mesh, shardings)
+
+    def _cached_learn(self, state: TrainState):
+        """The jitted learning program: another trainer's when it computes the same thing
+        (a resumed run, or a new trainer on the same model and configs, compiles nothing)."""
+        key = self._program_key(state)
+        if key not in _PROGRAMS:
+            while len(_PROGRAMS) >= _MAX_PROGRAMS:
+                _PROGRAMS.pop(next(iter(_PROGRAMS)))
+            _PROGRAMS[key] = self._jit_learn(state)
+        return _PROGRAMS[key]
 
     def _jit_learn(self, state: TrainState):
         def program(params, opt_state, scalars, ref_params, ro, key):
@@ -237,7 +273,7 @@ class RLTrainer:
             if value_params is None:
                 raise ValueError("RLTrainer.init_state: value_params is required for PPO")
             params["value"] = value_params
-        ref = jax.tree.map(jnp.copy, policy_params) if self.uses_ref else None
+        ref = _copy_tree(policy_params) if self.uses_ref else None
         return new_train_state(params, init_opt_state(self.txs, params, self.mesh), seed,
                                ref_params=ref, kl_coef=self.alg.kl_coef, mesh=self.mesh)
 
@@ -250,7 +286,7 @@ class RLTrainer:
         key, k_roll, k_learn = _split_key(state.key)
         ro, pos, extra = self._collect(state, source, pos, k_roll, ph)
         if self._learn is None:
-            self._learn = self._jit_learn(state)
+            self._learn = self._cached_learn(state)
         scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
                        skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
         params, opt_state, out, m = ph.timed("learn", self._learn, state.params, state.opt_state,
