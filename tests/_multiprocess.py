@@ -49,7 +49,8 @@ TIMEOUT_S = 900  # a guard against a hung collective, not a speed assertion
 EXPERIMENT = textwrap.dedent('''
     import numpy as np
     from rljax.models import ModelConfig
-    from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig
+    from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
+                                    SFTConfig)
     from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
 
     def digit_reward(completions, metadata):
@@ -73,7 +74,7 @@ EXPERIMENT = textwrap.dedent('''
             algorithm=AlgorithmConfig({algorithm}),
             optim=OptimConfig(lr=3e-3),
             sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
-            sft=None,
+            sft={sft},
             rl=RLConfig(steps=3, prompts_per_step={prompts}, eval_prompts=8, logp_chunk=8),
             run=RunConfig(dir="runs/unset", save_every=3, plots=False),
         )
@@ -129,7 +130,8 @@ class Scenario:
     """One algorithm's runs (see the module docstring) in `root / name`."""
 
     def __init__(self, root: pathlib.Path, name: str, algorithm: str, prompts: int, *,
-                 plots: bool = False, resume: bool = True, widths: bool = False):
+                 plots: bool = False, resume: bool = True, widths: bool = False,
+                 sft: str = "None"):
         self.root, self.name, self.plots, self.resume = root / name, name, plots, resume
         self.root.mkdir(parents=True)
         task, reward = ARITHMETIC, "digit_reward"
@@ -138,7 +140,7 @@ class Scenario:
             task, reward = WIDTHS.format(path=self.root / "data"), "width_reward"
         self.exp = self.root / f"{name}.py"
         self.exp.write_text(EXPERIMENT.format(name=name, algorithm=algorithm, prompts=prompts,
-                                              task=task, reward=reward))
+                                              task=task, reward=reward, sft=sft))
         self.logs: dict[str, str] = {}
 
     def dir(self, run: str) -> pathlib.Path:

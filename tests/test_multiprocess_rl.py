@@ -4,6 +4,7 @@ model, GAE, KL in the reward, 2 epochs x 2 minibatches with the in-graph permuta
 DAPO (dynamic sampling with refill rounds of different prompt widths):
 
 - steps 1..3 equal (loss and gradient norms 1e-5 at step 1, 1e-4 later; equal tokens);
+- PPO's SFT warm-up steps equal too (loss and gradient norm 1e-5);
 - GRPO and PPO save, exit and resume on 2x4 for steps 4..5, and the 2x4 checkpoint
   restores on 1x8 with equal steps and tokens;
 - only process 0 writes the run directory.
@@ -25,8 +26,10 @@ def runs(tmp_path_factory):
     scenarios = {
         "grpo": mp.Scenario(root, "mp_grpo", 'name="grpo", group_size=4', prompts=4,
                             plots=True),
-        "ppo": mp.Scenario(root, "mp_ppo", 'name="ppo", group_size=1, kl_coef=0.02, '
-                           'num_epochs=2, num_minibatches=2', prompts=16),
+        # 4 prompts x 4 samples, as GRPO: the same sampler programs
+        "ppo": mp.Scenario(root, "mp_ppo", 'name="ppo", group_size=4, kl_coef=0.02, '
+                           'num_epochs=2, num_minibatches=2', prompts=4,
+                           sft="SFTConfig(steps=2, batch_size=8)"),
         "dapo": mp.Scenario(root, "mp_dapo", 'name="dapo", group_size=4, max_refill_rounds=3',
                             prompts=4, resume=False, widths=True),
     }
@@ -41,6 +44,16 @@ def test_grpo_steps_equal_one_process(runs):
 
 def test_ppo_steps_equal_one_process(runs):
     mp.check_steps_equal_one_process(runs["ppo"], PPO, later=("kl_ref", "value_loss"))
+
+
+def test_sft_warm_up_steps_equal_one_process(runs):
+    """PPO's run starts with 2 SFT steps (the value model then copies the warmed policy)."""
+    s = runs["ppo"]
+    ref, two = (mp.read_metrics(s.dir(r)) for r in ("ref", "mp"))
+    ref, two = ([r for r in rows if r["phase"] == "sft"] for rows in (ref, two))
+    assert [r["step"] for r in ref] == [r["step"] for r in two] == [1, 2]
+    for a, b in zip(two, ref):
+        mp.assert_close(a, b, ("sft/loss", "sft/grad_norm"), mp.FIRST_RTOL, f"SFT step {b['step']}")
 
 
 @pytest.mark.parametrize("name, numeric", [("grpo", GRPO + ("kl_ref",)), ("ppo", PPO)])

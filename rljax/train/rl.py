@@ -230,9 +230,12 @@ class RLTrainer:
         if self.mesh is not None:
             t = jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state))
             shardings = (jax.tree.structure(t), tuple(jax.tree.leaves(t)))
-        return (self.spec, self.gd, self.value_gd, self.optim, self._total_updates,
-                r.value_lr_ratio, r.logp_chunk, r.remat, s.temperature, s.max_new_tokens,
-                self.mesh, shardings)
+        # The schedule reads the number of updates only through its warm-up and decay.
+        total = self._total_updates
+        schedule = (min(self.optim.warmup_steps, total),
+                    None if self.optim.schedule == "constant" else total)
+        return (self.spec, self.gd, self.value_gd, self.optim, schedule, r.value_lr_ratio,
+                r.logp_chunk, r.remat, s.temperature, s.max_new_tokens, self.mesh, shardings)
 
     def _cached_learn(self, state: TrainState):
         """The jitted learning program: another trainer's when it computes the same thing
