@@ -9,6 +9,8 @@ Everything the command line does is one Python call here:
 - `RunDir` (config.json, metrics.jsonl, TensorBoard events, plots, summary),
   `read_metrics`, `format_summary`, `result_line`, `plot_metrics`;
 - `rljax.run.artifacts`: sample, evaluate and export a finished run;
+- `Preempted`: what `run_experiment` raises after a SIGTERM, once the step every process
+  stopped at is saved (`rljax.run.preemption`);
 - the procedural tasks' verifiers, composed from `rljax.data` and `rljax.rewards`
   (`rljax.run.tasks`): `check_arithmetic`, `ArithmeticReward`, `CountdownReward`.
 """
@@ -26,6 +28,7 @@ _HOME = {
     "RunDirError": "run_dir", "format_summary": "run_dir", "read_metrics": "run_dir",
     "result_line": "run_dir", "RunResult": "runner", "run_experiment": "runner",
     "ArithmeticReward": "tasks", "CountdownReward": "tasks", "check_arithmetic": "tasks",
+    "Preempted": "preemption",
 }
 
 
@@ -36,7 +39,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ArithmeticReward", "CountdownReward", "ExperimentConfig", "OverrideError",
+    "ArithmeticReward", "CountdownReward", "ExperimentConfig", "OverrideError", "Preempted",
     "RewardConfig", "RunConfig", "RunDir", "RunDirError", "RunResult", "TaskConfig",
     "apply_overrides", "check_arithmetic", "format_summary", "load_experiment",
     "load_run_config", "plot_metrics", "read_metrics", "result_line", "run_experiment",
