@@ -33,6 +33,9 @@ PAPER = {
     # Cui et al. 2025 (Clip-Cov / KL-Cov on a token-level GRPO without KL).
     "clip_cov": (0.2, 0.2, "token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 1),
     "kl_cov": (0.2, 0.2, "token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 1),
+    # On-policy distillation: the teacher's per-token reverse KL is the reward (no group
+    # baseline: one completion per prompt), token sum per sequence, no reference KL.
+    "distill": (0.2, 0.2, "seq-mean-token-sum", "population", "none", 0.0, "k3", False, 0, 1, 1, 1),
 }
 FIELDS = ("clip_low", "clip_high", "aggregation", "adv_std", "kl_in", "kl_coef", "kl_kind",
           "dynamic_sampling", "overlong_buffer", "group_size", "num_epochs", "num_minibatches")
@@ -105,6 +108,7 @@ def test_explicit_fields_are_validated_against_the_new_name():
     (AlgorithmConfig, dict(kl_cov_ratio=1.5), r"kl_cov_ratio=1.5"),
     (AlgorithmConfig, dict(clip_cov_low=6.0), r"clip_cov_low=6.0.*<= clip_cov_high=5.0"),
     (AlgorithmConfig, dict(kl_cov_coef=-1.0), r"kl_cov_coef=-1.0"),
+    (AlgorithmConfig, dict(name="distill", distill_discount=1.5), r"distill_discount=1.5.*\[0.0, 1.0\]"),
     (AlgorithmConfig, dict(entropy_coef=math.nan), r"entropy_coef=nan"),
     (AlgorithmConfig, dict(value_clip=0.0), r"value_clip=0.0"),
     (AlgorithmConfig, dict(gamma=1.5), r"gamma=1.5"),
@@ -165,6 +169,8 @@ def test_sampler_logprobs_with_filters_are_rejected(filt):
     # Both sides of the ratio from the full softmax: any filter works.
     for old in ("auto", "recompute"):
         check_algorithm_sampling(AlgorithmConfig(old_logp=old), sampling)
+    with pytest.raises(ValueError, match=r"name='distill' is invalid.*full softmax"):
+        check_algorithm_sampling(AlgorithmConfig(name="distill"), sampling)
     # No filter: the sampler's log-probs are the policy's.
     check_algorithm_sampling(AlgorithmConfig(old_logp="sampler", tis_cap=2.0), SamplingConfig())
 
@@ -192,11 +198,12 @@ def test_set_algorithm_name_resolves_to_that_preset_with_explicit_fields_on_top(
     from rljax.run.overrides import apply_overrides
 
     other = "ppo" if name != "ppo" else "grpo"
-    cfg = apply_overrides(_experiment(algorithm_preset(other)), [f"algorithm.name={name}"])
+    teacher = ["teacher=runs/teacher"] if name == "distill" else []  # distill needs one
+    cfg = apply_overrides(_experiment(algorithm_preset(other)), [f"algorithm.name={name}"] + teacher)
     assert _values(cfg.algorithm) == PAPER[name] == _values(cfg.resolved().algorithm)
     # Explicit in the experiment, and with --set, both stay on top of the new preset.
     cfg = apply_overrides(_experiment(algorithm_preset(other, entropy_coef=0.01)),
-                          [f"algorithm.name={name}", "algorithm.clip_high=0.5"])
+                          [f"algorithm.name={name}", "algorithm.clip_high=0.5"] + teacher)
     r = cfg.resolved().algorithm
     assert (r.name, r.clip_high, r.entropy_coef) == (name, 0.5, 0.01)
     assert (r.clip_low, r.aggregation, r.kl_in) == (PAPER[name][0], PAPER[name][2], PAPER[name][4])
@@ -224,3 +231,15 @@ def test_experiment_rejects_sampler_logprobs_with_filters():
     cfg = _experiment(algorithm_preset("grpo", old_logp="sampler"))
     with pytest.raises(OverrideError, match=r"old_logp='sampler' is invalid with SamplingConfig.top_k=20"):
         apply_overrides(cfg, ["sampling.top_k=20"])
+
+
+def test_distill_needs_a_teacher_and_only_distill_takes_one():
+    from rljax.run.overrides import OverrideError, apply_overrides
+
+    with pytest.raises(ValueError, match=r"teacher=None is invalid.*algorithm.name='distill'"):
+        _experiment(algorithm_preset("distill"))
+    with pytest.raises(OverrideError, match=r"teacher='t' is invalid.*else None.*'grpo'"):
+        apply_overrides(_experiment(algorithm_preset("grpo")), ["teacher=t"])
+    cfg = apply_overrides(_experiment(algorithm_preset("grpo")),
+                          ["algorithm.name=distill", "teacher=runs/t", "algorithm.distill_discount=1"])
+    assert (cfg.teacher, cfg.algorithm.distill_discount) == ("runs/t", 1.0)

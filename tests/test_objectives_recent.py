@@ -264,9 +264,11 @@ def test_cov_selection_picks_the_papers_tokens_on_a_hand_batch():
 
 # One conformance check for all of them (one compiled program, shared): every objective
 # in token-mean, each with the sampler-gap correction on, summed; metrics by name.
+# On-policy distillation (tests/test_distillation.py) rides along, discounted reward-to-go.
 _ALL = {"cispo": (ro.cispo, {}), "sapo": (ro.sapo, {}), "gmpo": (ro.gmpo, {}),
         "clip_cov": (ro.clip_cov, {}), "kl_cov": (ro.kl_cov, {}),
-        "grpo_seq_mis": (ro.grpo, dict(is_level="sequence", is_mode="mask"))}
+        "grpo_seq_mis": (ro.grpo, dict(is_level="sequence", is_mode="mask")),
+        "distill": (ro.distill, dict(discount=0.5))}
 
 
 def _all_objectives(batch, coef):
@@ -286,7 +288,11 @@ def test_check_objective_passes_for_every_new_objective():
     # check_objective compares sums to rtol 1e-6; with zero-mean random advantages a loss
     # like KL-Cov's sum(-r A) cancels to ~1/300 of its terms, below float32's resolution at
     # that tolerance. Advantages of mean 0.5 (still both signs) keep every sum well posed.
-    b = dataclasses.replace(b, cov_select_BxT=jnp.asarray(sel), adv_BxT=b.adv_BxT + 0.5)
+    rng = np.random.default_rng(1)
+    teacher = np.where(b.mask_BxT > 0, np.asarray(b.old_logp_BxT) + rng.normal(0, 0.5, sel.shape),
+                       rng.normal(0, 3.0, sel.shape))  # junk where masked, as default_batch
+    b = dataclasses.replace(b, cov_select_BxT=jnp.asarray(sel), adv_BxT=b.adv_BxT + 0.5,
+                            teacher_logp_BxT=jnp.asarray(teacher, jnp.float32))
     coef = ro.Coef(clip_low=0.5, clip_high=0.28, is_low=0.5, tis_cap=2.0)
     out = check_objective(_all_objectives, coef, batch=b)
     assert np.isfinite(out["loss"])

@@ -39,8 +39,8 @@ __all__ = [
     "rope_inv_freq",
 ]
 
-_TOKENIZER_NAMES = ("apply_chat_template", "build_char_tokenizer", "check_vocab",
-                    "encode_prompts", "load_tokenizer")
+_TOKENIZER_NAMES = ("apply_chat_template", "build_char_tokenizer", "check_same_tokenizer",
+                    "check_vocab", "encode_prompts", "load_tokenizer")
 __all__ += list(_TOKENIZER_NAMES)
 
 

@@ -115,3 +115,27 @@ def check_vocab(tokenizer: PreTrainedTokenizerBase, config: ModelConfig) -> None
             f"tokenizer has {n} tokens but the model's vocab_size is {config.vocab_size}; "
             f"the model needs vocab_size >= {n}"
         )
+
+
+def check_same_tokenizer(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase,
+                         where: str = "teacher") -> None:
+    """Raise unless ``teacher`` maps text to the same ids as ``student``: the same
+    vocabulary (token -> id) and the same pad / bos / eos / unk ids.
+
+    On-policy distillation scores the student's sampled token ids with the teacher, so an
+    id must mean the same token to both (Agarwal et al. 2024 and Thinking Machines 2025
+    distil within one tokenizer family). ``where`` names the teacher in the error.
+    """
+    sv, tv = student.get_vocab(), teacher.get_vocab()
+    if sv != tv:
+        diff = sorted(set(sv.items()) ^ set(tv.items()), key=lambda kv: (kv[1], kv[0]))
+        example = ", ".join(f"{tok!r}->{i}" for tok, i in diff[:4])
+        raise ValueError(
+            f"{where}: its tokenizer differs from the student's ({len(tv)} vs {len(sv)} "
+            f"tokens; {len(diff)} (token, id) pairs not shared, e.g. {example}). On-policy "
+            "distillation needs a teacher with the student's tokenizer (same token -> id map)")
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id"):
+        s, t = getattr(student, name, None), getattr(teacher, name, None)
+        if s != t:
+            raise ValueError(f"{where}: {name} is {t} but the student's is {s}; on-policy "
+                             "distillation needs the student's tokenizer, special tokens included")

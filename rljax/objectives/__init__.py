@@ -5,7 +5,8 @@ The objective contract (DESIGN.md): `objective(batch: ObjectiveBatch, coef: Coef
 bound with `functools.partial`. Building blocks: advantages, KL estimators, surrogates,
 value loss, aggregation, the sampler-gap correction, truncation masking, Clip-Cov /
 KL-Cov selection. Objectives: reinforce, grpo, gspo, ppo (`library`); cispo, sapo, gmpo,
-clip_cov, kl_cov (`recent`). `rljax.testing.check_objective` checks any objective.
+clip_cov, kl_cov (`recent`); distill, on-policy distillation from a teacher's
+log-probs (`distill`). `rljax.testing.check_objective` checks any objective.
 """
 
 from rljax.objectives.advantages import (
@@ -22,6 +23,7 @@ from rljax.objectives.aggregation import AGGREGATIONS, aggregate, masked_mean_pa
 from rljax.objectives.batch import DIFFERENTIABLE_FIELDS, Coef, ObjectiveBatch
 from rljax.objectives.correction import (IS_LEVELS, IS_MODES, mask_truncated_completions,
                                          sampler_correction)
+from rljax.objectives.distill import distill, distill_advantages
 from rljax.objectives.entropy_control import COV_RULES, cov_selection, token_covariance
 from rljax.objectives.kl import KL_KINDS, kl_estimate, kl_penalized_rewards
 from rljax.objectives.library import grpo, gspo, ppo, reinforce
@@ -56,6 +58,8 @@ __all__ = [
     "clip_indicators",
     "clipped_value_loss",
     "cov_selection",
+    "distill",
+    "distill_advantages",
     "explained_variance",
     "explained_variance_from_sums",
     "final_token_rewards",

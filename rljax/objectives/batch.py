@@ -28,6 +28,7 @@ _OPTIONAL = (
     "returns_BxT",
     "entropy_BxT",
     "cov_select_BxT",
+    "teacher_logp_BxT",
 )
 #: Fields an objective may differentiate (the others are data from the rollout).
 DIFFERENTIABLE_FIELDS = ("logp_BxT", "values_BxT", "entropy_BxT")
@@ -54,6 +55,8 @@ class ObjectiveBatch:
       entropy_BxT: per-token entropy of pi_theta, for an entropy bonus or metric.
       cov_select_BxT: 0/1 tokens chosen by Clip-Cov / KL-Cov (`cov_selection`, computed
         by the trainer over the whole minibatch before the objective; no gradient).
+      teacher_logp_BxT: a teacher model's log-probs of the taken tokens, for on-policy
+        distillation (`rljax.objectives.distill`; no gradient).
     """
 
     logp_BxT: Array
@@ -67,6 +70,7 @@ class ObjectiveBatch:
     returns_BxT: Array | None = None
     entropy_BxT: Array | None = None
     cov_select_BxT: Array | None = None
+    teacher_logp_BxT: Array | None = None
 
     def validate(self) -> tuple[int, int]:
         """Check every present field is `[B, T]` like `logp_BxT`; return (B, T).

@@ -9,6 +9,8 @@ Everything the command line does is one Python call here:
 - `RunDir` (config.json, metrics.jsonl, TensorBoard events, plots, summary),
   `read_metrics`, `format_summary`, `result_line`, `plot_metrics`;
 - `rljax.run.artifacts`: sample, evaluate and export a finished run;
+- `load_teacher(path, tokenizer, mesh)`: on-policy distillation's teacher from a run
+  directory or Hugging Face folder, checked to share the student's tokenizer;
 - `Preempted`: what `run_experiment` raises after a SIGTERM, once the step every process
   stopped at is saved (`rljax.run.preemption`);
 - the procedural tasks' verifiers, composed from `rljax.data` and `rljax.rewards`
@@ -28,7 +30,7 @@ _HOME = {
     "RunDirError": "run_dir", "format_summary": "run_dir", "read_metrics": "run_dir",
     "result_line": "run_dir", "RunResult": "runner", "run_experiment": "runner",
     "ArithmeticReward": "tasks", "CountdownReward": "tasks", "check_arithmetic": "tasks",
-    "Preempted": "preemption",
+    "Preempted": "preemption", "load_teacher": "teacher",
 }
 
 
@@ -42,5 +44,5 @@ __all__ = [
     "ArithmeticReward", "CountdownReward", "ExperimentConfig", "OverrideError", "Preempted",
     "RewardConfig", "RunConfig", "RunDir", "RunDirError", "RunResult", "TaskConfig",
     "apply_overrides", "check_arithmetic", "format_summary", "load_experiment",
-    "load_run_config", "plot_metrics", "read_metrics", "result_line", "run_experiment",
+    "load_run_config", "load_teacher", "plot_metrics", "read_metrics", "result_line", "run_experiment",
 ]

@@ -252,6 +252,9 @@ class ExperimentConfig:
         parameters stay float32). A random-init model uses `model.compute_dtype`.
       tokenizer: a tokenizer folder, or "char" for `rljax.models`' character tokenizer
         (None: the one in `hf_path`).
+      teacher: on-policy distillation's teacher (`algorithm.name="distill"` needs it, the
+        others refuse it): a run directory (its latest checkpoint's policy) or a Hugging
+        Face folder, sharing the student's tokenizer (`rljax.run.teacher.load_teacher`).
       task, reward, algorithm, optim, sampling, rl: see their classes.
       sft: an optional supervised warm-up before RL (None = none).
       mesh: device mesh sizes (`rljax.sharding.MeshConfig`).
@@ -264,6 +267,7 @@ class ExperimentConfig:
     hf_path: str | None = None
     compute_dtype: str = "float32"
     tokenizer: str | None = "char"
+    teacher: str | None = None
     task: TaskConfig = TaskConfig()
     reward: RewardConfig = RewardConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
@@ -295,6 +299,11 @@ class ExperimentConfig:
         if self.sft is not None and not isinstance(self.sft, SFTConfig):
             _fail(c, "sft", self.sft, "a SFTConfig or None")
         check_algorithm_sampling(self.algorithm, self.sampling)
+        _check_str(c, "teacher", self.teacher, optional=True)
+        if (self.algorithm.name == "distill") != (self.teacher is not None):
+            _fail(c, "teacher", self.teacher, "a run directory or Hugging Face folder when "
+                  f"algorithm.name='distill', else None (algorithm.name="
+                  f"{self.algorithm.name!r})")
         _check_bool(c, "smoke", self.smoke)
 
     def resolved(self) -> ExperimentConfig:

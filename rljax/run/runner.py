@@ -1,7 +1,8 @@
 """`run_experiment(cfg)`: one whole run from an `ExperimentConfig` — the call behind
 `rljax train`.
 
-Order: run directory (refusal rules) -> tokenizer, mesh, policy -> optional SFT warm-up ->
+Order: run directory (refusal rules) -> tokenizer, mesh, policy (and on-policy
+distillation's teacher, `rljax.run.teacher`) -> optional SFT warm-up ->
 PPO value model (its backbone copied from the warmed-up policy) -> held-out evaluation ->
 RL steps (metrics, progress line,
 checkpoints every `run.save_every` steps) -> held-out evaluation -> final checkpoint,
@@ -38,6 +39,7 @@ from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.preemption import Preempted, StopSignal
 from rljax.run.run_dir import Progress, RunDir, format_summary, is_local
+from rljax.run.teacher import load_teacher
 from rljax.sharding import shard_params
 from rljax.train.batching import encode_pairs
 from rljax.train.checkpoint import Checkpointer
@@ -185,10 +187,12 @@ def _train(cfg, rd, ck, stop, out):
     value_gd, value_params = _value_model(cfg, model, mesh)
     task = builders.build_task(cfg, tokenizer)
     reward_fns, accuracy_fn = builders.build_reward(cfg)
+    teacher = None if cfg.teacher is None else load_teacher(cfg.teacher, tokenizer, mesh,
+                                                            dtype=cfg.compute_dtype)
     trainer = RLTrainer(graphdef, tokenizer, reward_fns, algorithm=cfg.algorithm,
                         optim=cfg.optim, sampling=cfg.sampling, rl=cfg.rl,
                         prompt_len=cfg.task.max_prompt_tokens, value_graphdef=value_gd,
-                        accuracy_fn=accuracy_fn, mesh=mesh)
+                        accuracy_fn=accuracy_fn, mesh=mesh, teacher=teacher)
     state, acc_before = _start(cfg, rd, ck, trainer, graphdef, params, value_params,
                                task, tokenizer, mesh, out)
     state = _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, stop)

@@ -16,6 +16,7 @@ advantage estimator and reward shaping. Each takes an ``AlgorithmConfig`` resolv
 | gmpo      | gmpo (geometric mean ratio)  | group_advantages                       | none          |
 | clip_cov  | clip_cov (+ Clip-Cov tokens) | group_advantages                       | none          |
 | kl_cov    | kl_cov (+ KL-Cov tokens)     | group_advantages                       | none          |
+| distill   | distill (clipped ratio)      | teacher's reverse KL per token (k1)    | none          |
 
 Every objective takes the sampler-gap correction (``is_level`` / ``is_mode`` /
 ``is_low`` / ``tis_cap``); ``mask_truncated`` and the Clip-Cov / KL-Cov selection are
@@ -65,9 +66,12 @@ def make_objective(cfg: AlgorithmConfig, max_new_tokens: int) -> Callable:
     norm = float(max_new_tokens) if cfg.aggregation == "seq-mean-token-sum-norm" else None
     base = {"reinforce": obj.reinforce, "rloo": obj.reinforce, "gspo": obj.gspo,
             "ppo": obj.ppo, "cispo": obj.cispo, "sapo": obj.sapo, "gmpo": obj.gmpo,
-            "clip_cov": obj.clip_cov, "kl_cov": obj.kl_cov}.get(cfg.name, obj.grpo)
+            "clip_cov": obj.clip_cov, "kl_cov": obj.kl_cov,
+            "distill": obj.distill}.get(cfg.name, obj.grpo)
+    extra = {"discount": cfg.distill_discount} if cfg.name == "distill" else {}
     return functools.partial(base, aggregation=cfg.aggregation, kl_kind=kl_kind,
-                             norm_const=norm, is_level=cfg.is_level, is_mode=cfg.is_mode)
+                             norm_const=norm, is_level=cfg.is_level, is_mode=cfg.is_mode,
+                             **extra)
 
 
 #: The entropy-control rule of each algorithm name that selects tokens by covariance.

@@ -84,6 +84,7 @@ def check_algorithm_extras(cfg) -> None:
     if cfg.clip_cov_low > cfg.clip_cov_high:
         fail(c, "clip_cov_low", cfg.clip_cov_low, f"<= clip_cov_high={cfg.clip_cov_high}")
     check_num(c, "kl_cov_coef", cfg.kl_cov_coef, lo=0.0)
+    check_num(c, "distill_discount", cfg.distill_discount, lo=0.0, hi=1.0)
 
 
 def corrects_sampler(cfg) -> bool:
@@ -104,8 +105,9 @@ def check_algorithm_sampling(algorithm, sampling) -> None:
     - ``tis_cap`` would weight each token by pi / pi_filtered = the kept mass, a shrinking
       of the gradient rather than a correction of the sampler/trainer numerical gap.
 
-    Both are rejected; ``old_logp="auto"`` / ``"recompute"`` (full softmax on both sides)
-    work with any filter. Also checks the overlong window against ``max_new_tokens``.
+    Both are rejected, and so is on-policy distillation (its reverse-KL estimate needs
+    samples of the student's full softmax); ``old_logp="auto"`` / ``"recompute"`` (full
+    softmax on both sides) work with any filter. Also checks the overlong window against ``max_new_tokens``.
 
     Raises:
       ValueError: naming the fields, their values and what is allowed.
@@ -120,6 +122,11 @@ def check_algorithm_sampling(algorithm, sampling) -> None:
                 f"AlgorithmConfig.old_logp='sampler' is invalid {why}: at theta = theta_old "
                 "the ratio would equal the kept probability mass, not 1. Allowed: "
                 "old_logp='auto' or 'recompute', or top_k=0 and top_p=1.0")
+        if a.name == "distill":
+            raise ValueError(
+                f"AlgorithmConfig.name='distill' is invalid {why}: the reverse KL to the "
+                "teacher is estimated on samples of the student's full softmax. Allowed: "
+                "top_k=0 and top_p=1.0")
         if corrects_sampler(a):
             raise ValueError(
                 f"AlgorithmConfig.tis_cap={a.tis_cap}, is_low={a.is_low} is invalid {why}: "

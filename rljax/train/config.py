@@ -20,7 +20,7 @@ from rljax.train.checks import (check_algorithm_extras, check_bool, check_choice
 from rljax.train.presets import BASE, PRESET_FIELDS, PRESETS
 
 ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce", "ppo", "cispo", "sapo",
-              "gmpo", "clip_cov", "kl_cov")
+              "gmpo", "clip_cov", "kl_cov", "distill")
 SCHEDULES = ("constant", "cosine", "linear")
 KL_KINDS = ("k1", "k2", "k3")
 KL_IN = ("loss", "reward", "none")
@@ -118,6 +118,8 @@ class AlgorithmConfig:
       clip_cov_ratio, clip_cov_low, clip_cov_high: Clip-Cov's fraction of tokens and
         covariance band (name="clip_cov"); kl_cov_ratio, kl_cov_coef: KL-Cov's fraction
         and penalty weight (name="kl_cov"); see ``rljax.objectives.cov_selection``.
+      distill_discount: name="distill" (the trainer needs a teacher): gamma of the
+        reverse-KL reward-to-go, 0 per-token (Thinking Machines 2025) ... 1 whole sequence.
       entropy_coef: entropy bonus weight (negative = entropy penalty).
       value_coef, value_clip: PPO value-loss weight and clip range (inf = no clip).
       gamma, lam: GAE discount and lambda (PPO).
@@ -162,6 +164,7 @@ class AlgorithmConfig:
     clip_cov_high: float = 5.0
     kl_cov_ratio: float = 2e-3
     kl_cov_coef: float = 1.0
+    distill_discount: float = 0.0
     entropy_coef: float = 0.0
     value_coef: float = 0.5
     value_clip: float = 0.2

@@ -3,7 +3,7 @@
 Everything between the rewards and the metrics runs in one compiled program over the
 global batch (every process calls it with the same shapes):
 
-1. reference / old-policy / value forwards (micro-batched, chunked log-probs);
+1. reference / old-policy / value / teacher forwards (micro-batched, chunked log-probs);
 2. advantages: group-normalised, RLOO, REINFORCE, or PPO's GAE on KL-penalised token
    rewards (whitened), all as pure functions of arrays (``rljax.objectives``);
 3. ``num_epochs x num_minibatches`` optimiser updates as a ``lax.scan`` over an in-graph
@@ -18,6 +18,10 @@ change no loss, gradient or denominator in any aggregation mode; with
 ``mask_truncated`` so do truncated completions, after the advantages (they still count
 in their group's baseline). Clip-Cov / KL-Cov select their tokens once per minibatch,
 from the current policy's log-probs over the whole minibatch, before the objective.
+On-policy distillation's teacher (``make_learn(teacher_gd=...)``, its parameters an
+argument of the program like the reference's) scores the batch here too, at the
+sampling temperature; its advantages come from the teacher in the objective
+(``rljax.objectives.distill``), so the task-reward advantages are zeros.
 """
 
 from __future__ import annotations
@@ -72,8 +76,10 @@ def _map_micro(fn: Callable, seqs: dict, num_micro: int) -> Array:
     return out_MxNx.swapaxes(0, 1).reshape(b, *out_MxNx.shape[2:])
 
 
-def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollout, kl_coef):
-    """Reference / old / value forwards and advantages -> ``(batch, extra metrics)``."""
+def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollout, kl_coef,
+             teacher: tuple | None = None):
+    """Reference / old / value / teacher forwards and advantages -> ``(batch, extra
+    metrics)``; ``teacher`` is ``(graphdef, params)`` or None."""
     a = spec.alg
     seqs = ro.seqs()
     mask_BxT = seqs["completion_mask_BxT"]
@@ -84,6 +90,11 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
     extra: dict = {}
     if spec.uses_ref:
         batch["ref_logp_BxT"] = fwd(ref_params)
+    if teacher is not None:
+        t_logp = functools.partial(policy_logprobs, teacher[0], chunk=spec.chunk,
+                                   temperature=spec.temperature)
+        batch["teacher_logp_BxT"] = _map_micro(lambda s: t_logp(teacher[1], s)[0], seqs,
+                                               spec.num_micro)
     if spec.old_mode == "recompute" or (a.name == "ppo" and spec.old_mode == "self"):
         batch["old_logp_BxT"] = fwd(params["policy"])
     elif spec.old_mode == "sampler":
@@ -103,6 +114,8 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
         batch.update(adv_BxT=adv, returns_BxT=ret, old_values_BxT=values_BxT)
         # How much of the returns' variance the value model predicted (before updates).
         extra["value_explained_var"] = obj.explained_variance(values_BxT, ret, mask_BxT)
+    elif a.name == "distill":  # the teacher's per-token advantages, in the objective
+        batch["adv_BxT"] = jnp.zeros_like(mask_BxT, jnp.float32)
     else:
         batch["adv_BxT"] = obj.broadcast_to_tokens(alg.sequence_advantages(a, rewards_B), mask_BxT)
     if a.kl_in == "reward" and spec.uses_ref:
@@ -175,19 +188,27 @@ def _updates(spec: LearnSpec, update, params, opt_state, counters, batch, coef, 
 
 
 def make_learn(spec: LearnSpec, loss_fn, txs: dict, schedules: dict, policy_gd, value_gd,
-               constrain: Callable | None = None):
+               constrain: Callable | None = None, teacher_gd=None):
     """The pure learning program ``learn(params, opt_state, counters, ref_params, ro,
-    kl_coef, key) -> (params, opt_state, counters, kl_coef, metrics)``.
+    kl_coef, key, teacher_params=None) -> (params, opt_state, counters, kl_coef, metrics)``.
 
     ``ro`` is a :class:`~rljax.train.rollout.Rollout` with rewards; ``metrics`` is a dict
     of float32 scalars (update means, the first update's sampler gap, rollout statistics).
+    With ``teacher_gd`` (on-policy distillation) ``teacher_params`` is the teacher's
+    frozen state, global arrays like ``ref_params``.
     """
     update = make_update(loss_fn, txs, schedules, spec.num_micro, constrain)
     select = _cov_selector(spec, policy_gd)
 
-    def learn(params, opt_state, counters, ref_params, ro: Rollout, kl_coef, key):
+    def learn(params, opt_state, counters, ref_params, ro: Rollout, kl_coef, key,
+              teacher_params=None):
+        if (teacher_gd is None) != (teacher_params is None):
+            raise ValueError("learn: teacher_params must be given exactly when the program "
+                             "was made with a teacher_gd (on-policy distillation)")
         ro = ro.masked_by_weight()
-        batch, extra = _prepare(spec, policy_gd, value_gd, params, ref_params, ro, kl_coef)
+        teacher = None if teacher_gd is None else (teacher_gd, teacher_params)
+        batch, extra = _prepare(spec, policy_gd, value_gd, params, ref_params, ro, kl_coef,
+                                teacher)
         if spec.alg.mask_truncated:
             batch["completion_mask_BxT"] = obj.mask_truncated_completions(
                 batch["completion_mask_BxT"], ro.truncated_B)

@@ -59,4 +59,9 @@ PRESETS: dict[str, dict] = {
     # their ratios and bands are AlgorithmConfig.clip_cov_* / kl_cov_* (paper values).
     "clip_cov": dict(kl_coef=0.0, kl_in="none", aggregation="token-mean"),
     "kl_cov": dict(kl_coef=0.0, kl_in="none", aggregation="token-mean"),
+    # On-policy distillation (Agarwal et al. 2024; Lu / Thinking Machines 2025): the
+    # teacher's per-token reverse KL is the reward, so no group baseline is needed (one
+    # completion per prompt, rljax's choice); a token sum per sequence makes the expected
+    # gradient that of the reverse KL (rljax.objectives.distill); no KL to a reference.
+    "distill": dict(group_size=1, kl_coef=0.0, kl_in="none", aggregation="seq-mean-token-sum"),
 }

@@ -60,7 +60,7 @@ def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, te
         sampler_logp_BxT=mb["sampler_logp_BxT"] if use_sampler else None,
         values_BxT=values, old_values_BxT=mb.get("old_values_BxT"),
         returns_BxT=mb.get("returns_BxT"), entropy_BxT=ent if entropy_grad else sg(ent),
-        cov_select_BxT=mb.get("cov_select_BxT"),
+        cov_select_BxT=mb.get("cov_select_BxT"), teacher_logp_BxT=mb.get("teacher_logp_BxT"),
     )
     loss_sum, count, metrics = objective(batch, coef)
     n = jnp.sum(m)
@@ -150,12 +150,17 @@ class RLTrainer:
       reward_pool, reward_timeout_s: a ``rljax.rewards.RewardPool`` and the per-item time
         limit of item rewards (a call past it scores 0 and is logged).
       prompt_multiple: prompts are padded to a multiple of this (the compiled buckets).
+      teacher: ``(graphdef, params)`` of a frozen teacher decoder that shares the
+        tokenizer (``algorithm.name="distill"`` only, and required there; see
+        ``rljax.run.teacher.load_teacher``): its log-probs are computed inside the
+        learning program; the trainer keeps it, it is not part of the ``TrainState``.
     """
 
     def __init__(self, policy_graphdef, tokenizer, reward_fns, *, algorithm: AlgorithmConfig,
                  optim: OptimConfig, sampling: SamplingConfig, rl: RLConfig, prompt_len: int,
                  value_graphdef=None, accuracy_fn=None, mesh=None, reward_pool=None,
-                 reward_timeout_s: float | None = None, prompt_multiple: int = 16):
+                 reward_timeout_s: float | None = None, prompt_multiple: int = 16,
+                 teacher: tuple | None = None):
         for name, val, cls in (("algorithm", algorithm, AlgorithmConfig),
                                ("optim", optim, OptimConfig),
                                ("sampling", sampling, SamplingConfig), ("rl", rl, RLConfig)):
@@ -167,6 +172,10 @@ class RLTrainer:
         if (algorithm.name == "ppo") != (value_graphdef is not None):
             raise ValueError("RLTrainer: value_graphdef is required for algorithm 'ppo' "
                              f"and not allowed otherwise (algorithm={algorithm.name!r})")
+        if (algorithm.name == "distill") != (teacher is not None):
+            raise ValueError("RLTrainer: teacher=(graphdef, params) is required for algorithm "
+                             f"'distill' and not allowed otherwise (algorithm={algorithm.name!r})")
+        self.teacher_gd, self.teacher_params = teacher if teacher is not None else (None, None)
         self.gd, self.value_gd, self.mesh = policy_graphdef, value_graphdef, mesh
         self.alg, self.optim, self.sampling, self.rl = algorithm, optim, sampling, rl
         self.batch_size = rl.prompts_per_step * algorithm.group_size
@@ -219,7 +228,7 @@ class RLTrainer:
             entropy_grad=a.entropy_coef != 0.0,
         )
         learn = make_learn(self.spec, loss, self.txs, {k: v[1] for k, v in optims.items()},
-                           self.gd, self.value_gd, batch_constrainer(self.mesh))
+                           self.gd, self.value_gd, batch_constrainer(self.mesh), self.teacher_gd)
         self._learn_fn = learn
         self._learn = None  # jitted with the state's shardings at the first step
 
@@ -234,7 +243,8 @@ class RLTrainer:
         total = self._total_updates
         schedule = (min(self.optim.warmup_steps, total),
                     None if self.optim.schedule == "constant" else total)
-        return (self.spec, self.gd, self.value_gd, self.optim, schedule, r.value_lr_ratio,
+        return (self.spec, self.gd, self.value_gd, self.teacher_gd, self.optim, schedule,
+                r.value_lr_ratio,
                 r.logp_chunk, r.remat, s.temperature, s.max_new_tokens, self.mesh, shardings)
 
     def _cached_learn(self, state: TrainState):
@@ -248,10 +258,11 @@ class RLTrainer:
         return _PROGRAMS[key]
 
     def _jit_learn(self, state: TrainState):
-        def program(params, opt_state, scalars, ref_params, ro, key):
+        def program(params, opt_state, scalars, ref_params, ro, key, teacher_params):
             counters = (scalars["updates"], scalars["nonfinite_run"], scalars["skipped"])
             params, opt_state, c, kl, m = self._learn_fn(params, opt_state, counters, ref_params,
-                                                         ro, scalars["kl_coef"], key)
+                                                         ro, scalars["kl_coef"], key,
+                                                         teacher_params)
             m.update(skipped_total=c[2].astype(jnp.float32),
                      nonfinite_run=c[1].astype(jnp.float32))
             out = dict(updates=c[0], nonfinite_run=c[1], skipped=c[2], kl_coef=kl,
@@ -293,7 +304,8 @@ class RLTrainer:
         scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
                        skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
         params, opt_state, out, m = ph.timed("learn", self._learn, state.params, state.opt_state,
-                                             scalars, state.ref_params, ro, k_learn)
+                                             scalars, state.ref_params, ro, k_learn,
+                                             self.teacher_params)
         state = dataclasses.replace(
             state, params=params, opt_state=opt_state, key=key,
             data_pos=hosts.put_replicated(pos, self.mesh, np.int32), **out)
@@ -342,6 +354,8 @@ class RLTrainer:
         n = self.rollouts.num_params
         fwd = self.uses_ref + (self.old_mode == "recompute") + (self.value_gd is not None)
         flops = 2 * n * gen + 2 * n * seq * fwd + 6 * n * seq * self.alg.num_epochs
+        if self.teacher_params is not None:
+            flops += 2 * seq * sum(x.size for x in jax.tree.leaves(self.teacher_params))
         total_s = sum(ph.times.values())
         m["model_flops_s"] = flops / total_s if total_s > 0 else 0.0
         if self.rl.peak_flops > 0:

@@ -1,0 +1,71 @@
+"""On-policy distillation's teacher: a frozen decoder read from a run directory or a
+Hugging Face folder, checked to share the student's tokenizer, its weights sharded over
+the run's mesh (global arrays on every process, like the policy's).
+
+`load_teacher(path, tokenizer, mesh)` returns `(graphdef, params)` for
+`rljax.train.rl.RLTrainer(teacher=...)`; the trainer computes the teacher's log-probs
+inside its learning program (`rljax.train.learn`), so no host ever fetches them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+from flax import nnx
+
+from rljax.models import Decoder, from_pretrained
+from rljax.models.hf_config import config_from_hf
+from rljax.models.tokenizer import check_same_tokenizer, check_vocab, load_tokenizer
+from rljax.run.artifacts import _as_path, _restore_policy, _run_tokenizer, is_run_dir
+
+__all__ = ["load_teacher"]
+
+
+def _from_run(path, mesh):
+    """`(graphdef, params, tokenizer, model config)` of a run directory's latest policy."""
+    run_dir = _as_path(path)
+    cfg, config, policy, _ = _restore_policy(run_dir, None, mesh)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, policy)
+    return graphdef, state, _run_tokenizer(run_dir, cfg), config
+
+
+def load_teacher(path: str | os.PathLike, tokenizer, mesh=None, *,
+                 dtype: str = "float32") -> tuple:
+    """The teacher at `path` as `(graphdef, params)`, sharded over `mesh` (None: one device).
+
+    Args:
+      path: an rljax run directory (local or gs://; the policy of its latest checkpoint,
+        with the run's tokenizer) or a local Hugging Face model folder (config.json,
+        safetensors and tokenizer files).
+      tokenizer: the student's tokenizer; the teacher's must map text to the same ids
+        (`rljax.models.tokenizer.check_same_tokenizer`).
+      mesh: the run's device mesh.
+      dtype: matmul dtype of a Hugging Face teacher ("float32" | "bfloat16"; a run
+        directory's teacher keeps its run's model config).
+
+    Raises:
+      FileNotFoundError: `path` is neither a run directory nor a model folder.
+      ValueError: the tokenizers differ, or the teacher's vocabulary cannot hold the
+        student's token ids (each error names the teacher's path).
+    """
+    where = f"teacher {os.fspath(path)!r}"
+    if is_run_dir(path):
+        graphdef, params, teacher_tok, config = _from_run(path, mesh)
+    elif (pathlib.Path(path) / "config.json").is_file():
+        teacher_tok = load_tokenizer(path)
+        config = config_from_hf(json.loads((pathlib.Path(path) / "config.json").read_text()))
+        check_same_tokenizer(tokenizer, teacher_tok, where)  # before reading the weights
+        graphdef, params = nnx.split(from_pretrained(path, dtype=dtype, mesh=mesh))
+    else:
+        raise FileNotFoundError(f"{where} is neither an rljax run directory (config.json with "
+                                "a config_hash, checkpoints/) nor a Hugging Face model folder "
+                                "(config.json, safetensors)")
+    check_same_tokenizer(tokenizer, teacher_tok, where)
+    try:
+        check_vocab(tokenizer, config)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return graphdef, params
