@@ -218,7 +218,8 @@ def write_pretrained(config: ModelConfig, get_tensor, path: str | os.PathLike | 
     if dtype not in _WRITE_DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed: {sorted(_WRITE_DTYPES)}")
     np_dtype = _WRITE_DTYPES[dtype]
-    specs = [(name, hf_shape, np_dtype, lambda s=spath, f=to_hf: f(np.asarray(get_tensor(s))))
+    specs = [(name, hf_shape, np_dtype,
+              lambda s=spath, f=to_hf, n=name: _finite_in(f(np.asarray(get_tensor(s))), n, dtype))
              for name, spath, hf_shape, (_, to_hf) in weight_map(config)]
     groups = _shard_groups(specs, max_shard_bytes)
     if path is None:
@@ -240,6 +241,23 @@ def write_pretrained(config: ModelConfig, get_tensor, path: str | os.PathLike | 
         total = sum(_nbytes(spec) for spec in specs)
         with open(tmp / "model.safetensors.index.json", "w") as fh:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_names}, fh, indent=2)
+
+
+def _finite_in(x: np.ndarray, name: str, dtype: str) -> np.ndarray:
+    """`x` unchanged when every value is finite and stays finite in `dtype`; otherwise a
+    ValueError naming the tensor (a NaN or an overflow to inf would be written silently:
+    float32 values above bfloat16's largest finite, ~3.39e38, round to inf)."""
+    bad = int(np.size(x) - np.count_nonzero(np.isfinite(x)))
+    if bad:
+        raise ValueError(f"tensor {name!r} holds {bad} non-finite values (NaN or inf); "
+                         "refusing to write it: export an earlier checkpoint (--step)")
+    if dtype != "float32":
+        over = int(np.size(x) - np.count_nonzero(np.isfinite(x.astype(_WRITE_DTYPES[dtype]))))
+        if over:
+            raise ValueError(f"tensor {name!r}: {over} values (largest magnitude "
+                             f"{float(np.max(np.abs(x))):.4g}) overflow {dtype} to inf; "
+                             "export it as float32")
+    return x
 
 
 def _nbytes(spec) -> int:
