@@ -13,6 +13,9 @@ import json
 import os
 import pathlib
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from rljax.models import Decoder, from_pretrained
@@ -27,6 +30,11 @@ def _from_run(path, mesh):
     """`(graphdef, params, tokenizer, model config)` of a run directory's latest policy."""
     run_dir = _as_path(path)
     cfg, config, policy, _ = _restore_policy(run_dir, None, mesh)
+    if mesh is None:
+        # One device, one process: orbax restores onto device 0 *committed*, which would
+        # commit the learning program's outputs and recompile the next step's sampler and
+        # learning programs; uncommitted like the policy's weights, nothing recompiles.
+        policy = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), policy)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
     nnx.replace_by_pure_dict(state, policy)
     return graphdef, state, _run_tokenizer(run_dir, cfg), config
