@@ -59,17 +59,21 @@ def load_jsonl(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
                ) -> list[dict[str, Any]]:
     """Records of a JSONL file (blank lines skipped), mapped and optionally transformed.
 
-    Raises ValueError naming `path:line` for a line that is not valid JSON, is not an
-    object, or lacks a mapped field; FileNotFoundError if the file is missing.
+    Raises ValueError naming `path:line` for a line that is not UTF-8 or not valid JSON,
+    is not an object, or lacks a mapped field; FileNotFoundError if the file is missing.
     """
     mapping = _validate_mapping(mapping)
     path = os.fspath(path)
     out = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with open(path, "rb") as fh:
+        for lineno, raw_line in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as e:  # name the line, not only the byte offset
+                raise ValueError(f"{where}: not UTF-8 (byte {e.start}: {e.reason})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 raw = json.loads(line)
             except json.JSONDecodeError as e:
@@ -84,14 +88,21 @@ def load_parquet(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
                  transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None
                  ) -> list[dict[str, Any]]:
     """Records of a Parquet file (needs `pyarrow`), mapped like `load_jsonl`; a missing
-    mapped column raises ValueError naming the file, the column and the columns present."""
+    mapped column raises ValueError naming the file, the column and the columns present,
+    and so does a file pyarrow cannot read (truncated, not Parquet)."""
     try:
         import pyarrow.parquet as pq
     except ImportError as e:  # optional dependency
         raise ImportError("load_parquet needs pyarrow: pip install pyarrow") from e
     mapping = _validate_mapping(mapping)
     path = os.fspath(path)
-    table = pq.read_table(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no Parquet file at {path}")
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid / ArrowIOError: name the file
+        raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: "
+                         f"{str(e)[:300]})") from None
     if mapping is not None:
         top = {src.split(".")[0] for src in mapping.values()}
         missing = sorted(top - set(table.column_names))

@@ -199,7 +199,8 @@ class RunConfig:
 
     Attributes:
       dir: the run directory (config, metrics, TensorBoard, checkpoints, plots).
-      seed: the run's seed (model init, data order, sampling).
+      seed: the run's seed in [0, 2**32) (model init, data order, sampling; JAX keys keep
+        32 bits of it, so a larger one would repeat a smaller run).
       save_every: checkpoint every N steps (0 = only at the end).
       keep: checkpoints kept.
       resume: continue the run in `dir` from its latest checkpoint.
@@ -225,6 +226,8 @@ class RunConfig:
         c = "RunConfig"
         _check_str(c, "dir", self.dir)
         _check_int(c, "seed", self.seed, 0)
+        if self.seed >= 2**32:  # jax.random.key keeps 32 bits: 2**32 would repeat seed 0
+            _fail(c, "seed", self.seed, "an int in [0, 2**32 - 1]")
         _check_int(c, "save_every", self.save_every, 0)
         _check_int(c, "keep", self.keep, 1)
         _check_int(c, "log_every", self.log_every, 1)
