@@ -179,15 +179,22 @@ def differences(got: dict[int, dict], want: dict[int, dict]) -> list[str]:
 
 
 def checkpoint_differences(a: pathlib.Path, b: pathlib.Path, step: int) -> list[str]:
-    """Arrays of checkpoint `step` that are not bit-identical between run dirs a and b."""
+    """Arrays of checkpoint `step` that are not bit-identical between run dirs a and b,
+    each read onto this process's first device (whatever topology wrote it)."""
     import jax
+    import orbax.checkpoint as ocp
 
     from rljax.train.checkpoint import Checkpointer
 
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     flat = []
     for d in (a, b):
+        md = ocp.StandardCheckpointer().metadata(d / "checkpoints" / str(step) / "state")
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev),
+                              dict(getattr(md, "item_metadata", md)),
+                              is_leaf=lambda x: hasattr(x, "shape"))
         with Checkpointer(d / "checkpoints") as ck:
-            flat.append(dict(jax.tree_util.tree_flatten_with_path(ck.restore_raw(step)[0])[0]))
+            flat.append(dict(jax.tree_util.tree_flatten_with_path(ck.restore(target, step)[0])[0]))
     bad = [jax.tree_util.keystr(k) for k in flat[0] if k not in flat[1]
            or not np.array_equal(np.asarray(flat[0][k]), np.asarray(flat[1][k]))]
     return bad or ([] if flat[0] else ["no arrays read"])
@@ -258,7 +265,8 @@ class Campaign:
                "latest_before": latest, "unfinished_before": before,
                "killed": [r for r in attempt.records()]}
         problems = self._check_resume(attempt, latest, before, bool(attempt.records()))
-        if any(rc not in (-9,) for rc in rcs):
+        rec["finished"] = rcs == [0] * self.processes  # done before an external kill came
+        if not rec["finished"] and any(rc != -9 for rc in rcs):
             problems.append(f"attempt {n} ended {rcs}, not by SIGKILL:\n{attempt.log()[-2000:]}")
         rec["unfinished_after"] = unfinished_checkpoints(str(ckpt))
         rec["complete_after"] = complete_steps(ckpt)
@@ -287,21 +295,27 @@ class Campaign:
             out.append(f"resumed step {got}, the latest complete checkpoint was {latest}")
         return out
 
-    def _one_run(self, r: int, kills: int, ref: Attempt | None) -> None:
-        run_dir = self.root / f"run{r}"
-        problems: list[str] = []
-        for n in range(kills):
+    def _one_run(self, r: int, kills: int, ref: Attempt | None) -> int:
+        """Up to `kills` kills of run `r`, then a final attempt to the end and the
+        comparisons; returns the kills delivered (fewer when the run finished first)."""
+        run_dir, problems, n = self.root / f"run{r}", [], 0
+        while n < kills:
             kind = self.kinds[len(self.records) % len(self.kinds)]
-            rec, bad = self._kill_once(run_dir, n, kind, ref if n == 0 else None)
-            ref = None
-            if rec["killed"] or kind == "external":
-                self.start_s.append(rec["wall_s"])
+            if kind != "external" and (complete_steps(run_dir / "checkpoints") or [0])[-1] \
+                    >= self.steps - 1:
+                break  # no step left to plan a kill in: the final attempt ends the run
+            rec, bad = self._kill_once(run_dir, n, kind, ref)
+            ref, problems = None, problems + bad
+            if rec["finished"]:
+                self.finished += 1
+                break
+            self.start_s.append(rec["wall_s"])
             self.records.append(rec)
-            problems += bad
+            n += 1
             with open(self.root / "campaign.jsonl", "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
         latest = (complete_steps(run_dir / "checkpoints") or [0])[-1]
-        final = Attempt(self, run_dir, kills, None)
+        final = Attempt(self, run_dir, n, None)
         rcs = final.wait()
         if rcs != [0] * self.processes:
             problems.append(f"the final attempt failed {rcs}:\n{final.log()[-2000:]}")
@@ -313,21 +327,25 @@ class Campaign:
         problems += checkpoint_differences(self.root / "ref", run_dir, self.steps)
         if problems:
             self.problems[run_dir.name] = problems
+        return n
 
     def run(self) -> dict:
         """Every run of the campaign; the summary (RESULT keys)."""
         t0, self.half_read = time.perf_counter(), 0
         ref = Attempt(self, self.root / "ref", 0, None)  # runs beside the first attempt
-        left, r = self.kills, 0
+        left, r, idle, self.finished = self.kills, 0, 0, 0
         while left:
-            k = min(self.per_run, left)
-            self._one_run(r, k, ref if r == 0 else None)
-            left, r = left - k, r + 1
+            done = self._one_run(r, min(self.per_run, left), ref if r == 0 else None)
+            idle = 0 if done else idle + 1
+            if idle == 3:
+                raise RuntimeError("three runs in a row finished before any kill")
+            left, r = left - done, r + 1
         by = lambda key: {v: sum(rec[key] == v for rec in self.records)  # noqa: E731
                           for v in sorted({rec[key] for rec in self.records})}
         return {"kills": len(self.records), "runs": r, "lost_runs": len(self.problems),
                 "half_checkpoints_read": self.half_read,
                 "kills_during_save": sum(rec["during_save"] for rec in self.records),
+                "finished_before_kill": self.finished,
                 "processes": self.processes, "devices": self.devices,
                 "phases": by("phase"), "worst_attempt_s": max(rec["wall_s"] for rec in
                                                              self.records),
