@@ -11,6 +11,7 @@ same process count.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from _experiments import load_experiment
@@ -34,3 +35,31 @@ def test_three_kills_lose_nothing_and_read_no_half_checkpoint(tmp_path, capsys):
     # the write here); a kill that leaves a half checkpoint is what the next resume skips
     assert records[2]["killed"][0]["unfinished"], records[2]
     assert any(r["during_save"] for r in records)
+
+
+class _Tok:
+    """Writes two files; `fail` raises between them (a kill mid-save, in effect)."""
+
+    def __init__(self, fail=False):
+        self.fail = fail
+
+    def save_pretrained(self, path):
+        os.makedirs(path, exist_ok=True)
+        open(os.path.join(path, "tokenizer.json"), "w").write("{}")
+        if self.fail:
+            raise KeyboardInterrupt
+        open(os.path.join(path, "tokenizer_config.json"), "w").write("{}")
+
+
+def test_tokenizer_is_never_half_written(tmp_path):
+    from etils import epath
+
+    from rljax.run.runner import _save_tokenizer
+
+    dest = epath.Path(tmp_path) / "tokenizer"
+    with pytest.raises(KeyboardInterrupt):
+        _save_tokenizer(_Tok(fail=True), dest)
+    assert not dest.exists()  # what a resumed run checks before saving it again
+    _save_tokenizer(_Tok(), dest)  # over the interrupted attempt's leftover
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer"]
+    assert sorted(p.name for p in dest.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]

@@ -71,9 +71,17 @@ class _Silent(io.TextIOBase):
 
 
 def _save_tokenizer(tokenizer, dest: epath.Path) -> None:
-    """`save_pretrained` into the run directory (through a local folder for a bucket)."""
+    """`save_pretrained` into the run directory (through a local folder for a bucket).
+
+    Locally it writes a sibling folder and renames it into place, so a run killed while
+    saving leaves no half-written `tokenizer/` (which a resumed run would keep: it only
+    saves when the folder is absent)."""
     if is_local(dest):
-        tokenizer.save_pretrained(str(dest))
+        tmp = dest.parent / f"{dest.name}.partial"
+        if tmp.exists():  # a previous attempt was killed while writing it
+            tmp.rmtree()
+        tokenizer.save_pretrained(str(tmp))
+        tmp.rename(dest)
         return
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
