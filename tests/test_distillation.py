@@ -105,10 +105,14 @@ def test_expected_gradient_is_the_exact_reverse_kl_gradient(discount, hold_prefi
 
 
 def test_teacher_equal_to_student_gives_zero_loss_and_gradient():
-    theta, _ = _params(1)
+    theta, phi = _params(1)
     for discount in (0.0, 1.0):
+        # The teacher's log-probs are a second, separately fused log-softmax of the same
+        # logits: equal up to float32 rounding (3e-9 seen on one CI machine), so the
+        # expected gradient is zero to GRAD_RTOL of the gradient toward another teacher.
         got, _ = _estimator_expected_grad(theta, theta, discount)
-        assert float(jnp.max(jnp.abs(got))) == 0.0
+        scale = float(jnp.linalg.norm(_estimator_expected_grad(theta, phi, discount)[0]))
+        assert float(jnp.max(jnp.abs(got))) <= GRAD_RTOL * scale, (got, scale)
     b = default_batch(3, values=False)
     b = dataclasses.replace(b, teacher_logp_BxT=b.old_logp_BxT, adv_BxT=jnp.zeros_like(b.adv_BxT))
 
@@ -117,6 +121,7 @@ def test_teacher_equal_to_student_gives_zero_loss_and_gradient():
                              discount=0.5)
         return s / c, m
 
+    # Identical log-prob arrays: the library's loss, gradient and metrics are exactly 0.
     (value, m), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(b.logp_BxT)
     assert float(value) == 0.0 and float(jnp.max(jnp.abs(g))) == 0.0
     assert float(m["teacher_kl"][0]) == 0.0 and float(m["teacher_kl_k3"][0]) == 0.0
