@@ -68,6 +68,13 @@ def build_mesh(cfg: ExperimentConfig):
     return make_mesh(cfg.mesh)
 
 
+@functools.lru_cache(maxsize=8)
+def _init_program(model_cfg, mesh):
+    """The jitted random init of a `Decoder(model_cfg)` from a PRNG key: the key is an
+    argument, so every seed (and every run of a process) shares one compiled program."""
+    return nnx.jit(lambda key: Decoder(model_cfg, rngs=nnx.Rngs(key)))
+
+
 def build_model(cfg: ExperimentConfig, tokenizer, mesh=None, seed: int | None = None):
     """The policy `Decoder`: random init from `cfg.model` (seed `run.seed`) or `hf_path`."""
     if cfg.hf_path is not None:
@@ -76,7 +83,7 @@ def build_model(cfg: ExperimentConfig, tokenizer, mesh=None, seed: int | None = 
         seed = cfg.run.seed if seed is None else seed
         ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
         with ctx:  # one compiled program builds every weight, already sharded
-            model = nnx.jit(lambda: Decoder(cfg.model, rngs=nnx.Rngs(seed)))()
+            model = _init_program(cfg.model, mesh)(jax.random.key(seed))
     check_vocab(tokenizer, model.config)
     return model
 
