@@ -4,21 +4,25 @@ A 2 x 4 run is two processes with `JAX_PLATFORMS=cpu` and
 `XLA_FLAGS=--xla_force_host_platform_device_count=4`, joined through `rljax train ...
 --distributed --coordinator 127.0.0.1:PORT --num-processes 2 --process-id I` (gloo
 collectives). Each process of a pair is tests/_mp_driver.py: it runs several `rljax train`
-invocations one after another (GRPO, PPO, DAPO), so the pair starts once per phase and
-shares its compiled programs (model init, sampler, evaluation) across algorithms. A 1 x 8
-run is `rljax.cli.main` in the test process itself (8 devices by tests/conftest.py), while
-the pair runs: the 2-core machine overlaps their compilation.
+invocations one after another (GRPO, PPO, DAPO and the resumes), so the pair starts once
+and shares its compiled programs (model init, sampler, evaluation, learning) across runs.
+A 1 x 8 run is `rljax.cli.main` in the test process itself (8 devices by
+tests/conftest.py), while the pair runs: the 2-core machine overlaps their compilation.
 
 Plan (`run_all`), for each `Scenario` (one algorithm on one tiny experiment):
 
-  phase 1 (together): "ref"  1 x 8, steps 1..3 from scratch
-                      "mp"   2 x 4, steps 1..3 from scratch, checkpoint at step 3
-  phase 2 (together, scenarios with `resume`):
-                      "mp"   2 x 4 resumes its step-3 checkpoint for steps 4..5
-                      "x8"   1 x 8 resumes a copy of "mp"'s step-3 checkpoint (4..5)
+  the pair:      "mp"         2 x 4, steps 1..3 from scratch, checkpoint at step 3, exit;
+                 "mp_resume"  (scenarios with `resume`) a new `rljax train` invocation in
+                              the same pair resumes the step-3 checkpoint for steps 4..5
+  meanwhile:     "ref"        1 x 8, steps 1..3 from scratch
+  after the pair: "x8"        1 x 8 resumes a copy of "mp"'s run directory cut back to
+                              its step-3 checkpoint (later checkpoints deleted; the
+                              resume drops the metric lines after step 3), steps 4..5
 
 so steps 1..3 compare the topologies from the same start, and steps 4..5 compare them
-from the same checkpoint (the 2 x 4 one, restored on 2 x 4 and on 1 x 8).
+from the same checkpoint (the 2 x 4 one, restored on 2 x 4 and on 1 x 8). The resume runs
+in the processes that wrote the checkpoint, as a relaunch on a pod does in new ones: the
+restore reads only the checkpoint either way, and one pair compiles each program once.
 """
 
 from __future__ import annotations
@@ -202,24 +206,31 @@ class _Pair:
 
 
 def run_all(root: pathlib.Path, scenarios: list[Scenario]) -> float:
-    """Both phases of every scenario (the module docstring); returns the wall seconds."""
+    """Every scenario's runs (the module docstring); returns the wall seconds."""
     t0 = time.perf_counter()
-    pair = _Pair(root, "phase1", [(s, "mp", s.args("mp")) for s in scenarios])
+    again = [s for s in scenarios if s.resume]
+    plan = [(s, tag, s.args("mp", *sets)) for s in scenarios
+            for tag, sets in (("mp", ()), ("mp_resume", RESUME)) if tag == "mp" or s.resume]
+    pair = _Pair(root, "pair", plan)
     try:
         for s in scenarios:
             s.in_process("ref")
     finally:
         pair.wait()
-    again = [s for s in scenarios if s.resume]
     for s in again:
-        shutil.copytree(s.dir("mp"), s.dir("x8"))
-    pair = _Pair(root, "phase2", [(s, "mp_resume", s.args("mp", *RESUME)) for s in again])
-    try:
-        for s in again:
-            s.in_process("x8", *RESUME)
-    finally:
-        pair.wait()
+        copy_at_checkpoint(s.dir("mp"), s.dir("x8"), step=3)
+        s.in_process("x8", *RESUME)
     return time.perf_counter() - t0
+
+
+def copy_at_checkpoint(src: pathlib.Path, dst: pathlib.Path, step: int) -> None:
+    """`src` as it was when its checkpoint `step` was the latest: later checkpoints
+    deleted (the resumed run drops the metric lines after the step it restores)."""
+    shutil.copytree(src, dst)
+    later = [p for p in (dst / "checkpoints").iterdir() if p.name.isdigit() and int(p.name) > step]
+    assert (dst / "checkpoints" / str(step)).is_dir() and later, sorted((dst / "checkpoints").iterdir())
+    for p in later:
+        shutil.rmtree(p)
 
 
 def rl_rows(run_dir: pathlib.Path) -> dict[int, dict]:

@@ -9,8 +9,8 @@ DAPO (dynamic sampling with refill rounds of different prompt widths):
   restores on 1x8 with equal steps and tokens;
 - only process 0 writes the run directory.
 
-The runs are described in tests/_multiprocess.py: one pair of processes per phase runs
-all three algorithms."""
+The runs are described in tests/_multiprocess.py: one pair of processes runs all three
+algorithms and both resumes."""
 
 import _multiprocess as mp
 import pytest
