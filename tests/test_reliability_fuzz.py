@@ -211,7 +211,8 @@ def test_fuzz_parquet_loader(tmp_path_factory, rows, damage, where, mapping):
     path = tmp_path_factory.mktemp("pq") / "data.parquet"
     try:
         pq.write_table(pa.Table.from_pylist(rows), path)
-    except (pa.ArrowInvalid, pa.ArrowTypeError):  # mixed column types: not writable
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):  # mixed types, or an
+        # integer beyond int64 (found at 10,000 cases): pyarrow cannot write these rows
         path.write_bytes(b"PAR1" + json.dumps(rows).encode())
     blob = path.read_bytes()
     cut = where % max(len(blob), 1)
@@ -232,6 +233,21 @@ def test_empty_and_missing_files(tmp_path):
     (tmp_path / "u.jsonl").write_bytes(b'{"q": "1"}\n{"q": "\xff"}\n')
     with pytest.raises(ValueError, match=r"u\.jsonl:2: not UTF-8"):
         load_prompts(tmp_path / "u.jsonl")
+
+
+def test_parquet_strings_that_are_not_utf8_name_the_file(tmp_path):
+    """Found by the fuzzer at 10,000 cases: pyarrow reads such a file and fails only when
+    it decodes the strings (a UnicodeDecodeError that named no file)."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    path, text = tmp_path / "bad.parquet", "\u00e9" * 4
+    pq.write_table(pa.Table.from_pylist([{"q": text, "a": "1"}]), path, compression="NONE",
+                   write_statistics=False, store_schema=False)
+    blob = path.read_bytes()
+    assert blob.count(text.encode()) == 1
+    path.write_bytes(blob.replace(text.encode(), b"\xc3\x28" * 4))  # invalid UTF-8
+    with pytest.raises(ValueError, match=r"bad\.parquet: not a readable Parquet file "
+                                         r"\(UnicodeDecodeError"):
+        load_prompts(path, {"prompt": "q", "answer": "a"})
 
 
 # ---------------------------------------------------------------- configs

@@ -84,12 +84,17 @@ def load_jsonl(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
     return out
 
 
+def _unreadable_parquet(path: str, e: Exception) -> ValueError:
+    return ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {str(e)[:300]})")
+
+
 def load_parquet(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
                  transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None
                  ) -> list[dict[str, Any]]:
     """Records of a Parquet file (needs `pyarrow`), mapped like `load_jsonl`; a missing
     mapped column raises ValueError naming the file, the column and the columns present,
-    and so does a file pyarrow cannot read (truncated, not Parquet)."""
+    and so does a file pyarrow cannot read (truncated, not Parquet, strings that are not
+    UTF-8)."""
     try:
         import pyarrow.parquet as pq
     except ImportError as e:  # optional dependency
@@ -101,16 +106,19 @@ def load_parquet(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
     try:
         table = pq.read_table(path)
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid / ArrowIOError: name the file
-        raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: "
-                         f"{str(e)[:300]})") from None
+        raise _unreadable_parquet(path, e) from None
     if mapping is not None:
         top = {src.split(".")[0] for src in mapping.values()}
         missing = sorted(top - set(table.column_names))
         if missing:
             raise ValueError(f"{path}: missing column(s) {missing} named in mapping; "
                              f"columns present: {table.column_names}")
+    try:  # the values are decoded here: a string column of invalid UTF-8 fails now
+        rows = table.to_pylist()
+    except (OSError, ValueError) as e:
+        raise _unreadable_parquet(path, e) from None
     out = []
-    for row, raw in enumerate(table.to_pylist()):
+    for row, raw in enumerate(rows):
         rec = map_record(raw, mapping, f"{path}:row {row}")
         out.append(transform(rec) if transform else rec)
     return out
