@@ -1,7 +1,7 @@
 """On-policy distillation on the demo's arithmetic task, against GRPO at equal wall time.
 
 2-digit addition with the character tokenizer, as `experiments/arithmetic_grpo.py`:
-1. teacher: a larger decoder (hidden 384, 4 layers; ~3.4x the demo model's weights)
+1. teacher: a larger decoder (hidden 384, 2 layers; ~2.2x the demo model's weights)
    trained by SFT on worked examples until greedy accuracy on 256 validation prompts
    reaches 0.97 (or 3,000 steps), saved as a run directory;
 2. student: the demo model with the demo's SFT warm-up (to 0.45), exported once, so both
@@ -56,10 +56,13 @@ def teacher_config(root: pathlib.Path = ROOT) -> ExperimentConfig:
     d = _demo()
     return dataclasses.replace(
         d, name="arithmetic_distill_teacher",
-        model=ModelConfig(vocab_size=d.model.vocab_size, hidden_size=384, intermediate_size=1024,
-                          num_layers=4, num_heads=6, num_kv_heads=6, max_position_embeddings=64),
+        # Wider, not deeper, and a lower learning rate than the demo's 1e-3: at 1e-3, 4 layers
+        # of 384 sat at 8-13% validation accuracy after 500 steps and 2 layers of 384 at
+        # 6-12% after 700 (the demo's 2 x 256 model reaches 45% at ~260).
+        model=ModelConfig(vocab_size=d.model.vocab_size, hidden_size=384, intermediate_size=1536,
+                          num_layers=2, num_heads=6, num_kv_heads=6, max_position_embeddings=64),
         sft=SFTConfig(steps=3000, batch_size=64, stop_accuracy=0.97, stop_every=50,
-                      optim=OptimConfig(lr=1e-3, warmup_steps=20, schedule="constant")),
+                      optim=OptimConfig(lr=3e-4, warmup_steps=20, schedule="constant")),
         rl=dataclasses.replace(d.rl, steps=0),
         run=RunConfig(dir=str(root / "teacher"), seed=d.run.seed, overwrite=True, plots=False))
 
