@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rljax.models.attention_kernels import SegmentMask, kernel_attend
 from rljax.models.config import ModelConfig
 from rljax.models.layers import RMSNorm, annotated_param, apply_rope, compute_dtype, normal_param
 
@@ -61,6 +62,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, config.rms_norm_eps, names=("head_dim",))
         self.qkv_bias = config.qkv_bias
         self.qk_norm = config.qk_norm
+        self.attention = config.attention
         self.dtype = compute_dtype(config)
 
     def _project(self, x: jax.Array, w: nnx.Param, bias_name: str) -> jax.Array:
@@ -84,13 +86,17 @@ class Attention(nnx.Module):
         return q, k, v.astype(self.dtype)
 
     def __call__(self, x_BxTxD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
-                 allowed_BxTxS: jax.Array, cache_kv: tuple[jax.Array, jax.Array] | None = None,
+                 allowed_BxTxS: jax.Array | SegmentMask,
+                 cache_kv: tuple[jax.Array, jax.Array] | None = None,
                  slot: jax.Array | int | None = None,
                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Attention output `[B,T,D]` (float32) and this layer's (keys, values) buffers.
 
         Without `cache_kv` the keys/values are the T new ones (S = T). With it, the new
         keys/values are written at slots [slot, slot + T) of the given buffers first.
+        A `SegmentMask` (causal attention among the T new tokens only: a full forward, or
+        a prefill at slot 0) runs `config.attention`'s kernel; a boolean `[B,T,S]` mask
+        runs `attend`.
         """
         q, k, v = self.qkv(x_BxTxD, cos_sin)
         k_BxKxHxT = jnp.transpose(k, (0, 2, 3, 1))
@@ -101,7 +107,11 @@ class Attention(nnx.Module):
             ck, cv = cache_kv
             keys = jax.lax.dynamic_update_slice(ck, k_BxKxHxT.astype(ck.dtype), (0, 0, 0, slot))
             values = jax.lax.dynamic_update_slice(cv, v_BxKxTxH.astype(cv.dtype), (0, 0, slot, 0))
-        o = attend(q, keys, values, allowed_BxTxS).astype(self.dtype)
+        if isinstance(allowed_BxTxS, SegmentMask):
+            o = kernel_attend(self.attention, q, k, v, allowed_BxTxS.segment_ids_BxT)
+        else:
+            o = attend(q, keys, values, allowed_BxTxS)
+        o = o.astype(self.dtype)
         # Heads flattened on both sides: a [B,T,N*H] x [N*H,D] dot. Contracting over
         # (n, h) made XLA:CPU copy the weight and transpose the activations in every
         # decode step (seen in the optimised HLO); the reshapes here are free.

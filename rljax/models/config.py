@@ -6,6 +6,10 @@ import dataclasses
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# "xla": the einsum in `rljax.models.attention.attend` (the CPU default); "splash": JAX's
+# Pallas TPU splash attention; "cudnn": cuDNN flash attention through
+# `jax.nn.dot_product_attention` (GPU, bfloat16). See rljax/models/attention_kernels.py.
+ATTENTION_IMPLS = ("xla", "splash", "cudnn")
 
 
 def _check_positive(obj, names):
@@ -53,6 +57,10 @@ class ModelConfig:
     qk_norm: Qwen3's per-head RMSNorm on queries and keys (before rotary embeddings).
     compute_dtype: dtype of matmul inputs in the forward ("float32" | "bfloat16");
       parameters are always float32, norms, softmax and logits are computed in float32.
+    attention: how full (causal) forwards and prefill compute attention: "xla" (einsum,
+      the default), "splash" (Pallas TPU kernel; Pallas interpret mode off TPU) or
+      "cudnn" (GPU only, needs compute_dtype "bfloat16"). Decode steps against a KV cache
+      always use "xla". An implementation choice: never written to HF config.json.
     """
 
     vocab_size: int
@@ -71,6 +79,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     compute_dtype: str = "float32"
     architecture: str = "llama"
+    attention: str = "xla"
 
     def __post_init__(self):
         _check_positive(
@@ -109,6 +118,15 @@ class ModelConfig:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(
                 f"ModelConfig.architecture={self.architecture!r}; allowed: {ARCHITECTURES}"
+            )
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"ModelConfig.attention={self.attention!r}; allowed: {ATTENTION_IMPLS}"
+            )
+        if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
+            raise ValueError(
+                "ModelConfig.attention='cudnn' needs compute_dtype='bfloat16' (cuDNN flash "
+                f"attention takes float16 / bfloat16 inputs), got {self.compute_dtype!r}"
             )
         for name in ("tie_word_embeddings", "qkv_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):

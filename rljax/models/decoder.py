@@ -8,6 +8,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from rljax.models.attention import Attention
+from rljax.models.attention_kernels import SegmentMask, segment_ids_from_mask
 from rljax.models.config import ModelConfig
 from rljax.models.kv_cache import KVCache, init_kv_cache
 from rljax.models.layers import MLP, RMSNorm, compute_dtype, normal_param, rope_cos_sin
@@ -52,6 +53,16 @@ def _run_layer(layer, x, cos_sin, allowed, remat):
     return fn(state, x)
 
 
+def _causal_mask(config: ModelConfig, mask_BxT: jax.Array) -> jax.Array | SegmentMask:
+    """The mask of a full causal forward: `[B,T,T]` booleans for "xla", else segment ids."""
+    if config.attention != "xla":
+        return SegmentMask(segment_ids_from_mask(mask_BxT))
+    i = jnp.arange(mask_BxT.shape[1])
+    causal = i[None, :, None] >= i[None, None, :]
+    # A query may always see itself, so padding rows stay finite (their output is unused).
+    return (causal & mask_BxT[:, None, :]) | (i[:, None] == i[None, :])[None]
+
+
 def default_positions(mask_BxT: jax.Array) -> jax.Array:
     """Positions of real tokens counted from 0 within each row: cumsum(mask) - 1 (>= 0)."""
     return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=1) - 1, 0)
@@ -88,13 +99,9 @@ class Decoder(nnx.Module):
         under `jax.checkpoint` (only layer inputs are kept for the backward pass).
         """
         ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
-        t = ids.shape[1]
         mask = jnp.ones(ids.shape, bool) if mask_BxT is None else jnp.asarray(mask_BxT, bool)
         pos = default_positions(mask) if positions_BxT is None else jnp.asarray(positions_BxT)
-        i = jnp.arange(t)
-        causal = i[None, :, None] >= i[None, None, :]
-        # A query may always see itself, so padding rows stay finite (their output is unused).
-        allowed = (causal & mask[:, None, :]) | (i[:, None] == i[None, :])[None]
+        allowed = _causal_mask(self.config, mask)
         cos_sin = rope_cos_sin(self.config, pos)
         x = self._embed(ids)
         for layer in self.layers:
@@ -141,14 +148,19 @@ class Decoder(nnx.Module):
                 f"of batch {cache.batch_size} and {cache.max_len} slots"
             )
         t, s = ids.shape[1], cache.max_len
+        # A prefill (slot a Python 0) sees only its own T tokens, so a kernel can run it.
+        prefill = isinstance(slot, int) and slot == 0
         slot = jnp.asarray(slot, jnp.int32)
         mask = jnp.asarray(mask_BxT, bool)
         valid = jax.lax.dynamic_update_slice(cache.valid_BxS, mask, (0, slot))
-        q_slot = slot + jnp.arange(t)
-        j = jnp.arange(s)
-        allowed = (valid[:, None, :] & (j[None, None, :] <= q_slot[None, :, None])) | (
-            j[None, None, :] == q_slot[None, :, None]
-        )
+        if prefill and self.config.attention != "xla":
+            allowed = SegmentMask(segment_ids_from_mask(mask))
+        else:
+            q_slot = slot + jnp.arange(t)
+            j = jnp.arange(s)
+            allowed = (valid[:, None, :] & (j[None, None, :] <= q_slot[None, :, None])) | (
+                j[None, None, :] == q_slot[None, :, None]
+            )
         cos_sin = rope_cos_sin(self.config, jnp.asarray(positions_BxT))
         x = self._embed(ids)
         keys, values = [], []

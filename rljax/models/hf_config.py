@@ -70,8 +70,13 @@ def _rope(cfg: dict) -> tuple[float, Llama3RopeScaling | None]:
     return theta, scaling
 
 
-def config_from_hf(cfg: dict, compute_dtype: str = "float32") -> ModelConfig:
-    """A `ModelConfig` from a parsed HF config.json dict (v4 or v5 format)."""
+def config_from_hf(cfg: dict, compute_dtype: str = "float32",
+                   attention: str = "xla") -> ModelConfig:
+    """A `ModelConfig` from a parsed HF config.json dict (v4 or v5 format).
+
+    compute_dtype and attention are implementation choices (see `ModelConfig`), not part
+    of config.json: `config_to_hf` writes neither.
+    """
     if not isinstance(cfg, dict):
         raise TypeError(f"config_from_hf: expected a dict, got {type(cfg).__name__}")
     model_type = _require(cfg, "model_type")
@@ -97,6 +102,7 @@ def config_from_hf(cfg: dict, compute_dtype: str = "float32") -> ModelConfig:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         compute_dtype=compute_dtype,
         architecture=model_type,
+        attention=attention,
     )
 
 

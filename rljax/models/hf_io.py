@@ -158,16 +158,18 @@ def _parse_dtype(dtype) -> str:
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
-                    mesh: Mesh | None = None) -> Decoder:
+                    mesh: Mesh | None = None, attention: str = "xla") -> Decoder:
     """Load an HF Llama / Qwen2 / Qwen3 checkpoint folder as a `Decoder`.
 
     dtype: the compute dtype (parameters are always float32). mesh: when given, every
     tensor is placed straight to its sharding (per `rljax.sharding.LOGICAL_RULES`).
+    attention: `ModelConfig.attention` ("xla" | "splash" | "cudnn").
     """
     path = pathlib.Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"from_pretrained: {path} is not a directory")
-    config = config_from_hf(_read_config(path), compute_dtype=_parse_dtype(dtype))
+    config = config_from_hf(_read_config(path), compute_dtype=_parse_dtype(dtype),
+                            attention=attention)
     tensors = _open_weights(path)
     wmap = weight_map(config)
     _check_names(wmap, tensors, config)
