@@ -187,6 +187,9 @@ def checkpoint_differences(a: pathlib.Path, b: pathlib.Path, step: int) -> list[
     from rljax.train.checkpoint import Checkpointer
 
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    missing = [str(d) for d in (a, b) if not (d / "checkpoints" / str(step)).is_dir()]
+    if missing:  # a failed final attempt: a lost run, reported, not a crash of the campaign
+        return [f"no checkpoint {step} in {', '.join(missing)}"]
     flat = []
     for d in (a, b):
         md = ocp.StandardCheckpointer().metadata(d / "checkpoints" / str(step) / "state")
