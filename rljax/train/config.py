@@ -32,6 +32,7 @@ AGGREGATIONS = (
 )
 ADV_STDS = ("population", "sample", "none")
 OLD_LOGP = ("auto", "recompute", "sampler")
+REF_DTYPES = ("float32", "bfloat16")
 GROUP_BASELINES = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "cispo", "sapo", "gmpo",
                    "clip_cov", "kl_cov")
 
@@ -319,6 +320,9 @@ class RLConfig:
         for a non-finite loss or gradient.
       peak_flops: device peak FLOP/s for the MFU estimate (0 = report model FLOP/s only).
       value_lr_ratio: PPO: value-model learning rate as a multiple of the policy's.
+      ref_dtype: storage dtype of the frozen KL reference, "float32" or "bfloat16" (half
+        the memory; its forward runs in the model's compute_dtype and its log-probs stay
+        float32; policy and optimiser stay float32). See ``rljax.train.reference``.
     """
 
     steps: int = 100
@@ -330,6 +334,7 @@ class RLConfig:
     max_nonfinite_steps: int = 5
     peak_flops: float = 0.0
     value_lr_ratio: float = 1.0
+    ref_dtype: str = "float32"
 
     def __post_init__(self):
         c = "RLConfig"
@@ -342,6 +347,7 @@ class RLConfig:
         check_num(c, "max_nonfinite_steps", self.max_nonfinite_steps, lo=1, integer=True)
         check_num(c, "peak_flops", self.peak_flops, lo=0.0)
         check_num(c, "value_lr_ratio", self.value_lr_ratio, lo=0.0, lo_open=True)
+        check_choice(c, "ref_dtype", self.ref_dtype, REF_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,7 @@ from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, Sampling
                                 check_algorithm_sampling)
 from rljax.train.learn import LearnSpec, make_learn
 from rljax.train.logprobs import policy_logprobs
+from rljax.train.reference import reference_copy
 from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_groups
 from rljax.train.step import (NonFiniteError, TrainState, batch_constrainer, init_opt_state,
                               make_optimizer, new_train_state, num_micro_batches)
@@ -89,12 +90,6 @@ def _split_key(key_data):
     """Raw key data -> (next state's key data, rollout key, learning key)."""
     nxt, k_roll, k_learn = jax.random.split(jax.random.wrap_key_data(key_data), 3)
     return jax.random.key_data(nxt), k_roll, k_learn
-
-
-@jax.jit
-def _copy_tree(tree):
-    """Fresh buffers for every leaf of ``tree`` (one program, not one per leaf shape)."""
-    return jax.tree.map(jnp.copy, tree)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -245,7 +240,8 @@ class RLTrainer:
                     None if self.optim.schedule == "constant" else total)
         return (self.spec, self.gd, self.value_gd, self.teacher_gd, self.optim, schedule,
                 r.value_lr_ratio,
-                r.logp_chunk, r.remat, s.temperature, s.max_new_tokens, self.mesh, shardings)
+                r.logp_chunk, r.remat, r.ref_dtype, s.temperature, s.max_new_tokens, self.mesh,
+                shardings)
 
     def _cached_learn(self, state: TrainState):
         """The jitted learning program: another trainer's when it computes the same thing
@@ -279,7 +275,8 @@ class RLTrainer:
 
     def init_state(self, policy_params, seed: int = 0, value_params=None) -> TrainState:
         """Fresh state: new optimiser moments; the reference is a frozen copy of the
-        policy (only kept when a KL term is used); scalars are replicated global arrays.
+        policy (only kept when a KL term is used), stored as ``rl.ref_dtype`` (see
+        ``rljax.train.reference``); scalars are replicated global arrays.
         The state takes ownership of ``policy_params`` / ``value_params``: updates donate
         their buffers, so do not use the passed arrays afterwards (copy them first)."""
         params = {"policy": policy_params}
@@ -287,7 +284,7 @@ class RLTrainer:
             if value_params is None:
                 raise ValueError("RLTrainer.init_state: value_params is required for PPO")
             params["value"] = value_params
-        ref = _copy_tree(policy_params) if self.uses_ref else None
+        ref = reference_copy(policy_params, self.rl.ref_dtype) if self.uses_ref else None
         return new_train_state(params, init_opt_state(self.txs, params, self.mesh), seed,
                                ref_params=ref, kl_coef=self.alg.kl_coef, mesh=self.mesh)
 
