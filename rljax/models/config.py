@@ -10,6 +10,8 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 # Pallas TPU splash attention; "cudnn": cuDNN flash attention through
 # `jax.nn.dot_product_attention` (GPU, bfloat16). See rljax/models/attention_kernels.py.
 ATTENTION_IMPLS = ("xla", "splash", "cudnn")
+# What a layer keeps for the backward pass; see rljax/models/scanned.py.
+REMAT_POLICIES = ("none", "full", "dots_saveable")
 
 
 def _check_positive(obj, names):
@@ -61,6 +63,11 @@ class ModelConfig:
       the default), "splash" (Pallas TPU kernel; Pallas interpret mode off TPU) or
       "cudnn" (GPU only, needs compute_dtype "bfloat16"). Decode steps against a KV cache
       always use "xla". An implementation choice: never written to HF config.json.
+    scan_layers: stack the layers' parameters on a leading layer axis `[L, ...]` and run
+      them with `nnx.scan` (compile time flat in depth); checkpoints of the two layouts
+      differ, HF files do not. Not written to config.json.
+    remat: what each layer keeps for the backward pass: "none", "full" (its input
+      only) or "dots_saveable" (matmul outputs too); scanned and unscanned alike.
     """
 
     vocab_size: int
@@ -80,6 +87,8 @@ class ModelConfig:
     compute_dtype: str = "float32"
     architecture: str = "llama"
     attention: str = "xla"
+    scan_layers: bool = False
+    remat: str = "none"
 
     def __post_init__(self):
         _check_positive(
@@ -128,7 +137,9 @@ class ModelConfig:
                 "ModelConfig.attention='cudnn' needs compute_dtype='bfloat16' (cuDNN flash "
                 f"attention takes float16 / bfloat16 inputs), got {self.compute_dtype!r}"
             )
-        for name in ("tie_word_embeddings", "qkv_bias", "qk_norm"):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"ModelConfig.remat={self.remat!r}; allowed: {REMAT_POLICIES}")
+        for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -12,6 +12,8 @@ from rljax.models.attention_kernels import SegmentMask, segment_ids_from_mask
 from rljax.models.config import ModelConfig
 from rljax.models.kv_cache import KVCache, init_kv_cache
 from rljax.models.layers import MLP, RMSNorm, compute_dtype, normal_param, rope_cos_sin
+from rljax.models.scanned import (effective_remat, remat_policy, scan_apply, scan_apply_indexed,
+                                  stacked)
 
 
 class Block(nnx.Module):
@@ -45,11 +47,12 @@ def _check_ids(input_ids_BxT, positions_BxT, mask_BxT):
     return ids
 
 
-def _run_layer(layer, x, cos_sin, allowed, remat):
-    if not remat:
+def _run_layer(layer, x, cos_sin, allowed, remat: str):
+    if remat == "none":
         return layer(x, cos_sin, allowed)[0]
     graphdef, state = nnx.split(layer)
-    fn = jax.checkpoint(lambda st, xx: nnx.merge(graphdef, st)(xx, cos_sin, allowed)[0])
+    fn = jax.checkpoint(lambda st, xx: nnx.merge(graphdef, st)(xx, cos_sin, allowed)[0],
+                        policy=remat_policy(remat))
     return fn(state, x)
 
 
@@ -82,7 +85,10 @@ class Decoder(nnx.Module):
         self.config = config
         v, d = config.vocab_size, config.hidden_size
         self.embed = normal_param(rngs, (v, d), ("vocab", "embed"))
-        self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+        if config.scan_layers:  # one Block with parameters [L, ...]; see rljax/models/scanned.py
+            self.layers = stacked(lambda r: Block(config, r), config.num_layers, rngs)
+        else:
+            self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
         self.final_norm = RMSNorm(d, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = normal_param(rngs, (d, v), ("embed", "vocab"))
@@ -96,7 +102,8 @@ class Decoder(nnx.Module):
 
         mask_BxT marks real tokens (padding left or right); padding slots are never
         attended to. positions_BxT defaults to `cumsum(mask) - 1`. remat: run each layer
-        under `jax.checkpoint` (only layer inputs are kept for the backward pass).
+        under `jax.checkpoint` (only layer inputs are kept for the backward pass) when
+        `config.remat` is "none"; `config.remat` otherwise decides.
         """
         ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
         mask = jnp.ones(ids.shape, bool) if mask_BxT is None else jnp.asarray(mask_BxT, bool)
@@ -104,8 +111,12 @@ class Decoder(nnx.Module):
         allowed = _causal_mask(self.config, mask)
         cos_sin = rope_cos_sin(self.config, pos)
         x = self._embed(ids)
-        for layer in self.layers:
-            x = _run_layer(layer, x, cos_sin, allowed, remat)
+        remat = effective_remat(self.config.remat, remat)
+        if self.config.scan_layers:
+            x = scan_apply(self.layers, lambda lyr, xx: lyr(xx, cos_sin, allowed)[0], x, remat)
+        else:
+            for layer in self.layers:
+                x = _run_layer(layer, x, cos_sin, allowed, remat)
         return self.final_norm(x)
 
     def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
@@ -127,7 +138,7 @@ class Decoder(nnx.Module):
         """An empty KV cache for `batch` rows and `max_len` slots (compute dtype)."""
         c = self.config
         return init_kv_cache(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
-                             compute_dtype(c))
+                             compute_dtype(c), stacked=c.scan_layers)
 
     def forward_cached(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike,
                        mask_BxT: ArrayLike, cache: KVCache, slot: ArrayLike,
@@ -163,6 +174,8 @@ class Decoder(nnx.Module):
             )
         cos_sin = rope_cos_sin(self.config, jnp.asarray(positions_BxT))
         x = self._embed(ids)
+        if self.config.scan_layers:
+            return self._forward_cached_scanned(x, cos_sin, allowed, cache, slot, valid)
         keys, values = [], []
         for layer, ck, cv in zip(self.layers, cache.keys, cache.values):
             x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot)
@@ -170,3 +183,19 @@ class Decoder(nnx.Module):
             values.append(v)
         new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid_BxS=valid)
         return self.final_norm(x), new_cache
+
+    def _forward_cached_scanned(self, x, cos_sin, allowed, cache, slot, valid):
+        """The cached forward of stacked layers: the `[L, ...]` cache rides in the scan's
+        carry, and layer i reads and writes back its slice i (updated in place by XLA)."""
+        if not isinstance(cache.keys, jax.Array):
+            raise ValueError("forward_cached: a scanned decoder (scan_layers=True) needs a "
+                             "stacked cache (keys [L,B,K,H,S]); build it with init_cache")
+
+        def body(layer, i, carry):
+            h, k_L, v_L = carry
+            h, (k, v) = layer(h, cos_sin, allowed, (k_L[i], v_L[i]), slot)
+            return h, k_L.at[i].set(k), v_L.at[i].set(v)
+
+        x, k_L, v_L = scan_apply_indexed(self.layers, body, (x, cache.keys, cache.values),
+                                         self.config.num_layers)
+        return self.final_norm(x), KVCache(keys=k_L, values=v_L, valid_BxS=valid)

@@ -3,11 +3,14 @@
 HF stores linear weights `[out, in]`; rljax stores `[in, out]` with heads split out
 (q `[D, N, H]`, o `[N, H, D]`). Loading builds the model abstractly (no random init),
 then reads one tensor at a time from memory-mapped safetensors straight to its device
-placement, so peak host memory is about the float32 model plus one tensor.
+placement, so peak host memory is about the float32 model plus one tensor (a scanned
+model, `ModelConfig.scan_layers`: plus one stacked `[L, ...]` tensor, assembled from the
+per-layer HF tensors before it is placed; saving slices it back per layer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -83,6 +86,15 @@ def weight_map(config: ModelConfig) -> list[tuple[str, tuple, tuple[int, ...], t
     return out
 
 
+def state_location(config: ModelConfig, spath: tuple) -> tuple[tuple, int | None]:
+    """Where `weight_map`'s per-layer state path lives in a model of `config`:
+    `(path, None)` unscanned; `(("layers", ...), i)`, slice i of a stacked `[L, ...]`
+    parameter, for a scanned decoder (`scan_layers=True`)."""
+    if config.scan_layers and spath[0] == "layers":
+        return ("layers", *spath[2:]), spath[1]
+    return spath, None
+
+
 def _read_config(path: pathlib.Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
@@ -131,7 +143,8 @@ def _check_names(wmap, tensors, config):
         )
 
 
-def _load_tensor(file: SafetensorsFile, name, hf_shape, to_ours, target):
+def _read_tensor(file: SafetensorsFile, name, hf_shape, to_ours) -> np.ndarray:
+    """One HF tensor in rljax's layout, float32, in memory of its own."""
     shape = file.shape(name)
     if shape != hf_shape:
         raise ValueError(
@@ -144,7 +157,10 @@ def _load_tensor(file: SafetensorsFile, name, hf_shape, to_ours, target):
         # Own writable memory, never the read-only file mapping: on CPU `device_put` may
         # alias the host array, and donated buffers get written to.
         ours = ours.copy()
-    sharding = getattr(target, "sharding", None)
+    return ours
+
+
+def _place(ours: np.ndarray, sharding):
     if sharding is None:
         return jax.device_put(ours)
     return jax.make_array_from_callback(ours.shape, sharding, lambda idx: ours[idx])
@@ -158,18 +174,21 @@ def _parse_dtype(dtype) -> str:
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
-                    mesh: Mesh | None = None, attention: str = "xla") -> Decoder:
+                    mesh: Mesh | None = None, attention: str = "xla",
+                    scan_layers: bool = False, remat: str = "none") -> Decoder:
     """Load an HF Llama / Qwen2 / Qwen3 checkpoint folder as a `Decoder`.
 
     dtype: the compute dtype (parameters are always float32). mesh: when given, every
     tensor is placed straight to its sharding (per `rljax.sharding.LOGICAL_RULES`).
-    attention: `ModelConfig.attention` ("xla" | "splash" | "cudnn").
+    attention: `ModelConfig.attention` ("xla" | "splash" | "cudnn"). scan_layers, remat:
+    as in `ModelConfig` (a scanned model stacks the per-layer HF tensors).
     """
     path = pathlib.Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"from_pretrained: {path} is not a directory")
     config = config_from_hf(_read_config(path), compute_dtype=_parse_dtype(dtype),
                             attention=attention)
+    config = dataclasses.replace(config, scan_layers=scan_layers, remat=remat)
     tensors = _open_weights(path)
     wmap = weight_map(config)
     _check_names(wmap, tensors, config)
@@ -178,13 +197,22 @@ def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
     targets = dict(nnx.to_flat_state(abs_state))
     if mesh is not None:
         shardings = dict(nnx.to_flat_state(state_shardings(abs_state, mesh)))
-    values = {}
-    for name, spath, hf_shape, (to_ours, _) in wmap:
-        want = targets[spath].get_value()
-        target = jax.ShapeDtypeStruct(want.shape, want.dtype,
-                                      sharding=shardings[spath].get_value() if mesh else None)
-        values[spath] = targets[spath].replace(
-            _load_tensor(tensors[name], name, hf_shape, to_ours, target))
+    values, stacks = {}, {}
+    located = [(state_location(config, entry[1]), entry) for entry in wmap]
+    if config.scan_layers:
+        # All layers of one stacked parameter, then the next: one [L, ...] host buffer
+        # is alive at a time.
+        located.sort(key=lambda e: (e[0][1] is not None, e[0][0], e[0][1] or 0))
+    for (path, i), (name, _, hf_shape, (to_ours, _)) in located:
+        sharding = shardings[path].get_value() if mesh else None
+        ours = _read_tensor(tensors[name], name, hf_shape, to_ours)
+        if i is not None:
+            buf = stacks.setdefault(path, np.empty(targets[path].get_value().shape, np.float32))
+            buf[i] = ours
+            if i < config.num_layers - 1:
+                continue
+            ours = stacks.pop(path)
+        values[path] = targets[path].replace(_place(ours, sharding))
     state = nnx.from_flat_state(sorted(values.items()))
     return nnx.merge(graphdef, state)
 
@@ -203,8 +231,13 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *,
     if not isinstance(model, Decoder):
         raise TypeError(f"save_pretrained: model must be a Decoder, got {type(model).__name__}")
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    write_pretrained(model.config, lambda spath: jax.device_get(flat[spath].get_value()), path,
-                     max_shard_bytes=max_shard_bytes, dtype=dtype)
+
+    def get(spath):
+        path, i = state_location(model.config, spath)
+        value = flat[path].get_value()
+        return jax.device_get(value if i is None else value[i])
+
+    write_pretrained(model.config, get, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
 
 
 def write_pretrained(config: ModelConfig, get_tensor, path: str | os.PathLike | None, *,

@@ -3,7 +3,9 @@
 Layout (per layer): keys `[B, K, H, S]` and values `[B, K, S, H]` -- the sequence axis
 last for keys and second-to-last for values, so both attention dots (q.k over H, p.v over
 S) contract without transposing the cache; with `[B, S, K, H]` XLA:CPU spent most of a
-decode step on transposes (measured, see DESIGN.md).
+decode step on transposes (measured, see DESIGN.md). A scanned decoder
+(`ModelConfig.scan_layers`) keeps one stacked array each, `[L, B, K, H, S]` and
+`[L, B, K, S, H]`, instead of a tuple over layers.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ VALID_AXES = ("batch", "cache_length")
 class KVCache:
     """Keys, values and the valid-slot mask of a batch of sequences.
 
-    keys: tuple over layers of `[B, K, H, S]` arrays (compute dtype).
-    values: tuple over layers of `[B, K, S, H]` arrays.
+    keys: tuple over layers of `[B, K, H, S]` arrays (compute dtype), or one stacked
+      `[L, B, K, H, S]` array (scanned decoders).
+    values: tuple over layers of `[B, K, S, H]` arrays, or one `[L, B, K, S, H]` array.
     valid_BxS: bool, True where a slot holds a real (non-padding) token.
     """
 
-    keys: tuple
-    values: tuple
+    keys: tuple | jax.Array
+    values: tuple | jax.Array
     valid_BxS: jax.Array
 
     @property
@@ -47,14 +50,23 @@ class KVCache:
         return self.valid_BxS.shape[1]
 
 
+def _per_layer(fn, buffers):
+    """`fn` over a tuple of per-layer buffers, or applied once to a stacked array."""
+    return tuple(fn(b) for b in buffers) if isinstance(buffers, tuple) else fn(buffers)
+
+
 def init_kv_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-                  dtype: DTypeLike) -> KVCache:
-    """An empty cache (zeros, no valid slots)."""
+                  dtype: DTypeLike, *, stacked: bool = False) -> KVCache:
+    """An empty cache (zeros, no valid slots); `stacked`: one `[L, ...]` array each."""
     for name, v in (("batch", batch), ("max_len", max_len)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"init_cache: {name} must be a positive int, got {v!r}")
     k = jnp.zeros((batch, num_kv_heads, head_dim, max_len), dtype)
     v = jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype)
+    if stacked:
+        return KVCache(keys=jnp.zeros((num_layers, *k.shape), dtype),
+                       values=jnp.zeros((num_layers, *v.shape), dtype),
+                       valid_BxS=jnp.zeros((batch, max_len), bool))
     return KVCache(
         keys=tuple(k for _ in range(num_layers)),
         values=tuple(v for _ in range(num_layers)),
@@ -83,8 +95,8 @@ def grow_kv_cache(cache: KVCache, max_len: int) -> KVCache:
         return jnp.pad(x, widths)
 
     return KVCache(
-        keys=tuple(pad(k, 3) for k in cache.keys),
-        values=tuple(pad(v, 2) for v in cache.values),
+        keys=_per_layer(lambda k: pad(k, k.ndim - 1), cache.keys),
+        values=_per_layer(lambda v: pad(v, v.ndim - 2), cache.values),
         valid_BxS=pad(cache.valid_BxS, 1),
     )
 
@@ -93,10 +105,11 @@ def kv_cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     """NamedShardings for a cache (batch over ("data","fsdp"), kv heads over "tensor")."""
 
     def sh(x, names):
+        names = ("layers", *names) if x.ndim == len(names) + 1 else names  # stacked
         return NamedSharding(mesh, fitted_spec(names, x.shape, mesh))
 
     return KVCache(
-        keys=tuple(sh(k, KEY_AXES) for k in cache.keys),
-        values=tuple(sh(v, VALUE_AXES) for v in cache.values),
+        keys=_per_layer(lambda k: sh(k, KEY_AXES), cache.keys),
+        values=_per_layer(lambda v: sh(v, VALUE_AXES), cache.values),
         valid_BxS=sh(cache.valid_BxS, VALID_AXES),
     )

@@ -33,7 +33,7 @@ from jax.sharding import SingleDeviceSharding
 
 from rljax.models import Decoder
 from rljax.models.hf_config import config_from_hf
-from rljax.models.hf_io import from_pretrained, weight_map, write_pretrained
+from rljax.models.hf_io import from_pretrained, state_location, weight_map, write_pretrained
 from rljax.models.tokenizer import build_char_tokenizer, encode_prompts, load_tokenizer
 from rljax.run.builders import build_reward, build_task
 from rljax.run.experiment import ExperimentConfig, config_from_dict, load_experiment
@@ -96,7 +96,8 @@ def _policy_target(config, mesh) -> dict:
         shardings = {k: v.get_value() for k, v in
                      nnx.to_flat_state(state_shardings(abs_state, mesh))}
     tree: dict = {}
-    for _, spath, _, _ in weight_map(config):
+    for _, per_layer, _, _ in weight_map(config):
+        spath, _ = state_location(config, per_layer)  # a scanned model's [L, ...] stacks
         leaf = flat[spath].get_value()
         node = tree
         for key in spath:
@@ -183,7 +184,7 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
         cfg, config, policy, _ = _restore_policy(_as_path(source), step, mesh)
         tokenizer = _run_tokenizer(_as_path(source), cfg)
         get = lambda spath: multihost_utils.process_allgather(  # noqa: E731
-            _leaf(policy, spath), tiled=True)
+            _leaf(policy, *state_location(config, spath)), tiled=True)
     primary = jax.process_index() == 0
 
     def write(folder: pathlib.Path) -> None:
@@ -199,10 +200,10 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
     return out
 
 
-def _leaf(tree, spath):
+def _leaf(tree, spath, layer=None):
     for key in spath:
         tree = tree[str(key)]
-    return tree
+    return tree if layer is None else tree[layer]  # one layer of a stacked parameter
 
 
 def _sampling_defaults(run_cfg, max_new_tokens, temperature) -> dict:
