@@ -8,15 +8,8 @@ import math
 import pytest
 
 from rljax.run.plots import metric_series, plot_metrics
-from rljax.run.run_dir import (
-    Progress,
-    RunDir,
-    RunDirError,
-    config_hash,
-    config_to_dict,
-    format_summary,
-    read_metrics,
-)
+from rljax.run.report import Progress, format_summary
+from rljax.run.run_dir import RunDir, RunDirError, config_hash, config_to_dict, read_metrics
 
 
 @dataclasses.dataclass(frozen=True)

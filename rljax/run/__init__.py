@@ -27,8 +27,8 @@ _HOME = {
     "TaskConfig": "experiment", "load_experiment": "experiment",
     "load_run_config": "experiment", "OverrideError": "overrides",
     "apply_overrides": "overrides", "plot_metrics": "plots", "RunDir": "run_dir",
-    "RunDirError": "run_dir", "format_summary": "run_dir", "read_metrics": "run_dir",
-    "result_line": "run_dir", "RunResult": "runner", "run_experiment": "runner",
+    "RunDirError": "run_dir", "format_summary": "report", "read_metrics": "run_dir",
+    "result_line": "report", "RunResult": "runner", "run_experiment": "runner",
     "ArithmeticReward": "tasks", "CountdownReward": "tasks", "check_arithmetic": "tasks",
     "Preempted": "preemption", "load_teacher": "teacher",
 }

@@ -18,20 +18,18 @@ Paths go through `etils.epath` (orbax's path library), so `path` may be a bucket
 (`gs://...`). On several processes only process 0 (`primary=True`) owns these files;
 every process writes its own checkpoint shards through orbax.
 
-`Progress` prints a progress line with key metrics to stderr; `format_summary` builds the
-end-of-run screen whose last line is `RESULT accuracy_before=... accuracy_after=... wall_s=...`.
+The console side of a run (progress line, end-of-run screen, RESULT line) is
+`rljax.run.report`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import pathlib
 import sys
-import time
-from typing import Any, TextIO
+from typing import Any
 
 import jax
 import numpy as np
@@ -42,10 +40,7 @@ from tensorboardX import SummaryWriter
 from rljax.run import plots as _plots
 from rljax.train.config_io import config_to_dict, jsonable
 
-__all__ = [
-    "RunDir", "RunDirError", "Progress", "config_to_dict", "config_hash", "format_summary",
-    "read_metrics", "result_line",
-]
+__all__ = ["RunDir", "RunDirError", "config_to_dict", "config_hash", "read_metrics"]
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -327,88 +322,3 @@ class _Lines:
 
     def close(self) -> None:
         self.closed = True
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _fmt_time(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s"
-
-
-class Progress:
-    """A plain-text progress line: `[ 12/100  12%] reward=0.41 accuracy=0.38 | 1.2s/step eta 1m45s`.
-
-    On a terminal the line is redrawn in place; otherwise one line is printed every
-    `min_interval_s` seconds (and for the last step), so logs stay short.
-    """
-
-    def __init__(self, total: int, keys: tuple[str, ...] = (), *, stream: TextIO | None = None,
-                 min_interval_s: float = 5.0, desc: str = ""):
-        if not isinstance(total, int) or total < 1:
-            raise ValueError(f"total must be an int >= 1, got {total!r}")
-        self.total, self.keys, self.desc = total, tuple(keys), desc
-        self.stream = stream if stream is not None else sys.stderr
-        self.min_interval_s = min_interval_s
-        self._t0 = time.perf_counter()
-        self._last_print = -math.inf
-        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
-
-    def line(self, done: int, metrics: dict[str, Any]) -> str:
-        """The progress text after `done` of `total` steps."""
-        elapsed = time.perf_counter() - self._t0
-        per = elapsed / done if done else 0.0
-        shown = " ".join(f"{k}={_fmt(metrics[k])}" for k in self.keys if k in metrics)
-        width = len(str(self.total))
-        head = f"{self.desc} " if self.desc else ""
-        return (f"{head}[{done:>{width}}/{self.total} {100 * done // self.total:>3}%] {shown}"
-                f" | {per:.2f}s/step eta {_fmt_time(per * (self.total - done))}")
-
-    def update(self, done: int, metrics: dict[str, Any]) -> None:
-        """Show progress after `done` steps with the chosen `keys` of `metrics`."""
-        now = time.perf_counter()
-        last = done >= self.total
-        if self._tty:
-            end = "\n" if last else ""
-            self.stream.write("\r" + self.line(done, metrics) + "\x1b[K" + end)
-        elif last or now - self._last_print >= self.min_interval_s:
-            self.stream.write(self.line(done, metrics) + "\n")
-            self._last_print = now
-        self.stream.flush()
-
-
-def result_line(values: dict[str, float]) -> str:
-    """``RESULT k1=v1 k2=v2 ...`` (6 significant digits): the last line of an experiment."""
-    return "RESULT " + " ".join(f"{k}={float(v):.6g}" for k, v in values.items())
-
-
-def format_summary(*, accuracy_before: float, accuracy_after: float, wall_s: float,
-                   run_dir: str | pathlib.Path | None = None, title: str = "rljax run",
-                   details: dict[str, Any] | None = None) -> str:
-    """The end-of-run screen; its last line is `RESULT accuracy_before=.. accuracy_after=.. wall_s=..`.
-
-    Accuracies are fractions in [0, 1] (ValueError otherwise). `details` are extra lines
-    (e.g. tokens/s, steps) shown above the RESULT line.
-    """
-    for name, value in (("accuracy_before", accuracy_before), ("accuracy_after", accuracy_after)):
-        if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must be a fraction in [0, 1], got {value!r}")
-    if not isinstance(wall_s, (int, float)) or not wall_s >= 0:
-        raise ValueError(f"wall_s must be a number >= 0, got {wall_s!r}")
-    rule = "=" * 60
-    lines = [rule, title, rule,
-             f"  accuracy before : {accuracy_before:.4f}",
-             f"  accuracy after  : {accuracy_after:.4f}  ({accuracy_after - accuracy_before:+.4f})",
-             f"  wall time       : {wall_s:.1f} s ({_fmt_time(wall_s)})"]
-    for key, value in (details or {}).items():
-        lines.append(f"  {key:<16}: {_fmt(value)}")
-    if run_dir is not None:
-        lines.append(f"  run directory   : {run_dir}")
-    lines.append(rule)
-    lines.append(f"RESULT accuracy_before={accuracy_before:.4f} "
-                 f"accuracy_after={accuracy_after:.4f} wall_s={wall_s:.1f}")
-    return "\n".join(lines)

@@ -38,7 +38,8 @@ from rljax.models import ValueModel
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.preemption import Preempted, StopSignal
-from rljax.run.run_dir import Progress, RunDir, format_summary, is_local
+from rljax.run.report import Progress, format_summary
+from rljax.run.run_dir import RunDir, is_local
 from rljax.run.teacher import load_teacher
 from rljax.sharding import shard_params
 from rljax.train.batching import encode_pairs
