@@ -15,7 +15,15 @@ Inputs (nothing is downloaded): the HF checkpoint folder at `hf_path` and GSM8K'
 release (`train.jsonl`, `test.jsonl`) at `task.path`; see tpu_setup/README.md.
 
     rljax train gsm8k_qwen25_grpo --set hf_path=$HOME/models/Qwen2.5-1.5B-Instruct
+    rljax train gsm8k_qwen25_grpo --set recipe=1.5b-v5e16   # a named TPU recipe (RECIPES)
     rljax train gsm8k_qwen25_grpo --set smoke=true      # 2 steps on CPU, tiny random Qwen2
+
+TPU recipes (`RECIPES`; per-chip memory of each program checked by compiling it for the
+slice ahead of time: `experiments/memory_budget.py`, figures in the README). Common to all:
+bfloat16 matmuls (float32 master weights, Adam moments and log-probs), splash attention,
+each layer rematerialised in the backward pass (activations of a 832-token micro-batch
+then cost one layer's worth, not 24-28), the lm head in 128-position chunks (a
+[rows, 128, 151936] float32 block instead of [rows, 832, 151936]).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import os
 import sys
 import tempfile
 
+from rljax.run.recipes import Recipe, apply_recipe
 from rljax.sharding import MeshConfig
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
 from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
@@ -55,16 +64,45 @@ def config() -> ExperimentConfig:
     )
 
 
-def smoke_inputs(cfg: ExperimentConfig, root: str | None = None) -> ExperimentConfig:
-    """`cfg` pointed at a tiny random Qwen2 checkpoint and a small GSM8K-format set, made
+# 512 completions per step split over data x fsdp. Qwen2.5's 14 (0.5B) or 12 (1.5B) query
+# heads and 2 kv heads split over tensor <= 2 only (rljax replicates what does not divide),
+# so the 0.5B runs pure FSDP: its float32 state with the reference (~8 GB) is 1 GB per
+# chip on 8 chips, and tensor parallelism would only add collectives.
+RECIPES = {
+    "0.5b-v5e8": Recipe("Qwen2.5-0.5B-Instruct", "v5e-8", MeshConfig(1, 8, 1), 64,
+                        why="pure FSDP: state 1 GB/chip; micro 64 = 8 rows/chip"),
+    "1.5b-v5e8": Recipe("Qwen2.5-1.5B-Instruct", "v5e-8", MeshConfig(1, 8, 1), 32,
+                        why="pure FSDP: state ~3 GB/chip; micro 32 = 4 rows/chip keeps "
+                            "the 151936-wide logits chunk small"),
+    "0.5b-v5e16": Recipe("Qwen2.5-0.5B-Instruct", "v5e-16", MeshConfig(1, 16, 1), 64,
+                         why="pure FSDP over 16 chips; micro 64 = 4 rows/chip"),
+    "1.5b-v5e16": Recipe("Qwen2.5-1.5B-Instruct", "v5e-16", MeshConfig(1, 8, 2), 64,
+                         why="fsdp 8 x tensor 2 (the 2 kv heads split): half the weight "
+                             "gathers per decode step; micro 64 = 8 rows per fsdp shard"),
+}
+
+
+def recipe(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`--set recipe=NAME`: the named TPU recipe of `RECIPES` on top of `cfg`."""
+    if cfg.recipe not in RECIPES:
+        raise ValueError(f"recipe={cfg.recipe!r}; allowed: {sorted(RECIPES)}")
+    return apply_recipe(cfg, RECIPES[cfg.recipe])
+
+
+def smoke_inputs(cfg: ExperimentConfig, root: str | None = None,
+                 architecture: str = "qwen2") -> ExperimentConfig:
+    """`cfg` pointed at a tiny random `architecture` checkpoint and a small GSM8K-format set, made
     now in a temporary folder, with two RL steps of a few short completions."""
     from rljax.run.smoke import make_tiny_hf_checkpoint, write_gsm8k_like
 
     root = root or tempfile.mkdtemp(prefix="rljax_smoke_")
-    ckpt = make_tiny_hf_checkpoint(os.path.join(root, "tiny-qwen2"), architecture="qwen2")
+    ckpt = make_tiny_hf_checkpoint(os.path.join(root, f"tiny-{architecture}"),
+                                   architecture=architecture)
     data = write_gsm8k_like(os.path.join(root, "gsm8k"))
     return dataclasses.replace(
-        cfg, hf_path=str(ckpt), compute_dtype="float32",
+        cfg, hf_path=str(ckpt), compute_dtype="float32", attention="xla",
+        # A recipe's mesh on the CPU's devices: fsdp takes what tensor (at most 2) leaves.
+        mesh=MeshConfig(data=1, fsdp=-1, tensor=min(cfg.mesh.tensor, 2)),
         task=dataclasses.replace(cfg.task, path=str(data), max_prompt_tokens=144),
         algorithm=dataclasses.replace(
             cfg.algorithm, group_size=min(cfg.algorithm.resolve().group_size, 4),

@@ -12,7 +12,12 @@ Same task, reward and inputs as `gsm8k_qwen25_grpo.py` (verl: Qwen2.5-0.5B-Instr
 49.6% -> 56.7% on GSM8K with PPO).
 
     rljax train gsm8k_qwen25_ppo --set hf_path=$HOME/models/Qwen2.5-0.5B-Instruct
+    rljax train gsm8k_qwen25_ppo --set recipe=1.5b-v5e8     # a named TPU recipe (RECIPES)
     rljax train gsm8k_qwen25_ppo --set smoke=true       # 2 steps on CPU, tiny random Qwen2
+
+TPU recipes: the GRPO recipes' meshes (see there) with PPO's micro-batches: a minibatch is
+128 completions (256 prompts, 2 minibatches) and each update also runs the value model,
+whose float32 weights and Adam moments double the trained state.
 """
 
 from __future__ import annotations
@@ -46,6 +51,25 @@ def config() -> ExperimentConfig:
         rl=dataclasses.replace(base.rl, prompts_per_step=256, value_lr_ratio=10.0),
         run=dataclasses.replace(base.run, dir="runs/gsm8k_qwen25_ppo"),
     )
+
+
+def _recipes() -> dict:
+    """The GRPO recipes' meshes with PPO's micro-batch of 32 (a quarter of a minibatch)."""
+    return {name: dataclasses.replace(r, micro_batch_size=32,
+                                      why=r.why.split(";")[0] + "; micro 32 of 128")
+            for name, r in _grpo_recipe().RECIPES.items()}
+
+
+RECIPES = _recipes()
+
+
+def recipe(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`--set recipe=NAME`: the named TPU recipe of `RECIPES` on top of `cfg`."""
+    from rljax.run.recipes import apply_recipe
+
+    if cfg.recipe not in RECIPES:
+        raise ValueError(f"recipe={cfg.recipe!r}; allowed: {sorted(RECIPES)}")
+    return apply_recipe(cfg, RECIPES[cfg.recipe])
 
 
 def smoke(cfg: ExperimentConfig) -> ExperimentConfig:

@@ -42,3 +42,24 @@ def test_smoke_runs_two_steps(recipe, tmp_path, capsys):
         assert {"value_loss", "grad_norm_value", "kl_coef"} <= set(rl[0])
     if recipe == "countdown_r1zero":
         assert {"reward/accuracy", "reward/format"} <= set(rl[0])
+
+
+@pytest.mark.parametrize("experiment", ["gsm8k_qwen25_grpo", "gsm8k_qwen25_ppo",
+                                        "gsm8k_llama3_grpo"])
+def test_tpu_recipes_cover_their_slice(experiment):
+    """Each named TPU recipe: a mesh over exactly its slice's chips, micro-batches that
+    divide the minibatch and split over data x fsdp; its smoke version runs on CPU."""
+    from rljax.run.experiment import experiment_module
+
+    recipes = experiment_module(ROOT / f"experiments/{experiment}.py").RECIPES
+    assert recipes
+    for name, rec in recipes.items():
+        cfg = load_experiment(ROOT / f"experiments/{experiment}.py", [f"recipe={name}"])
+        data, fsdp, tensor = cfg.mesh.resolve(rec.tpu.chips)
+        assert cfg.hf_path.endswith(rec.model) and cfg.attention == "splash" and cfg.rl.remat
+        a = cfg.algorithm.resolve()
+        minibatch = cfg.rl.prompts_per_step * a.group_size // a.num_minibatches
+        assert minibatch % a.micro_batch_size == 0 and a.micro_batch_size % (data * fsdp) == 0
+        smoke = load_experiment(ROOT / f"experiments/{experiment}.py",
+                                [f"recipe={name}", "smoke=true"])
+        assert smoke.attention == "xla" and 8 % smoke.mesh.tensor == 0

@@ -13,6 +13,7 @@ does; see the README's "Attention implementations" paragraph for when each is us
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -33,6 +34,22 @@ from rljax.sharding import fitted_spec
 # fused backward kernel.
 _LANES = 128
 _BLOCKS = (512, 256, 128)
+# Set by `tpu_kernels()`: trace the real TPU kernel whatever the default backend.
+_FORCE_TPU_KERNEL = False
+
+
+@contextlib.contextmanager
+def tpu_kernels():
+    """Within this block `splash_attend(interpret=None)` traces the real TPU kernel even
+    when the default backend is not TPU: for compiling TPU programs ahead of time on a CPU
+    host (`jax.experimental.topologies`; see experiments/memory_budget.py). Only programs
+    first traced inside the block see it (jit caches a trace by its arguments)."""
+    global _FORCE_TPU_KERNEL
+    before, _FORCE_TPU_KERNEL = _FORCE_TPU_KERNEL, True
+    try:
+        yield
+    finally:
+        _FORCE_TPU_KERNEL = before
 
 
 @jax.tree_util.register_dataclass
@@ -110,12 +127,12 @@ def splash_attend(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Arr
     with G = N / K). Forward and backward are the kernel's own (fused backward). T is
     padded up to a multiple of 128 with isolated padding slots, then cut back.
     interpret: run the kernel in Pallas interpret mode (plain XLA ops; slow, any backend);
-    None means interpret unless the default backend is TPU. Returns `[B, T, N, H]` in
+    None means interpret unless the default backend is TPU (or inside `tpu_kernels()`). Returns `[B, T, N, H]` in
     q's dtype.
     """
     b, t, n, h = q_BxTxNxH.shape
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = jax.default_backend() != "tpu" and not _FORCE_TPU_KERNEL
     tp = -(-t // _LANES) * _LANES
     seg = _isolate_padding(_pad_time(jnp.asarray(segment_ids_BxT, jnp.int32), 1, tp, -1))
     q = q_BxTxNxH * jnp.asarray(h**-0.5, q_BxTxNxH.dtype)  # splash does not scale

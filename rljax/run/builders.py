@@ -78,7 +78,8 @@ def _init_program(model_cfg, mesh):
 def build_model(cfg: ExperimentConfig, tokenizer, mesh=None, seed: int | None = None):
     """The policy `Decoder`: random init from `cfg.model` (seed `run.seed`) or `hf_path`."""
     if cfg.hf_path is not None:
-        model = from_pretrained(cfg.hf_path, dtype=cfg.compute_dtype, mesh=mesh)
+        model = from_pretrained(cfg.hf_path, dtype=cfg.compute_dtype, mesh=mesh,
+                                attention=cfg.attention)
     else:
         seed = cfg.run.seed if seed is None else seed
         ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()

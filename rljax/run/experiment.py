@@ -6,7 +6,9 @@ settings `--set smoke=true` switches to: two steps on CPU with a tiny model).
 `load_experiment("arithmetic_grpo", ["optim.lr=1e-5"])` imports the file with importlib,
 calls `config()`, applies the typed overrides (see `rljax.run.overrides`) and, when
 `smoke` is set, the file's `smoke` function (the overrides are applied again after it, so
-the command line always wins). Nothing is `exec`'d from strings.
+the command line always wins). A `recipe` set (`--set recipe=NAME`) calls the file's
+`recipe(cfg)` first (named TPU recipes, `rljax.run.recipes`), so `smoke` shrinks the
+recipe. Nothing is `exec`'d from strings.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from rljax.models import ModelConfig
+from rljax.models.config import ATTENTION_IMPLS
 from rljax.rewards.extract import MODES as EXTRACT_MODES
 from rljax.run.overrides import apply_overrides
 from rljax.sharding import MeshConfig
@@ -28,7 +31,8 @@ from rljax.train.config_io import config_from_dict
 
 __all__ = [
     "ExperimentConfig", "RewardConfig", "RunConfig", "TaskConfig", "available_experiments",
-    "config_from_dict", "experiments_dir", "load_experiment", "load_run_config",
+    "config_from_dict", "experiment_module", "experiments_dir", "load_experiment",
+    "load_run_config",
 ]
 
 
@@ -253,6 +257,8 @@ class ExperimentConfig:
       hf_path: a local Hugging Face checkpoint folder to start from (exclusive with `model`).
       compute_dtype: matmul dtype of a model loaded from `hf_path` ("float32" | "bfloat16";
         parameters stay float32). A random-init model uses `model.compute_dtype`.
+      attention: `ModelConfig.attention` of a model loaded from `hf_path` ("xla", "splash"
+        on TPU, "cudnn" on GPU); a random-init model uses `model.attention`.
       tokenizer: a tokenizer folder, or "char" for `rljax.models`' character tokenizer
         (None: the one in `hf_path`).
       teacher: on-policy distillation's teacher (`algorithm.name="distill"` needs it, the
@@ -263,12 +269,15 @@ class ExperimentConfig:
       mesh: device mesh sizes (`rljax.sharding.MeshConfig`).
       run: run directory, seed, checkpoints.
       smoke: a quick run (two steps on CPU with a tiny model) for testing a recipe.
+      recipe: a named recipe of the experiment file (its `RECIPES`; `rljax.run.recipes`),
+        applied by `load_experiment` through the file's `recipe(cfg)`.
     """
 
     name: str = "experiment"
     model: ModelConfig | None = None
     hf_path: str | None = None
     compute_dtype: str = "float32"
+    attention: str = "xla"
     tokenizer: str | None = "char"
     teacher: str | None = None
     task: TaskConfig = TaskConfig()
@@ -281,6 +290,7 @@ class ExperimentConfig:
     mesh: MeshConfig = MeshConfig()
     run: RunConfig = RunConfig()
     smoke: bool = False
+    recipe: str | None = None
 
     def __post_init__(self):
         c = "ExperimentConfig"
@@ -308,6 +318,9 @@ class ExperimentConfig:
                   f"algorithm.name='distill', else None (algorithm.name="
                   f"{self.algorithm.name!r})")
         _check_bool(c, "smoke", self.smoke)
+        if self.attention not in ATTENTION_IMPLS:
+            _fail(c, "attention", self.attention, "one of " + ", ".join(map(repr, ATTENTION_IMPLS)))
+        _check_str(c, "recipe", self.recipe, optional=True)
 
     def resolved(self) -> ExperimentConfig:
         """This config with the algorithm's preset filled in (``AlgorithmConfig.resolve``):
@@ -365,6 +378,12 @@ def _import_file(path: pathlib.Path):
     return module
 
 
+def experiment_module(name_or_path: str | pathlib.Path):
+    """The experiment file's module, imported afresh (its `RECIPES`, helpers); same
+    lookup as `load_experiment`."""
+    return _import_file(_resolve(name_or_path))
+
+
 def load_experiment(name_or_path: str | pathlib.Path,
                     overrides: Sequence[str] = ()) -> ExperimentConfig:
     """Import an experiment file, call its `config()`, apply `overrides` (and `smoke`).
@@ -383,6 +402,15 @@ def load_experiment(name_or_path: str | pathlib.Path,
     if not isinstance(cfg, ExperimentConfig):
         raise TypeError(f"{path}: config() returned {type(cfg).__name__}, not ExperimentConfig")
     cfg = apply_overrides(cfg, overrides)
+    if cfg.recipe is not None:
+        hook = getattr(module, "recipe", None)
+        if not callable(hook):
+            raise TypeError(f"recipe={cfg.recipe!r}: experiment file {path} has no recipe(cfg) "
+                            "hook (it offers no named recipes)")
+        cfg = hook(cfg)
+        if not isinstance(cfg, ExperimentConfig):
+            raise TypeError(f"{path}: recipe() returned {type(cfg).__name__}")
+        cfg = apply_overrides(cfg, overrides)
     if cfg.smoke:
         smoke = getattr(module, "smoke", None)
         if callable(smoke):

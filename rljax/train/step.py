@@ -246,13 +246,26 @@ def batch_constrainer(mesh):
     return constrain
 
 
+def opt_state_shardings(txs: dict, params: dict, mesh) -> dict:
+    """Shardings of ``init_opt_state``'s result: each moment sharded like its parameter,
+    everything else (step counts) replicated. ``params``' leaves carry ``.sharding``
+    (arrays or abstract arrays)."""
+    abstract = jax.eval_shape(lambda p: {k: txs[k].init(p[k]) for k in p}, params)
+    p_sh = jax.tree.map(lambda x: x.sharding, params)
+    rep = replicated(mesh)
+    return {k: optax.tree_map_params(txs[k], lambda _, s: s, abstract[k], p_sh[k],
+                                     transform_non_params=lambda _: rep) for k in abstract}
+
+
 def init_opt_state(txs: dict, params: dict, mesh=None) -> dict:
-    """Optimiser states for ``params`` (dict name -> NNX state), placed by jit like them."""
-    init = jax.jit(lambda p: {k: txs[k].init(p[k]) for k in p})
+    """Optimiser states for ``params`` (dict name -> NNX state); on a mesh each moment is
+    sharded like its parameter (a jit left to choose placed the zeros replicated: every
+    chip held all of Adam's moments, 3.7 GiB per chip for Qwen2.5-0.5B)."""
+    init = lambda p: {k: txs[k].init(p[k]) for k in p}
     if mesh is None:
-        return init(params)
+        return jax.jit(init)(params)
     with jax.set_mesh(mesh):
-        return init(params)
+        return jax.jit(init, out_shardings=opt_state_shardings(txs, params, mesh))(params)
 
 
 def new_train_state(params: dict, opt_state: dict, seed: int, *, ref_params=None,

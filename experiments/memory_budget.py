@@ -1,0 +1,341 @@
+"""Per-chip memory of each TPU recipe's programs, compiled ahead of time for its slice.
+
+For every named recipe (`RECIPES`) of the GSM8K experiments (`gsm8k_qwen25_grpo`,
+`gsm8k_qwen25_ppo`, `gsm8k_llama3_grpo`) this builds the model from the real checkpoint's
+shapes (`rljax.run.recipes.MODEL_SHAPES`; `jax.eval_shape`, no weights), places it on a
+mesh over the slice's TPU devices from `jax.experimental.topologies.get_topology_desc`
+(no TPU needed: libtpu's compiler runs on this host, as MaxText's train_compile.py does),
+lowers and compiles, without running, the run's four programs:
+
+  prefill  the sampler's prompt forward into the KV cache (`rljax.sampling.sampler`)
+  decode   the sampler's decode loops (donated state, cache grown per phase)
+  logprob  the reference's log-probs over the whole rollout batch, micro-batched (the
+           first pass of the learning program, compiled alone)
+  learn    the one learning program of `rljax.train.rl.RLTrainer` (forwards, advantages,
+           epochs x minibatches of micro-batched updates; params and Adam state donated)
+
+and prints each program's per-chip bytes from `compiled.memory_analysis()`: peak =
+arguments + outputs + temporaries + generated code - aliased (donated) bytes, plus
+"resident": the run's other state that stays in HBM while the program runs but is not
+one of its arguments (the Adam moments and reference during sampling, for instance).
+`peak + resident` is compared with the chip's HBM (v5e 16 GiB, v5p 95 GiB).
+
+libtpu is not a project dependency (684 MB). Install it beside the project's jax:
+
+    pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')"
+
+Without it the programs compile for CPU devices instead (splash attention replaced by
+XLA's einsum attention) and every figure is labelled a CPU estimate. Run by hand, not in
+CI (minutes per 8B program on 2 cores):
+
+    python experiments/memory_budget.py [--recipes gsm8k_qwen25_grpo/0.5b-v5e8 ...]
+
+The last line: RESULT programs=<n> worst=<recipe>/<program> worst_peak_gib=<x>
+hbm_gib=<y> fits=<true|false> (worst = the largest peak + resident relative to its HBM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import math
+import os
+import pathlib
+import sys
+import time
+import types
+
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+if __name__ == "__main__" and not HAVE_LIBTPU:  # CPU estimates need one device per chip
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=64")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from rljax.models import Decoder, ValueModel  # noqa: E402
+from rljax.models.attention_kernels import tpu_kernels  # noqa: E402
+from rljax.run.experiment import experiment_module, load_experiment  # noqa: E402
+from rljax.sampling import sampler as sampler_lib  # noqa: E402
+from rljax.sampling.head import _to_VxD_jit, _source  # noqa: E402
+from rljax.sampling.ops import SamplingParams  # noqa: E402
+from rljax.sharding import batch_sharding, make_mesh, replicated, state_shardings  # noqa: E402
+from rljax.train.learn import _map_micro  # noqa: E402
+from rljax.train.logprobs import policy_logprobs  # noqa: E402
+from rljax.train.rl import RLTrainer  # noqa: E402
+from rljax.train.step import opt_state_shardings  # noqa: E402
+
+GIB = 2.0**30
+EXPERIMENTS = ("gsm8k_qwen25_grpo", "gsm8k_qwen25_ppo", "gsm8k_llama3_grpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """Per-chip bytes of one compiled program (`compiled.memory_analysis()`)."""
+
+    recipe: str
+    program: str
+    arguments: int
+    outputs: int
+    temps: int
+    code: int
+    aliased: int
+    resident: int
+    hbm_gib: float
+    compile_s: float
+
+    @property
+    def peak(self) -> int:
+        """Arguments + outputs + temporaries + code - donated (aliased) bytes."""
+        return self.arguments + self.outputs + self.temps + self.code - self.aliased
+
+    @property
+    def total_gib(self) -> float:
+        """Peak plus the run's other state resident in HBM, GiB."""
+        return (self.peak + self.resident) / GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.total_gib <= self.hbm_gib
+
+
+def per_chip_bytes(tree) -> int:
+    """Bytes one chip holds of a pytree of sharded abstract arrays (the largest shard)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _abstract(values, shardings):
+    return jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                        values, shardings)
+
+
+def _outputs(compiled):
+    """A compiled program's outputs as sharded abstract arrays (inputs of the next one)."""
+    return _abstract(compiled.out_info, compiled.output_shardings)
+
+
+def _memory(compiled) -> tuple[int, int, int, int, int]:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
+            m.generated_code_size_in_bytes, m.alias_size_in_bytes)
+
+
+def abstract_params(module_fn, mesh):
+    """`(graphdef, params)` of `module_fn()` built with `jax.eval_shape`, every leaf an
+    abstract array with its sharding from rljax's logical rules."""
+    with jax.set_mesh(mesh):
+        graphdef, state = nnx.split(nnx.eval_shape(module_fn))
+    return graphdef, _abstract(state, state_shardings(state, mesh))
+
+
+def _cast(tree, dtype: str):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
+        sharding=x.sharding), tree)
+
+
+def _key(mesh):
+    k = jax.eval_shape(lambda: jax.random.key(0))
+    return jax.ShapeDtypeStruct(k.shape, k.dtype, sharding=replicated(mesh))
+
+
+def _batch(mesh, shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))
+
+
+class _Tokenizer(types.SimpleNamespace):
+    """What the trainer reads of a tokenizer before sampling: the pad and stop ids."""
+
+
+def _trainer(cfg, graphdef, value_gd, mesh, model_cfg):
+    eos = model_cfg.vocab_size - 1
+    return RLTrainer(graphdef, _Tokenizer(eos_token_id=eos, pad_token_id=eos), lambda c, m: None,
+                     algorithm=cfg.algorithm, optim=cfg.optim, sampling=cfg.sampling,
+                     rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens,
+                     value_graphdef=value_gd, mesh=mesh)
+
+
+def _opt_state(trainer, params, mesh):
+    """The optimiser state as `init_opt_state` places it."""
+    shapes = jax.eval_shape(lambda p: {k: trainer.txs[k].init(p[k]) for k in p}, params)
+    return _abstract(shapes, opt_state_shardings(trainer.txs, params, mesh))
+
+
+def _head(params, model_cfg, mesh):
+    """The sampler's cached vocab-major output weight (`cached_vocab_major_weight`)."""
+    name, already = _source(model_cfg)
+    var = params[name]
+    w = var.get_value() if hasattr(var, "get_value") else var
+    if already and w.dtype == jnp.dtype(model_cfg.compute_dtype):
+        return w
+    with jax.set_mesh(mesh):
+        return _outputs(_to_VxD_jit.lower(w, already, jnp.dtype(model_cfg.compute_dtype))
+                        .compile())
+
+
+def _rollout(trainer, mesh, b, p, t):
+    from rljax.train.rollout import Rollout
+
+    f32, i32 = jnp.float32, jnp.int32
+    return Rollout(prompt_BxP=_batch(mesh, (b, p), i32), prompt_mask_BxP=_batch(mesh, (b, p), f32),
+                   completion_BxT=_batch(mesh, (b, t), i32),
+                   completion_mask_BxT=_batch(mesh, (b, t), f32),
+                   sampler_logp_BxT=_batch(mesh, (b, t), f32), truncated_B=_batch(mesh, (b,), f32),
+                   rewards_B=_batch(mesh, (b,), f32), correct_B=_batch(mesh, (b,), f32),
+                   weight_B=_batch(mesh, (b,), f32), group_size=trainer.alg.group_size,
+                   has_correct=True)
+
+
+def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
+                   log=print) -> list[ProgramMemory]:
+    """Compile `cfg`'s prefill, decode, logprob and learn programs for `devices` (a mesh
+    of `cfg.mesh` over them) with the model shapes `model_cfg`; their per-chip memory."""
+    mesh = make_mesh(cfg.mesh, devices=devices)
+    graphdef, policy = abstract_params(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)), mesh)
+    value_gd, value = None, None
+    if cfg.algorithm.resolve().name == "ppo":
+        value_gd, value = abstract_params(lambda: ValueModel(model_cfg, rngs=nnx.Rngs(0)), mesh)
+    trainer = _trainer(cfg, graphdef, value_gd, mesh, model_cfg)
+    params = {"policy": policy} | ({"value": value} if value is not None else {})
+    opt = _opt_state(trainer, params, mesh)
+    ref = _cast(policy, getattr(cfg.rl, "ref_dtype", "float32")) if trainer.uses_ref else None
+    n_prompts, g = cfg.rl.prompts_per_step, trainer.alg.group_size
+    p, t, b = cfg.task.max_prompt_tokens, cfg.sampling.max_new_tokens, n_prompts * g
+    state_bytes = {"params": per_chip_bytes(params), "opt": per_chip_bytes(opt),
+                   "ref": per_chip_bytes(ref) if ref is not None else 0}
+    log(f"[{label}] state per chip: " + ", ".join(f"{k} {v / GIB:.2f} GiB"
+                                                   for k, v in state_bytes.items()))
+    out, rep = [], replicated(mesh)
+
+    def record(name, fn, resident):
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh), tpu_kernels():
+            compiled = fn()
+        row = ProgramMemory(label, name, *_memory(compiled), resident=resident,
+                            hbm_gib=hbm_gib, compile_s=time.perf_counter() - t0)
+        log(f"[{label}] {name}: peak {row.peak / GIB:.2f} + resident {resident / GIB:.2f} "
+            f"GiB ({row.compile_s:.0f} s to compile)")
+        out.append(row)
+        return compiled
+
+    # Sampler: the policy's weights (and the cached head) are arguments; Adam moments,
+    # the reference and a PPO value model stay resident beside it.
+    head = _head(policy, model_cfg, mesh)
+    spec = sampler_lib.DecodeSpec(SamplingParams(temperature=cfg.sampling.temperature),
+                                  (model_cfg.vocab_size - 1,), g, t,
+                                  sampler_lib.plan_phases(p, t, p + t - 1, 4),
+                                  model_cfg.vocab_size - 1)
+    sampling_resident = (state_bytes["opt"] + state_bytes["ref"] + state_bytes["params"]
+                         - per_chip_bytes(policy))
+    prompts = (_batch(mesh, (n_prompts, p), jnp.int32), _batch(mesh, (n_prompts, p), jnp.bool_),
+               _batch(mesh, (n_prompts, p), jnp.int32))
+    pre = record("prefill", lambda: sampler_lib._prefill.lower(
+        graphdef, spec, mesh, policy, head, *prompts, _key(mesh)).compile(), sampling_resident)
+    s, cache, _ = _outputs(pre)
+    record("decode", lambda: sampler_lib._decode.lower(
+        graphdef, spec, mesh, policy, head, s, cache).compile(), sampling_resident)
+    # Reference log-probs over the batch (the learning program's first pass, alone).
+    ro = _rollout(trainer, mesh, b, p, t)
+    spec_l = trainer.spec
+    logp = jax.jit(lambda w, seqs: _map_micro(
+        lambda mb: policy_logprobs(graphdef, w, mb, chunk=spec_l.chunk,
+                                   temperature=spec_l.temperature)[0], seqs, spec_l.num_micro))
+    record("logprob", lambda: logp.lower(ref if ref is not None else policy, ro.seqs()).compile(),
+           sum(state_bytes.values()) - per_chip_bytes(ref if ref is not None else policy))
+    scalars = dict(updates=jnp.int32, nonfinite_run=jnp.int32, skipped=jnp.int32,
+                   kl_coef=jnp.float32, step=jnp.int32)
+    scalars = {k: jax.ShapeDtypeStruct((), v, sharding=rep) for k, v in scalars.items()}
+    learn = trainer._jit_learn(types.SimpleNamespace(params=params, opt_state=opt))
+    record("learn", lambda: learn.lower(params, opt, scalars, ref, ro, _key(mesh), None)
+           .compile(), 0)
+    return out
+
+
+def tpu_devices(topology: str):
+    """The devices of a TPU topology (libtpu's compiler on this host), or None without
+    libtpu."""
+    if not HAVE_LIBTPU:
+        return None
+    from jax.experimental import topologies
+
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+
+
+def recipes(selected: list[str] | None = None):
+    """`(label, ExperimentConfig, Recipe)` of every recipe (or of `selected` labels,
+    "experiment/recipe")."""
+    for exp in EXPERIMENTS:
+        for name, rec in experiment_module(pathlib.Path(__file__).with_name(f"{exp}.py")
+                                           ).RECIPES.items():
+            label = f"{exp}/{name}"
+            if selected and label not in selected:
+                continue
+            yield label, load_experiment(pathlib.Path(__file__).with_name(f"{exp}.py"),
+                                         [f"recipe={name}"]), rec
+
+
+def budget_recipe(label, cfg, rec, log=print) -> tuple[list[ProgramMemory], str]:
+    """Compile one recipe for its TPU slice (or CPU devices without libtpu)."""
+    devices = tpu_devices(rec.tpu.topology)
+    model_cfg = rec.model_config(cfg.compute_dtype)
+    if devices is None:  # CPU estimate: XLA attention (interpret-mode splash is not a kernel)
+        devices = jax.devices("cpu")[: rec.tpu.chips]
+        model_cfg = dataclasses.replace(model_cfg, attention="xla")
+    kind = devices[0].device_kind
+    log(f"[{label}] {rec.model} on {rec.slice} ({rec.tpu.topology}, {len(devices)} x {kind}), "
+        f"mesh {cfg.mesh.resolve(len(devices))}, micro {cfg.algorithm.micro_batch_size}: {rec.why}")
+    return compile_recipe(cfg, model_cfg, devices, label=label, hbm_gib=rec.tpu.hbm_gib,
+                          log=log), kind
+
+
+def table(rows: list[ProgramMemory]) -> str:
+    """A markdown table of the rows (GiB per chip)."""
+    head = ("| recipe | program | args | temps | peak | resident | peak+resident | HBM | fits |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---|")
+    lines = [f"| {r.recipe} | {r.program} | {r.arguments / GIB:.2f} | {r.temps / GIB:.2f} | "
+             f"{r.peak / GIB:.2f} | {r.resident / GIB:.2f} | {r.total_gib:.2f} | "
+             f"{r.hbm_gib:.0f} | {'yes' if r.fits else 'NO'} |" for r in rows]
+    return "\n".join([head, *lines])
+
+
+def result_line(rows: list[ProgramMemory]) -> str:
+    """The RESULT line: the program with the largest share of its chip's HBM."""
+    worst = max(rows, key=lambda r: r.total_gib / r.hbm_gib)
+    return (f"RESULT programs={len(rows)} worst={worst.recipe}/{worst.program} "
+            f"worst_peak_gib={worst.total_gib:.2f} hbm_gib={worst.hbm_gib:.0f} "
+            f"fits={'true' if all(r.fits for r in rows) else 'false'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile every (or each `--recipes`) recipe; print the table and the RESULT line."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipes", nargs="*", help="labels 'experiment/recipe' (default: all)")
+    args = ap.parse_args(argv)
+    rows, kinds = [], set()
+    for label, cfg, rec in recipes(args.recipes):
+        got, kind = budget_recipe(label, cfg, rec)
+        rows += got
+        kinds.add(kind)
+        for r in got:
+            if not r.fits:
+                print(f"[{label}] {r.program} does NOT fit: {r.total_gib:.2f} GiB > "
+                      f"{r.hbm_gib:.0f} GiB by {r.total_gib - r.hbm_gib:.2f} GiB")
+    if not rows:
+        print("no recipe matched --recipes")
+        return 2
+    target = "TPU (libtpu AOT)" if HAVE_LIBTPU else "CPU ESTIMATES (libtpu not installed)"
+    print(f"\nPer-chip memory, GiB, compiled for {target}: {', '.join(sorted(kinds))}")
+    print(table(rows))
+    print(result_line(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Named TPU recipes of an experiment: a model, a Cloud TPU slice and the settings that make
+the run fit it (mesh, micro-batch, remat), selected with `--set recipe=NAME`.
+
+An experiment file that offers recipes defines `RECIPES: dict[str, Recipe]` and a hook
+`recipe(cfg) -> ExperimentConfig` (usually `apply_recipe(cfg, RECIPES[cfg.recipe])`);
+`rljax.run.experiment.load_experiment` calls the hook when `recipe` is set, before
+`smoke`. `experiments/memory_budget.py` compiles each recipe's programs ahead of time for
+its slice (`TpuSlice.topology`) from the model shapes in `MODEL_SHAPES`, without weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from rljax.models import ModelConfig
+from rljax.sharding import MeshConfig
+
+__all__ = ["MODEL_SHAPES", "SLICES", "Recipe", "TpuSlice", "apply_recipe"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+    """A Cloud TPU slice: `topology` as `jax.experimental.topologies.get_topology_desc`
+    names it, its number of chips (JAX devices) and each chip's HBM in GiB."""
+
+    name: str
+    topology: str
+    chips: int
+    hbm_gib: float
+
+
+# Cloud TPU names count chips for v5e and TensorCores for v4 / v5p (two per chip).
+SLICES = {s.name: s for s in (
+    TpuSlice("v5e-8", "v5e:2x4", 8, 16.0),
+    TpuSlice("v5e-16", "v5e:4x4", 16, 16.0),
+    TpuSlice("v5e-64", "v5e:8x8", 64, 16.0),
+    TpuSlice("v5p-64", "v5p:2x4x4", 32, 95.0),
+)}
+
+# The public config.json values of the checkpoints the recipes name (Hugging Face hub:
+# Qwen/Qwen2.5-0.5B-Instruct, Qwen/Qwen2.5-1.5B-Instruct, meta-llama/Meta-Llama-3-8B-
+# Instruct): what the budget compiles without downloading weights.
+MODEL_SHAPES = {
+    "Qwen2.5-0.5B-Instruct": ModelConfig(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+        num_heads=14, num_kv_heads=2, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, qkv_bias=True, max_position_embeddings=32768,
+        architecture="qwen2"),
+    "Qwen2.5-1.5B-Instruct": ModelConfig(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+        num_heads=12, num_kv_heads=2, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, qkv_bias=True, max_position_embeddings=32768,
+        architecture="qwen2"),
+    "Meta-Llama-3-8B-Instruct": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, rope_theta=500_000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, max_position_embeddings=8192, architecture="llama"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One model on one slice.
+
+    model: a key of `MODEL_SHAPES`; the checkpoint is read from `~/models/<model>`.
+    slice: a key of `SLICES`.
+    mesh: the mesh over the slice's chips (its product is the slice's chip count).
+    micro_batch_size: completions per micro-batch of the learning program (0 = whole
+      minibatch); a multiple of mesh data x fsdp.
+    remat: recompute each layer in the backward pass (`RLConfig.remat`).
+    logp_chunk: positions per chunk of the output projection (`RLConfig.logp_chunk`).
+    attention: `ModelConfig.attention` of the loaded model ("splash" on TPU).
+    why: one line on the choices, printed by the budget.
+    """
+
+    model: str
+    slice: str
+    mesh: MeshConfig
+    micro_batch_size: int
+    remat: bool = True
+    logp_chunk: int = 128
+    attention: str = "splash"
+    why: str = ""
+
+    def __post_init__(self):
+        if self.model not in MODEL_SHAPES:
+            raise ValueError(f"Recipe.model={self.model!r}; allowed: {sorted(MODEL_SHAPES)}")
+        if self.slice not in SLICES:
+            raise ValueError(f"Recipe.slice={self.slice!r}; allowed: {sorted(SLICES)}")
+        self.mesh.resolve(SLICES[self.slice].chips)  # raises unless it covers the chips
+
+    @property
+    def tpu(self) -> TpuSlice:
+        """The slice this recipe runs on."""
+        return SLICES[self.slice]
+
+    def model_config(self, compute_dtype: str = "bfloat16") -> ModelConfig:
+        """The model's shapes with this recipe's attention and `compute_dtype`."""
+        return dataclasses.replace(MODEL_SHAPES[self.model], attention=self.attention,
+                                   compute_dtype=compute_dtype)
+
+
+def apply_recipe(cfg, recipe: Recipe, models_dir: str = "~/models"):
+    """`cfg` (an `ExperimentConfig`) with `recipe`'s checkpoint, mesh, micro-batch, remat,
+    chunk and attention."""
+    return dataclasses.replace(
+        cfg, hf_path=os.path.join(os.path.expanduser(models_dir), recipe.model),
+        attention=recipe.attention, mesh=recipe.mesh,
+        algorithm=dataclasses.replace(cfg.algorithm, micro_batch_size=recipe.micro_batch_size),
+        rl=dataclasses.replace(cfg.rl, remat=recipe.remat, logp_chunk=recipe.logp_chunk))
