@@ -63,7 +63,9 @@ class SFTTrainer:
         """A fresh state (new AdamW moments) around the policy ``params``; it takes
         ownership of them (updates donate their buffers)."""
         p = {"policy": params}
-        return new_train_state(p, self.learner.init_opt_state(p), seed)
+        # On a mesh the counters are replicated global arrays, as the update returns them:
+        # plain arrays made the second step compile the update a second time.
+        return new_train_state(p, self.learner.init_opt_state(p), seed, mesh=self.mesh)
 
     def step(self, state: TrainState, batch: dict):
         """One SFT update; returns ``(state, metrics: dict[str, float])``."""
