@@ -15,7 +15,8 @@ Plan (`run_all`), for each `Scenario` (one algorithm on one tiny experiment):
                  "mp_resume"  (scenarios with `resume`) a new `rljax train` invocation in
                               the same pair resumes the step-3 checkpoint for steps 4..5
   meanwhile:     "ref"        1 x 8, steps 1..3 from scratch
-  after the pair: "x8"        1 x 8 resumes a copy of "mp"'s run directory cut back to
+  once the pair is past
+  its "mp_resume": "x8"       1 x 8 resumes a copy of "mp"'s run directory cut back to
                               its step-3 checkpoint (later checkpoints deleted; the
                               resume drops the metric lines after step 3), steps 4..5
 
@@ -183,6 +184,20 @@ class _Pair:
                                     cwd=root, env=_env(4), stdout=log, stderr=subprocess.STDOUT)
             self.procs.append((proc, log))
 
+    def wait_past(self, k: int) -> None:
+        """Until both processes are done with run `k` (each has opened the next run's log
+        -- the driver opens it when that run starts -- or exited); a failure shows in
+        `wait`."""
+        deadline = time.monotonic() + TIMEOUT_S
+        if k + 1 >= len(self.runs):
+            return self.wait()
+        s, tag, _ = self.runs[k + 1]
+        while not all(proc.poll() is not None or (self.root / f"{s.name}.{tag}.p{i}.log").exists()
+                      for i, (proc, _) in enumerate(self.procs)):
+            if time.monotonic() > deadline:
+                return self.wait()  # kills the pair and reports its logs
+            time.sleep(0.2)
+
     def wait(self) -> None:
         deadline = time.monotonic() + TIMEOUT_S
         failed = []
@@ -215,11 +230,13 @@ def run_all(root: pathlib.Path, scenarios: list[Scenario]) -> float:
     try:
         for s in scenarios:
             s.in_process("ref")
+        for s in again:  # each as soon as the pair is done with its resume
+            pair.wait_past(next(k for k, (r, tag, _) in enumerate(plan)
+                                if r is s and tag == "mp_resume"))
+            copy_at_checkpoint(s.dir("mp"), s.dir("x8"), step=3)
+            s.in_process("x8", *RESUME)
     finally:
         pair.wait()
-    for s in again:
-        copy_at_checkpoint(s.dir("mp"), s.dir("x8"), step=3)
-        s.in_process("x8", *RESUME)
     return time.perf_counter() - t0
 
 
