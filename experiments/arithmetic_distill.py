@@ -38,7 +38,8 @@ import numpy as np
 
 from rljax.models import ModelConfig
 from rljax.run.artifacts import export_hf
-from rljax.run.experiment import ExperimentConfig, RunConfig, load_experiment
+from rljax.run.experiment import ExperimentConfig, RunConfig
+from rljax.run.experiment_files import load_experiment
 from rljax.run.overrides import apply_overrides
 from rljax.run.run_dir import read_metrics
 from rljax.run.runner import run_experiment

@@ -20,7 +20,8 @@ import dataclasses
 import pathlib
 import sys
 
-from rljax.run.experiment import ExperimentConfig, experiment_module
+from rljax.run.experiment import ExperimentConfig
+from rljax.run.experiment_files import experiment_module
 from rljax.run.recipes import Recipe, apply_recipe
 from rljax.sharding import MeshConfig
 

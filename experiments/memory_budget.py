@@ -58,7 +58,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from rljax.models import Decoder, ValueModel  # noqa: E402
 from rljax.models.attention_kernels import tpu_kernels  # noqa: E402
-from rljax.run.experiment import experiment_module, load_experiment  # noqa: E402
+from rljax.run.experiment_files import experiment_module, load_experiment  # noqa: E402
 from rljax.sampling import sampler as sampler_lib  # noqa: E402
 from rljax.sampling.head import _to_VxD_jit, _source  # noqa: E402
 from rljax.sampling.ops import SamplingParams  # noqa: E402

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import jax
 
 from rljax.run.artifacts import evaluate_source, export_hf, sample_texts
-from rljax.run.experiment import load_experiment
+from rljax.run.experiment_files import load_experiment
 from rljax.run.plots import plot_metrics
 from rljax.run.preemption import Preempted
 from rljax.run.run_dir import config_hash, config_to_dict, read_metrics

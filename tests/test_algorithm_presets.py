@@ -213,7 +213,7 @@ def test_set_gspo_on_the_grpo_demo_and_dry_run_prints_the_resolved_config(capsys
     import json
 
     from rljax.cli import main
-    from rljax.run.experiment import load_experiment
+    from rljax.run.experiment_files import load_experiment
 
     demo = load_experiment("arithmetic_grpo")
     cfg = load_experiment("arithmetic_grpo", ["algorithm.name=gspo"]).resolved().algorithm

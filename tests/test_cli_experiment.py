@@ -6,14 +6,8 @@ import textwrap
 import pytest
 
 from rljax.models import ModelConfig
-from rljax.run.experiment import (
-    ExperimentConfig,
-    RewardConfig,
-    RunConfig,
-    TaskConfig,
-    available_experiments,
-    load_experiment,
-)
+from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+from rljax.run.experiment_files import available_experiments, load_experiment
 from rljax.run.overrides import OverrideError
 
 TINY = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,

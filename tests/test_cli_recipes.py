@@ -8,7 +8,7 @@ import re
 import pytest
 
 from rljax.cli import main
-from rljax.run.experiment import load_experiment
+from rljax.run.experiment_files import load_experiment
 from rljax.run.run_dir import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def test_smoke_runs_two_steps(recipe, tmp_path, capsys):
 def test_tpu_recipes_cover_their_slice(experiment):
     """Each named TPU recipe: a mesh over exactly its slice's chips, micro-batches that
     divide the minibatch and split over data x fsdp; its smoke version runs on CPU."""
-    from rljax.run.experiment import experiment_module
+    from rljax.run.experiment_files import experiment_module
 
     recipes = experiment_module(ROOT / f"experiments/{experiment}.py").RECIPES
     assert recipes

@@ -10,7 +10,7 @@ import sys
 import jax
 
 from rljax.models import ModelConfig
-from rljax.run.experiment import load_experiment
+from rljax.run.experiment_files import load_experiment
 from rljax.sharding import MeshConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from rljax.run import builders
-from rljax.run.experiment import load_experiment
+from rljax.run.experiment_files import load_experiment
 from rljax.run.runner import run_experiment
 from rljax.train.rl import RLTrainer
 

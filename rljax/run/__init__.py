@@ -24,7 +24,7 @@ import importlib
 # matplotlib with the runner.
 _HOME = {
     "ExperimentConfig": "experiment", "RewardConfig": "experiment", "RunConfig": "experiment",
-    "TaskConfig": "experiment", "load_experiment": "experiment",
+    "TaskConfig": "experiment", "load_experiment": "experiment_files",
     "load_run_config": "experiment", "OverrideError": "overrides",
     "apply_overrides": "overrides", "plot_metrics": "plots", "RunDir": "run_dir",
     "RunDirError": "run_dir", "format_summary": "report", "read_metrics": "run_dir",

@@ -36,7 +36,8 @@ from rljax.models.hf_config import config_from_hf
 from rljax.models.hf_io import from_pretrained, state_location, weight_map, write_pretrained
 from rljax.models.tokenizer import build_char_tokenizer, encode_prompts, load_tokenizer
 from rljax.run.builders import build_reward, build_task
-from rljax.run.experiment import ExperimentConfig, config_from_dict, load_experiment
+from rljax.run.experiment import ExperimentConfig, config_from_dict
+from rljax.run.experiment_files import load_experiment
 from rljax.run.overrides import apply_overrides
 from rljax.run.run_dir import is_local
 from rljax.sampling import generate

@@ -3,7 +3,7 @@ the run fit it (mesh, micro-batch, remat), selected with `--set recipe=NAME`.
 
 An experiment file that offers recipes defines `RECIPES: dict[str, Recipe]` and a hook
 `recipe(cfg) -> ExperimentConfig` (usually `apply_recipe(cfg, RECIPES[cfg.recipe])`);
-`rljax.run.experiment.load_experiment` calls the hook when `recipe` is set, before
+`rljax.run.experiment_files.load_experiment` calls the hook when `recipe` is set, before
 `smoke`. `experiments/memory_budget.py` compiles each recipe's programs ahead of time for
 its slice (`TpuSlice.topology`) from the model shapes in `MODEL_SHAPES`, without weights.
 """
