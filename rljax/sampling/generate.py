@@ -12,11 +12,11 @@ from jax.typing import ArrayLike
 from rljax.models import Decoder, ModelConfig
 
 from rljax.sampling.ops import SamplingParams
-from rljax.sampling.prompts import pack_prompts
+from rljax.sampling.prompts import PackedPrompts, pack_prompts
 from rljax.sampling.result import SampleResult
 from rljax.sampling.sampler import DecodeSpec, plan_phases, run
 
-__all__ = ["generate"]
+__all__ = ["config_of", "generate", "prepare"]
 
 
 def _positive_int(name, v):
@@ -56,6 +56,11 @@ def _split(model: Decoder | tuple[nnx.GraphDef, nnx.State],
         )
     graphdef, state = nnx.split(model)
     return graphdef, state, model.config
+
+
+def config_of(graphdef: nnx.GraphDef, state: nnx.State) -> ModelConfig:
+    """The ``ModelConfig`` of a split decoder (cached by graphdef)."""
+    return _split((graphdef, state))[2]
 
 
 def generate(
@@ -104,6 +109,22 @@ def generate(
       A :class:`rljax.sampling.SampleResult` with ``R = B * G`` rows (prompt-major).
     """
     graphdef, state, config = _split(model)
+    batch, spec = prepare(
+        config, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, stop_ids=stop_ids, num_samples=num_samples, prompt_mask=prompt_mask,
+        max_len=max_len, length_multiple=length_multiple, pad_id=pad_id,
+        decode_phases=decode_phases)
+    return run(graphdef, state, batch, spec, key, mesh, config)
+
+
+def prepare(config: ModelConfig, prompts, *, max_new_tokens: int, temperature: float = 1.0,
+            top_k: int | None = None, top_p: float | None = None,
+            stop_ids: Iterable[int] = (), num_samples: int = 1, prompt_mask=None,
+            max_len: int | None = None, length_multiple: int = 16, pad_id: int = 0,
+            decode_phases: int = 4) -> tuple[PackedPrompts, DecodeSpec]:
+    """:func:`generate`'s checks and host packing: ``(packed prompts, DecodeSpec)`` for
+    ``rljax.sampling.sampler.sample_arrays`` (the same arguments and errors as
+    :func:`generate`, less the model and key)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     n = _positive_int("max_new_tokens", max_new_tokens)
     g = _positive_int("num_samples", num_samples)
@@ -126,5 +147,4 @@ def generate(
     )
     p = batch.tokens_BxP.shape[1]
     cache_len = max(p + n - 1, p) if max_len is None else max_len
-    spec = DecodeSpec(params, stops, g, n, plan_phases(p, n, cache_len, phases), pad_id)
-    return run(graphdef, state, batch, spec, key, mesh, config)
+    return batch, DecodeSpec(params, stops, g, n, plan_phases(p, n, cache_len, phases), pad_id)

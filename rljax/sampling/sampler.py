@@ -43,7 +43,7 @@ from rljax.sampling.prompts import PackedPrompts
 from rljax.sampling.result import SampleResult
 from rljax.sharding import logical_sharding
 
-__all__ = ["DecodeSpec", "DecodeState", "compiled_count", "plan_phases"]
+__all__ = ["DecodeSpec", "DecodeState", "compiled_count", "plan_phases", "sample_arrays"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,12 +243,25 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
             jax.device_put(x, logical_sharding(("batch", None), x.shape, mesh)) for x in host
         )
     head_VxD = None if config is None else cached_vocab_major_weight(params, config)
-    s, cache, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, head_VxD, *host, key)
+    index_R = _prompt_index(len(prompts.lengths_B), spec.num_samples, mesh)
+    return sample_arrays(graphdef, params, *host, spec, key, mesh, head_VxD, index_R)
+
+
+def sample_arrays(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxP, mask_BxP,
+                  positions_BxP, spec: DecodeSpec, key: jax.Array, mesh: Mesh | None = None,
+                  head_VxD=None, prompt_index_R=None) -> SampleResult:
+    """The sampler on packed prompt arrays (``rljax.sampling.PackedPrompts``' fields, on
+    device or traced): callable inside ``jax.jit`` and ``jax.vmap``, so a caller can
+    compile sampling into a larger program (``rljax.train.fused``). ``prompt_index_R``
+    defaults to ``row // num_samples``."""
+    s, cache, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, head_VxD, tokens_BxP,
+                                             mask_BxP, positions_BxP, key)
     s = _decode(graphdef, spec, mesh, params, head_VxD, s, cache)
-    n = spec.max_new_tokens
+    n, g = spec.max_new_tokens, spec.num_samples
     cols_N = jnp.arange(n, dtype=jnp.int32)
     plen_R = jnp.sum(pmask, axis=1, dtype=jnp.int32)
-    g = spec.num_samples
+    if prompt_index_R is None:
+        prompt_index_R = jnp.repeat(jnp.arange(tokens_BxP.shape[0], dtype=jnp.int32), g)
     return SampleResult(
         prompt_tokens=ptok, prompt_mask=pmask, prompt_positions=ppos,
         tokens=s.tokens_RxN,
@@ -256,7 +269,7 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
         positions=plen_R[:, None] + cols_N[None, :],
         lengths=s.lengths_R, truncated=~s.done_R,
         logprobs=s.logp_RxN, sampling_logprobs=s.sampling_logp_RxN,
-        prompt_index=_prompt_index(len(prompts.lengths_B), g, mesh),
+        prompt_index=prompt_index_R,
     )
 
 

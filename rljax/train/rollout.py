@@ -21,7 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.rewards import RewardError, reward_name, score_batch
+from rljax.rewards.device import is_device_reward
 from rljax.sampling import generate
+from rljax.sampling.generate import config_of, prepare
+from rljax.sharding import logical_sharding
 from rljax.train import hosts
 from rljax.train.batching import decode_completions, encode_text, pad_left, special_ids
 from rljax.train.config import SamplingConfig
@@ -100,7 +103,8 @@ def zero_variance_groups(rewards_B: Array, group_size: int) -> Array:
 
 
 @jax.jit
-def _to_rollout(ptok, pmask, tokens, cmask, slogp, truncated, rewards_B, correct_B, weight_B):
+def to_rollout(ptok, pmask, tokens, cmask, slogp, truncated, rewards_B, correct_B, weight_B):
+    """The sampler's outputs and the scores in ``Rollout``'s field order and dtypes."""
     return (ptok.astype(jnp.int32), pmask.astype(jnp.float32), tokens.astype(jnp.int32),
             cmask.astype(jnp.float32), slogp, truncated.astype(jnp.float32), rewards_B,
             correct_B, weight_B)
@@ -161,8 +165,52 @@ class Rollouts:
                 # Buckets never exceed prompt_len: the last one is prompt_len itself.
                 max_len=self.prompt_len + s.max_new_tokens - 1)
 
+    def device_inputs(self, params, source: PromptSource, pos: int, n_prompts: int):
+        """The one-program step's inputs for prompts ``pos .. pos + n_prompts`` (this
+        process reads its own block, as in :meth:`sample`): ``(DecodeSpec, (tokens,
+        mask, positions), task arrays)``, the arrays placed on the mesh by rows."""
+        g = self.group_size
+        lo, hi = self._own_groups(n_prompts * g)
+        prompts, meta = source(pos + lo // g, (hi - lo) // g)
+        tok, mask = self._prompt_ids(list(prompts), pos + lo // g)
+        task = {k: hosts.gather_rows(np.asarray(v))
+                for k, v in self.reward_fns.task_arrays(list(meta)).items()}
+        s = self.sampling
+        if not self.num_params:
+            self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+        batch, spec = prepare(
+            config_of(self.gd, params), tok, prompt_mask=mask > 0, max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature, top_k=s.top_k or None,
+            top_p=None if s.top_p >= 1.0 else s.top_p, stop_ids=(self.eos_id,),
+            num_samples=g, pad_id=self.pad_id, length_multiple=self.prompt_multiple,
+            max_len=self.prompt_len + s.max_new_tokens - 1)
+        arrays = (batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP)
+        with jax.transfer_guard("allow"):
+            return spec, tuple(self._put_rows(x) for x in arrays), \
+                {k: self._put_rows(v) for k, v in task.items()}
+
+    def _put_rows(self, x: np.ndarray) -> jax.Array:
+        """Identical host rows on every process -> a global array split by rows."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        names = ("batch",) + (None,) * (x.ndim - 1)
+        return jax.device_put(x, logical_sharding(names, x.shape, self.mesh))
+
+    def _own_groups(self, b: int) -> tuple[int, int]:
+        """This process's rows ``[lo, hi)`` of a ``b``-row batch; whole groups only."""
+        g = self.group_size
+        lo, hi = hosts.own_rows(b, self.mesh)
+        if lo % g or hi % g:
+            raise ValueError(f"process {jax.process_index()} holds rows [{lo}, {hi}), not "
+                             f"whole groups of {g}: make rows per process a multiple of "
+                             "group_size")
+        return lo, hi
+
     def score(self, completions: list, metadata: list, group_size: int, first: int = 0):
         """Rewards float32 of own rows; errors name the function and the prompt index."""
+        if is_device_reward(self.reward_fns):
+            raise TypeError("Rollouts.score: a device reward scores token ids in the step's "
+                            "program (rljax.train.fused), not texts")
         if callable(self.reward_fns):
             return score_batch_fn(self.reward_fns, completions, metadata, group_size, first)
         out = score_batch(list(self.reward_fns), completions, metadata, group_size=group_size,
@@ -184,11 +232,7 @@ class Rollouts:
         block), scored on its own rows."""
         g = self.group_size
         b = n_prompts * g
-        lo, hi = hosts.own_rows(b, self.mesh)
-        if lo % g or hi % g:
-            raise ValueError(f"process {jax.process_index()} holds rows [{lo}, {hi}), not "
-                             f"whole groups of {g}: make rows per process a multiple of "
-                             "group_size")
+        lo, hi = self._own_groups(b)
         prompts, meta = source(pos + lo // g, (hi - lo) // g)
         tok, mask = self._prompt_ids(list(prompts), pos + lo // g)
         out = ph.timed("rollout", self.generate, params, tok, mask, key, num_samples=g)
@@ -200,13 +244,23 @@ class Rollouts:
                               np.float32) if self.accuracy_fn is not None else
                    np.zeros(hi - lo, np.float32))
         glob = functools.partial(hosts.to_global, n_rows=b, mesh=self.mesh)
-        ro = Rollout(*_to_rollout(out.prompt_tokens, out.prompt_mask, out.tokens,
+        ro = Rollout(*to_rollout(out.prompt_tokens, out.prompt_mask, out.tokens,
                                   out.completion_mask, out.sampling_logprobs, out.truncated,
                                   glob(rewards), glob(correct),
                                   glob(np.ones(hi - lo, np.float32))),
                      group_size=g, has_correct=self.accuracy_fn is not None)
         ph.times["reward"] = ph.times.get("reward", 0.0) + time.perf_counter() - t0
         return ro
+
+    def _eval_rewards(self, out, texts: list, metadata: list, lo: int, hi: int, first: int):
+        """Own rows' rewards of an evaluation batch: the device reward on every row (then
+        this process's), or the host reward on the own texts."""
+        if not is_device_reward(self.reward_fns):
+            return self.score(texts, metadata[lo:hi], 1, first + lo)
+        task = self.reward_fns.task_arrays(metadata)
+        with jax.transfer_guard("allow"):
+            rewards = _device_scores_jit(self.reward_fns, out, task)
+        return hosts.host_rows(rewards, lo, hi)
 
     def evaluate(self, params, prompts: list, metadata: list, batch_size: int) -> dict:
         """Greedy completions of ``prompts`` (every process passes the same list and
@@ -219,7 +273,7 @@ class Rollouts:
                                  self.pad_id)
             out = self.generate(params, tok, mask, jax.random.key(0), greedy=True)
             texts = self._own_texts(out, lo, hi)
-            sums[0] += float(np.sum(self.score(texts, ms[lo:hi], 1, i + lo)))
+            sums[0] += float(np.sum(self._eval_rewards(out, texts, ms, lo, hi, i)))
             if self.accuracy_fn is not None:
                 sums[1] += sum(bool(self.accuracy_fn(c, m)) for c, m in zip(texts, ms[lo:hi]))
         total = _sum_over_processes(sums, self.mesh) if len(prompts) else sums
@@ -227,6 +281,14 @@ class Rollouts:
         if self.accuracy_fn is not None:
             out["accuracy"] = float(total[1] / max(len(prompts), 1))
         return out
+
+
+def _device_scores(reward, out, task: dict):
+    """A device reward on the sampler's output (all rows, one per prompt)."""
+    return reward(out.tokens, out.completion_mask.astype(jnp.float32), task)
+
+
+_device_scores_jit = jax.jit(_device_scores, static_argnums=(0,))
 
 
 def _eval_rows(n: int, mesh) -> tuple[int, int]:

@@ -1,0 +1,71 @@
+"""The RL step as one compiled program when the reward is a JAX function of token ids.
+
+With a device reward (``rljax.rewards.device``) nothing in a step needs the host between
+the prompts and the metrics, so sample -> score -> learn is one ``jax.jit``:
+
+  prompt ids + task arrays (host, packed) -> sampler (``sample_arrays``) -> device reward
+  -> ``Rollout`` -> the learning program (``rljax.train.learn``) -> state, metrics.
+
+The key flow is the host step's (``RLTrainer.step``), so a run with a device reward draws
+the same samples and makes the same updates as one with the equivalent host reward.
+Being a pure function of its arguments, the program also ``jax.vmap``s over a leading
+seed axis (``rljax.train.seeds``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from rljax.sampling.sampler import DecodeSpec, sample_arrays
+from rljax.train.rollout import Rollout, to_rollout
+
+Array = Any
+
+
+def split_step_key(key_data) -> tuple[Array, Array, Array]:
+    """Raw key data -> (next state's key data, rollout key, learning key), as every RL
+    step splits its key."""
+    nxt, k_roll, k_learn = jax.random.split(jax.random.wrap_key_data(key_data), 3)
+    return jax.random.key_data(nxt), k_roll, k_learn
+
+
+def device_rollout(graphdef, params, prompts: tuple, task: dict, key, *, spec: DecodeSpec,
+                   reward: Callable, mesh=None) -> Rollout:
+    """Sample ``spec.num_samples`` completions of each packed prompt (``prompts`` =
+    ``(tokens_BxP, mask_BxP, positions_BxP)``) and score them with the device ``reward``
+    (``task``: per-prompt arrays, repeated here to one row per completion)."""
+    g = spec.num_samples
+    # The host step splits its rollout key once more before each sampling round.
+    _, k = jax.random.split(key)
+    out = sample_arrays(graphdef, params, *prompts, spec, k, mesh)
+    task_R = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), task)
+    rewards_R = reward(out.tokens, out.completion_mask.astype(jnp.float32), task_R)
+    rewards_R = rewards_R.astype(jnp.float32)
+    verifier = bool(getattr(reward, "verifier", False))
+    correct_R = (rewards_R > 0).astype(jnp.float32) if verifier else jnp.zeros_like(rewards_R)
+    fields = to_rollout(out.prompt_tokens, out.prompt_mask, out.tokens, out.completion_mask,
+                        out.sampling_logprobs, out.truncated, rewards_R, correct_R,
+                        jnp.ones_like(rewards_R))
+    return Rollout(*fields, group_size=g, has_correct=verifier)
+
+
+def make_fused_step(graphdef, learn_program: Callable, reward: Callable, mesh=None):
+    """``step(spec, params, opt_state, scalars, ref_params, prompts, task, key_data,
+    teacher_params) -> (params, opt_state, scalars, metrics)``: one RL step as a pure
+    function (``spec`` static). ``learn_program`` is the trainer's
+    ``(params, opt_state, scalars, ref_params, ro, key, teacher_params) -> (params,
+    opt_state, scalars, metrics)``; the returned scalars carry the next key data."""
+
+    def step(spec, params, opt_state, scalars, ref_params, prompts, task, key_data,
+             teacher_params):
+        nxt, k_roll, k_learn = split_step_key(key_data)
+        ro = device_rollout(graphdef, params["policy"], prompts, task, k_roll, spec=spec,
+                            reward=reward, mesh=mesh)
+        params, opt_state, out, m = learn_program(params, opt_state, scalars, ref_params, ro,
+                                                  k_learn, teacher_params)
+        return params, opt_state, dict(out, key=nxt), m
+
+    return step
