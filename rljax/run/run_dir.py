@@ -44,7 +44,7 @@ __all__ = ["RunDir", "RunDirError", "config_to_dict", "config_hash", "read_metri
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
-DEFAULT_HASH_EXCLUDE = ("run.dir", "run.resume", "run.overwrite")
+DEFAULT_HASH_EXCLUDE = ("run.dir", "run.resume", "run.overwrite", "run.profile_steps")
 
 
 class RunDirError(ValueError):

@@ -318,7 +318,9 @@ class RLConfig:
         logits are recomputed in the backward pass, never the whole ``[B, T, V]``.
       max_nonfinite_steps: stop with an error after this many consecutive updates skipped
         for a non-finite loss or gradient.
-      peak_flops: device peak FLOP/s for the MFU estimate (0 = report model FLOP/s only).
+      peak_flops: one chip's peak FLOP/s for the MFU estimate (0 = the chip's dense bf16
+        peak from ``rljax.train.throughput.PEAK_BF16_FLOPS``; no MFU on CPU or an
+        unknown chip, only model FLOP/s).
       value_lr_ratio: PPO: value-model learning rate as a multiple of the policy's.
       ref_dtype: storage dtype of the frozen KL reference, "float32" or "bfloat16" (half
         the memory; its forward runs in the model's compute_dtype and its log-probs stay

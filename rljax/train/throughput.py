@@ -1,0 +1,115 @@
+"""Throughput metrics of one RL step: tokens/s (whole mesh and per chip), phase times,
+model FLOP/s and MFU.
+
+``step_throughput`` is a pure function of the step's token counts, phase times and the
+chip count; ``RLTrainer`` calls it once per step (``rljax.train.rl``). Names of the
+metrics it returns:
+
+- ``rollout_tok_s``: generated tokens / rollout seconds, over the whole mesh;
+  ``rollout_tok_s_per_chip`` the same divided by the number of chips.
+- ``train_tok_s``: epochs x (prompt + completion) tokens / learning-program seconds;
+  ``train_tok_s_per_chip`` per chip.
+- ``time_<phase>``: wall-clock seconds of each phase (rollout, reward, learn, ...).
+- ``model_flops_s``: model FLOPs of the step (``step_model_flops``) / the step's seconds,
+  over the whole mesh; ``model_flops_s_per_chip`` per chip.
+- ``mfu``: ``model_flops_s_per_chip`` / the chip's peak, only when the peak is known
+  (``peak_flops_per_chip``: the table below, or ``RLConfig.peak_flops``). On CPU or an
+  unknown accelerator there is no ``mfu``, only FLOP/s.
+
+Per-chip figures divide by every device of the mesh (all processes): the step is one SPMD
+program over all of them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+import jax
+
+__all__ = ["PEAK_BF16_FLOPS", "chips_and_kind", "peak_flops_per_chip", "step_model_flops",
+           "step_throughput"]
+
+# Dense (no sparsity) bfloat16 matmul peak per chip, by `jax.Device.device_kind`, first
+# match wins (patterns are matched against the lower-cased kind). MFU is measured against
+# this peak whatever dtype the model computes in (float32 matmuls run as bf16 passes on TPU
+# by default). Vendors' published per-chip figures:
+# - Google Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4, v5e, v5p,
+#   v6e), "peak compute per chip (bf16)": v4 275 TFLOP/s, v5e 197, v5p 459, v6e 918.
+#   JAX names v5e "TPU v5 lite", v5p "TPU v5", v6e "TPU v6 lite".
+# - NVIDIA data sheets, BF16 Tensor Core, halved from the "with sparsity" figures they
+#   print: A100 (SXM and PCIe) 312 TFLOP/s; H100 SXM 989, H100 NVL 835, H100 PCIe 756;
+#   H200 SXM 989, H200 NVL 835.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    (r"^tpu v4$", 275e12),
+    (r"^tpu v5 ?(lite|e)$", 197e12),
+    (r"^tpu v5p?$", 459e12),
+    (r"^tpu v6 ?(lite|e)$|trillium", 918e12),
+    (r"a100", 312e12),
+    (r"h100.*pcie", 756e12),
+    (r"h[12]00.*nvl", 835e12),
+    (r"h[12]00", 989e12),
+)
+
+
+def peak_flops_per_chip(device_kind: str) -> float | None:
+    """The chip's dense bf16 peak FLOP/s from ``PEAK_BF16_FLOPS``, or None for a kind the
+    table does not know (CPU, older or newer chips)."""
+    kind = device_kind.strip().lower()
+    for pattern, peak in PEAK_BF16_FLOPS:
+        if re.search(pattern, kind):
+            return peak
+    return None
+
+
+def chips_and_kind(mesh) -> tuple[int, str]:
+    """``(number of devices, device kind)`` of ``mesh`` (every process's devices), or of
+    the one default device when ``mesh`` is None."""
+    if mesh is None:
+        return 1, jax.devices()[0].device_kind
+    return int(mesh.devices.size), mesh.devices.flat[0].device_kind
+
+
+def step_model_flops(num_params: int, *, gen_tokens: float, seq_tokens: float,
+                     extra_forwards: int, epochs: int, teacher_params: int = 0) -> float:
+    """Model FLOPs of one RL step (Kaplan et al. 2020, "Scaling Laws for Neural Language
+    Models", Sec. 2.1: 2N per token for a forward, 6N for forward + backward; attention
+    FLOPs left out): 2N per generated token, 2N per sequence token for each extra forward
+    (reference, old policy, value model), 6N per sequence token per epoch, and
+    2 N_teacher per sequence token for a distillation teacher."""
+    n = num_params
+    return (2 * n * gen_tokens + 2 * n * seq_tokens * extra_forwards
+            + 6 * n * seq_tokens * epochs + 2 * teacher_params * seq_tokens)
+
+
+def _rate(amount: float, seconds: float) -> float:
+    return amount / seconds if seconds > 0 else 0.0
+
+
+def step_throughput(*, gen_tokens: float, seq_tokens: float, epochs: int,
+                    times: Mapping[str, float], flops: float, num_chips: int,
+                    peak_per_chip: float | None) -> dict[str, float]:
+    """The throughput metrics of one step (names in the module docstring).
+
+    Args:
+      gen_tokens: completion tokens generated in the step (the whole mesh).
+      seq_tokens: prompt + completion tokens of the learning batch.
+      epochs: passes of the learning program over the batch.
+      times: wall-clock seconds per phase; "rollout" and "learn" give the token rates and
+        the sum of all phases the FLOP rate.
+      flops: model FLOPs of the step (``step_model_flops``).
+      num_chips: devices the step ran on (>= 1).
+      peak_per_chip: the chip's peak FLOP/s, or None (no ``mfu``).
+    """
+    if num_chips < 1:
+        raise ValueError(f"step_throughput: num_chips must be >= 1, got {num_chips}")
+    roll = _rate(gen_tokens, times.get("rollout", 0.0))
+    train = _rate(epochs * seq_tokens, times.get("learn", 0.0))
+    flops_s = _rate(flops, sum(times.values()))
+    m = {"rollout_tok_s": roll, "rollout_tok_s_per_chip": roll / num_chips,
+         "train_tok_s": train, "train_tok_s_per_chip": train / num_chips,
+         "model_flops_s": flops_s, "model_flops_s_per_chip": flops_s / num_chips}
+    m.update({f"time_{k}": float(v) for k, v in times.items()})
+    if peak_per_chip:
+        m["mfu"] = m["model_flops_s_per_chip"] / peak_per_chip
+    return m
