@@ -1,6 +1,6 @@
 """The `rljax` command line (also `python -m rljax`).
 
-    rljax train EXPERIMENT [--set a.b=value ...] [--dry-run]
+    rljax train EXPERIMENT [--set a.b=value ...] [--dry-run] [--profile-steps STEPS]
                 [--distributed [--coordinator HOST:PORT --num-processes N --process-id I]
                  [--heartbeat-timeout S]]
     rljax eval SOURCE [--experiment EXP] [--set ...] [--num-prompts N] [--k K]
@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config as JSON and exit")
+    p.add_argument("--profile-steps", default=None, metavar="STEPS",
+                   help="write JAX profiler traces of these RL steps (as numbered in "
+                        "metrics.jsonl, from 1) into RUN_DIR/profile/, e.g. 3,5 or 3-5 "
+                        "(same as --set run.profile_steps=STEPS)")
     _add_launch(p)
 
     p = sub.add_parser("eval", help="greedy accuracy and pass@k (rljax.run.artifacts.evaluate_source)")
@@ -188,7 +192,10 @@ def _distributed(args) -> bool:
 
 def _cmd_train(args) -> int:
     distributed = _distributed(args)
-    cfg = load_experiment(args.experiment, args.overrides)
+    overrides = list(args.overrides)
+    if args.profile_steps is not None:
+        overrides.append(f"run.profile_steps={args.profile_steps}")
+    cfg = load_experiment(args.experiment, overrides)
     if args.dry_run:
         cfg = cfg.resolved()  # the algorithm preset's values, as the run will use and save
         print(json.dumps({"config_hash": config_hash(cfg), "config": config_to_dict(cfg)}, indent=2))

@@ -1,11 +1,13 @@
 """`rljax train` end to end on a tiny model: RESULT line, run directory contents, refusal
 of an occupied run directory, Ctrl-C leaving a valid checkpoint, resume, and a resumed
-run reproducing the metrics of a run that never stopped."""
+run reproducing the metrics of a run that never stopped, `--profile-steps` and per-chip
+throughput."""
 
 import json
 import re
 import textwrap
 
+import jax
 import pytest
 
 from rljax.cli import main
@@ -39,7 +41,7 @@ EXPERIMENT = textwrap.dedent('''
         )
 ''')
 
-_VOLATILE = re.compile(r"^time_|_tok_s$|flops|mfu")
+_VOLATILE = re.compile(r"^time_|_tok_s(_per_chip)?$|flops|mfu")
 
 
 def _rl_rows(run_dir):
@@ -55,8 +57,8 @@ def exp(tmp_path, monkeypatch):
 
 
 def test_train_interrupt_resume_reproduce(exp, tmp_path, capsys, monkeypatch):
-    # 1. A run that never stops.
-    assert main(["train", exp, "--set", "run.dir=runs/a"]) == 0
+    # 1. A run that never stops (its step 2 traced with the JAX profiler).
+    assert main(["train", exp, "--set", "run.dir=runs/a", "--profile-steps", "2"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert re.fullmatch(r"RESULT accuracy_before=[01]\.\d{4} accuracy_after=[01]\.\d{4} "
                         r"wall_s=\d+\.\d", out[-1]), out[-1]
@@ -68,6 +70,12 @@ def test_train_interrupt_resume_reproduce(exp, tmp_path, capsys, monkeypatch):
     rows_a = _rl_rows(a)
     assert [r["step"] for r in rows_a] == [1, 2] and rows_a[0]["reward_std"] > 0
     assert rows_a[1]["grad_norm"] > 0
+    assert len(list((a / "profile").glob("**/*.xplane.pb"))) == 1
+    row = [r for r in read_metrics(a) if r["phase"] == "rl"][1]
+    n = jax.device_count()  # the default mesh spans every device
+    assert row["step"] == 2 and row["model_flops_s"] > 0 and "mfu" not in row  # CPU
+    assert row["rollout_tok_s_per_chip"] == pytest.approx(row["rollout_tok_s"] / n)
+    assert row["train_tok_s_per_chip"] == pytest.approx(row["train_tok_s"] / n)
 
     # 2. The same directory again is refused (it holds a run) unless resumed/overwritten.
     assert main(["train", exp, "--set", "run.dir=runs/a"]) == 2

@@ -40,7 +40,7 @@ from rljax.models import Decoder
 from rljax.models.hf_io import from_pretrained
 from rljax.models.tokenizer import build_char_tokenizer, check_vocab, load_tokenizer
 from rljax.run.experiment import ExperimentConfig
-from rljax.run.tasks import ArithmeticReward, CountdownReward
+from rljax.run.tasks import ArithmeticDeviceReward, ArithmeticReward, CountdownReward
 from rljax.sharding import make_mesh
 from rljax.train.reward_model import RewardModelScorer
 
@@ -277,6 +277,21 @@ def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
         terms.append((r.format_weight if r.kind == "accuracy+format" else 1.0,
                       rw.FormatReward(fmt, name="format")))
     return ComponentReward(tuple(terms), timeout_s=r.timeout_s, workers=r.workers), accuracy_fn
+
+
+def build_device_reward(cfg: ExperimentConfig, tokenizer):
+    """The task's reward as a JAX function of token ids (`rljax.rewards.device`), for runs
+    whose whole step is one program (`run.seeds > 1`): the arithmetic task's accuracy
+    reward in the plain or reversed style. Other tasks and reward kinds: ValueError."""
+    r, t = cfg.reward, cfg.task
+    if t.name != "arithmetic" or t.style not in ("plain", "reversed") or r.kind != "accuracy":
+        raise ValueError(
+            f"a device reward exists for task 'arithmetic' (style plain or reversed) with "
+            f"reward.kind 'accuracy'; got task {t.name!r} style {t.style!r} reward.kind "
+            f"{r.kind!r} (run.seeds > 1 needs one; use run.seeds=1 for host rewards)")
+    vocab = cfg.model.vocab_size if cfg.model is not None else len(tokenizer)
+    return ArithmeticDeviceReward(tokenizer, vocab, tokenizer.eos_token_id, style=t.style,
+                                  scale=r.accuracy_weight * r.correct_reward)
 
 
 _POOLS: dict[int, rw.RewardPool] = {}  # workers -> the process's reward pool

@@ -12,6 +12,7 @@ import pathlib
 from rljax.models import ModelConfig
 from rljax.models.config import ATTENTION_IMPLS
 from rljax.rewards.extract import MODES as EXTRACT_MODES
+from rljax.run.profiling import parse_profile_steps
 from rljax.sharding import MeshConfig
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig,
                                 check_algorithm_sampling)
@@ -198,6 +199,12 @@ class RunConfig:
       tensorboard: write tensorboardX event files.
       wandb_project: also log to Weights & Biases (needs `wandb` installed).
       plots: write PNG plots at the end (and at each evaluation).
+      profile_steps: RL steps to trace with the JAX profiler into `<dir>/profile/`, as
+        "3,5" or "3-5" (numbered as in metrics.jsonl, from 1; "" = none); see
+        `rljax.run.profiling`. Not part of the config hash: a resumed run may change it.
+      seeds: independent runs trained at once in one compiled program (seeds `seed`,
+        `seed + 1`, ...; `rljax.run.seeds`); > 1 needs a device reward (the arithmetic
+        task's accuracy reward), one device, and no resume.
     """
 
     dir: str = "runs/default"
@@ -210,6 +217,8 @@ class RunConfig:
     tensorboard: bool = True
     wandb_project: str | None = None
     plots: bool = True
+    profile_steps: str = ""
+    seeds: int = 1
 
     def __post_init__(self):
         c = "RunConfig"
@@ -220,11 +229,18 @@ class RunConfig:
         _check_int(c, "save_every", self.save_every, 0)
         _check_int(c, "keep", self.keep, 1)
         _check_int(c, "log_every", self.log_every, 1)
+        _check_int(c, "seeds", self.seeds, 1)
+        if self.seeds > 1 and self.resume:
+            _fail(c, "seeds", self.seeds, "1 when resume=True (a several-seed run is not resumed)")
         for f in ("resume", "overwrite", "tensorboard", "plots"):
             _check_bool(c, f, getattr(self, f))
         if self.resume and self.overwrite:
             _fail(c, "overwrite", self.overwrite, "False when resume=True (choose one)")
         _check_str(c, "wandb_project", self.wandb_project, optional=True)
+        try:
+            parse_profile_steps(self.profile_steps)
+        except ValueError as e:
+            _fail(c, "profile_steps", self.profile_steps, str(e).split("allowed: ", 1)[-1])
 
 
 _SECTIONS = dict(task=TaskConfig, reward=RewardConfig, algorithm=AlgorithmConfig,

@@ -5,8 +5,9 @@ Order: run directory (refusal rules) -> tokenizer, mesh, policy (and on-policy
 distillation's teacher, `rljax.run.teacher`) -> optional SFT warm-up ->
 PPO value model (its backbone copied from the warmed-up policy) -> held-out evaluation ->
 RL steps (metrics, progress line,
-checkpoints every `run.save_every` steps) -> held-out evaluation -> final checkpoint,
-plots, `eval.json`, and the one-screen summary ending in the `RESULT` line.
+checkpoints every `run.save_every` steps, JAX profiler traces of `run.profile_steps`) ->
+held-out evaluation -> final checkpoint, plots, `eval.json`, and the one-screen summary
+ending in the `RESULT` line.
 
 With `run.resume=true` the latest checkpoint of the run directory is restored (the whole
 `TrainState`: parameters, optimiser moments, step, PRNG key, data position, KL
@@ -38,8 +39,10 @@ from rljax.models import ValueModel
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.preemption import Preempted, StopSignal
+from rljax.run.profiling import StepProfiler, parse_profile_steps
 from rljax.run.report import Progress, format_summary
 from rljax.run.run_dir import RunDir, is_local
+from rljax.run.seed_runs import SeedsResult, run_seeds
 from rljax.run.teacher import load_teacher
 from rljax.sharding import shard_params
 from rljax.train.batching import encode_pairs
@@ -62,6 +65,7 @@ class RunResult:
     run_dir: str
     steps: int
     summary: str
+    seeds: SeedsResult | None = None  # per-seed figures of a `run.seeds > 1` run
 
 
 class _Silent(io.TextIOBase):
@@ -156,6 +160,10 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
     if not isinstance(cfg, ExperimentConfig):
         raise TypeError(f"run_experiment: cfg must be an ExperimentConfig, got {type(cfg).__name__}")
     cfg = cfg.resolved()  # the algorithm's preset filled in: what runs is what is saved
+    if cfg.run.seeds > 1:  # several seeds in one program: rljax.run.seed_runs
+        res = run_seeds(cfg, out=out)
+        return RunResult(res.result["accuracy_before"], res.result["accuracy_after"],
+                         res.wall_s, res.run_dir, cfg.rl.steps, res.summary, seeds=res)
     t0 = time.perf_counter()
     primary = jax.process_index() == 0
     if not primary:
@@ -234,9 +242,12 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
 
 def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, stop):
     bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=out, desc="rl")
+    prof = StepProfiler(parse_profile_steps(cfg.run.profile_steps), rd.path / "profile",
+                        last=cfg.rl.steps)
     try:
         for step in range(int(state.step), cfg.rl.steps):
-            state, metrics = trainer.step(state, task.train)
+            with prof.step(step + 1):  # numbered as metrics.jsonl numbers it
+                state, metrics = trainer.step(state, task.train)
             metrics.update(getattr(reward_fns, "last", {}))  # per-term reward means
             done = int(state.step)
             if cfg.rl.eval_every and done % cfg.rl.eval_every == 0 and done < cfg.rl.steps:

@@ -89,6 +89,12 @@ def fetch_scalars(tree):
         return jax.tree.map(lambda v: float(np.asarray(v)), jax.device_get(tree))
 
 
+def fetch_small(tree):
+    """A pytree of small replicated arrays (per-seed metrics) -> numpy arrays."""
+    with jax.transfer_guard("allow"):
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
 def put_replicated(value, mesh, dtype) -> jax.Array:
     """A host scalar (the same on every process) -> a replicated global array."""
     with jax.transfer_guard("allow"):

@@ -28,12 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import objectives as obj
+from rljax.rewards.device import is_device_reward
 from rljax.sharding import replicated
 from rljax.train import algorithms as alg
 from rljax.train import hosts
 from rljax.train import ppo as ppo_lib
+from rljax.train import throughput
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling)
+from rljax.train.fused import make_fused_step, split_step_key
 from rljax.train.learn import LearnSpec, make_learn
 from rljax.train.logprobs import policy_logprobs
 from rljax.train.reference import reference_copy
@@ -85,11 +88,7 @@ class _Phase:
         return out
 
 
-@jax.jit
-def _split_key(key_data):
-    """Raw key data -> (next state's key data, rollout key, learning key)."""
-    nxt, k_roll, k_learn = jax.random.split(jax.random.wrap_key_data(key_data), 3)
-    return jax.random.key_data(nxt), k_roll, k_learn
+_split_key = jax.jit(split_step_key)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -134,8 +133,10 @@ class RLTrainer:
     Args:
       policy_graphdef: ``nnx.split(model)[0]`` of the policy (and frozen reference).
       tokenizer: encodes prompts and decodes completions (needs ``eos_token_id``).
-      reward_fns: a batch reward ``(completions, metadata) -> float32[B]`` or a list of
-        item rewards ``(completion, meta) -> float`` (summed; see ``score_batch``).
+      reward_fns: a batch reward ``(completions, metadata) -> float32[B]``, a list of
+        item rewards ``(completion, meta) -> float`` (summed; see ``score_batch``), or a
+        device reward (``rljax.rewards.device.DeviceReward``): then each step is one
+        compiled program, sample -> score -> learn (``rljax.train.fused``).
       algorithm, optim, sampling, rl: configs (``algorithm`` is resolved against its
         name's preset).
       prompt_len: prompt width cap in tokens (longer prompts are an error naming the index).
@@ -170,6 +171,10 @@ class RLTrainer:
         if (algorithm.name == "distill") != (teacher is not None):
             raise ValueError("RLTrainer: teacher=(graphdef, params) is required for algorithm "
                              f"'distill' and not allowed otherwise (algorithm={algorithm.name!r})")
+        self.device_reward = reward_fns if is_device_reward(reward_fns) else None
+        if self.device_reward is not None and algorithm.dynamic_sampling:
+            raise ValueError("RLTrainer: dynamic sampling decides its refills on the host; it "
+                             "needs a host reward, not a device reward")
         self.teacher_gd, self.teacher_params = teacher if teacher is not None else (None, None)
         self.gd, self.value_gd, self.mesh = policy_graphdef, value_graphdef, mesh
         self.alg, self.optim, self.sampling, self.rl = algorithm, optim, sampling, rl
@@ -238,7 +243,8 @@ class RLTrainer:
         total = self._total_updates
         schedule = (min(self.optim.warmup_steps, total),
                     None if self.optim.schedule == "constant" else total)
-        return (self.spec, self.gd, self.value_gd, self.teacher_gd, self.optim, schedule,
+        return (self.spec, self.gd, self.value_gd, self.teacher_gd, self.device_reward,
+                self.optim, schedule,
                 r.value_lr_ratio,
                 r.logp_chunk, r.remat, r.ref_dtype, s.temperature, s.max_new_tokens, self.mesh,
                 shardings)
@@ -253,7 +259,9 @@ class RLTrainer:
             _PROGRAMS[key] = self._jit_learn(state)
         return _PROGRAMS[key]
 
-    def _jit_learn(self, state: TrainState):
+    def _learn_program(self):
+        """The pure learning program ``(params, opt_state, scalars, ref_params, ro, key,
+        teacher_params) -> (params, opt_state, scalars, metrics)``."""
         def program(params, opt_state, scalars, ref_params, ro, key, teacher_params):
             counters = (scalars["updates"], scalars["nonfinite_run"], scalars["skipped"])
             params, opt_state, c, kl, m = self._learn_fn(params, opt_state, counters, ref_params,
@@ -266,11 +274,21 @@ class RLTrainer:
             m["done_steps"] = out["step"].astype(jnp.float32)
             return params, opt_state, out, m
 
+        return program
+
+    def _jit_learn(self, state: TrainState):
+        """The learning program, or with a device reward the whole step
+        (``rljax.train.fused``; its first argument, the sampler's spec, is static)."""
+        program, static = self._learn_program(), ()
+        if self.device_reward is not None:
+            program = make_fused_step(self.gd, program, self.device_reward, self.mesh)
+            static = (0,)
+        donate = tuple(i + len(static) for i in (0, 1))
         if self.mesh is None:
-            return jax.jit(program, donate_argnums=(0, 1))
+            return jax.jit(program, donate_argnums=donate, static_argnums=static)
         rep = replicated(self.mesh)
         shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
-        return jax.jit(program, donate_argnums=(0, 1),
+        return jax.jit(program, donate_argnums=donate, static_argnums=static,
                        out_shardings=(shard(state.params), shard(state.opt_state), rep, rep))
 
     def init_state(self, policy_params, seed: int = 0, value_params=None) -> TrainState:
@@ -294,17 +312,26 @@ class RLTrainer:
         dynamic sampling refills). Returns ``(state, metrics: dict[str, float])``."""
         ph = _Phase()
         pos = int(hosts.fetch_scalars(state.data_pos))
-        key, k_roll, k_learn = _split_key(state.key)
-        ro, pos, extra = self._collect(state, source, pos, k_roll, ph)
         if self._learn is None:
             self._learn = self._cached_learn(state)
         scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
                        skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
-        params, opt_state, out, m = ph.timed("learn", self._learn, state.params, state.opt_state,
-                                             scalars, state.ref_params, ro, k_learn,
-                                             self.teacher_params)
+        if self.device_reward is not None:
+            spec, prompts, task = self.rollouts.device_inputs(state.params["policy"], source, pos,
+                                                              self.rl.prompts_per_step)
+            pos, extra = pos + self.rl.prompts_per_step, {}
+            params, opt_state, out, m = ph.timed(
+                "step", self._learn, spec, state.params, state.opt_state, scalars,
+                state.ref_params, prompts, task, state.key, self.teacher_params)
+        else:
+            key, k_roll, k_learn = _split_key(state.key)
+            ro, pos, extra = self._collect(state, source, pos, k_roll, ph)
+            params, opt_state, out, m = ph.timed("learn", self._learn, state.params,
+                                                 state.opt_state, scalars, state.ref_params, ro,
+                                                 k_learn, self.teacher_params)
+            out["key"] = key
         state = dataclasses.replace(
-            state, params=params, opt_state=opt_state, key=key,
+            state, params=params, opt_state=opt_state,
             data_pos=hosts.put_replicated(pos, self.mesh, np.int32), **out)
         metrics = hosts.fetch_scalars(m)
         metrics.update(extra)
@@ -340,23 +367,20 @@ class RLTrainer:
                          "dyn_short_groups": float(max(0, n - sum(kept)))}
 
     def _add_throughput(self, m: dict, ph: _Phase) -> None:
-        """Tokens per second, phase times and model FLOP/s (Kaplan et al. 2020: 2N per
-        generated token, 2N per token per extra forward, 6N per token per training pass)."""
+        """Tokens/s (whole mesh and per chip), phase times, model FLOP/s and MFU
+        (``rljax.train.throughput``; ``rl.peak_flops`` overrides the chip's table peak)."""
         gen, seq = m["completion_tokens"], m["completion_tokens"] + m["prompt_tokens"]
-        roll_s, learn_s = ph.times.get("rollout", 0.0), ph.times.get("learn", 0.0)
-        m["rollout_tok_s"] = gen / roll_s if roll_s > 0 else 0.0
-        m["train_tok_s"] = self.alg.num_epochs * seq / learn_s if learn_s > 0 else 0.0
-        for k, v in ph.times.items():
-            m[f"time_{k}"] = v
-        n = self.rollouts.num_params
         fwd = self.uses_ref + (self.old_mode == "recompute") + (self.value_gd is not None)
-        flops = 2 * n * gen + 2 * n * seq * fwd + 6 * n * seq * self.alg.num_epochs
-        if self.teacher_params is not None:
-            flops += 2 * seq * sum(x.size for x in jax.tree.leaves(self.teacher_params))
-        total_s = sum(ph.times.values())
-        m["model_flops_s"] = flops / total_s if total_s > 0 else 0.0
-        if self.rl.peak_flops > 0:
-            m["mfu"] = m["model_flops_s"] / self.rl.peak_flops
+        teacher = (0 if self.teacher_params is None else
+                   sum(x.size for x in jax.tree.leaves(self.teacher_params)))
+        flops = throughput.step_model_flops(
+            self.rollouts.num_params, gen_tokens=gen, seq_tokens=seq, extra_forwards=fwd,
+            epochs=self.alg.num_epochs, teacher_params=teacher)
+        chips, kind = throughput.chips_and_kind(self.mesh)
+        m.update(throughput.step_throughput(
+            gen_tokens=gen, seq_tokens=seq, epochs=self.alg.num_epochs, times=ph.times,
+            flops=flops, num_chips=chips,
+            peak_per_chip=self.rl.peak_flops or throughput.peak_flops_per_chip(kind)))
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, state_or_params, prompts: Sequence[str], metadata: Sequence[dict],

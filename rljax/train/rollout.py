@@ -165,10 +165,12 @@ class Rollouts:
                 # Buckets never exceed prompt_len: the last one is prompt_len itself.
                 max_len=self.prompt_len + s.max_new_tokens - 1)
 
-    def device_inputs(self, params, source: PromptSource, pos: int, n_prompts: int):
+    def device_inputs(self, params, source: PromptSource, pos: int, n_prompts: int, *,
+                      on_host: bool = False):
         """The one-program step's inputs for prompts ``pos .. pos + n_prompts`` (this
         process reads its own block, as in :meth:`sample`): ``(DecodeSpec, (tokens,
-        mask, positions), task arrays)``, the arrays placed on the mesh by rows."""
+        mask, positions), task arrays)``, the arrays placed on the mesh by rows (numpy,
+        every process's rows, with ``on_host``)."""
         g = self.group_size
         lo, hi = self._own_groups(n_prompts * g)
         prompts, meta = source(pos + lo // g, (hi - lo) // g)
@@ -185,6 +187,8 @@ class Rollouts:
             num_samples=g, pad_id=self.pad_id, length_multiple=self.prompt_multiple,
             max_len=self.prompt_len + s.max_new_tokens - 1)
         arrays = (batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP)
+        if on_host:
+            return spec, arrays, task
         with jax.transfer_guard("allow"):
             return spec, tuple(self._put_rows(x) for x in arrays), \
                 {k: self._put_rows(v) for k, v in task.items()}

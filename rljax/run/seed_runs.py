@@ -1,0 +1,174 @@
+"""`run_seeds(cfg)`: `run.seeds` independent runs of one config trained at once, each
+program vmapped over the seeds (`rljax.train.seeds`) — what `run_experiment` calls when
+`run.seeds > 1`.
+
+Seed `k` is the run `run.seed + k` would be alone: its own initial weights, data streams
+(training, SFT, validation and held-out prompts), sampling keys and optimiser state. The
+order is that of `run_experiment`: SFT warm-up (each seed stops at its own validation
+target; a stopped seed's state passes through unchanged), held-out evaluation, RL steps
+(one compiled program: sample, score with the device reward, learn), held-out evaluation,
+the final stacked state saved, `eval.json`, and the summary whose last line is
+`RESULT seeds=... accuracy_before=<mean> accuracy_after=<mean> accuracy_after_min=...
+gain_mean=... gain_min=... wall_s=...`.
+
+`metrics.jsonl` holds one line per seed per step, with a `seed` field. One device
+(several-seed runs are for models that fit one chip many times over); no resume; no
+plots (they draw one run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import TextIO
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rljax.run import builders
+from rljax.run.experiment import ExperimentConfig
+from rljax.run.report import Progress, format_summary, result_line
+from rljax.run.run_dir import RunDir
+from rljax.train.batching import encode_pairs
+from rljax.train.checkpoint import Checkpointer
+from rljax.train.rl import RLTrainer
+from rljax.train.seeds import SeedRL, SeedSFT
+
+__all__ = ["SeedsResult", "run_seeds", "seed_configs"]
+
+_PROGRESS_KEYS = ("reward_mean", "accuracy", "entropy", "response_len_mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedsResult:
+    """Per-seed held-out accuracy before / after RL, wall time, the run directory."""
+
+    seeds: tuple[int, ...]
+    accuracy_before: tuple[float, ...]
+    accuracy_after: tuple[float, ...]
+    wall_s: float
+    rl_s: float
+    run_dir: str
+    summary: str
+
+    @property
+    def result(self) -> dict[str, float]:
+        """The RESULT line's values (means over seeds, worst seed, wall time)."""
+        before, after = np.array(self.accuracy_before), np.array(self.accuracy_after)
+        gain = after - before
+        return {"seeds": len(self.seeds), "accuracy_before": before.mean(),
+                "accuracy_after": after.mean(), "accuracy_after_min": after.min(),
+                "gain_mean": gain.mean(), "gain_min": gain.min(), "wall_s": self.wall_s}
+
+
+def seed_configs(cfg: ExperimentConfig) -> list[ExperimentConfig]:
+    """One config per seed: `run.seed + k`, `run.seeds = 1`."""
+    return [dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=cfg.run.seed + k,
+                                                              seeds=1))
+            for k in range(cfg.run.seeds)]
+
+
+def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out) -> list:
+    """The vmapped SFT warm-up; each seed stops at its own validation target."""
+    c = cfg.sft
+    sft = SeedSFT(graphdef, c)
+    seeds = [x.run.seed for x in seed_configs(cfg)]
+    state = sft.init_state(params, seeds)
+    active = [True] * len(params)
+    bar = Progress(c.steps, ("loss",), stream=out, desc="sft")
+    bs = c.batch_size
+    for i in range(c.steps):
+        batches = [encode_pairs(tok, *t.sft(i * bs, bs), cfg.task.max_prompt_tokens,
+                                cfg.sampling.max_new_tokens) for t in tasks]
+        state, ms = sft.step(state, batches, active)
+        if c.stop_accuracy > 0 and (i + 1) % c.stop_every == 0:
+            val = rl.evaluate(state.params["policy"], [t.val_prompts for t in tasks],
+                              [t.val_metadata for t in tasks])
+            for k, v in enumerate(val):
+                ms[k]["val_accuracy"] = v["accuracy"]
+                if active[k] and v["accuracy"] >= c.stop_accuracy:
+                    active[k] = False
+                    print(f"sft: seed {seeds[k]}: validation accuracy {v['accuracy']:.3f} >= "
+                          f"sft.stop_accuracy={c.stop_accuracy}; its warm-up stops at step "
+                          f"{i + 1}", file=out)
+        for k, m in enumerate(ms):
+            rd.log(i + 1, {**{f"sft/{n}": x for n, x in m.items()}, "seed": seeds[k]},
+                   phase="sft")
+        bar.update(i + 1, {"loss": float(np.mean([m["loss"] for m in ms]))})
+        if not any(active):
+            break
+    return [jax.tree.map(lambda x, k=k: x[k], state.params["policy"]) for k in range(len(params))]
+
+
+def _evaluate(rl: SeedRL, params_S, tasks, seeds, rd, name: str) -> list[dict]:
+    res = rl.evaluate(params_S, [t.eval_prompts for t in tasks], [t.eval_metadata for t in tasks])
+    rd.write_json(name, {str(s): r for s, r in zip(seeds, res)})
+    return res
+
+
+def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResult:
+    """Train `cfg.run.seeds` seeds of `cfg` at once (see the module docstring)."""
+    cfg = cfg.resolved()
+    if cfg.run.seeds < 2:
+        raise ValueError(f"run_seeds: run.seeds={cfg.run.seeds}; use run_experiment for one seed")
+    if jax.process_count() > 1:
+        raise ValueError("run_seeds: several-seed runs use one process and one device; "
+                         f"this is process {jax.process_index()} of {jax.process_count()}")
+    t0 = time.perf_counter()
+    progress_out = out if out is not None else sys.stderr
+    per = seed_configs(cfg)
+    seeds = [c.run.seed for c in per]
+    rd = RunDir(cfg.run.dir, cfg, resume=False, overwrite=cfg.run.overwrite,
+                tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project)
+    try:
+        tok = builders.build_tokenizer(cfg)
+        reward = builders.build_device_reward(cfg, tok)
+        split = [nnx.split(builders.build_model(c, tok, None)) for c in per]
+        graphdef, params = split[0][0], [p for _, p in split]
+        tasks = [builders.build_task(c, tok) for c in per]
+        trainer = RLTrainer(graphdef, tok, reward, algorithm=cfg.algorithm, optim=cfg.optim,
+                            sampling=cfg.sampling, rl=cfg.rl,
+                            prompt_len=cfg.task.max_prompt_tokens)
+        rl = SeedRL(trainer)
+        if cfg.sft is not None and cfg.sft.steps > 0:
+            params = _warmup(cfg, graphdef, params, tasks, tok, rl, rd, progress_out)
+        state = rl.init_state(params, seeds)
+        before = _evaluate(rl, state.params["policy"], tasks, seeds, rd, "eval_before")
+        bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=progress_out, desc="rl")
+        rl_s = 0.0
+        for step in range(cfg.rl.steps):
+            state, ms = rl.step(state, [t.train for t in tasks])
+            rl_s += ms[0]["time_step"]
+            for s, m in zip(seeds, ms):
+                rd.log(step + 1, {**m, "seed": s})
+            if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.rl.steps:
+                bar.update(step + 1, {k: float(np.mean([m[k] for m in ms]))
+                                      for k in _PROGRESS_KEYS if k in ms[0]})
+        after = _evaluate(rl, state.params["policy"], tasks, seeds, rd, "eval_after")
+        with Checkpointer(rd.checkpoint_dir, save_every=max(cfg.rl.steps, 1),
+                          keep=cfg.run.keep) as ck:
+            ck.save(cfg.rl.steps, state, {"phase": "done", "seeds": seeds,
+                                          "config_hash": rd.config_hash}, force=True)
+    finally:
+        rd.close()
+    return _finish(cfg, rd, seeds, before, after, t0, rl_s, out)
+
+
+def _finish(cfg, rd, seeds, before, after, t0, rl_s, out) -> SeedsResult:
+    wall = time.perf_counter() - t0
+    acc_b = tuple(float(b.get("accuracy", 0.0)) for b in before)
+    acc_a = tuple(float(a.get("accuracy", 0.0)) for a in after)
+    details = {"experiment": cfg.name, "algorithm": cfg.algorithm.name, "seeds": len(seeds),
+               "RL steps": cfg.rl.steps, "RL phase s": rl_s}
+    for s, b, a in zip(seeds, acc_b, acc_a):
+        details[f"seed {s}"] = f"{b:.4f} -> {a:.4f} ({a - b:+.4f})"
+    res = SeedsResult(tuple(seeds), acc_b, acc_a, wall, rl_s, str(rd.path), "")
+    text = format_summary(accuracy_before=float(np.mean(acc_b)),
+                          accuracy_after=float(np.mean(acc_a)), wall_s=wall, run_dir=rd.path,
+                          title=f"rljax: {cfg.name} ({len(seeds)} seeds, one program)",
+                          details=details)
+    text = text.rsplit("\n", 1)[0] + "\n" + result_line(res.result)
+    print(text, file=out if out is not None else sys.stdout, flush=True)
+    return dataclasses.replace(res, summary=text)

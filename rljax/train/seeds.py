@@ -1,0 +1,233 @@
+"""Several independent runs of one configuration in one compiled program.
+
+With a device reward an RL step is a pure function of arrays (``rljax.train.fused``), so
+``jax.vmap`` over a leading seed axis trains ``S`` runs at once: PureJaxRL's trick
+(Lu et al. 2022), brought to language-model RL. Every array of the stacked ``TrainState``
+has a leading ``[S]`` axis; each seed keeps its own initial weights, PRNG key, prompt
+stream and optimiser state, and is exactly the run it would be alone (up to float
+rounding: a batched matmul may sum in another order). The batched program has S times
+the rows per matmul, which is where small models gain throughput.
+
+- :class:`SeedRL`: the RL step and greedy evaluation, vmapped.
+- :class:`SeedSFT`: the SFT warm-up, vmapped, with a per-seed ``active`` flag so each
+  seed stops at its own step (a stopped seed's state passes through unchanged).
+
+One device (``mesh=None``): on a mesh, seeds are separate runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax.sampling.generate import config_of, prepare
+from rljax.sampling.sampler import sample_arrays
+from rljax.train import hosts
+from rljax.train.batching import encode_text, pad_left
+from rljax.train.config import SFTConfig
+from rljax.train.fused import make_fused_step
+from rljax.train.rl import RLTrainer, _Phase
+from rljax.train.sft import SFTTrainer
+from rljax.train.step import NonFiniteError, TrainState, make_update, num_micro_batches
+
+__all__ = ["SeedRL", "SeedSFT", "stack_states", "unstack"]
+
+
+def stack_states(states: Sequence[TrainState]) -> TrainState:
+    """Per-seed states -> one state whose arrays have a leading seed axis."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+
+def unstack(tree, i: int):
+    """Seed ``i``'s slice of a stacked tree."""
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def _per_seed(m: dict, s: int) -> list[dict]:
+    """A dict of ``[S]`` arrays -> one dict of floats per seed."""
+    host = hosts.fetch_small(m)
+    return [{k: float(v[i]) for k, v in host.items()} for i in range(s)]
+
+
+def _left_pad(arrays: tuple, width: int, pad_id: int) -> tuple:
+    """Packed prompts ``(tokens, mask, positions)`` left-padded to ``width`` columns."""
+    tok, mask, pos = arrays
+    extra = width - tok.shape[1]
+    if extra == 0:
+        return arrays
+    pad = lambda x, v: np.pad(x, ((0, 0), (extra, 0)), constant_values=v)
+    return pad(tok, pad_id), pad(mask, False), pad(pos, 0)
+
+
+class SeedRL:
+    """``trainer``'s RL step and evaluation for ``S`` seeds in one program each.
+
+    ``trainer`` must have a device reward and no mesh. States come from
+    :meth:`init_state`; ``step`` takes one prompt source per seed.
+    """
+
+    def __init__(self, trainer: RLTrainer):
+        if trainer.device_reward is None:
+            raise ValueError("SeedRL: the trainer needs a device reward "
+                             "(rljax.rewards.device): a host reward cannot run inside vmap")
+        if trainer.mesh is not None:
+            raise ValueError("SeedRL: seeds are vmapped on one device (mesh=None); on a mesh "
+                             "run each seed as its own run")
+        self.tr = trainer
+        self._steps: dict = {}
+        self._evals: dict = {}
+
+    def init_state(self, policy_params: Sequence, seeds: Sequence[int]) -> TrainState:
+        """Stacked fresh states, seed ``seeds[i]`` around ``policy_params[i]``."""
+        if len(policy_params) != len(seeds) or not seeds:
+            raise ValueError(f"SeedRL.init_state: {len(policy_params)} parameter sets for "
+                             f"{len(seeds)} seeds; give one per seed (at least one)")
+        return stack_states([self.tr.init_state(p, seed=int(s))
+                             for p, s in zip(policy_params, seeds)])
+
+    def _inputs(self, params_S, sources: Sequence, pos_S) -> tuple:
+        """Every seed's packed prompts and task arrays, stacked (one bucket width)."""
+        one = unstack(params_S["policy"], 0)
+        n = self.tr.rl.prompts_per_step
+        per = [self.tr.rollouts.device_inputs(one, src, int(p), n, on_host=True)
+               for src, p in zip(sources, pos_S)]
+        widest = max(range(len(per)), key=lambda i: per[i][1][0].shape[1])
+        spec, width = per[widest][0], per[widest][1][0].shape[1]
+        prompts = [_left_pad(x[1], width, self.tr.rollouts.pad_id) for x in per]
+        stacked = tuple(jnp.asarray(np.stack(cols)) for cols in zip(*prompts))
+        task = {k: jnp.asarray(np.stack([x[2][k] for x in per])) for k in per[0][2]}
+        return spec, stacked, task
+
+    def _program(self, spec):
+        if spec not in self._steps:
+            step = make_fused_step(self.tr.gd, self.tr._learn_program(), self.tr.device_reward)
+            vm = jax.vmap(functools.partial(step, spec), in_axes=(0,) * 7 + (None,))
+            self._steps[spec] = jax.jit(vm, donate_argnums=(0, 1))
+        return self._steps[spec]
+
+    def step(self, state: TrainState, sources: Sequence) -> tuple[TrainState, list[dict]]:
+        """One RL step of every seed (seed ``i`` reads ``sources[i]``); returns the
+        stacked state and one metrics dict per seed."""
+        s = int(state.step.shape[0])
+        if len(sources) != s:
+            raise ValueError(f"SeedRL.step: {len(sources)} prompt sources for {s} seeds")
+        pos_S = hosts.fetch_small(state.data_pos)
+        spec, prompts, task = self._inputs(state.params, sources, pos_S)
+        scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
+                       skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
+        ph = _Phase()
+        params, opt_state, out, m = ph.timed(
+            "step", self._program(spec), state.params, state.opt_state, scalars,
+            state.ref_params, prompts, task, state.key, self.tr.teacher_params)
+        n = self.tr.rl.prompts_per_step
+        state = dataclasses.replace(state, params=params, opt_state=opt_state,
+                                    data_pos=jnp.asarray(pos_S + n, jnp.int32), **out)
+        metrics = _per_seed(m, s)
+        for i, mi in enumerate(metrics):
+            self.tr._add_throughput(mi, ph)
+            mi.pop("done_steps")
+            if mi.pop("nonfinite_run") >= self.tr.rl.max_nonfinite_steps:
+                raise NonFiniteError(f"seed index {i}: {self.tr.rl.max_nonfinite_steps} or more "
+                                     "consecutive updates had a non-finite loss or gradient")
+        return state, metrics
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_program(self, spec):
+        if spec not in self._evals:
+            reward, gd = self.tr.device_reward, self.tr.gd
+
+            def one(params, tok, mask, pos, task):
+                out = sample_arrays(gd, params, tok, mask, pos, spec, jax.random.key(0))
+                return reward(out.tokens, out.completion_mask.astype(jnp.float32), task)
+
+            self._evals[spec] = jax.jit(jax.vmap(one))
+        return self._evals[spec]
+
+    def evaluate(self, params_S, prompts: Sequence[Sequence[str]],
+                 metadata: Sequence[Sequence[dict]], *, batch_size: int = 512) -> list[dict]:
+        """Greedy completions of each seed's held-out prompts (``params_S``: the stacked
+        policy parameters, e.g. ``state.params["policy"]``; ``prompts[i]`` for seed ``i``,
+        equally many per seed), scored by the device reward: one dict per seed
+        (``reward_mean``, ``n`` and, for a verifier, ``accuracy``)."""
+        ro, s = self.tr.rollouts, len(prompts)
+        total = len(prompts[0])
+        if any(len(p) != total for p in prompts) or len(metadata) != s:
+            raise ValueError("SeedRL.evaluate: give every seed the same number of prompts")
+        sums = np.zeros((s, 2))
+        for lo in range(0, total, batch_size):
+            packed, tasks = [], []
+            for ps, ms in zip(prompts, metadata):
+                tok, mask = pad_left([encode_text(ro.tok, p) for p in ps[lo:lo + batch_size]],
+                                     ro.prompt_len, ro.pad_id)
+                batch, spec = prepare(
+                    self._config(params_S), tok, prompt_mask=mask > 0,
+                    max_new_tokens=ro.sampling.max_new_tokens, temperature=0.0,
+                    stop_ids=(ro.eos_id,), pad_id=ro.pad_id, length_multiple=ro.prompt_multiple,
+                    max_len=ro.prompt_len + ro.sampling.max_new_tokens - 1)
+                packed.append((batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP, spec))
+                tasks.append(self.tr.device_reward.task_arrays(ms[lo:lo + batch_size]))
+            width = max(p[0].shape[1] for p in packed)
+            spec = next(p[3] for p in packed if p[0].shape[1] == width)
+            cols = zip(*[_left_pad(p[:3], width, ro.pad_id) for p in packed])
+            args = [jnp.asarray(np.stack(c)) for c in cols]
+            task = {k: jnp.asarray(np.stack([t[k] for t in tasks])) for k in tasks[0]}
+            r_SxB = np.asarray(self._eval_program(spec)(params_S, *args, task))
+            sums[:, 0] += r_SxB.sum(axis=1)
+            sums[:, 1] += (r_SxB > 0).sum(axis=1)
+        out = [{"reward_mean": float(x[0] / max(total, 1)), "n": total} for x in sums]
+        if self.tr.device_reward.verifier:
+            for o, x in zip(out, sums):
+                o["accuracy"] = float(x[1] / max(total, 1))
+        return out
+
+    def _config(self, params_S):
+        return config_of(self.tr.gd, unstack(params_S, 0))
+
+
+class SeedSFT:
+    """The SFT update for ``S`` seeds in one program; ``step(state, batch_S, active_S)``
+    leaves seeds whose ``active`` flag is False unchanged."""
+
+    def __init__(self, graphdef, cfg: SFTConfig):
+        self.sft = SFTTrainer(graphdef, cfg)
+        self.cfg = cfg
+        self._jitted: dict[int, object] = {}
+
+    def init_state(self, policy_params: Sequence, seeds: Sequence[int]) -> TrainState:
+        return stack_states([self.sft.init_state(p, seed=int(s))
+                             for p, s in zip(policy_params, seeds)])
+
+    def _program(self, num_micro: int):
+        if num_micro not in self._jitted:
+            lr = self.sft.learner
+            update = make_update(self.sft.loss_fn, lr.txs, lr.schedules, num_micro)
+
+            def one(active, params, opt_state, counters, batch):
+                new = update(params, opt_state, counters, batch, None)
+                keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(active, x, y), a, b)
+                return (keep(new[0], params), keep(new[1], opt_state), keep(new[2], counters),
+                        new[3])
+
+            self._jitted[num_micro] = jax.jit(jax.vmap(one), donate_argnums=(1, 2))
+        return self._jitted[num_micro]
+
+    def step(self, state: TrainState, batches: Sequence[dict], active: Sequence[bool]):
+        """One SFT update of each active seed on its own batch (``batches[i]``, from
+        ``rljax.train.batching.encode_pairs``); returns ``(state, metrics per seed)``."""
+        b = next(iter(batches[0].values())).shape[0]
+        num_micro = num_micro_batches(b, self.cfg.micro_batch_size, "SFT batch")
+        batch = {k: jnp.asarray(np.stack([x[k] for x in batches])) for k in batches[0]}
+        act = jnp.asarray(np.asarray(active, bool))
+        counters = (state.updates, state.nonfinite_run, state.skipped)
+        params, opt_state, counters, m = self._program(num_micro)(
+            act, state.params, state.opt_state, counters, batch)
+        step = state.step + act.astype(jnp.int32)
+        state = dataclasses.replace(state, params=params, opt_state=opt_state, step=step,
+                                    updates=counters[0], nonfinite_run=counters[1],
+                                    skipped=counters[2])
+        return state, _per_seed(m, len(batches))
