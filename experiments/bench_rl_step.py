@@ -21,11 +21,13 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rljax.train.rl import RLTrainer
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _bench as B  # noqa: E402  (shared benchmark helpers)
+
+from rljax.train.rl import RLTrainer  # noqa: E402
 
 try:
     from rljax.run import builders
@@ -45,15 +47,7 @@ def demo_config():
 
 def matmul_peak_flops(n: int = 1024, repeats: int = 20) -> float:
     """Best float32 FLOP/s of an ``[n, n] @ [n, n]`` jitted dot on the default device."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    dot = jax.jit(lambda x: x @ x)
-    dot(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dot(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return B.matmul_peak_flops(n, repeats, reduce=min)
 
 
 def matmul_params(params, cfg) -> int:

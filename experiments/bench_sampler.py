@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import statistics
+import sys
 import tempfile
 import time
 
@@ -32,60 +34,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _bench as B  # noqa: E402  (shared benchmark helpers)
+from _bench import CpuMeter  # noqa: E402,F401
+
 from rljax.models import from_pretrained
 from rljax.sampling import cached_vocab_major_weight, generate, vocab_major_head
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 32, 32, 128
 TARGET = 5  # the issue's speed target: rljax >= 5x transformers' generate
-HF_CONFIG = dict(
-    hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-    intermediate_size=704, vocab_size=32000, max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
-
-
-class CpuMeter:
-    """CPU time used by other processes during a block, in cores (jiffies / wall)."""
-
-    def __init__(self):
-        self.hz = os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _machine_busy():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        idle = v[3] + v[4]  # idle + iowait
-        return sum(v[:8]) - idle  # user nice system idle iowait irq softirq steal
-
-    @staticmethod
-    def _self_busy():
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime + stime (fields 14, 15)
-
-    def __enter__(self):
-        self.t0, self.m0, self.s0 = time.perf_counter(), self._machine_busy(), self._self_busy()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self.t0
-        others = (self._machine_busy() - self.m0) - (self._self_busy() - self.s0)
-        self.others_cores = max(others, 0) / self.hz / self.wall
-        self.self_cores = (self._self_busy() - self.s0) / self.hz / self.wall
 
 
 def build_checkpoint(path):
     """The random reference Qwen2 (torch seed 0), saved as an HF checkpoint; returns it."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(**HF_CONFIG, dtype="float32")
-    model = AutoModelForCausalLM.from_config(cfg).float().eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    model.save_pretrained(path)
-    return model
+    return B.build_checkpoint(path, B.REFERENCE)
 
 
 def best_seconds(fn, reps):
@@ -101,9 +63,7 @@ def best_seconds(fn, reps):
 
 def matmul_peak_flops(n=2048, reps=5):
     """Float32 matmul FLOP/s of this machine under XLA (best of ``reps``)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    return 2 * n**3 / best_seconds(lambda: dot(a, a), reps)
+    return B.matmul_peak_flops(n, reps, reduce=min)
 
 
 def decode_step_flops(cfg, rows, cache_len):

@@ -1,0 +1,56 @@
+"""Smoke tests of experiments/bench_grpo_step.py and bench_train_step.py at tiny sizes, so
+they don't rot (no timing asserts; TRL's side only where the bench extra is installed)."""
+
+import importlib.util
+import math
+import sys
+
+import pytest
+
+from _experiments import load_experiment
+from rljax.models import ModelConfig
+
+grpo = load_experiment("bench_grpo_step")
+train = load_experiment("bench_train_step")
+bench = sys.modules["_bench"]
+HAS_TRL = importlib.util.find_spec("trl") is not None
+
+
+def _result(line: str) -> dict:
+    assert line.startswith("RESULT "), line
+    return {k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+
+
+def test_forward_flops_counts_projections_causal_attention_and_the_head():
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2,
+                      num_heads=2, num_kv_heads=1)
+    h, n, k, d, f, v, s = 8, 2, 1, 16, 24, 64, 5
+    per_token = d * (2 * n * h + 2 * k * h) + 3 * d * f
+    per_row = 2 * (s * per_token + 2 * n * h * s * (s + 1) // 2) + 3 * d * v
+    assert bench.forward_flops(cfg, 3, s, 3) == 2 * 3 * per_row
+    # Sampling 1 token is the prefill alone (its head on the last position).
+    assert bench.decode_flops(cfg, 3, s, 1) == bench.forward_flops(cfg, 3, s, 1)
+
+
+def test_train_step_quick_prints_its_result(capsys):
+    assert train.main(["--quick", "--reps", "1"]) == 0
+    r = _result(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(r) == {"flops_per_s", "peak_flops_per_s", "fraction"}
+    assert all(math.isfinite(x) and x > 0 for x in r.values())
+
+
+def test_grpo_step_quick_runs_both_sides(capsys):
+    res = grpo.run(grpo.QUICK, steps=1, warmup=1, with_trl=HAS_TRL)
+    r = _result(grpo.report(grpo.QUICK, res))
+    assert set(r) == {"rljax_step_s", "trl_step_s", "ratio", "floor_s", "over_floor"}
+    assert r["rljax_step_s"] > 0 and res["floor"] > 0
+    assert 0 < res["rljax"]["tokens"] <= grpo.QUICK.rows * grpo.QUICK.new_tokens
+    if HAS_TRL:
+        assert r["trl_step_s"] > 0 and res["trl"]["generation"] > 0
+        assert res["trl"]["reference"] > 0  # the wrapped reference forward was timed
+
+
+def test_grpo_step_without_trl_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "trl", None)  # import trl -> ImportError
+    with pytest.raises(SystemExit, match=r"pip install -e \.\[bench\]"):
+        grpo.main(["--quick"])
