@@ -28,6 +28,7 @@ import dataclasses
 import sys
 import time
 
+import numpy as np
 from flax import nnx
 
 from rljax.models import ModelConfig
@@ -35,12 +36,14 @@ from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
 from rljax.run.overrides import apply_overrides
 from rljax.run.run_dir import read_metrics
+from rljax.run.report import result_line
 from rljax.run.runner import run_experiment
+from rljax.run.seed_runs import seed_configs
 from rljax.train.batching import encode_pairs
 from rljax.train.config import (OptimConfig, RLConfig, SamplingConfig, SFTConfig,
                                 algorithm_preset)
 from rljax.train.rl import RLTrainer
-from rljax.train.sft import SFTTrainer
+from rljax.train.seeds import SeedRL, SeedSFT
 
 VOCAB = 100  # rljax.models.tokenizer.build_char_tokenizer(): 4 specials + 96 characters
 
@@ -74,7 +77,9 @@ def config() -> ExperimentConfig:
         optim=OptimConfig(lr=2e-4, warmup_steps=10, schedule="constant"),
         sampling=SamplingConfig(max_new_tokens=4, temperature=0.7),
         rl=RLConfig(steps=100, prompts_per_step=64, eval_prompts=512, logp_chunk=8),
-        run=RunConfig(dir="runs/arithmetic_grpo", seed=0, overwrite=True, plots=True),
+        # Four seeds trained at once: every program is vmapped over them
+        # (rljax.run.seed_runs), scored by the arithmetic verifier in JAX.
+        run=RunConfig(dir="runs/arithmetic_grpo", seed=0, overwrite=True, plots=False, seeds=4),
     )
 
 
@@ -85,35 +90,39 @@ def smoke(cfg: ExperimentConfig) -> ExperimentConfig:
         model=dataclasses.replace(cfg.model, hidden_size=32, intermediate_size=64),
         sft=dataclasses.replace(cfg.sft, steps=2, batch_size=8),
         rl=dataclasses.replace(cfg.rl, steps=2, prompts_per_step=2, eval_prompts=8),
+        run=dataclasses.replace(cfg.run, seeds=min(cfg.run.seeds, 2)),
     )
 
 
-def sft_baseline(cfg: ExperimentConfig, seconds: float) -> tuple[float, int]:
-    """Held-out accuracy of SFT continued for about `seconds` past the warm-up."""
+def sft_baseline(cfg: ExperimentConfig, seconds: float) -> tuple[list[float], int]:
+    """Held-out accuracy of each seed's SFT continued for about `seconds` past the
+    warm-up's `sft.steps`, all seeds in one program (as the RL phase trains them)."""
     tok = builders.build_tokenizer(cfg)
-    mesh = builders.build_mesh(cfg)
-    graphdef, params = nnx.split(builders.build_model(cfg, tok, mesh))
-    task = builders.build_task(cfg, tok)
-    sft = SFTTrainer(graphdef, cfg.sft, mesh=mesh)
-    state = sft.init_state(params, seed=cfg.run.seed)
+    per = seed_configs(cfg) if cfg.run.seeds > 1 else [cfg]
+    split = [nnx.split(builders.build_model(c, tok, None)) for c in per]
+    graphdef = split[0][0]
+    tasks = [builders.build_task(c, tok) for c in per]
+    sft = SeedSFT(graphdef, cfg.sft)
+    state = sft.init_state([p for _, p in split], [c.run.seed for c in per])
     bs, step, deadline = cfg.sft.batch_size, 0, None
     while deadline is None or time.perf_counter() < deadline:
-        prompts, targets = task.sft(step * bs, bs)
-        state, _ = sft.step(state, encode_pairs(tok, prompts, targets, cfg.task.max_prompt_tokens,
-                                                cfg.sampling.max_new_tokens))
+        batches = [encode_pairs(tok, *t.sft(step * bs, bs), cfg.task.max_prompt_tokens,
+                                cfg.sampling.max_new_tokens) for t in tasks]
+        state, _ = sft.step(state, batches, [True] * len(per))
         step += 1
         if step == cfg.sft.steps:  # the warm-up is done: now the same time as RL took
             deadline = time.perf_counter() + seconds
-    reward_fns, accuracy_fn = builders.build_reward(cfg)
-    ev = RLTrainer(graphdef, tok, reward_fns, algorithm=cfg.algorithm, optim=cfg.optim,
-                   sampling=cfg.sampling, rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens,
-                   accuracy_fn=accuracy_fn, mesh=mesh)
-    res = ev.evaluate(state.params["policy"], task.eval_prompts, task.eval_metadata)
-    return res["accuracy"], step - cfg.sft.steps
+    ev = SeedRL(RLTrainer(graphdef, tok, builders.build_device_reward(cfg, tok),
+                          algorithm=cfg.algorithm, optim=cfg.optim, sampling=cfg.sampling,
+                          rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens))
+    res = ev.evaluate(state.params["policy"], [t.eval_prompts for t in tasks],
+                      [t.eval_metadata for t in tasks])
+    return [r["accuracy"] for r in res], step - cfg.sft.steps
 
 
 def main(argv=None) -> int:
-    """Run the demo; print before/after accuracy, the SFT baseline and the RESULT line."""
+    """Run the demo; print each seed's before/after accuracy, their mean and spread, the
+    SFT baseline and the RESULT line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--no-baseline", action="store_true", help="skip the SFT baseline")
@@ -121,20 +130,32 @@ def main(argv=None) -> int:
     cfg = apply_overrides(config(), args.set)
     t0 = time.perf_counter()
     res = run_experiment(cfg)
-    print(f"held-out greedy accuracy: before GRPO {res.accuracy_before:.3f}, after "
-          f"{res.accuracy_after:.3f} (gain {res.accuracy_after - res.accuracy_before:+.3f}); "
-          f"run {res.wall_s:.1f} s")
-    extra = ""
-    if not args.no_baseline:
+    if res.seeds is not None:
+        values, rl_seconds = res.seeds.result, res.seeds.rl_s
+        before, after = np.array(res.seeds.accuracy_before), np.array(res.seeds.accuracy_after)
+        for s, b, a in zip(res.seeds.seeds, before, after):
+            print(f"seed {s}: held-out greedy accuracy {b:.3f} -> {a:.3f} ({a - b:+.3f})")
+        print(f"mean over {len(before)} seeds: {before.mean():.3f} -> {after.mean():.3f} "
+              f"(gain {values['gain_mean']:+.3f}, spread of the gain "
+              f"{(after - before).std():.3f}); run {res.wall_s:.1f} s")
+    else:
+        values = {"accuracy_before": res.accuracy_before, "accuracy_after": res.accuracy_after,
+                  "wall_s": res.wall_s}
         rl_seconds = _rl_seconds(res.run_dir)
-        acc, steps = sft_baseline(cfg, rl_seconds)
+        print(f"held-out greedy accuracy: before GRPO {res.accuracy_before:.3f}, after "
+              f"{res.accuracy_after:.3f} (gain {res.accuracy_after - res.accuracy_before:+.3f}); "
+              f"run {res.wall_s:.1f} s")
+    if not args.no_baseline:
+        t1 = time.perf_counter()
+        accs, steps = sft_baseline(cfg, rl_seconds)
         print(f"honesty baseline: SFT continued for the RL phase's {rl_seconds:.1f} s "
-              f"({steps} more SFT steps) reaches {acc:.3f} held-out accuracy "
-              f"(GRPO reached {res.accuracy_after:.3f} from the verifier alone)")
-        extra = f" sft_baseline_accuracy={acc:.4f}"
-    print(f"total wall time including baseline: {time.perf_counter() - t0:.1f} s")
-    print(f"RESULT accuracy_before={res.accuracy_before:.4f} "
-          f"accuracy_after={res.accuracy_after:.4f} wall_s={res.wall_s:.1f}{extra}")
+              f"({steps} more SFT steps, {time.perf_counter() - t1:.1f} s with its build and "
+              f"evaluation) reaches {np.mean(accs):.3f} mean held-out accuracy (GRPO reached "
+              f"{values['accuracy_after']:.3f} from the verifier alone)")
+        values["sft_baseline_accuracy"] = float(np.mean(accs))
+    values["total_s"] = time.perf_counter() - t0
+    print(f"total wall time including baseline: {values['total_s']:.1f} s")
+    print(result_line(values))
     return 0
 
 

@@ -42,7 +42,8 @@ def config() -> ExperimentConfig:
         # Rollouts at temperature 1 (as measured), not GRPO's 0.7.
         sampling=dataclasses.replace(base.sampling, temperature=1.0),
         rl=dataclasses.replace(base.rl, steps=100, prompts_per_step=128, value_lr_ratio=3.0),
-        run=dataclasses.replace(base.run, dir="runs/arithmetic_ppo"),
+        # One seed: several-seed programs have no value model (rljax.run.seed_runs).
+        run=dataclasses.replace(base.run, dir="runs/arithmetic_ppo", seeds=1, plots=True),
     )
 
 

@@ -24,7 +24,12 @@ def test_demo_smoke_runs_and_reports(tmp_path, name, algo, monkeypatch):
     out = io.StringIO()
     res = run_experiment(cfg, out=out)
     assert 0.0 <= res.accuracy_before <= 1.0 and 0.0 <= res.accuracy_after <= 1.0
-    assert out.getvalue().strip().splitlines()[-1].startswith("RESULT accuracy_before=")
+    last = out.getvalue().strip().splitlines()[-1]
+    if name == "arithmetic_grpo":  # two seeds in one program: each program compiled once
+        assert last.startswith("RESULT seeds=2 accuracy_before=") and "gain_min=" in last
+        assert res.seeds.compiled == {"sft_update": 1, "rl_step": 1, "evaluate": 1}
+    else:
+        assert last.startswith("RESULT accuracy_before=")
     if algo == "ppo":  # the value model starts from the policy after the SFT warm-up
         pol, val = seen["policy"], seen["value"]
         backbone = {k[1:]: v for k, v in val.items() if k[0] == "backbone"}

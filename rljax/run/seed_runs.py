@@ -52,6 +52,7 @@ class SeedsResult:
     rl_s: float
     run_dir: str
     summary: str
+    compiled: dict = dataclasses.field(default_factory=dict)  # program -> times compiled
 
     @property
     def result(self) -> dict[str, float]:
@@ -70,7 +71,8 @@ def seed_configs(cfg: ExperimentConfig) -> list[ExperimentConfig]:
             for k in range(cfg.run.seeds)]
 
 
-def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out) -> list:
+def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out,
+            compiled: dict) -> list:
     """The vmapped SFT warm-up; each seed stops at its own validation target."""
     c = cfg.sft
     sft = SeedSFT(graphdef, c)
@@ -99,6 +101,7 @@ def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out) -> lis
         bar.update(i + 1, {"loss": float(np.mean([m["loss"] for m in ms]))})
         if not any(active):
             break
+    compiled["sft_update"] = sft.compiled()
     return [jax.tree.map(lambda x, k=k: x[k], state.params["policy"]) for k in range(len(params))]
 
 
@@ -113,6 +116,9 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
     cfg = cfg.resolved()
     if cfg.run.seeds < 2:
         raise ValueError(f"run_seeds: run.seeds={cfg.run.seeds}; use run_experiment for one seed")
+    if cfg.algorithm.name in ("ppo", "distill"):
+        raise ValueError(f"run.seeds={cfg.run.seeds}: several-seed programs have no value "
+                         f"model or teacher; algorithm {cfg.algorithm.name!r} needs run.seeds=1")
     if jax.process_count() > 1:
         raise ValueError("run_seeds: several-seed runs use one process and one device; "
                          f"this is process {jax.process_index()} of {jax.process_count()}")
@@ -131,13 +137,17 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
         trainer = RLTrainer(graphdef, tok, reward, algorithm=cfg.algorithm, optim=cfg.optim,
                             sampling=cfg.sampling, rl=cfg.rl,
                             prompt_len=cfg.task.max_prompt_tokens)
-        rl = SeedRL(trainer)
+        rl, compiled, phases = SeedRL(trainer), {}, {"setup": time.perf_counter() - t0}
+        t1 = time.perf_counter()
         if cfg.sft is not None and cfg.sft.steps > 0:
-            params = _warmup(cfg, graphdef, params, tasks, tok, rl, rd, progress_out)
+            params = _warmup(cfg, graphdef, params, tasks, tok, rl, rd, progress_out, compiled)
+        phases["warm-up"] = time.perf_counter() - t1
         state = rl.init_state(params, seeds)
+        t1 = time.perf_counter()
         before = _evaluate(rl, state.params["policy"], tasks, seeds, rd, "eval_before")
+        phases["evaluations"] = time.perf_counter() - t1
         bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=progress_out, desc="rl")
-        rl_s = 0.0
+        rl_s, t1 = 0.0, time.perf_counter()
         for step in range(cfg.rl.steps):
             state, ms = rl.step(state, [t.train for t in tasks])
             rl_s += ms[0]["time_step"]
@@ -146,25 +156,31 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
             if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.rl.steps:
                 bar.update(step + 1, {k: float(np.mean([m[k] for m in ms]))
                                       for k in _PROGRESS_KEYS if k in ms[0]})
+        phases["RL"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
         after = _evaluate(rl, state.params["policy"], tasks, seeds, rd, "eval_after")
+        phases["evaluations"] += time.perf_counter() - t1
         with Checkpointer(rd.checkpoint_dir, save_every=max(cfg.rl.steps, 1),
                           keep=cfg.run.keep) as ck:
             ck.save(cfg.rl.steps, state, {"phase": "done", "seeds": seeds,
                                           "config_hash": rd.config_hash}, force=True)
+        compiled.update(rl.compiled())
     finally:
         rd.close()
-    return _finish(cfg, rd, seeds, before, after, t0, rl_s, out)
+    return _finish(cfg, rd, seeds, before, after, t0, rl_s, compiled, phases, out)
 
 
-def _finish(cfg, rd, seeds, before, after, t0, rl_s, out) -> SeedsResult:
+def _finish(cfg, rd, seeds, before, after, t0, rl_s, compiled, phases, out) -> SeedsResult:
     wall = time.perf_counter() - t0
     acc_b = tuple(float(b.get("accuracy", 0.0)) for b in before)
     acc_a = tuple(float(a.get("accuracy", 0.0)) for a in after)
     details = {"experiment": cfg.name, "algorithm": cfg.algorithm.name, "seeds": len(seeds),
-               "RL steps": cfg.rl.steps, "RL phase s": rl_s}
+               "RL steps": cfg.rl.steps,
+               "phases (s)": ", ".join(f"{k} {v:.1f}" for k, v in phases.items())}
     for s, b, a in zip(seeds, acc_b, acc_a):
         details[f"seed {s}"] = f"{b:.4f} -> {a:.4f} ({a - b:+.4f})"
-    res = SeedsResult(tuple(seeds), acc_b, acc_a, wall, rl_s, str(rd.path), "")
+    details["compiled programs"] = ", ".join(f"{k} {v}" for k, v in compiled.items())
+    res = SeedsResult(tuple(seeds), acc_b, acc_a, wall, rl_s, str(rd.path), "", compiled)
     text = format_summary(accuracy_before=float(np.mean(acc_b)),
                           accuracy_after=float(np.mean(acc_a)), wall_s=wall, run_dir=rd.path,
                           title=f"rljax: {cfg.name} ({len(seeds)} seeds, one program)",

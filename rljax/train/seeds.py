@@ -136,6 +136,12 @@ class SeedRL:
                                      "consecutive updates had a non-finite loss or gradient")
         return state, metrics
 
+    def compiled(self) -> dict[str, int]:
+        """How many programs the RL step and the evaluation compiled (one per prompt
+        bucket and batch shape; a run whose shapes never change compiles each once)."""
+        count = lambda fns: sum(f._cache_size() for f in fns.values())
+        return {"rl_step": count(self._steps), "evaluate": count(self._evals)}
+
     # ------------------------------------------------------------------ evaluation
     def _eval_program(self, spec):
         if spec not in self._evals:
@@ -149,7 +155,7 @@ class SeedRL:
         return self._evals[spec]
 
     def evaluate(self, params_S, prompts: Sequence[Sequence[str]],
-                 metadata: Sequence[Sequence[dict]], *, batch_size: int = 512) -> list[dict]:
+                 metadata: Sequence[Sequence[dict]], *, batch_size: int = 256) -> list[dict]:
         """Greedy completions of each seed's held-out prompts (``params_S``: the stacked
         policy parameters, e.g. ``state.params["policy"]``; ``prompts[i]`` for seed ``i``,
         equally many per seed), scored by the device reward: one dict per seed
@@ -198,7 +204,12 @@ class SeedSFT:
         self.cfg = cfg
         self._jitted: dict[int, object] = {}
 
+    def compiled(self) -> int:
+        """How many update programs this warm-up compiled."""
+        return sum(f._cache_size() for f in self._jitted.values())
+
     def init_state(self, policy_params: Sequence, seeds: Sequence[int]) -> TrainState:
+        """Stacked fresh SFT states, seed ``seeds[i]`` around ``policy_params[i]``."""
         return stack_states([self.sft.init_state(p, seed=int(s))
                              for p, s in zip(policy_params, seeds)])
 

@@ -9,6 +9,8 @@ metrics it returns:
   ``rollout_tok_s_per_chip`` the same divided by the number of chips.
 - ``train_tok_s``: epochs x (prompt + completion) tokens / learning-program seconds;
   ``train_tok_s_per_chip`` per chip.
+- ``step_tok_s`` (instead of the two above when the step is one program, with a device
+  reward): generated tokens / step seconds; ``step_tok_s_per_chip`` per chip.
 - ``time_<phase>``: wall-clock seconds of each phase (rollout, reward, learn, ...).
 - ``model_flops_s``: model FLOPs of the step (``step_model_flops``) / the step's seconds,
   over the whole mesh; ``model_flops_s_per_chip`` per chip.
@@ -96,19 +98,24 @@ def step_throughput(*, gen_tokens: float, seq_tokens: float, epochs: int,
       seq_tokens: prompt + completion tokens of the learning batch.
       epochs: passes of the learning program over the batch.
       times: wall-clock seconds per phase; "rollout" and "learn" give the token rates and
-        the sum of all phases the FLOP rate.
+        the sum of all phases the FLOP rate; a one-program step (a device reward) has only
+        "step", whose rate ``step_tok_s`` counts completion tokens per second of the step.
       flops: model FLOPs of the step (``step_model_flops``).
       num_chips: devices the step ran on (>= 1).
       peak_per_chip: the chip's peak FLOP/s, or None (no ``mfu``).
     """
     if num_chips < 1:
         raise ValueError(f"step_throughput: num_chips must be >= 1, got {num_chips}")
-    roll = _rate(gen_tokens, times.get("rollout", 0.0))
-    train = _rate(epochs * seq_tokens, times.get("learn", 0.0))
     flops_s = _rate(flops, sum(times.values()))
-    m = {"rollout_tok_s": roll, "rollout_tok_s_per_chip": roll / num_chips,
-         "train_tok_s": train, "train_tok_s_per_chip": train / num_chips,
-         "model_flops_s": flops_s, "model_flops_s_per_chip": flops_s / num_chips}
+    m = {"model_flops_s": flops_s, "model_flops_s_per_chip": flops_s / num_chips}
+    if "step" in times:  # one program from prompts to update: no phase split exists
+        step = _rate(gen_tokens, times["step"])
+        m.update(step_tok_s=step, step_tok_s_per_chip=step / num_chips)
+    else:
+        roll = _rate(gen_tokens, times.get("rollout", 0.0))
+        train = _rate(epochs * seq_tokens, times.get("learn", 0.0))
+        m.update(rollout_tok_s=roll, rollout_tok_s_per_chip=roll / num_chips,
+                 train_tok_s=train, train_tok_s_per_chip=train / num_chips)
     m.update({f"time_{k}": float(v) for k, v in times.items()})
     if peak_per_chip:
         m["mfu"] = m["model_flops_s_per_chip"] / peak_per_chip
