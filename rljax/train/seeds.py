@@ -81,6 +81,7 @@ class SeedRL:
         self.tr = trainer
         self._steps: dict = {}
         self._evals: dict = {}
+        self._one = None  # one seed's parameters: the model's config and size
 
     def init_state(self, policy_params: Sequence, seeds: Sequence[int]) -> TrainState:
         """Stacked fresh states, seed ``seeds[i]`` around ``policy_params[i]``."""
@@ -92,9 +93,10 @@ class SeedRL:
 
     def _inputs(self, params_S, sources: Sequence, pos_S) -> tuple:
         """Every seed's packed prompts and task arrays, stacked (one bucket width)."""
-        one = unstack(params_S["policy"], 0)
+        if self._one is None:
+            self._one = unstack(params_S["policy"], 0)
         n = self.tr.rl.prompts_per_step
-        per = [self.tr.rollouts.device_inputs(one, src, int(p), n, on_host=True)
+        per = [self.tr.rollouts.device_inputs(self._one, src, int(p), n, on_host=True)
                for src, p in zip(sources, pos_S)]
         widest = max(range(len(per)), key=lambda i: per[i][1][0].shape[1])
         spec, width = per[widest][0], per[widest][1][0].shape[1]
@@ -192,7 +194,9 @@ class SeedRL:
         return out
 
     def _config(self, params_S):
-        return config_of(self.tr.gd, unstack(params_S, 0))
+        if self._one is None:
+            self._one = unstack(params_S, 0)
+        return config_of(self.tr.gd, self._one)
 
 
 class SeedSFT:
