@@ -4,6 +4,10 @@ The trainer never materialises float32 logits ``[B, T, V]`` for a whole batch: t
 decoder returns hidden states ``[B, T, D]`` and the output projection, log-softmax and
 gather run over ``chunk`` positions at a time inside ``jax.checkpoint``, so the backward
 pass recomputes one chunk's ``[B, chunk, V]`` logits instead of storing all of them.
+A decoder's linear head (tied embedding or ``lm_head``) goes through
+:func:`linear_logprobs`, whose hand-written backward forms each chunk's logits gradient
+once and issues ``dh`` and ``dW`` on it (see there); other heads through
+:func:`chunked_logprobs` and plain autodiff.
 
 Sequence layout (shared by SFT and RL): prompts are left-padded to a common width P and
 completions right-padded to width T; the model reads ``concat(prompt, completion)`` and the
@@ -12,12 +16,16 @@ hidden state at position ``P - 1 + t`` predicts completion token ``t``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.custom_derivatives import SymbolicZero
+
+from rljax.models.layers import compute_dtype as _compute_dtype
 
 Array = Any
 
@@ -77,6 +85,183 @@ def chunked_logprobs(
     return logp_BxT, ent_BxT
 
 
+# ---------------------------------------------------------------------------------------
+# The linear output projection with its own backward pass.
+#
+# ``jax.grad`` of ``chunked_logprobs`` leaves XLA a cotangent of the logits built from the
+# whole loss (KL / clip terms) and two matmuls on it; XLA:CPU computed that [B*C, V]
+# cotangent twice, once transposed (a strided ~1 GB write on the benchmark shapes). The
+# custom VJP below reduces what the rest of the program hands the head to two per-token
+# scalars (the cotangents of log p and of the entropy), forms ``d logits`` once per
+# chunk, and issues ``dh = g . W`` and ``dW`` (in the layout ``W`` is stored in) on it.
+
+
+def _linear_logits(w, h, vocab_major: bool, cd):
+    """float32 logits of ``h [..., D]`` through ``W`` (``[V, D]`` if ``vocab_major``, else
+    ``[D, V]``), inputs cast to ``cd``: the same einsum as ``Decoder.logits_from_hidden``."""
+    spec = "...d,vd->...v" if vocab_major else "...d,dv->...v"
+    return jnp.einsum(spec, h.astype(cd), w.astype(cd), preferred_element_type=jnp.float32)
+
+
+def _linear_chunk_fwd(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
+    z = _linear_logits(w, h_BxCxD, vocab_major, cd) * inv_temp
+    logz = jax.nn.logsumexp(z, axis=-1)
+    onehot = jax.nn.one_hot(tgt_BxC, z.shape[-1], dtype=jnp.float32)
+    logp = jnp.sum(z * onehot, axis=-1) - logz
+    p = jnp.exp(z - logz[..., None])
+    ent = logz - jnp.sum(p * z, axis=-1)
+    return logp, ent, logz
+
+
+def _chunks(x, n: int, c: int):
+    """``[B, T, ...] -> [N, B, C, ...]`` (T zero-padded to ``N * C``)."""
+    b, t = x.shape[:2]
+    x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(b, n, c, *x.shape[2:]).swapaxes(0, 1)
+
+
+def _unchunk(x_NxBxC, t: int):
+    n, b, c = x_NxBxC.shape[:3]
+    return x_NxBxC.swapaxes(0, 1).reshape(b, n * c, *x_NxBxC.shape[3:])[:, :t]
+
+
+def _over_chunks(fn, xs, n: int):
+    """``lax.map(fn, xs)`` over the leading chunk axis, without a loop for one chunk."""
+    if n == 1:
+        return jax.tree.map(lambda y: y[None], fn(jax.tree.map(lambda x: x[0], xs)))
+    return jax.lax.map(fn, xs)
+
+
+def _linear_primal(w, h_BxTxD, tgt_BxT, vocab_major, cd, inv_temp, c):
+    t = h_BxTxD.shape[1]
+    n = math.ceil(t / c)
+    outs = _over_chunks(
+        lambda xs: _linear_chunk_fwd(w, xs[0], xs[1], vocab_major, cd, inv_temp),
+        (_chunks(h_BxTxD, n, c), _chunks(tgt_BxT, n, c)), n)
+    return tuple(_unchunk(o, t) for o in outs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _linear_logprobs(w, h_BxTxD, tgt_BxT, vocab_major, cd, inv_temp, c):
+    logp, ent, _ = _linear_primal(w, h_BxTxD, tgt_BxT, vocab_major, cd, inv_temp, c)
+    return logp, ent
+
+
+def _linear_fwd(w, h_BxTxD, tgt_BxT, vocab_major, cd, inv_temp, c):
+    # symbolic_zeros=True: primals arrive as CustomVJPPrimal (value, perturbed).
+    w, h_BxTxD, tgt_BxT = w.value, h_BxTxD.value, tgt_BxT.value
+    logp, ent, logz = _linear_primal(w, h_BxTxD, tgt_BxT, vocab_major, cd, inv_temp, c)
+    return (logp, ent), (w, h_BxTxD, tgt_BxT, logz, ent)
+
+
+def _linear_bwd(vocab_major, cd, inv_temp, c, res, cts):
+    w, h_BxTxD, tgt_BxT, logz_BxT, ent_BxT = res
+    ct_logp, ct_ent = cts
+    use_logp = not isinstance(ct_logp, SymbolicZero)
+    use_ent = not isinstance(ct_ent, SymbolicZero)
+    if not (use_logp or use_ent):
+        return None, None, None
+    b, t, _ = h_BxTxD.shape
+    n = math.ceil(t / c)
+    zeros = jnp.zeros((b, t), jnp.float32)
+    a_BxT = ct_logp.astype(jnp.float32) if use_logp else zeros
+    e_BxT = ct_ent.astype(jnp.float32) if use_ent else zeros
+    wc = w.astype(cd)
+
+    def chunk(xs):
+        h, tgt, logz, ent, a, e = xs
+        z = _linear_logits(wc, h, vocab_major, cd) * inv_temp
+        logp_all = z - logz[..., None]
+        p = jnp.exp(logp_all)
+        # d/dz of a * log p(target) + e * entropy, entropy = -sum p log p:
+        #   a * (onehot - p) - e * p * (log p + entropy)
+        scale = a[..., None]
+        if use_ent:
+            scale = scale + e[..., None] * (logp_all + ent[..., None])
+        g = -p * scale
+        if use_logp:
+            g = g + jax.nn.one_hot(tgt, z.shape[-1], dtype=jnp.float32) * a[..., None]
+        g = (g * inv_temp).astype(cd)
+        dh = jnp.einsum("bcv,vd->bcd" if vocab_major else "bcv,dv->bcd", g, wc,
+                        preferred_element_type=jnp.float32)
+        # dW as [D, V] = h^T . g, g's rows contracted in place: asked for as [V, D]
+        # (g^T . h), XLA:CPU wrote a transposed copy of g; a tied W's [V, D] is the
+        # transpose of this small result instead.
+        dw_DxV = jnp.einsum("bcd,bcv->dv", h.astype(cd), g, preferred_element_type=jnp.float32)
+        return dh.astype(h_BxTxD.dtype), dw_DxV
+
+    xs = (_chunks(h_BxTxD, n, c), _chunks(tgt_BxT, n, c), _chunks(logz_BxT, n, c),
+          _chunks(ent_BxT, n, c), _chunks(a_BxT, n, c), _chunks(e_BxT, n, c))
+    if n == 1:
+        dh, dw = chunk(jax.tree.map(lambda x: x[0], xs))
+        dh_NxBxCxD = dh[None]
+    else:
+        def step(acc, x):
+            dh, dw = chunk(x)
+            return acc + dw, dh
+
+        dw, dh_NxBxCxD = jax.lax.scan(step, jnp.zeros((w.shape[1], w.shape[0]) if vocab_major
+                                                      else w.shape, jnp.float32), xs)
+    if vocab_major:
+        dw = dw.T
+    return dw.astype(w.dtype), _unchunk(dh_NxBxCxD, t), None
+
+
+_linear_logprobs.defvjp(_linear_fwd, _linear_bwd, symbolic_zeros=True)
+
+
+def linear_logprobs(
+    w: Array,
+    h_BxTxD: Array,
+    targets_BxT: Array,
+    *,
+    vocab_major: bool,
+    chunk: int,
+    temperature: float = 1.0,
+    compute_dtype: Any = jnp.float32,
+) -> tuple[Array, Array]:
+    """``chunked_logprobs`` for a linear output projection, with a hand-written backward.
+
+    ``w`` is the head weight, ``[V, D]`` when ``vocab_major`` (a tied embedding) and
+    ``[D, V]`` otherwise (an ``lm_head``); logits are ``h . W`` with both cast to
+    ``compute_dtype`` and accumulated in float32, scaled by ``1 / temperature``. Values
+    equal :func:`chunked_logprobs` of the same projection. The backward pass recomputes one
+    ``[B, chunk, V]`` block of logits per chunk (as the rematerialised chunks do), forms
+    ``d logits = (a * (onehot - p) - e * p * (log p + H)) / temperature`` from the
+    per-token cotangents ``a`` (log-probs) and ``e`` (entropies; skipped when the entropy
+    is not differentiated) once, and returns ``dh = d logits . W`` and ``dW`` in ``W``'s
+    own layout (summed over chunks); both matmuls take ``d logits`` in ``compute_dtype``
+    (float32 accumulation), as the forward takes ``h``. Returns ``(logp_BxT,
+    entropy_BxT)``, float32.
+    """
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"linear_logprobs: chunk must be an int >= 1, got {chunk!r}")
+    if not temperature > 0:
+        raise ValueError(f"linear_logprobs: temperature must be > 0, got {temperature!r}")
+    b, t, d = h_BxTxD.shape
+    if tuple(targets_BxT.shape) != (b, t):
+        raise ValueError(
+            f"linear_logprobs: targets_BxT has shape {tuple(targets_BxT.shape)}; expected {(b, t)}"
+        )
+    if w.ndim != 2 or (w.shape[1] if vocab_major else w.shape[0]) != d:
+        raise ValueError(f"linear_logprobs: weight shape {tuple(w.shape)} does not match hidden "
+                         f"size {d} (vocab_major={vocab_major})")
+    return _linear_logprobs(w, h_BxTxD, targets_BxT.astype(jnp.int32), bool(vocab_major),
+                            jnp.dtype(compute_dtype), 1.0 / float(temperature), min(chunk, t))
+
+
+def head_weight(model) -> tuple[Array, bool] | None:
+    """``(W, vocab_major)`` of a decoder's linear output projection (the tied embedding
+    ``[V, D]`` or the ``lm_head`` ``[D, V]``), or None for a model without one."""
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", None)
+    if tied is None:
+        return None
+    name = "embed" if tied else "lm_head"
+    if not hasattr(model, name):
+        return None
+    return getattr(model, name)[...], bool(tied)
+
+
 def completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT, completion_mask_BxT,
                       *, remat: bool = False) -> Array:
     """Hidden states ``[B, T, D]`` that predict each completion token.
@@ -114,7 +299,12 @@ def policy_logprobs(graphdef, params, seqs: dict, *, chunk: int, temperature: fl
         model, seqs["prompt_BxP"], seqs["prompt_mask_BxP"], seqs["completion_BxT"],
         seqs["completion_mask_BxT"], remat=remat,
     )
+    targets_BxT = seqs["completion_BxT"].astype(jnp.int32)
+    head = head_weight(model)
+    if head is not None:  # the linear head: log-probs with the hand-written backward
+        w, vocab_major = head
+        return linear_logprobs(w, h_BxTxD, targets_BxT, vocab_major=vocab_major, chunk=chunk,
+                               temperature=temperature, compute_dtype=_compute_dtype(model.config))
     return chunked_logprobs(
-        head_logits(graphdef), params, h_BxTxD, seqs["completion_BxT"].astype(jnp.int32),
-        chunk=chunk, temperature=temperature,
+        head_logits(graphdef), params, h_BxTxD, targets_BxT, chunk=chunk, temperature=temperature,
     )

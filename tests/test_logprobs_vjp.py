@@ -1,0 +1,99 @@
+"""The linear head's hand-written backward (rljax.train.logprobs.linear_logprobs) equals
+jax.grad of the plain formula: log-probs and entropies of softmax(h . W / temperature),
+tied (``W [V, D]``) and untied (``W [D, V]``) heads, chunks over time, entropy
+differentiated or not, and through ``policy_logprobs`` on every decoder parameter."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _train_common import random_seqs, tiny_model
+from rljax.train.logprobs import (chunked_logprobs, head_logits, linear_logprobs,
+                                  policy_logprobs)
+
+
+def _reference(w, h, tgt, *, vocab_major, temperature):
+    """log p(target) and entropy from full float32 logits, differentiated by JAX."""
+    spec = "...d,vd->...v" if vocab_major else "...d,dv->...v"
+    lp = jax.nn.log_softmax(jnp.einsum(spec, h, w) / temperature)
+    logp = jnp.take_along_axis(lp, tgt[..., None], -1)[..., 0]
+    return logp, -jnp.sum(jnp.exp(lp) * lp, -1)
+
+
+@pytest.mark.parametrize("vocab_major", [True, False])
+def test_linear_logprobs_gradient_equals_autodiff(vocab_major):
+    rng = np.random.default_rng(0)
+    b, t, d, v = 3, 7, 16, 50
+    h = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    w = jnp.asarray(0.5 * rng.normal(size=(v, d) if vocab_major else (d, v)), jnp.float32)
+    tgt = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+    a = jnp.asarray(rng.normal(size=(b, t)), jnp.float32)
+    e = jnp.asarray(rng.normal(size=(b, t)), jnp.float32)
+
+    def loss(fn, w, h, with_logp, with_ent):
+        logp, ent = fn(w, h)
+        return (jnp.sum(a * logp) if with_logp else 0.0) + (jnp.sum(e * ent) if with_ent else 0.0)
+
+    @functools.partial(jax.jit, static_argnums=(2, 3, 4))
+    def both(w, h, chunk, temperature, terms):
+        ref = functools.partial(_reference, tgt=tgt, vocab_major=vocab_major,
+                                temperature=temperature)
+        new = functools.partial(linear_logprobs, targets_BxT=tgt, vocab_major=vocab_major,
+                                chunk=chunk, temperature=temperature)
+        grads = [jax.grad(functools.partial(loss, f), (0, 1))(w, h, *terms) for f in (ref, new)]
+        return ref(w, h), new(w, h), grads
+
+    for chunk, temperature, terms in [(3, 0.7, (True, False)), (7, 1.0, (True, True)),
+                                      (64, 0.7, (True, True)), (2, 1.3, (False, True))]:
+        (lp0, ent0), (lp1, ent1), (g0, g1) = both(w, h, chunk, temperature, terms)
+        np.testing.assert_allclose(lp1, lp0, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ent1, ent0, rtol=1e-5, atol=1e-5)
+        for x, y in zip(g1, g0):  # dW, dh
+            assert x.shape == y.shape and x.dtype == y.dtype
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_policy_logprobs_gradient_equals_autodiff_of_the_head(tied):
+    """Every decoder parameter's gradient (the tied embedding gets both the lookup's and
+    the head's) equals autodiff of the generic chunked path."""
+    gd, st = tiny_model(tie_word_embeddings=tied)
+    seqs = random_seqs(np.random.default_rng(1), 4, 3, 6)
+    rng = np.random.default_rng(2)
+    a = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
+    e = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
+
+    def generic(p, s, chunk, temperature):  # the pre-custom-VJP path, plain autodiff
+        from rljax.train.logprobs import completion_hidden
+        from flax import nnx
+        h = completion_hidden(nnx.merge(gd, p), s["prompt_BxP"], s["prompt_mask_BxP"],
+                              s["completion_BxT"], s["completion_mask_BxT"])
+        return chunked_logprobs(head_logits(gd), p, h, s["completion_BxT"].astype(jnp.int32),
+                                chunk=chunk, temperature=temperature)
+
+    def loss(fn, p):
+        logp, ent = fn(p, seqs, 4, 0.8)
+        return jnp.sum(a * logp) + jnp.sum(e * ent)
+
+    new = lambda p, s, c, tmp: policy_logprobs(gd, p, s, chunk=c, temperature=tmp)  # noqa: E731
+    g_ref, g_new = jax.jit(lambda p: (jax.grad(functools.partial(loss, generic))(p),
+                                      jax.grad(functools.partial(loss, new))(p)))(st)
+    leaves_ref, leaves_new = jax.tree.leaves(g_ref), jax.tree.leaves(g_new)
+    assert len(leaves_ref) == len(leaves_new)
+    for x, y in zip(leaves_new, leaves_ref):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_logprobs_rejects_bad_arguments():
+    w = jnp.zeros((10, 4))
+    h = jnp.zeros((2, 3, 4))
+    tgt = jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ValueError, match="chunk"):
+        linear_logprobs(w, h, tgt, vocab_major=True, chunk=0)
+    with pytest.raises(ValueError, match="temperature"):
+        linear_logprobs(w, h, tgt, vocab_major=True, chunk=2, temperature=0.0)
+    with pytest.raises(ValueError, match="weight shape"):
+        linear_logprobs(w, h, tgt, vocab_major=False, chunk=2)
