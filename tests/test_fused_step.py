@@ -47,7 +47,7 @@ REWARD = DigitShare()  # one instance: trainers with it share their compiled pro
 
 def _trainer(gd, reward):
     return RLTrainer(gd, TOK, reward, algorithm=algorithm_preset("grpo", group_size=4,
-                                                                 num_minibatches=2, kl_coef=0.04),
+                                                                 num_minibatches=1, kl_coef=0.0),
                      optim=OptimConfig(lr=3e-3), sampling=SamplingConfig(max_new_tokens=3),
                      rl=RLConfig(steps=2, prompts_per_step=4, logp_chunk=2), prompt_len=8)
 
