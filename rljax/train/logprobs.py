@@ -42,6 +42,20 @@ def _chunk_logprobs(logits_fn, head_params, h_BxCxD, tgt_BxC, inv_temp):
     return logp_BxC, ent_BxC
 
 
+def _check_args(name: str, h_BxTxD, targets_BxT, chunk, temperature) -> tuple[int, int, int]:
+    """Validate the chunked log-prob arguments; returns ``(B, T, D)``."""
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"{name}: chunk must be an int >= 1, got {chunk!r}")
+    if not temperature > 0:
+        raise ValueError(f"{name}: temperature must be > 0, got {temperature!r}")
+    b, t, d = h_BxTxD.shape
+    if tuple(targets_BxT.shape) != (b, t):
+        raise ValueError(
+            f"{name}: targets_BxT has shape {tuple(targets_BxT.shape)}; expected {(b, t)}"
+        )
+    return b, t, d
+
+
 def chunked_logprobs(
     logits_fn: Callable[[Any, Array], Array],
     head_params: Any,
@@ -59,15 +73,7 @@ def chunked_logprobs(
     Log-probs are of ``softmax(logits / temperature)``, the distribution the sampler drew
     from. Returns ``(logp_BxT, entropy_BxT)``, both float32.
     """
-    if not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunked_logprobs: chunk must be an int >= 1, got {chunk!r}")
-    if not temperature > 0:
-        raise ValueError(f"chunked_logprobs: temperature must be > 0, got {temperature!r}")
-    b, t, d = h_BxTxD.shape
-    if tuple(targets_BxT.shape) != (b, t):
-        raise ValueError(
-            f"chunked_logprobs: targets_BxT has shape {tuple(targets_BxT.shape)}; expected {(b, t)}"
-        )
+    b, t, d = _check_args("chunked_logprobs", h_BxTxD, targets_BxT, chunk, temperature)
     c = min(chunk, t)
     n = math.ceil(t / c)
     pad = n * c - t
@@ -234,15 +240,7 @@ def linear_logprobs(
     (float32 accumulation), as the forward takes ``h``. Returns ``(logp_BxT,
     entropy_BxT)``, float32.
     """
-    if not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"linear_logprobs: chunk must be an int >= 1, got {chunk!r}")
-    if not temperature > 0:
-        raise ValueError(f"linear_logprobs: temperature must be > 0, got {temperature!r}")
-    b, t, d = h_BxTxD.shape
-    if tuple(targets_BxT.shape) != (b, t):
-        raise ValueError(
-            f"linear_logprobs: targets_BxT has shape {tuple(targets_BxT.shape)}; expected {(b, t)}"
-        )
+    b, t, d = _check_args("linear_logprobs", h_BxTxD, targets_BxT, chunk, temperature)
     if w.ndim != 2 or (w.shape[1] if vocab_major else w.shape[0]) != d:
         raise ValueError(f"linear_logprobs: weight shape {tuple(w.shape)} does not match hidden "
                          f"size {d} (vocab_major={vocab_major})")
