@@ -2,38 +2,18 @@
 (the traces themselves: tests/test_cli_train.py and tests/test_throughput.py)."""
 
 import json
-import textwrap
 
 import pytest
 
 from rljax.cli import main
 from rljax.run.experiment import RunConfig
+from test_cli_train import EXPERIMENT  # the tiny experiment (only dry runs here)
 
 
 def test_run_config_refuses_bad_profile_steps():
     assert RunConfig(profile_steps="3-5,8").profile_steps == "3-5,8"
     with pytest.raises(ValueError, match=r"RunConfig.profile_steps='3-x' is invalid; allowed"):
         RunConfig(profile_steps="3-x")
-
-
-EXPERIMENT = textwrap.dedent('''
-    from rljax.models import ModelConfig
-    from rljax.train.config import AlgorithmConfig, RLConfig, SamplingConfig
-    from rljax.run.experiment import ExperimentConfig, RunConfig, TaskConfig
-
-    def config():
-        return ExperimentConfig(
-            name="tiny",
-            model=ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
-                              num_layers=1, num_heads=2, num_kv_heads=1,
-                              max_position_embeddings=32),
-            task=TaskConfig(name="arithmetic", difficulty=1, max_prompt_tokens=8),
-            algorithm=AlgorithmConfig(name="grpo", group_size=2),
-            sampling=SamplingConfig(max_new_tokens=4),
-            rl=RLConfig(steps=1, prompts_per_step=4, eval_prompts=8, logp_chunk=8),
-            run=RunConfig(dir="runs/tiny", plots=False, tensorboard=False),
-        )
-''')
 
 
 @pytest.fixture
