@@ -9,6 +9,9 @@ lowers and compiles, without running, the run's four programs:
 
   prefill  the sampler's prompt forward into the KV cache (`rljax.sampling.sampler`)
   decode   the sampler's decode loops (donated state, cache grown per phase)
+           Both take the policy in the sampler's inference layout
+           (`rljax.sharding.inference_shardings`: replicated over data x fsdp, split over
+           tensor), the copy `rljax.sampling.sampler.run` makes once per step.
   logprob  the reference's log-probs over the whole rollout batch, micro-batched (the
            first pass of the learning program, compiled alone)
   learn    the one learning program of `rljax.train.rl.RLTrainer` (forwards, advantages,
@@ -17,7 +20,8 @@ lowers and compiles, without running, the run's four programs:
 and prints each program's per-chip bytes from `compiled.memory_analysis()`: peak =
 arguments + outputs + temporaries + generated code - aliased (donated) bytes, plus
 "resident": the run's other state that stays in HBM while the program runs but is not
-one of its arguments (the Adam moments and reference during sampling, for instance).
+one of its arguments (during sampling: the training parameters, the policy's FSDP shard
+beside its inference copy, and the Adam moments and reference).
 `peak + resident` is compared with the chip's HBM (v5e 16 GiB, v5p 95 GiB).
 
 libtpu is not a project dependency (684 MB). Install it beside the project's jax:
@@ -62,7 +66,13 @@ from rljax.run.experiment_files import experiment_module, load_experiment  # noq
 from rljax.sampling import sampler as sampler_lib  # noqa: E402
 from rljax.sampling.head import _to_VxD_jit, _source  # noqa: E402
 from rljax.sampling.ops import SamplingParams  # noqa: E402
-from rljax.sharding import batch_sharding, make_mesh, replicated, state_shardings  # noqa: E402
+from rljax.sharding import (  # noqa: E402
+    batch_sharding,
+    inference_shardings,
+    make_mesh,
+    replicated,
+    state_shardings,
+)
 from rljax.train.learn import _map_micro  # noqa: E402
 from rljax.train.logprobs import policy_logprobs  # noqa: E402
 from rljax.train.rl import RLTrainer  # noqa: E402
@@ -225,22 +235,24 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
         out.append(row)
         return compiled
 
-    # Sampler: the policy's weights (and the cached head) are arguments; Adam moments,
-    # the reference and a PPO value model stay resident beside it.
-    head = _head(policy, model_cfg, mesh)
+    # Sampler: the policy's inference copy (and the head built from it) are arguments;
+    # the training parameters (the policy's FSDP shard included), Adam moments and the
+    # reference stay resident beside them.
+    infer = _abstract(policy, inference_shardings(policy, mesh))
+    head = _head(infer, model_cfg, mesh)
     spec = sampler_lib.DecodeSpec(SamplingParams(temperature=cfg.sampling.temperature),
                                   (model_cfg.vocab_size - 1,), g, t,
                                   sampler_lib.plan_phases(p, t, p + t - 1, 4),
                                   model_cfg.vocab_size - 1)
-    sampling_resident = (state_bytes["opt"] + state_bytes["ref"] + state_bytes["params"]
-                         - per_chip_bytes(policy))
+    sampling_resident = sum(state_bytes.values())
+    log(f"[{label}] inference copy of the policy per chip: {per_chip_bytes(infer) / GIB:.2f} GiB")
     prompts = (_batch(mesh, (n_prompts, p), jnp.int32), _batch(mesh, (n_prompts, p), jnp.bool_),
                _batch(mesh, (n_prompts, p), jnp.int32))
     pre = record("prefill", lambda: sampler_lib._prefill.lower(
-        graphdef, spec, mesh, policy, head, *prompts, _key(mesh)).compile(), sampling_resident)
+        graphdef, spec, mesh, infer, head, *prompts, _key(mesh)).compile(), sampling_resident)
     s, cache, _ = _outputs(pre)
     record("decode", lambda: sampler_lib._decode.lower(
-        graphdef, spec, mesh, policy, head, s, cache).compile(), sampling_resident)
+        graphdef, spec, mesh, infer, head, s, cache).compile(), sampling_resident)
     # Reference log-probs over the batch (the learning program's first pass, alone).
     ro = _rollout(trainer, mesh, b, p, t)
     spec_l = trainer.spec

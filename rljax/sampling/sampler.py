@@ -23,6 +23,21 @@ merged inside, so the trainer can pass the current policy's state without a copy
 mesh, rows are split over ("data", "fsdp") and kv heads over "tensor" (the cache follows
 ``rljax.models.kv_cache_shardings``); the draws do not depend on the sharding (threefry
 keys are partitionable), so results equal the single-device ones.
+
+Inference layout: training keeps the parameters FSDP-sharded (their "embed" dimension
+over "fsdp"), and a decode loop over that layout would all-gather every weight at every
+step. The sampler instead decodes with ``rljax.sharding.inference_shardings``: each
+parameter replicated over data x fsdp, still split over "tensor" (heads, kv heads, mlp,
+vocab). ``run`` copies the parameters to that layout once per call with
+``jax.device_put`` (the copy is freed when the call returns; the caller's parameters are
+untouched), and ``_prefill`` / ``_decode`` constrain them to it on entry
+(``with_sharding_constraint``), so inside a larger program (``rljax.train.fused``) XLA
+gathers once, before the loops. Memory: while sampling, a chip holds the inference copy,
+``params / tensor``, beside its training shard, ``params / (fsdp * tensor)``, and the
+optimiser state; large models keep tensor >= 4 (Llama-3-8B's recipe: fsdp 8 x tensor 4,
+about 8 GB of float32 copy per chip) and ``experiments/memory_budget.py`` counts both
+copies. On a mesh with fsdp = 1 (and on one device) the layout is the training one and
+nothing is copied.
 """
 
 from __future__ import annotations
@@ -41,9 +56,13 @@ from rljax.sampling.head import cached_vocab_major_weight, vocab_major_head
 from rljax.sampling.ops import SamplingParams, sample_tokens_VxR
 from rljax.sampling.prompts import PackedPrompts
 from rljax.sampling.result import SampleResult
-from rljax.sharding import logical_sharding
+from rljax.sharding import BATCH_AXES, inference_shardings, logical_sharding
 
-__all__ = ["DecodeSpec", "DecodeState", "compiled_count", "plan_phases", "sample_arrays"]
+__all__ = ["DecodeSpec", "DecodeState", "compiled_count", "inference_layout", "plan_phases",
+           "sample_arrays"]
+
+# Logical axes of the vocab-major output weight ``W_VxD`` (``rljax.sampling.head``).
+HEAD_AXES = ("vocab", "embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,14 +166,41 @@ def _record(s: DecodeState, spec: DecodeSpec, cache, tok_R, logp_R, slogp_R) -> 
     )
 
 
+def inference_layout(params, head_VxD, mesh, place=jax.lax.with_sharding_constraint):
+    """``(params, head_VxD)`` in the decode layout (``rljax.sharding.inference_shardings``;
+    the head ``W_VxD`` split over "tensor" by vocab), or as given without a mesh.
+
+    place: ``jax.lax.with_sharding_constraint`` inside jit (the default), ``jax.device_put``
+    for concrete arrays (a copy where the layouts differ).
+    """
+    if mesh is None:
+        return params, head_VxD
+    params = place(params, inference_shardings(params, mesh))
+    if head_VxD is not None:
+        head_VxD = place(head_VxD, logical_sharding(HEAD_AXES, head_VxD.shape, mesh, BATCH_AXES))
+    return params, head_VxD
+
+
 def _repeat_rows(x, g):
     return x if g == 1 else jnp.repeat(x, g, axis=0)
+
+
+def _repeat_cache_rows(cache, g):
+    """Each cache row ``g`` times: keys / values have the batch axis 4th from last (a
+    scanned decoder's stacked ``[L, B, ...]`` buffers lead with the layer axis)."""
+    if g == 1:
+        return cache
+    rows = lambda x: jnp.repeat(x, g, axis=x.ndim - 4)
+    return dataclasses.replace(cache, keys=jax.tree.map(rows, cache.keys),
+                               values=jax.tree.map(rows, cache.values),
+                               valid_BxS=_repeat_rows(cache.valid_BxS, g))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mask_BxP, pos_BxP,
              key):
     """Prefill the prompts once, repeat for the group, draw the first token."""
+    params, head_VxD = inference_layout(params, head_VxD, mesh)
     model = nnx.merge(graphdef, params)
     b, p = tokens_BxP.shape
     cache = model.init_cache(b, p)
@@ -163,7 +209,7 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
     h_BxPxD, cache = model.forward_cached(tokens_BxP, pos_BxP, mask_BxP, cache, 0)
     logits_VxB = vocab_major_head(model, head_VxD)(h_BxPxD[:, -1])
     g, n = spec.num_samples, spec.max_new_tokens
-    cache = jax.tree.map(lambda x: _repeat_rows(x, g), cache)
+    cache = _repeat_cache_rows(cache, g)
     r = b * g
     plen_R = _repeat_rows(jnp.sum(mask_BxP, axis=1, dtype=jnp.int32), g)
     zeros_RxN = jnp.zeros((r, n), jnp.float32)
@@ -186,8 +232,10 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, 
     """Decode until ``max_new_tokens`` or every row stopped; the state is donated.
 
     ``s.cache`` is None on the way in and out; the loops run on ``prompt_cache`` grown
-    to each phase's length. ``head_VxD``: ``cached_vocab_major_weight`` (or None).
+    to each phase's length. ``head_VxD``: ``cached_vocab_major_weight`` (or None). The
+    parameters are constrained to the inference layout here, outside the loops.
     """
+    params, head_VxD = inference_layout(params, head_VxD, mesh)
     model = nnx.merge(graphdef, params)
     s = dataclasses.replace(s, cache=prompt_cache)
     r = s.last_R.shape[0]
@@ -235,6 +283,9 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
 
     config: the model's config, to reuse its vocab-major output weight across calls
     (``rljax.sampling.head``); without it the weight is built inside each call.
+
+    On a mesh the parameters are copied to the inference layout first (see the module
+    docstring); the output weight is then built from (and cached with) that copy.
     """
     mesh = _mesh_of(params) if mesh is None else mesh
     host = (prompts.tokens_BxP, prompts.mask_BxP, prompts.positions_BxP)
@@ -242,6 +293,7 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
         host = tuple(
             jax.device_put(x, logical_sharding(("batch", None), x.shape, mesh)) for x in host
         )
+        params, _ = inference_layout(params, None, mesh, place=jax.device_put)
     head_VxD = None if config is None else cached_vocab_major_weight(params, config)
     index_R = _prompt_index(len(prompts.lengths_B), spec.num_samples, mesh)
     return sample_arrays(graphdef, params, *host, spec, key, mesh, head_VxD, index_R)

@@ -6,9 +6,11 @@ logically; `LOGICAL_RULES` maps those names to the mesh axes ("data", "fsdp", "t
 
 from rljax.sharding.mesh import MESH_AXES, MeshConfig, make_mesh
 from rljax.sharding.rules import (
+    BATCH_AXES,
     LOGICAL_RULES,
     batch_sharding,
     fitted_spec,
+    inference_shardings,
     logical_sharding,
     logical_spec,
     replicated,
@@ -17,11 +19,13 @@ from rljax.sharding.rules import (
 )
 
 __all__ = [
+    "BATCH_AXES",
     "LOGICAL_RULES",
     "MESH_AXES",
     "MeshConfig",
     "batch_sharding",
     "fitted_spec",
+    "inference_shardings",
     "logical_sharding",
     "logical_spec",
     "make_mesh",

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # logical name -> mesh axis, tuple of mesh axes, or None (replicated).
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp")),  # == BATCH_AXES
     ("length", None),
     ("cache_length", None),
     ("act_embed", None),
@@ -30,6 +30,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
 )
 _RULES = dict(LOGICAL_RULES)
+# The mesh axes that split the batch (and, for fsdp, the training layout's parameters).
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
 
 
 def _mesh_axes(name):
@@ -60,20 +62,34 @@ def _axis_size(mesh: Mesh, axes) -> int:
     return size
 
 
-def fitted_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
-    """Like `logical_spec`, but replicates any dimension not divisible by its mesh axes."""
+def _without(axes, drop: tuple[str, ...]):
+    """`axes` (a mesh axis, a tuple of them or None) less the mesh axes in `drop`."""
+    if axes is None or not drop:
+        return axes
+    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in drop)
+    return kept[0] if len(kept) == 1 else (kept or None)
+
+
+def fitted_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                drop: tuple[str, ...] = ()) -> PartitionSpec:
+    """Like `logical_spec`, but replicates any dimension not divisible by its mesh axes.
+
+    drop: mesh axes left out of every dimension's axes (before the divisibility check),
+    e.g. `BATCH_AXES` for the inference layout (`inference_shardings`).
+    """
     if len(names) != len(shape):
         raise ValueError(f"logical names {tuple(names)} do not match shape {tuple(shape)}")
     out = []
     for name, dim in zip(names, shape):
-        axes = _mesh_axes(name)
+        axes = _without(_mesh_axes(name), drop)
         out.append(axes if axes is not None and dim % _axis_size(mesh, axes) == 0 else None)
     return PartitionSpec(*out)
 
 
-def logical_sharding(names, shape, mesh: Mesh) -> NamedSharding:
-    """NamedSharding of an array with the given logical axis names and shape on `mesh`."""
-    return NamedSharding(mesh, fitted_spec(names, shape, mesh))
+def logical_sharding(names, shape, mesh: Mesh, drop: tuple[str, ...] = ()) -> NamedSharding:
+    """NamedSharding of an array with the given logical axis names and shape on `mesh`
+    (`drop`: mesh axes left out, as in `fitted_spec`)."""
+    return NamedSharding(mesh, fitted_spec(names, shape, mesh, drop))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
@@ -93,11 +109,12 @@ def _names_of(var) -> tuple | None:
     return None if names is None else tuple(names)
 
 
-def state_shardings(state, mesh: Mesh):
+def state_shardings(state, mesh: Mesh, drop: tuple[str, ...] = ()):
     """NamedSharding pytree for an NNX state (or abstract state) from its logical annotations.
 
     Variables annotated with `logical_axes` metadata (see `rljax.models`) are placed per
-    `LOGICAL_RULES`; anything else (RNG counters, scalars) is replicated.
+    `LOGICAL_RULES` (less the mesh axes in `drop`); anything else (RNG counters, scalars)
+    is replicated.
     """
 
     def one(x):
@@ -105,11 +122,25 @@ def state_shardings(state, mesh: Mesh):
             names = _names_of(x)
             val = x.get_value() if hasattr(x, "get_value") else x[...]
             shape = getattr(val, "shape", ())
-            spec = fitted_spec(names, shape, mesh) if names else PartitionSpec()
+            spec = fitted_spec(names, shape, mesh, drop) if names else PartitionSpec()
             return x.replace(NamedSharding(mesh, spec))
         return NamedSharding(mesh, PartitionSpec())
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def inference_shardings(state, mesh: Mesh):
+    """The inference (decode) layout of an NNX state: `state_shardings` with the batch
+    axes `BATCH_AXES` ("data", "fsdp") dropped from every parameter.
+
+    Each parameter is replicated over data x fsdp and keeps its "tensor" split (heads,
+    kv heads, mlp, vocab), stacked `[L, ...]` layers included (their "layers" axis is
+    never sharded). A decode loop over parameters in this layout needs no FSDP
+    all-gather per step: the sampler reshards to it once per call (one gather), and a
+    chip holds the params / tensor copy beside its training shard, so large models keep
+    tensor >= 4 (see `rljax.sampling.sampler`).
+    """
+    return state_shardings(state, mesh, drop=BATCH_AXES)
 
 
 def shard_params(state, mesh: Mesh):
