@@ -7,7 +7,8 @@ its 14336-wide MLP split over tensor 4, so a decode step gathers a quarter of th
 over the 8-way FSDP axis instead of all of them over 32 chips, while the float32 state
 (weights 32 GB, Adam 64 GB, reference 32 GB) is still spread over all 32 chips, ~4 GB per
 chip. The 512 completions split over the 8 fsdp groups; micro-batches of 64 completions
-(8 rows per group), each layer rematerialised, bfloat16 matmuls, splash attention.
+(8 rows per group), 32 layers scanned (`scan_layers=True`, one compiled layer body) and
+each rematerialised, bfloat16 matmuls, splash attention.
 Per-chip memory: `experiments/memory_budget.py` (README).
 
     rljax train gsm8k_llama3_grpo --set hf_path=$HOME/models/Meta-Llama-3-8B-Instruct

@@ -21,9 +21,13 @@ release (`train.jsonl`, `test.jsonl`) at `task.path`; see tpu_setup/README.md.
 TPU recipes (`RECIPES`; per-chip memory of each program checked by compiling it for the
 slice ahead of time: `experiments/memory_budget.py`, figures in the README). Common to all:
 bfloat16 matmuls (float32 master weights, Adam moments and log-probs), splash attention,
-each layer rematerialised in the backward pass (activations of a 832-token micro-batch
-then cost one layer's worth, not 24-28), the lm head in 128-position chunks (a
-[rows, 128, 151936] float32 block instead of [rows, 832, 151936]).
+scanned layers (`scan_layers=True`: the 24 / 28 layers are one `[L, ...]` stack run as one
+`lax.scan`, so the programs compile in the time of one layer, not of 24-28 unrolled ones;
+the config and its checkpoints use that layout, HF folders load and export unchanged),
+each layer rematerialised in the backward pass (`remat="full"`: the scan keeps only each
+layer's input of a 832-token micro-batch, not its attention and MLP activations), the lm
+head in 128-position chunks (a [rows, 128, 151936] float32 block instead of
+[rows, 832, 151936]).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ def config() -> ExperimentConfig:
         name="gsm8k_qwen25_grpo",
         hf_path=os.path.expanduser("~/models/Qwen2.5-0.5B-Instruct"),
         compute_dtype="bfloat16",
+        scan_layers=True,  # 24-28 layers: one scanned body compiles fast (module docstring)
+        remat="full",
         tokenizer=None,  # the checkpoint's own tokenizer and chat template
         task=TaskConfig(name="gsm8k", path=os.path.expanduser("~/data/gsm8k"), split="train",
                         eval_split="test", prompt_field="question", answer_field="answer",
@@ -102,7 +108,7 @@ def smoke_inputs(cfg: ExperimentConfig, root: str | None = None,
                                    architecture=architecture)
     data = write_gsm8k_like(os.path.join(root, "gsm8k"))
     return dataclasses.replace(
-        cfg, hf_path=str(ckpt), compute_dtype="float32", attention="xla",
+        cfg, hf_path=str(ckpt), compute_dtype="float32", attention="xla", remat="none",
         # A recipe's mesh on the CPU's devices: fsdp takes what tensor (at most 2) leaves.
         mesh=MeshConfig(data=1, fsdp=-1, tensor=min(cfg.mesh.tensor, 2)),
         task=dataclasses.replace(cfg.task, path=str(data), max_prompt_tokens=144),

@@ -15,9 +15,9 @@ Same task, reward and inputs as `gsm8k_qwen25_grpo.py` (verl: Qwen2.5-0.5B-Instr
     rljax train gsm8k_qwen25_ppo --set recipe=1.5b-v5e8     # a named TPU recipe (RECIPES)
     rljax train gsm8k_qwen25_ppo --set smoke=true       # 2 steps on CPU, tiny random Qwen2
 
-TPU recipes: the GRPO recipes' meshes (see there) with PPO's micro-batches: a minibatch is
-128 completions (256 prompts, 2 minibatches) and each update also runs the value model,
-whose float32 weights and Adam moments double the trained state.
+TPU recipes: the GRPO recipes' meshes, scanned layers and remat (see there) with PPO's
+micro-batches: a minibatch is 128 completions (256 prompts, 2 minibatches) and each update
+also runs the value model, whose float32 weights and Adam moments double the trained state.
 """
 
 from __future__ import annotations

@@ -309,11 +309,12 @@ def budget_recipe(label, cfg, rec, log=print) -> tuple[list[ProgramMemory], str]
 
 def table(rows: list[ProgramMemory]) -> str:
     """A markdown table of the rows (GiB per chip)."""
-    head = ("| recipe | program | args | temps | peak | resident | peak+resident | HBM | fits |\n"
-            "|---|---|---:|---:|---:|---:|---:|---:|---|")
+    head = ("| recipe | program | args | temps | peak | resident | peak+resident | HBM | fits "
+            "| compile |\n|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
     lines = [f"| {r.recipe} | {r.program} | {r.arguments / GIB:.2f} | {r.temps / GIB:.2f} | "
              f"{r.peak / GIB:.2f} | {r.resident / GIB:.2f} | {r.total_gib:.2f} | "
-             f"{r.hbm_gib:.0f} | {'yes' if r.fits else 'NO'} |" for r in rows]
+             f"{r.hbm_gib:.0f} | {'yes' if r.fits else 'NO'} | {r.compile_s:.0f} s |"
+             for r in rows]
     return "\n".join([head, *lines])
 
 

@@ -57,9 +57,13 @@ def test_tpu_recipes_cover_their_slice(experiment):
         cfg = load_experiment(ROOT / f"experiments/{experiment}.py", [f"recipe={name}"])
         data, fsdp, tensor = cfg.mesh.resolve(rec.tpu.chips)
         assert cfg.hf_path.endswith(rec.model) and cfg.attention == "splash" and cfg.rl.remat
+        # Scanned layers with each layer rematerialised: 24-32 layers compile as one body.
+        assert (cfg.scan_layers, cfg.remat) == (True, "full")
+        assert rec.model_config().scan_layers and rec.model_config().remat == "full"
         a = cfg.algorithm.resolve()
         minibatch = cfg.rl.prompts_per_step * a.group_size // a.num_minibatches
         assert minibatch % a.micro_batch_size == 0 and a.micro_batch_size % (data * fsdp) == 0
         smoke = load_experiment(ROOT / f"experiments/{experiment}.py",
                                 [f"recipe={name}", "smoke=true"])
         assert smoke.attention == "xla" and 8 % smoke.mesh.tensor == 0
+        assert smoke.scan_layers and smoke.remat == "none"  # the smoke runs scanned on CPU

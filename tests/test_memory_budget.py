@@ -36,7 +36,8 @@ def test_tiny_recipe_compiles_every_program_and_reports_it():
         rl=dataclasses.replace(cfg.rl, prompts_per_step=4, logp_chunk=8))
     tiny = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                        num_heads=4, num_kv_heads=2, tie_word_embeddings=True, qkv_bias=True,
-                       architecture="qwen2", compute_dtype="bfloat16")
+                       architecture="qwen2", compute_dtype="bfloat16", scan_layers=True,
+                       remat="full")  # the recipes' layout
     lines = []
     rows = mb.compile_recipe(cfg, tiny, jax.devices()[:8], label="tiny", hbm_gib=16.0,
                              log=lines.append)

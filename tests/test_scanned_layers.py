@@ -157,3 +157,20 @@ def test_config_errors_and_unstacked_cache(scanned):
     with pytest.raises(ValueError, match="stacked cache"):
         scanned.forward_cached(ids, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), bool),
                                loop_cache, 0)
+
+
+def test_experiment_layout_reaches_hf_path_models(folder, scanned):
+    """`ExperimentConfig.scan_layers` / `remat` reach a model loaded from `hf_path` (the
+    recipes' real checkpoints) and the model config a run's checkpoints are restored with."""
+    from rljax.run.artifacts import _model_config
+    from rljax.run.builders import build_model
+    from rljax.run.experiment import ExperimentConfig
+
+    cfg = ExperimentConfig(hf_path=str(folder), scan_layers=True, remat="dots_saveable")
+    model = build_model(cfg, range(CFG.vocab_size))  # check_vocab reads only its length
+    assert (model.config.scan_layers, model.config.remat) == (True, "dots_saveable")
+    assert _model_config(cfg) == model.config
+    assert jax.tree.all(jax.tree.map(jnp.array_equal, nnx.state(model, nnx.Param),
+                                     nnx.state(scanned, nnx.Param)))
+    with pytest.raises(ValueError, match=r"ExperimentConfig.remat='partial'"):
+        dataclasses.replace(cfg, remat="partial")

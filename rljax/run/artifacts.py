@@ -17,6 +17,7 @@ process, it writes the same files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -85,7 +86,9 @@ def _run_tokenizer(run_dir, cfg) -> Any:
 def _model_config(cfg):
     if cfg.model is not None:
         return cfg.model
-    return config_from_hf(json.loads((pathlib.Path(cfg.hf_path) / "config.json").read_text()))
+    config = config_from_hf(json.loads((pathlib.Path(cfg.hf_path) / "config.json").read_text()))
+    # The run's layout: a scanned run's checkpoints hold stacked [L, ...] layers.
+    return dataclasses.replace(config, scan_layers=cfg.scan_layers, remat=cfg.remat)
 
 
 def _policy_target(config, mesh) -> dict:

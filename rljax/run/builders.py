@@ -79,7 +79,8 @@ def build_model(cfg: ExperimentConfig, tokenizer, mesh=None, seed: int | None = 
     """The policy `Decoder`: random init from `cfg.model` (seed `run.seed`) or `hf_path`."""
     if cfg.hf_path is not None:
         model = from_pretrained(cfg.hf_path, dtype=cfg.compute_dtype, mesh=mesh,
-                                attention=cfg.attention)
+                                attention=cfg.attention, scan_layers=cfg.scan_layers,
+                                remat=cfg.remat)
     else:
         seed = cfg.run.seed if seed is None else seed
         ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()

@@ -10,7 +10,7 @@ import json
 import pathlib
 
 from rljax.models import ModelConfig
-from rljax.models.config import ATTENTION_IMPLS
+from rljax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from rljax.rewards.extract import MODES as EXTRACT_MODES
 from rljax.run.profiling import parse_profile_steps
 from rljax.sharding import MeshConfig
@@ -260,6 +260,10 @@ class ExperimentConfig:
         parameters stay float32). A random-init model uses `model.compute_dtype`.
       attention: `ModelConfig.attention` of a model loaded from `hf_path` ("xla", "splash"
         on TPU, "cudnn" on GPU); a random-init model uses `model.attention`.
+      scan_layers, remat: `ModelConfig.scan_layers` / `ModelConfig.remat` of a model loaded
+        from `hf_path` (stacked `[L, ...]` layers under one scan; what each layer keeps for
+        the backward pass: "none", "full", "dots_saveable"); a random-init model uses
+        `model`'s. A run's checkpoints have the layout of its `scan_layers`.
       tokenizer: a tokenizer folder, or "char" for `rljax.models`' character tokenizer
         (None: the one in `hf_path`).
       teacher: on-policy distillation's teacher (`algorithm.name="distill"` needs it, the
@@ -279,6 +283,8 @@ class ExperimentConfig:
     hf_path: str | None = None
     compute_dtype: str = "float32"
     attention: str = "xla"
+    scan_layers: bool = False
+    remat: str = "none"
     tokenizer: str | None = "char"
     teacher: str | None = None
     task: TaskConfig = TaskConfig()
@@ -321,6 +327,9 @@ class ExperimentConfig:
         _check_bool(c, "smoke", self.smoke)
         if self.attention not in ATTENTION_IMPLS:
             _fail(c, "attention", self.attention, "one of " + ", ".join(map(repr, ATTENTION_IMPLS)))
+        _check_bool(c, "scan_layers", self.scan_layers)
+        if self.remat not in REMAT_POLICIES:
+            _fail(c, "remat", self.remat, "one of " + ", ".join(map(repr, REMAT_POLICIES)))
         _check_str(c, "recipe", self.recipe, optional=True)
 
     def resolved(self) -> ExperimentConfig:
