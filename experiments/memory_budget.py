@@ -282,13 +282,12 @@ def tpu_devices(topology: str):
 
 def recipes(selected: list[str] | None = None):
     """`(label, ExperimentConfig, Recipe)` of every recipe (or of `selected` labels,
-    "experiment/recipe")."""
-    for exp in EXPERIMENTS:
-        for name, rec in experiment_module(pathlib.Path(__file__).with_name(f"{exp}.py")
-                                           ).RECIPES.items():
-            label = f"{exp}/{name}"
-            if selected and label not in selected:
-                continue
+    "experiment/recipe", in their order: the riskiest first)."""
+    found = {f"{exp}/{name}": (exp, name, rec) for exp in EXPERIMENTS for name, rec in
+             experiment_module(pathlib.Path(__file__).with_name(f"{exp}.py")).RECIPES.items()}
+    for label in selected or found:
+        if label in found:
+            exp, name, rec = found[label]
             yield label, load_experiment(pathlib.Path(__file__).with_name(f"{exp}.py"),
                                          [f"recipe={name}"]), rec
 
@@ -318,12 +317,14 @@ def table(rows: list[ProgramMemory]) -> str:
     return "\n".join([head, *lines])
 
 
-def result_line(rows: list[ProgramMemory]) -> str:
-    """The RESULT line: the program with the largest share of its chip's HBM."""
+def result_line(rows: list[ProgramMemory], failed: list[str] = ()) -> str:
+    """The RESULT line: the program with the largest share of its chip's HBM (fits=false
+    too when a recipe in `failed` did not compile)."""
     worst = max(rows, key=lambda r: r.total_gib / r.hbm_gib)
+    fits = all(r.fits for r in rows) and not failed
     return (f"RESULT programs={len(rows)} worst={worst.recipe}/{worst.program} "
             f"worst_peak_gib={worst.total_gib:.2f} hbm_gib={worst.hbm_gib:.0f} "
-            f"fits={'true' if all(r.fits for r in rows) else 'false'}")
+            f"fits={'true' if fits else 'false'}" + (f" failed={','.join(failed)}" * bool(failed)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,9 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", nargs="*", help="labels 'experiment/recipe' (default: all)")
     args = ap.parse_args(argv)
-    rows, kinds = [], set()
+    rows, kinds, failed = [], set(), []
     for label, cfg, rec in recipes(args.recipes):
-        got, kind = budget_recipe(label, cfg, rec)
+        try:
+            got, kind = budget_recipe(label, cfg, rec)
+        except Exception as e:  # noqa: BLE001 - report a program that does not compile, go on
+            print(f"[{label}] did not compile: {type(e).__name__}: {e}", flush=True)
+            failed.append(label)
+            continue
         rows += got
         kinds.add(kind)
         for r in got:
@@ -341,12 +347,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{label}] {r.program} does NOT fit: {r.total_gib:.2f} GiB > "
                       f"{r.hbm_gib:.0f} GiB by {r.total_gib - r.hbm_gib:.2f} GiB")
     if not rows:
-        print("no recipe matched --recipes")
+        print("no recipe compiled" if failed else "no recipe matched --recipes")
         return 2
     target = "TPU (libtpu AOT)" if HAVE_LIBTPU else "CPU ESTIMATES (libtpu not installed)"
     print(f"\nPer-chip memory, GiB, compiled for {target}: {', '.join(sorted(kinds))}")
     print(table(rows))
-    print(result_line(rows))
+    print(result_line(rows, failed))
     return 0
 
 
