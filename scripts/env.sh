@@ -20,8 +20,10 @@ if [ "$HAVE" != "$HASH $EXTRAS" ] && [ "$HAVE" != "$HASH $EXTRAS,bench" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch first, pinned, so pip takes the CPU build on disk and never a CUDA one (trl,
   # in the bench extra, would otherwise pull a CUDA torch).
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -e "${ROOT}[${EXTRAS}]"
+  # --no-compile: pip would byte-compile every installed module (torch's and TensorFlow
+  # Datasets' thousands) up front; Python compiles the few that are imported on first use.
+  "$VENV/bin/python" -m pip install -q --no-compile "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q --no-compile -e "${ROOT}[${EXTRAS}]"
   echo "$HASH $EXTRAS" >"$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
