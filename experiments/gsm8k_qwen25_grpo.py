@@ -79,9 +79,13 @@ RECIPES = {
     # (memory_budget.py, TPU AOT): too close; 32 halves the per-micro-batch activations.
     "0.5b-v5e8": Recipe("Qwen2.5-0.5B-Instruct", "v5e-8", MeshConfig(1, 8, 1), 32,
                         why="pure FSDP: state 1 GB/chip; micro 32 = 4 rows/chip"),
-    "1.5b-v5e8": Recipe("Qwen2.5-1.5B-Instruct", "v5e-8", MeshConfig(1, 8, 1), 32,
-                        why="pure FSDP: state ~3 GB/chip; micro 32 = 4 rows/chip keeps "
-                            "the 151936-wide logits chunk small"),
+    # Pure FSDP (1, 8, 1) compiled to a decode program of 13.89 GiB + 2.88 GiB resident
+    # = 16.77 GiB on 16 GiB chips (2026-12-04): the sampler's float32 inference copy is
+    # replicated over fsdp (5.75 GiB/chip). Tensor 2 splits it (and the head) in two.
+    "1.5b-v5e8": Recipe("Qwen2.5-1.5B-Instruct", "v5e-8", MeshConfig(1, 4, 2), 32,
+                        why="fsdp 4 x tensor 2: the sampler's inference copy is split over "
+                            "tensor (2.9 GiB/chip, not 5.75); micro 32 = 8 rows per fsdp "
+                            "group"),
     "0.5b-v5e16": Recipe("Qwen2.5-0.5B-Instruct", "v5e-16", MeshConfig(1, 16, 1), 64,
                          why="pure FSDP over 16 chips; micro 64 = 4 rows/chip"),
     "1.5b-v5e16": Recipe("Qwen2.5-1.5B-Instruct", "v5e-16", MeshConfig(1, 8, 2), 64,

@@ -53,10 +53,17 @@ def config() -> ExperimentConfig:
     )
 
 
+# The 1.5B on v5e-8 at micro 32 compiled to a 14.40 GiB learning program on 16 GiB chips
+# (memory_budget.py, TPU AOT, 2026-12-04; policy + value state): micro 16 for headroom.
+_MICRO = {"1.5b-v5e8": 16}
+
+
 def _recipes() -> dict:
-    """The GRPO recipes' meshes with PPO's micro-batch of 32 (a quarter of a minibatch)."""
-    return {name: dataclasses.replace(r, micro_batch_size=32,
-                                      why=r.why.split(";")[0] + "; micro 32 of 128")
+    """The GRPO recipes' meshes with PPO's micro-batch of 32 (a quarter of a minibatch; 16
+    where `_MICRO` says)."""
+    return {name: dataclasses.replace(r, micro_batch_size=_MICRO.get(name, 32),
+                                      why=r.why.split(";")[0]
+                                      + f"; micro {_MICRO.get(name, 32)} of 128")
             for name, r in _grpo_recipe().RECIPES.items()}
 
 
