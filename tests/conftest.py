@@ -19,10 +19,7 @@ given to the tests' subprocesses): the same HLO programs, compiled in about half
 (an RL run's compiles 29.6 s -> 15.8 s here), and with XLA:CPU's older loop emitters
 instead of its MLIR fusion emitters (`--xla_cpu_use_fusion_emitters=false`: a tiny GRPO
 run's compiles 12.8 s -> 9.7 s; the whole suite 890 s -> 467 s with the shared init
-program of rljax.run.builders, every tolerance unchanged), and as one LLVM module instead
-of 32 split for parallel codegen (`--xla_cpu_parallel_codegen_split_count=1`: three
-compile-bound tests 60.9 -> 55.3 CPU seconds, median of 2 interleaved pairs; the pieces
-are the same functions, so the code and its rounding are unchanged). `--xla_backend_optimization_level=0` compiles
+program of rljax.run.builders, every tolerance unchanged). `--xla_backend_optimization_level=0` compiles
 faster still, but its float32 sums round differently enough to miss `check_objective`'s
 1e-6 micro-batching check on a user objective (1.3e-6 measured). Benchmarks and
 experiments run with XLA's defaults.
@@ -30,8 +27,7 @@ experiments run with XLA's defaults.
 
 import os
 
-TEST_XLA_FLAGS = ("--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false "
-                  "--xla_cpu_parallel_codegen_split_count=1")
+TEST_XLA_FLAGS = "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS, "--xla_force_host_platform_device_count=8"]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
