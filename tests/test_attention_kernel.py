@@ -177,3 +177,41 @@ def test_splash_lowers_for_tpu():
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
     assert hlo.count('custom_call_target="tpu_custom_call"') == 2  # forward, fused backward
     assert "all-gather" not in hlo
+
+
+def test_trainers_trace_the_kernel_per_chip_on_their_mesh(mesh8, monkeypatch):
+    """A real run's programs (the sampler's prefill, the RL learning program, the SFT
+    update) are traced under their mesh (`rljax.sharding.on_mesh`), so the kernel runs per
+    chip in `shard_map` there too, and not only where a caller set `jax.set_mesh`."""
+    from _train_common import CharTok, tiny_model
+    from rljax.train.batching import encode_pairs
+    from rljax.models import attention_kernels
+    from rljax.train.config import (OptimConfig, RLConfig, SamplingConfig, SFTConfig,
+                                    algorithm_preset)
+    from rljax.train.rl import RLTrainer
+    from rljax.train.sft import SFTTrainer
+
+    seen = []
+    on_mesh = attention_kernels._on_mesh
+
+    def spy(*args):
+        seen.append(dict(jax.sharding.get_abstract_mesh().shape))
+        return on_mesh(*args)
+
+    monkeypatch.setattr(attention_kernels, "_on_mesh", spy)
+    gd, st = tiny_model(mesh=mesh8, attention="splash")
+    tok = CharTok()
+    tr = RLTrainer(gd, tok, lambda c, m: np.array([len(x) % 2 for x in c], np.float32),
+                   algorithm=algorithm_preset("grpo", group_size=2), optim=OptimConfig(lr=1e-3),
+                   sampling=SamplingConfig(max_new_tokens=2),
+                   rl=RLConfig(steps=1, prompts_per_step=4, logp_chunk=2), prompt_len=8,
+                   mesh=mesh8)
+    state, m = tr.step(tr.init_state(jax.tree.map(jnp.copy, st)),
+                       lambda start, n: (["1+2="] * n, [{}] * n))
+    assert np.isfinite(m["loss"])
+    sft = SFTTrainer(gd, SFTConfig(steps=1, batch_size=8), mesh=mesh8)
+    _, m = sft.step(sft.init_state(st), encode_pairs(tok, ["1+2="] * 8, ["3"] * 8, 4, 2))
+    assert np.isfinite(float(m["loss"]))
+    want = {"data": 2, "fsdp": 2, "tensor": 2}
+    # prefill, learning program (forward + backward), SFT update: each traced on the mesh
+    assert len(seen) >= 3 and all(s == want for s in seen), seen

@@ -56,7 +56,7 @@ from rljax.sampling.head import cached_vocab_major_weight, vocab_major_head
 from rljax.sampling.ops import SamplingParams, sample_tokens_VxR
 from rljax.sampling.prompts import PackedPrompts
 from rljax.sampling.result import SampleResult
-from rljax.sharding import BATCH_AXES, inference_shardings, logical_sharding
+from rljax.sharding import BATCH_AXES, inference_shardings, logical_sharding, mesh_context
 
 __all__ = ["DecodeSpec", "DecodeState", "compiled_count", "inference_layout", "plan_phases",
            "sample_arrays"]
@@ -296,7 +296,8 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
         params, _ = inference_layout(params, None, mesh, place=jax.device_put)
     head_VxD = None if config is None else cached_vocab_major_weight(params, config)
     index_R = _prompt_index(len(prompts.lengths_B), spec.num_samples, mesh)
-    return sample_arrays(graphdef, params, *host, spec, key, mesh, head_VxD, index_R)
+    with mesh_context(mesh):  # prefill's attention kernels run per chip (rljax.sharding)
+        return sample_arrays(graphdef, params, *host, spec, key, mesh, head_VxD, index_R)
 
 
 def sample_arrays(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxP, mask_BxP,

@@ -4,7 +4,7 @@ Layer 2: knows nothing of models. Parameters and batches name their dimensions
 logically; `LOGICAL_RULES` maps those names to the mesh axes ("data", "fsdp", "tensor").
 """
 
-from rljax.sharding.mesh import MESH_AXES, MeshConfig, make_mesh
+from rljax.sharding.mesh import MESH_AXES, MeshConfig, OnMesh, make_mesh, mesh_context, on_mesh
 from rljax.sharding.rules import (
     BATCH_AXES,
     LOGICAL_RULES,
@@ -23,12 +23,15 @@ __all__ = [
     "LOGICAL_RULES",
     "MESH_AXES",
     "MeshConfig",
+    "OnMesh",
     "batch_sharding",
     "fitted_spec",
     "inference_shardings",
     "logical_sharding",
     "logical_spec",
     "make_mesh",
+    "mesh_context",
+    "on_mesh",
     "replicated",
     "shard_params",
     "state_shardings",

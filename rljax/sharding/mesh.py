@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import numpy as np
@@ -77,3 +79,42 @@ def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
         return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
     array = np.asarray(devices, dtype=object).reshape(sizes)
     return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def mesh_context(mesh: Mesh | None):
+    """``jax.set_mesh(mesh)``, or no context without a mesh.
+
+    Code that reads the abstract mesh while it is traced (splash attention's per-chip
+    ``shard_map``, parameter placement in ``rljax.models.layers``) sees ``mesh`` only when
+    the program is traced inside this context.
+    """
+    return contextlib.nullcontext()
+
+
+class OnMesh:
+    """A jitted function that is traced, lowered and run under ``jax.set_mesh(mesh)``.
+
+    The trainers' programs are wrapped in it (``on_mesh``), so a run on a mesh traces its
+    attention kernels per chip as ``experiments/memory_budget.py`` compiles them. Every
+    other attribute (``_cache_size``, ...) is the wrapped function's.
+    """
+
+    def __init__(self, fn: Callable, mesh: Mesh):
+        self.fn, self.mesh = fn, mesh
+
+    def __call__(self, *args, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return self.fn(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return self.fn.lower(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+
+def on_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
+    """``fn`` run under ``jax.set_mesh(mesh)`` (an ``OnMesh``); ``fn`` itself when
+    ``mesh`` is None."""
+    return fn

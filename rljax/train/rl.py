@@ -29,7 +29,7 @@ import numpy as np
 
 from rljax import objectives as obj
 from rljax.rewards.device import is_device_reward
-from rljax.sharding import replicated
+from rljax.sharding import on_mesh, replicated
 from rljax.train import algorithms as alg
 from rljax.train import hosts
 from rljax.train import ppo as ppo_lib
@@ -288,8 +288,9 @@ class RLTrainer:
             return jax.jit(program, donate_argnums=donate, static_argnums=static)
         rep = replicated(self.mesh)
         shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
-        return jax.jit(program, donate_argnums=donate, static_argnums=static,
-                       out_shardings=(shard(state.params), shard(state.opt_state), rep, rep))
+        return on_mesh(jax.jit(program, donate_argnums=donate, static_argnums=static,
+                               out_shardings=(shard(state.params), shard(state.opt_state), rep,
+                                              rep)), self.mesh)
 
     def init_state(self, policy_params, seed: int = 0, value_params=None) -> TrainState:
         """Fresh state: new optimiser moments; the reference is a frozen copy of the

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from rljax.sharding import on_mesh
 from rljax.train.config import SFTConfig
 from rljax.train.logprobs import policy_logprobs
 from rljax.train.step import Learner, TrainState, make_optimizer, new_train_state
@@ -57,7 +58,7 @@ class SFTTrainer:
         optim = make_optimizer(cfg.optim, max(cfg.steps, 1))
         self.learner = Learner(loss_fn, {"policy": optim}, micro_batch_size=cfg.micro_batch_size,
                                max_nonfinite=cfg.max_nonfinite_steps, mesh=mesh)
-        self._eval = jax.jit(lambda p, b: loss_fn(p, b)[:2])
+        self._eval = on_mesh(jax.jit(lambda p, b: loss_fn(p, b)[:2]), mesh)
 
     def init_state(self, params, seed: int = 0) -> TrainState:
         """A fresh state (new AdamW moments) around the policy ``params``; it takes

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rljax.sharding import batch_sharding, replicated
+from rljax.sharding import batch_sharding, on_mesh, replicated
 from rljax.train.config import OptimConfig
 
 Array = Any
@@ -224,12 +224,12 @@ def jit_update(update, mesh, params, opt_state, batch_example: dict):
     p_sh = jax.tree.map(lambda x: x.sharding, params)
     o_sh = jax.tree.map(lambda x: x.sharding, opt_state)
     b_sh = jax.tree.map(lambda x: batch_sharding(mesh, max(x.ndim, 1)), batch_example)
-    return jax.jit(
+    return on_mesh(jax.jit(
         update,
         in_shardings=(p_sh, o_sh, rep, b_sh, rep),
         out_shardings=(p_sh, o_sh, rep, rep),
         donate_argnums=(0, 1),
-    )
+    ), mesh)
 
 
 def batch_constrainer(mesh):
