@@ -88,7 +88,7 @@ def mesh_context(mesh: Mesh | None):
     ``shard_map``, parameter placement in ``rljax.models.layers``) sees ``mesh`` only when
     the program is traced inside this context.
     """
-    return contextlib.nullcontext()
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 class OnMesh:
@@ -117,4 +117,4 @@ class OnMesh:
 def on_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
     """``fn`` run under ``jax.set_mesh(mesh)`` (an ``OnMesh``); ``fn`` itself when
     ``mesh`` is None."""
-    return fn
+    return fn if mesh is None else OnMesh(fn, mesh)
