@@ -19,7 +19,6 @@ the held-out slice: the warm-up's stop never looks at the prompts that measure i
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -41,7 +40,7 @@ from rljax.models.hf_io import from_pretrained
 from rljax.models.tokenizer import build_char_tokenizer, check_vocab, load_tokenizer
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.tasks import ArithmeticDeviceReward, ArithmeticReward, CountdownReward
-from rljax.sharding import make_mesh
+from rljax.sharding import make_mesh, mesh_context
 from rljax.train.reward_model import RewardModelScorer
 
 log = logging.getLogger(__name__)
@@ -83,8 +82,7 @@ def build_model(cfg: ExperimentConfig, tokenizer, mesh=None, seed: int | None = 
                                 remat=cfg.remat)
     else:
         seed = cfg.run.seed if seed is None else seed
-        ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-        with ctx:  # one compiled program builds every weight, already sharded
+        with mesh_context(mesh):  # one compiled program builds every weight, already sharded
             model = _init_program(cfg.model, mesh)(jax.random.key(seed))
     check_vocab(tokenizer, model.config)
     return model
