@@ -187,3 +187,37 @@ def test_build_under_mesh_and_bad_input(mesh8):
         MeshConfig(data=-1, fsdp=-1)
     assert make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2)).shape == {
         "data": 2, "fsdp": 2, "tensor": 2}
+
+
+def _swiglu(x_BxTxD, w, matmul):
+    g, u = matmul(x_BxTxD, w["gate"]), matmul(x_BxTxD, w["up"])
+    return matmul(jax.nn.silu(g) * u, w["down"])
+
+
+def test_dense_equals_the_einsum_and_its_backward_copies_no_activation_gradient():
+    """`rljax.models.layers.dense` (the decoder's projections) equals the `[B, T, D]`
+    einsum in value and gradient; compiled, the MLP's backward writes no transposed
+    `[F, tokens]` copy of an activation gradient, which the einsum's does (the control)."""
+    from rljax.models.layers import dense
+
+    b, t, d, f = 4, 6, 8, 32
+    ks = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(ks[0], (b, t, d))
+    w = {"gate": jax.random.normal(ks[1], (d, f)), "up": jax.random.normal(ks[2], (d, f)),
+         "down": jax.random.normal(ks[3], (f, d))}
+    einsum = lambda a, m: jnp.einsum("btk,kn->btn", a, m)  # noqa: E731
+    grads = {}
+    for name, mm in (("dense", dense), ("einsum", einsum)):
+        fn = jax.jit(jax.value_and_grad(lambda w, x: jnp.sum(_swiglu(x, w, mm) ** 2)))
+        grads[name] = fn(w, x)
+        hlo = fn.lower(w, x).compile().as_text()
+        transposed = [s for s in (f"f32[{f},{b * t}]", f"f32[{f},{b},{t}]") if s in hlo]
+        assert bool(transposed) == (name == "einsum"), (name, transposed)
+    jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5),
+                 grads["dense"], grads["einsum"])
+    o_BxTxNxH = jax.random.normal(ks[0], (b, t, 2, 4))
+    np.testing.assert_allclose(dense(o_BxTxNxH, w["gate"].reshape(2, 4, f), contract=2),
+                               jnp.einsum("btnh,nhf->btf", o_BxTxNxH, w["gate"].reshape(2, 4, f)),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"dense: x\(4, 6, 8\)'s last 1 axes do not match"):
+        dense(x, w["down"])

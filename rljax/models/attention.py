@@ -8,7 +8,8 @@ from flax import nnx
 
 from rljax.models.attention_kernels import SegmentMask, kernel_attend
 from rljax.models.config import ModelConfig
-from rljax.models.layers import RMSNorm, annotated_param, apply_rope, compute_dtype, normal_param
+from rljax.models.layers import (RMSNorm, annotated_param, apply_rope, compute_dtype, dense,
+                                 normal_param)
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -66,8 +67,7 @@ class Attention(nnx.Module):
         self.dtype = compute_dtype(config)
 
     def _project(self, x: jax.Array, w: nnx.Param, bias_name: str) -> jax.Array:
-        y = jnp.einsum("btd,dnh->btnh", x, w[...].astype(self.dtype),
-                       preferred_element_type=jnp.float32)
+        y = dense(x, w[...].astype(self.dtype), preferred_element_type=jnp.float32)
         if self.qkv_bias:
             y = y + getattr(self, bias_name)[...]
         return y
@@ -111,13 +111,8 @@ class Attention(nnx.Module):
             o = kernel_attend(self.attention, q, k, v, allowed_BxTxS.segment_ids_BxT)
         else:
             o = attend(q, keys, values, allowed_BxTxS)
-        o = o.astype(self.dtype)
-        # Heads flattened on both sides: a [B,T,N*H] x [N*H,D] dot. Contracting over
-        # (n, h) made XLA:CPU copy the weight and transpose the activations in every
-        # decode step (seen in the optimised HLO); the reshapes here are free.
-        b, t = o.shape[:2]
-        w_FxD = self.o[...].astype(self.dtype)
-        w_FxD = w_FxD.reshape(-1, w_FxD.shape[-1])
-        out = jnp.einsum("btf,fd->btd", o.reshape(b, t, -1), w_FxD,
-                         preferred_element_type=jnp.float32)
+        # (n, h) contracted as one flattened axis (`dense`): contracting both made
+        # XLA:CPU copy the weight and transpose the activations in every decode step.
+        out = dense(o.astype(self.dtype), self.o[...].astype(self.dtype), contract=2,
+                    preferred_element_type=jnp.float32)
         return out, (keys, values)

@@ -1,4 +1,5 @@
-"""Building blocks: annotated float32 parameters, RMSNorm, rotary embeddings, SwiGLU MLP."""
+"""Building blocks: annotated float32 parameters, RMSNorm, rotary embeddings, the dense
+matmul, SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -113,6 +114,29 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_sin: tuple[jax.Array, jax.Array]) -> ja
     return out.astype(x_BxTxNxH.dtype)
 
 
+def dense(x: jax.Array, w: jax.Array, contract: int = 1,
+          preferred_element_type: DTypeLike | None = None) -> jax.Array:
+    """``x``'s last ``contract`` axes times ``w``'s first ``contract`` axes, as one 2-D
+    matmul ``[tokens, in] x [in, out]`` with the token axes and the weight's axes flattened
+    (free reshapes of row-major arrays; a sharded leading axis stays sharded).
+
+    Written as an einsum over ``[B, T, ...]``, the weight gradient contracts two axes
+    (b, t), and XLA lowers such a dot by writing a transposed copy of an operand first:
+    on XLA:CPU, the SwiGLU MLP's ``[B, T, F]`` activation gradient (measured: MLP forward +
+    backward at 2560 tokens x 256 x 1024, 105 -> 216 GFLOP/s, 37% -> 77% of the float32
+    matmul peak). Flattened, each of the three dots (forward, input and weight gradient)
+    contracts one axis, the GEMM form every backend takes without a copy.
+    """
+    lead, k = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:]
+    if w.shape[:contract] != k:
+        raise ValueError(f"dense: x{tuple(x.shape)}'s last {contract} axes do not match "
+                         f"w{tuple(w.shape)}'s first {contract}")
+    n = int(np.prod(k))
+    y = jnp.dot(x.reshape(-1, n), w.reshape(n, -1),
+                preferred_element_type=preferred_element_type)
+    return y.reshape(*lead, *w.shape[contract:])
+
+
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(x W_gate) * (x W_up)) (Shazeer 2020, eq. 6)."""
 
@@ -127,9 +151,7 @@ class MLP(nnx.Module):
         """Float32 output ``[B, T, D]``."""
         cd = self.dtype
         x = x_BxTxD.astype(cd)
-        g = jnp.einsum("btd,df->btf", x, self.gate[...].astype(cd))
-        u = jnp.einsum("btd,df->btf", x, self.up[...].astype(cd))
+        g = dense(x, self.gate[...].astype(cd))
+        u = dense(x, self.up[...].astype(cd))
         hidden = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(cd)
-        return jnp.einsum(
-            "btf,fd->btd", hidden, self.down[...].astype(cd), preferred_element_type=jnp.float32
-        )
+        return dense(hidden, self.down[...].astype(cd), preferred_element_type=jnp.float32)
