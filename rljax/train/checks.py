@@ -43,6 +43,21 @@ def check_num(cls, field, value, *, lo=None, hi=None, lo_open=False, hi_open=Fal
         fail(cls, field, value, allowed)
 
 
+def check_micro_batch(cls, micro: int, batch: int) -> None:
+    """``micro_batch_size``: 0 (the whole batch) or a divisor of ``batch``."""
+    check_num(cls, "micro_batch_size", micro, lo=0, integer=True)
+    if 0 < micro < batch and batch % micro:
+        fail(cls, "micro_batch_size", micro, f"0 or a divisor of batch_size={batch}")
+
+
+def check_pass_options(cls, cfg) -> None:
+    """The training-pass fields RLConfig and SFTConfig share: ``remat``, ``logp_chunk``,
+    ``max_nonfinite_steps``."""
+    check_bool(cls, "remat", cfg.remat)
+    check_num(cls, "logp_chunk", cfg.logp_chunk, lo=1, integer=True)
+    check_num(cls, "max_nonfinite_steps", cfg.max_nonfinite_steps, lo=1, integer=True)
+
+
 def check_import_path(cls, field, value):
     if value is None:
         return

@@ -15,8 +15,8 @@ import dataclasses
 import math
 
 from rljax.train.checks import check_algorithm_sampling  # noqa: F401 (public here too)
-from rljax.train.checks import (check_algorithm_extras, check_bool, check_choice,
-                                check_import_path, check_num, fail)
+from rljax.train.checks import (check_algorithm_extras, check_bool, check_choice, check_import_path,
+                                check_micro_batch, check_num, check_pass_options, fail)
 from rljax.train.presets import BASE, PRESET_FIELDS, PRESETS
 
 ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce", "ppo", "cispo", "sapo",
@@ -24,12 +24,8 @@ ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce", "ppo", "ci
 SCHEDULES = ("constant", "cosine", "linear")
 KL_KINDS = ("k1", "k2", "k3")
 KL_IN = ("loss", "reward", "none")
-AGGREGATIONS = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                "seq-mean-token-sum-norm")
 ADV_STDS = ("population", "sample", "none")
 OLD_LOGP = ("auto", "recompute", "sampler")
 REF_DTYPES = ("float32", "bfloat16")
@@ -344,9 +340,7 @@ class RLConfig:
         check_num(c, "prompts_per_step", self.prompts_per_step, lo=1, integer=True)
         check_num(c, "eval_every", self.eval_every, lo=0, integer=True)
         check_num(c, "eval_prompts", self.eval_prompts, lo=1, integer=True)
-        check_bool(c, "remat", self.remat)
-        check_num(c, "logp_chunk", self.logp_chunk, lo=1, integer=True)
-        check_num(c, "max_nonfinite_steps", self.max_nonfinite_steps, lo=1, integer=True)
+        check_pass_options(c, self)
         check_num(c, "peak_flops", self.peak_flops, lo=0.0)
         check_num(c, "value_lr_ratio", self.value_lr_ratio, lo=0.0, lo_open=True)
         check_choice(c, "ref_dtype", self.ref_dtype, REF_DTYPES)
@@ -399,13 +393,8 @@ class SFTConfig:
         check_num(c, "stop_prompts", self.stop_prompts, lo=1, integer=True)
         check_num(c, "steps", self.steps, lo=0, integer=True)
         check_num(c, "batch_size", self.batch_size, lo=1, integer=True)
-        check_num(c, "micro_batch_size", self.micro_batch_size, lo=0, integer=True)
-        if 0 < self.micro_batch_size < self.batch_size and self.batch_size % self.micro_batch_size:
-            fail(c, "micro_batch_size", self.micro_batch_size,
-                  f"0 or a divisor of batch_size={self.batch_size}")
+        check_micro_batch(c, self.micro_batch_size, self.batch_size)
         if not isinstance(self.optim, OptimConfig):
             fail(c, "optim", self.optim, "an OptimConfig")
-        check_bool(c, "remat", self.remat)
-        check_num(c, "logp_chunk", self.logp_chunk, lo=1, integer=True)
-        check_num(c, "max_nonfinite_steps", self.max_nonfinite_steps, lo=1, integer=True)
+        check_pass_options(c, self)
         check_num(c, "eval_every", self.eval_every, lo=0, integer=True)
