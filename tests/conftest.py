@@ -27,7 +27,7 @@ experiments run with XLA's defaults.
 
 import os
 
-TEST_XLA_FLAGS = "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
+TEST_XLA_FLAGS = "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1"
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS, "--xla_force_host_platform_device_count=8"]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
