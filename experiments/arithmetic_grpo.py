@@ -94,30 +94,40 @@ def smoke(cfg: ExperimentConfig) -> ExperimentConfig:
     )
 
 
-def sft_baseline(cfg: ExperimentConfig, seconds: float) -> tuple[list[float], int]:
-    """Held-out accuracy of each seed's SFT continued for about `seconds` past the
-    warm-up's `sft.steps`, all seeds in one program (as the RL phase trains them)."""
+def sft_baseline(cfg: ExperimentConfig, seconds: float, warm_state=None
+                 ) -> tuple[list[float], int]:
+    """Held-out accuracy of each seed's SFT continued for about `seconds`, all seeds in one
+    program (as the RL phase trains them). With `warm_state` (the run's warm-up state,
+    `SeedsResult.warm_state`) SFT continues from where the warm-up stopped, with its
+    optimiser moments and each seed's next training examples: the point RL started from.
+    Without it (a single-seed run) the warm-up's `sft.steps` are replayed first."""
     tok = builders.build_tokenizer(cfg)
     per = seed_configs(cfg) if cfg.run.seeds > 1 else [cfg]
-    split = [nnx.split(builders.build_model(c, tok, None)) for c in per]
+    split = [nnx.split(builders.build_model(c, tok, None))
+             for c in (per if warm_state is None else per[:1])]
     graphdef = split[0][0]
     tasks = [builders.build_task(c, tok) for c in per]
     sft = SeedSFT(graphdef, cfg.sft)
-    state = sft.init_state([p for _, p in split], [c.run.seed for c in per])
+    if warm_state is None:
+        state = sft.init_state([p for _, p in split], [c.run.seed for c in per])
+        first, untimed = np.zeros(len(per), int), cfg.sft.steps
+    else:  # each seed's next examples are those after its own warm-up steps
+        state, first, untimed = warm_state, np.asarray(warm_state.step), 1
     bs, step, deadline = cfg.sft.batch_size, 0, None
     while deadline is None or time.perf_counter() < deadline:
-        batches = [encode_pairs(tok, *t.sft(step * bs, bs), cfg.task.max_prompt_tokens,
-                                cfg.sampling.max_new_tokens) for t in tasks]
+        batches = [encode_pairs(tok, *t.sft(int(first[k] + step) * bs, bs),
+                                cfg.task.max_prompt_tokens, cfg.sampling.max_new_tokens)
+                   for k, t in enumerate(tasks)]
         state, _ = sft.step(state, batches, [True] * len(per))
         step += 1
-        if step == cfg.sft.steps:  # the warm-up is done: now the same time as RL took
+        if step == untimed:  # warm-up replayed, or the update compiled: now RL's time
             deadline = time.perf_counter() + seconds
     ev = SeedRL(RLTrainer(graphdef, tok, builders.build_device_reward(cfg, tok),
                           algorithm=cfg.algorithm, optim=cfg.optim, sampling=cfg.sampling,
                           rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens))
     res = ev.evaluate(state.params["policy"], [t.eval_prompts for t in tasks],
                       [t.eval_metadata for t in tasks])
-    return [r["accuracy"] for r in res], step - cfg.sft.steps
+    return [r["accuracy"] for r in res], step - (cfg.sft.steps if warm_state is None else 0)
 
 
 def main(argv=None) -> int:
@@ -147,7 +157,8 @@ def main(argv=None) -> int:
               f"run {res.wall_s:.1f} s")
     if not args.no_baseline:
         t1 = time.perf_counter()
-        accs, steps = sft_baseline(cfg, rl_seconds)
+        warm = res.seeds.warm_state if res.seeds is not None else None
+        accs, steps = sft_baseline(cfg, rl_seconds, warm)
         print(f"honesty baseline: SFT continued for the RL phase's {rl_seconds:.1f} s "
               f"({steps} more SFT steps, {time.perf_counter() - t1:.1f} s with its build and "
               f"evaluation) reaches {np.mean(accs):.3f} mean held-out accuracy (GRPO reached "

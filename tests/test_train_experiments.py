@@ -2,7 +2,9 @@
 8-device mesh through the same call as `rljax train` (tiny model, two steps); PPO's value
 model starts from the warmed-up policy."""
 
+import importlib.util
 import io
+import pathlib
 
 import numpy as np
 import pytest
@@ -12,6 +14,8 @@ from rljax.run import builders
 from rljax.run.experiment_files import load_experiment
 from rljax.run.runner import run_experiment
 from rljax.train.rl import RLTrainer
+
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 
 
 @pytest.mark.slow
@@ -28,6 +32,7 @@ def test_demo_smoke_runs_and_reports(tmp_path, name, algo, monkeypatch):
     if name == "arithmetic_grpo":  # two seeds in one program: each program compiled once
         assert last.startswith("RESULT seeds=2 accuracy_before=") and "gain_min=" in last
         assert res.seeds.compiled == {"sft_update": 1, "rl_step": 1, "evaluate": 1}
+        _check_baseline_continues_the_warm_up(cfg, res.seeds.warm_state)
     else:
         assert last.startswith("RESULT accuracy_before=")
     if algo == "ppo":  # the value model starts from the policy after the SFT warm-up
@@ -38,6 +43,17 @@ def test_demo_smoke_runs_and_reports(tmp_path, name, algo, monkeypatch):
             np.testing.assert_array_equal(v, pol[k], err_msg=str(k))
         changed = [k for k in backbone if not np.array_equal(pol[k], seen["random"][k])]
         assert changed, "the SFT warm-up changed no weight: the check above proves nothing"
+
+
+def _check_baseline_continues_the_warm_up(cfg, warm_state):
+    """The demo's SFT baseline starts from the warm-up's state (each seed at its own step),
+    not from a fresh model: with no time budget it runs exactly the one untimed step."""
+    assert np.asarray(warm_state.step).tolist() == [cfg.sft.steps] * cfg.run.seeds
+    spec = importlib.util.spec_from_file_location("demo", EXPERIMENTS / "arithmetic_grpo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    accs, steps = demo.sft_baseline(cfg, 0.0, warm_state)
+    assert steps == 1 and len(accs) == cfg.run.seeds and all(0.0 <= a <= 1.0 for a in accs)
 
 
 def _spy_on_init_state(monkeypatch) -> dict:

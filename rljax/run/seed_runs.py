@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 import jax
 import numpy as np
@@ -53,6 +53,10 @@ class SeedsResult:
     run_dir: str
     summary: str
     compiled: dict = dataclasses.field(default_factory=dict)  # program -> times compiled
+    # The SFT warm-up's last state (params and optimiser moments stacked over seeds, its
+    # `step` each seed's own update count), for a baseline that continues it; None when
+    # the run had no warm-up.
+    warm_state: Any = None
 
     @property
     def result(self) -> dict[str, float]:
@@ -72,8 +76,9 @@ def seed_configs(cfg: ExperimentConfig) -> list[ExperimentConfig]:
 
 
 def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out,
-            compiled: dict) -> list:
-    """The vmapped SFT warm-up; each seed stops at its own validation target."""
+            compiled: dict) -> tuple[list, Any]:
+    """The vmapped SFT warm-up; each seed stops at its own validation target. Returns each
+    seed's policy params and the warm-up's last (stacked) state."""
     c = cfg.sft
     sft = SeedSFT(graphdef, c)
     seeds = [x.run.seed for x in seed_configs(cfg)]
@@ -102,7 +107,8 @@ def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out,
         if not any(active):
             break
     compiled["sft_update"] = sft.compiled()
-    return [jax.tree.map(lambda x, k=k: x[k], state.params["policy"]) for k in range(len(params))]
+    return [jax.tree.map(lambda x, k=k: x[k], state.params["policy"])
+            for k in range(len(params))], state
 
 
 def _evaluate(rl: SeedRL, params_S, tasks, seeds, rd, name: str) -> list[dict]:
@@ -139,8 +145,10 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
                             prompt_len=cfg.task.max_prompt_tokens)
         rl, compiled, phases = SeedRL(trainer), {}, {"setup": time.perf_counter() - t0}
         t1 = time.perf_counter()
+        warm_state = None
         if cfg.sft is not None and cfg.sft.steps > 0:
-            params = _warmup(cfg, graphdef, params, tasks, tok, rl, rd, progress_out, compiled)
+            params, warm_state = _warmup(cfg, graphdef, params, tasks, tok, rl, rd,
+                                         progress_out, compiled)
         phases["warm-up"] = time.perf_counter() - t1
         state = rl.init_state(params, seeds)
         t1 = time.perf_counter()
@@ -167,7 +175,8 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
         compiled.update(rl.compiled())
     finally:
         rd.close()
-    return _finish(cfg, rd, seeds, before, after, t0, rl_s, compiled, phases, out)
+    res = _finish(cfg, rd, seeds, before, after, t0, rl_s, compiled, phases, out)
+    return dataclasses.replace(res, warm_state=warm_state)
 
 
 def _finish(cfg, rd, seeds, before, after, t0, rl_s, compiled, phases, out) -> SeedsResult:
