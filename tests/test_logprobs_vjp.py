@@ -1,14 +1,18 @@
 """The linear head's hand-written backward (rljax.train.logprobs.linear_logprobs) equals
 jax.grad of the plain formula: log-probs and entropies of softmax(h . W / temperature),
 tied (``W [V, D]``) and untied (``W [D, V]``) heads, chunks over time, entropy
-differentiated or not, and through ``policy_logprobs`` on every decoder parameter."""
+differentiated or not, and through ``policy_logprobs`` on every decoder parameter; with the
+vocabulary sharded, the forward's target gather keeps it sharded."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from _train_common import random_seqs, tiny_model
 from rljax.train.logprobs import (chunked_logprobs, head_logits, linear_logprobs,
@@ -97,3 +101,34 @@ def test_linear_logprobs_rejects_bad_arguments():
         linear_logprobs(w, h, tgt, vocab_major=True, chunk=2, temperature=0.0)
     with pytest.raises(ValueError, match="weight shape"):
         linear_logprobs(w, h, tgt, vocab_major=False, chunk=2)
+
+
+def _vocab_all_gathers(hlo: str, v: int) -> list[str]:
+    """All-gathers in compiled HLO whose result has a dimension of size ``v``."""
+    return [line.strip()[:120] for line in hlo.splitlines()
+            if " all-gather(" in line and re.search(rf"\[[\d,]*\b{v}\b", line.split("=", 1)[1])]
+
+
+@pytest.mark.parametrize("vocab_major", [True, False])
+def test_vocab_sharded_logits_stay_sharded_through_the_target_gather(mesh8, vocab_major):
+    """The target's logit is a gather along V; with W sharded over `tensor` on V, the
+    compiled forward gathers on each shard (no all-gather of a vocab-sized array). The
+    control replicates the logits first: the check then sees the all-gather."""
+    b, t, d, v = 8, 4, 16, 256
+    w_shape, w_spec = ((v, d), P("tensor", None)) if vocab_major else ((d, v), P(None, "tensor"))
+    args = (jax.ShapeDtypeStruct(w_shape, jnp.float32, sharding=NamedSharding(mesh8, w_spec)),
+            jax.ShapeDtypeStruct((b, t, d), jnp.float32,
+                                 sharding=NamedSharding(mesh8, P(("data", "fsdp")))),
+            jax.ShapeDtypeStruct((b, t), jnp.int32,
+                                 sharding=NamedSharding(mesh8, P(("data", "fsdp")))))
+    fn = functools.partial(linear_logprobs, vocab_major=vocab_major, chunk=t)
+    hlo = jax.jit(lambda w, h, tgt: fn(w, h, tgt)[0]).lower(*args).compile().as_text()
+    assert not _vocab_all_gathers(hlo, v), _vocab_all_gathers(hlo, v)
+
+    def replicated(w, h, tgt):
+        z = jnp.einsum("btd,vd->btv" if vocab_major else "btd,dv->btv", h, w)
+        z = jax.lax.with_sharding_constraint(z, NamedSharding(mesh8, P()))
+        return jnp.take_along_axis(z, tgt[..., None], axis=-1)[..., 0]
+
+    control = jax.jit(replicated).lower(*args).compile().as_text()
+    assert _vocab_all_gathers(control, v), "the check finds no all-gather even in the control"

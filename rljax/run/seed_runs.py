@@ -54,8 +54,8 @@ class SeedsResult:
     summary: str
     compiled: dict = dataclasses.field(default_factory=dict)  # program -> times compiled
     # The SFT warm-up's last state (params and optimiser moments stacked over seeds, its
-    # `step` each seed's own update count), for a baseline that continues it; None when
-    # the run had no warm-up.
+    # `step` each seed's own update count), for a baseline that continues it (its SFT
+    # updates donate these buffers); None when the run had no warm-up.
     warm_state: Any = None
 
     @property
