@@ -2,20 +2,17 @@
 8-device mesh through the same call as `rljax train` (tiny model, two steps); PPO's value
 model starts from the warmed-up policy."""
 
-import importlib.util
 import io
-import pathlib
 
 import numpy as np
 import pytest
+from _experiments import load_experiment as experiment_module
 from flax import nnx
 
 from rljax.run import builders
 from rljax.run.experiment_files import load_experiment
 from rljax.run.runner import run_experiment
 from rljax.train.rl import RLTrainer
-
-EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 
 
 @pytest.mark.slow
@@ -49,10 +46,7 @@ def _check_baseline_continues_the_warm_up(cfg, warm_state):
     """The demo's SFT baseline starts from the warm-up's state (each seed at its own step),
     not from a fresh model: with no time budget it runs exactly the one untimed step."""
     assert np.asarray(warm_state.step).tolist() == [cfg.sft.steps] * cfg.run.seeds
-    spec = importlib.util.spec_from_file_location("demo", EXPERIMENTS / "arithmetic_grpo.py")
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
-    accs, steps = demo.sft_baseline(cfg, 0.0, warm_state)
+    accs, steps = experiment_module("arithmetic_grpo").sft_baseline(cfg, 0.0, warm_state)
     assert steps == 1 and len(accs) == cfg.run.seeds and all(0.0 <= a <= 1.0 for a in accs)
 
 
