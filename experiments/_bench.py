@@ -31,7 +31,7 @@ REFERENCE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=4, intermediate_size=704, vocab_size=32000)
 LARGER = dict(REFERENCE, hidden_size=512, intermediate_size=1408, num_hidden_layers=8)
 # --quick: a model that compiles and runs in a second or two (smoke tests).
-TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=64, vocab_size=512)
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _train_common import CharTok, tiny_model
+from _train_common import CharTok, tiny_model as _tiny_model
 from rljax.rewards.device import DeviceReward
 from rljax.train.batching import encode_pairs
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, SFTConfig, algorithm_preset
@@ -17,6 +17,11 @@ from rljax.train.seeds import SeedRL, SeedSFT, unstack
 from rljax.train.sft import SFTTrainer
 
 TOK = CharTok()
+
+
+def tiny_model(seed=0):
+    """One layer: what these tests compare needs no depth, and each layer is compile time."""
+    return _tiny_model(seed=seed, num_layers=1)
 PROMPTS = ["1+2=", "3+4=", "15+6=", "7+8=", "2*3=", "9-1="]
 
 
