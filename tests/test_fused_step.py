@@ -1,5 +1,6 @@
 """With a device reward the RL step is one compiled program (sample -> score -> learn),
-and it makes the same samples and updates as the host-reward step; several seeds in one
+and it makes the same samples and updates as the host-reward step, on one device and
+sharded over an 8-device mesh; several seeds in one
 vmapped program are the runs each seed makes alone (``rljax.train.seeds``). One file, so
 one test worker compiles the shared programs once."""
 
@@ -19,9 +20,9 @@ from rljax.train.sft import SFTTrainer
 TOK = CharTok()
 
 
-def tiny_model(seed=0):
+def tiny_model(seed=0, mesh=None):
     """One layer: what these tests compare needs no depth, and each layer is compile time."""
-    return _tiny_model(seed=seed, num_layers=1)
+    return _tiny_model(seed=seed, mesh=mesh, num_layers=1)
 PROMPTS = ["1+2=", "3+4=", "15+6=", "7+8=", "2*3=", "9-1="]
 
 
@@ -50,11 +51,17 @@ class DigitShare(DeviceReward):
 REWARD = DigitShare()  # one instance: trainers with it share their compiled programs
 
 
-def _trainer(gd, reward):
+def _close(a, b, rtol=1e-4, atol=1e-6):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def _trainer(gd, reward, mesh=None):
     return RLTrainer(gd, TOK, reward, algorithm=algorithm_preset("grpo", group_size=4,
                                                                  num_minibatches=1, kl_coef=0.0),
                      optim=OptimConfig(lr=3e-3), sampling=SamplingConfig(max_new_tokens=3),
-                     rl=RLConfig(steps=2, prompts_per_step=4, logp_chunk=2), prompt_len=8)
+                     rl=RLConfig(steps=2, prompts_per_step=4, logp_chunk=2), prompt_len=8,
+                     mesh=mesh)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +101,27 @@ def test_device_reward_step_compiles_once_and_fetches_only_metrics(two_runs):
     assert np.isfinite(rows[1][1]["loss"])
 
 
+def test_device_reward_step_on_a_mesh_equals_the_one_device_step(two_runs, mesh8):
+    """The one-program step sharded over the (data, fsdp, tensor) mesh of 8 devices: the
+    same samples, rewards and updates as on one device, and after its compile no host
+    transfer but the metrics'."""
+    _, (_, s_one), rows = two_runs
+    gd, st = tiny_model(mesh=mesh8)
+    tr = _trainer(gd, REWARD, mesh=mesh8)
+    state = tr.init_state(st, seed=3)
+    for i, (_, want) in enumerate(rows):
+        with jax.transfer_guard("disallow_explicit" if i else "allow"):
+            state, m = tr.step(state, source)
+        for k in ("reward_mean", "reward_std", "response_len_mean", "completion_tokens"):
+            np.testing.assert_allclose(m[k], want[k], rtol=1e-6, err_msg=k)
+        np.testing.assert_allclose(m["loss"], want["loss"], rtol=1e-4, atol=1e-6)
+    assert tr._learn._cache_size() == 1
+    leaves = jax.tree.leaves(state.params)
+    assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+               for x in leaves)  # the parameters stayed sharded over the mesh
+    _close(state.params, s_one.params)
+
+
 def test_dynamic_sampling_needs_a_host_reward():
     gd, _ = tiny_model()
     with pytest.raises(ValueError, match="dynamic sampling"):
@@ -108,11 +136,6 @@ def offset_source(k):
         idx = [(start + 2 * k + i) % len(PROMPTS) for i in range(n)]
         return [PROMPTS[i] for i in idx], [{"weight": 1.0 + i % 3} for i in idx]
     return src
-
-
-def _close(a, b, rtol=1e-4, atol=1e-6):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
 # A vmapped matmul may sum in another order; Adam divides each gradient element by its
