@@ -203,8 +203,9 @@ class RunConfig:
         "3,5" or "3-5" (numbered as in metrics.jsonl, from 1; "" = none); see
         `rljax.run.profiling`. Not part of the config hash: a resumed run may change it.
       seeds: independent runs trained at once in one compiled program (seeds `seed`,
-        `seed + 1`, ...; `rljax.run.seeds`); > 1 needs a device reward (the arithmetic
-        task's accuracy reward), one device, and no resume.
+        `seed + 1`, ...; `rljax.run.seed_runs`); > 1 needs a device reward (the
+        arithmetic task's accuracy reward) and one device; such a run resumes as one run
+        does.
     """
 
     dir: str = "runs/default"
@@ -230,8 +231,6 @@ class RunConfig:
         _check_int(c, "keep", self.keep, 1)
         _check_int(c, "log_every", self.log_every, 1)
         _check_int(c, "seeds", self.seeds, 1)
-        if self.seeds > 1 and self.resume:
-            _fail(c, "seeds", self.seeds, "1 when resume=True (a several-seed run is not resumed)")
         for f in ("resume", "overwrite", "tensorboard", "plots"):
             _check_bool(c, f, getattr(self, f))
         if self.resume and self.overwrite:

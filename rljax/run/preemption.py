@@ -17,7 +17,8 @@ same step, or the checkpoint's collective save would hang or mix steps.
 - One process: a Python SIGTERM handler sets a flag, read at the next step boundary
   (installed only from the main thread, the previous handler restored on exit).
 
-`Preempted` is what `run_experiment` raises once the state of that step is saved.
+`Preempted` is what `run_experiment` raises once the state of that step is saved
+(`stop_saved`); `save_interrupted` keeps the state a Ctrl-C (KeyboardInterrupt) left.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import threading
 import jax
 from jax.experimental import multihost_utils
 
-__all__ = ["Preempted", "StopSignal"]
+__all__ = ["Preempted", "StopSignal", "save_interrupted", "stop_saved"]
 
 
 class Preempted(Exception):
@@ -71,3 +72,22 @@ class StopSignal:
         if self._agreed:
             return bool(multihost_utils.reached_preemption_sync_point(int(step)))
         return self._flag
+
+
+def stop_saved(ck, step: int, state, meta: dict, out) -> None:
+    """Save `state` as checkpoint `step` of the `rljax.train.checkpoint.Checkpointer` `ck`
+    (forced), wait until it is on disk, report to `out` and raise `Preempted`."""
+    ck.save(step, state, meta, force=True)
+    ck.wait_until_finished()
+    err = Preempted(step, str(ck.directory))
+    print(f"\n[rljax] {err}", file=out, flush=True)
+    raise err
+
+
+def save_interrupted(ck, step: int, state, meta: dict, out) -> None:
+    """After a KeyboardInterrupt: save `state` as checkpoint `step` (forced), wait for the
+    write and say how to continue (the caller re-raises)."""
+    ck.save(step, state, meta, force=True)
+    ck.wait_until_finished()
+    print(f"\n[rljax] interrupted at step {step}; checkpoint saved in {ck.directory}; "
+          "continue with --set run.resume=true", file=out)

@@ -38,7 +38,7 @@ from flax import nnx
 from rljax.models import ValueModel
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
-from rljax.run.preemption import Preempted, StopSignal
+from rljax.run.preemption import StopSignal, save_interrupted, stop_saved
 from rljax.run.profiling import StepProfiler, parse_profile_steps
 from rljax.run.report import Progress, format_summary
 from rljax.run.run_dir import RunDir, is_local
@@ -257,27 +257,13 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, sto
             if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
                 bar.update(done, metrics)
             if done < cfg.rl.steps and stop.reached(done):  # before orbax's own check
-                _stop_preempted(cfg, rd, ck, state, acc_before, out)
+                stop_saved(ck, done, state, _meta(cfg, rd, state, "preempted", acc_before), out)
             _save(ck, done, state, _meta(cfg, rd, state, "rl", acc_before))
-    except KeyboardInterrupt:
-        # Keep what was learned: save the current state (forced) and wait for the write.
-        _save(ck, int(state.step), state, _meta(cfg, rd, state, "interrupted", acc_before),
-              force=True)
-        ck.wait_until_finished()
-        print(f"\n[rljax] interrupted at step {int(state.step)}; checkpoint saved in "
-              f"{rd.checkpoint_dir}; continue with --set run.resume=true", file=out)
+    except KeyboardInterrupt:  # keep what was learned
+        save_interrupted(ck, int(state.step), state,
+                         _meta(cfg, rd, state, "interrupted", acc_before), out)
         raise
     return state
-
-
-def _stop_preempted(cfg, rd, ck, state, acc_before, out):
-    """Save the agreed step (forced), wait until it is on disk, raise `Preempted`."""
-    step = int(state.step)
-    _save(ck, step, state, _meta(cfg, rd, state, "preempted", acc_before), force=True)
-    ck.wait_until_finished()
-    err = Preempted(step, str(rd.checkpoint_dir))
-    print(f"\n[rljax] {err}", file=out, flush=True)
-    raise err
 
 
 def _finish(cfg, rd, acc_before, after: dict, t0: float, out) -> RunResult:

@@ -11,9 +11,12 @@ the final stacked state saved, `eval.json`, and the summary whose last line is
 `RESULT seeds=... accuracy_before=<mean> accuracy_after=<mean> accuracy_after_min=...
 gain_mean=... gain_min=... wall_s=...`.
 
-`metrics.jsonl` holds one line per seed per step, with a `seed` field. One device
-(several-seed runs are for models that fit one chip many times over); no resume; no
-plots (they draw one run).
+`metrics.jsonl` holds one line per seed per step, with a `seed` field. The stacked state
+is checkpointed every `run.save_every` steps (and at the end), with each seed's held-out
+results before RL; `run.resume=true` continues from the latest checkpoint (no warm-up or
+first evaluation again; a resumed run's SFT baseline replays the warm-up), and SIGTERM or
+Ctrl-C save the step reached first, as `run_experiment` does. One device (several-seed
+runs are for models that fit one chip many times over); no plots (they draw one run).
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from flax import nnx
 
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
+from rljax.run.preemption import StopSignal, save_interrupted, stop_saved
 from rljax.run.report import Progress, format_summary, result_line
 from rljax.run.run_dir import RunDir
 from rljax.train.batching import encode_pairs
 from rljax.train.checkpoint import Checkpointer
 from rljax.train.rl import RLTrainer
 from rljax.train.seeds import SeedRL, SeedSFT
+from rljax.train.step import TrainState
 
 __all__ = ["SeedsResult", "run_seeds", "seed_configs"]
 
@@ -130,53 +135,107 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
                          f"this is process {jax.process_index()} of {jax.process_count()}")
     t0 = time.perf_counter()
     progress_out = out if out is not None else sys.stderr
-    per = seed_configs(cfg)
-    seeds = [c.run.seed for c in per]
-    rd = RunDir(cfg.run.dir, cfg, resume=False, overwrite=cfg.run.overwrite,
+    seeds = [c.run.seed for c in seed_configs(cfg)]
+    rd = RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
                 tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project)
     try:
-        tok = builders.build_tokenizer(cfg)
-        reward = builders.build_device_reward(cfg, tok)
-        split = [nnx.split(builders.build_model(c, tok, None)) for c in per]
-        graphdef, params = split[0][0], [p for _, p in split]
-        tasks = [builders.build_task(c, tok) for c in per]
-        trainer = RLTrainer(graphdef, tok, reward, algorithm=cfg.algorithm, optim=cfg.optim,
-                            sampling=cfg.sampling, rl=cfg.rl,
-                            prompt_len=cfg.task.max_prompt_tokens)
-        rl, compiled, phases = SeedRL(trainer), {}, {"setup": time.perf_counter() - t0}
-        t1 = time.perf_counter()
-        warm_state = None
-        if cfg.sft is not None and cfg.sft.steps > 0:
-            params, warm_state = _warmup(cfg, graphdef, params, tasks, tok, rl, rd,
-                                         progress_out, compiled)
-        phases["warm-up"] = time.perf_counter() - t1
-        state = rl.init_state(params, seeds)
-        t1 = time.perf_counter()
-        before = _evaluate(rl, state.params["policy"], tasks, seeds, rd, "eval_before")
-        phases["evaluations"] = time.perf_counter() - t1
-        bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=progress_out, desc="rl")
-        rl_s, t1 = 0.0, time.perf_counter()
-        for step in range(cfg.rl.steps):
-            state, ms = rl.step(state, [t.train for t in tasks])
-            rl_s += ms[0]["time_step"]
-            for s, m in zip(seeds, ms):
-                rd.log(step + 1, {**m, "seed": s})
-            if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.rl.steps:
-                bar.update(step + 1, {k: float(np.mean([m[k] for m in ms]))
-                                      for k in _PROGRESS_KEYS if k in ms[0]})
-        phases["RL"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        after = _evaluate(rl, state.params["policy"], tasks, seeds, rd, "eval_after")
-        phases["evaluations"] += time.perf_counter() - t1
-        with Checkpointer(rd.checkpoint_dir, save_every=max(cfg.rl.steps, 1),
-                          keep=cfg.run.keep) as ck:
-            ck.save(cfg.rl.steps, state, {"phase": "done", "seeds": seeds,
-                                          "config_hash": rd.config_hash}, force=True)
-        compiled.update(rl.compiled())
+        every = cfg.run.save_every or max(cfg.rl.steps, 1)
+        with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck, \
+                StopSignal() as stop:
+            run = _SeedRun(cfg, rd, ck, seeds, progress_out)
+            run.phases["setup"] = time.perf_counter() - t0
+            state, before, warm_state = run.start()
+            state, rl_s = run.rl_loop(state, before, stop)
+            t1 = time.perf_counter()
+            after = _evaluate(run.rl, state.params["policy"], run.tasks, seeds, rd, "eval_after")
+            run.phases["evaluations"] += time.perf_counter() - t1
+            ck.save(cfg.rl.steps, state, run.meta("done", before), force=True)
+            run.compiled.update(run.rl.compiled())
     finally:
         rd.close()
-    res = _finish(cfg, rd, seeds, before, after, t0, rl_s, compiled, phases, out)
+    res = _finish(cfg, rd, seeds, before, after, t0, rl_s, run.compiled, run.phases, out)
     return dataclasses.replace(res, warm_state=warm_state)
+
+
+class _SeedRun:
+    """One several-seed run's parts: its models, tasks and vmapped trainer; a fresh start
+    (warm-up, held-out evaluation) or a resumed one; the RL loop with its checkpoints."""
+
+    def __init__(self, cfg, rd, ck, seeds, out):
+        self.cfg, self.rd, self.ck, self.seeds, self.out = cfg, rd, ck, seeds, out
+        per = seed_configs(cfg)
+        self.tok = tok = builders.build_tokenizer(cfg)
+        split = [nnx.split(builders.build_model(c, tok, None)) for c in per]
+        self.graphdef, self.params = split[0][0], [p for _, p in split]
+        self.tasks = [builders.build_task(c, tok) for c in per]
+        trainer = RLTrainer(self.graphdef, tok, builders.build_device_reward(cfg, tok),
+                            algorithm=cfg.algorithm, optim=cfg.optim, sampling=cfg.sampling,
+                            rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens)
+        self.rl, self.compiled = SeedRL(trainer), {}
+        self.phases = {"setup": 0.0, "warm-up": 0.0, "evaluations": 0.0}
+
+    def meta(self, phase: str, before: list[dict]) -> dict:
+        """A checkpoint's metadata: what a resumed run needs besides the state."""
+        return {"phase": phase, "config_hash": self.rd.config_hash, "seeds": self.seeds,
+                "eval_before": before}
+
+    def start(self) -> tuple[TrainState, list[dict], Any]:
+        """The latest checkpoint's state and held-out results (``run.resume`` with one), or
+        the warm-up, the held-out evaluation and fresh states; returns ``(state, eval
+        before RL per seed, the warm-up's last state or None)``."""
+        cfg, rd, ck = self.cfg, self.rd, self.ck
+        if cfg.run.resume and ck.latest_step() is not None:
+            state, meta = ck.restore(self.rl.init_state(self.params, self.seeds))
+            if meta.get("seeds") != self.seeds:
+                raise ValueError(f"run.resume: the checkpoint in {ck.directory} holds seeds "
+                                 f"{meta.get('seeds')}, this config runs {self.seeds}")
+            step = int(np.asarray(state.step)[0])
+            rd.truncate_metrics(step)
+            print(f"[rljax] resumed {rd.path} at step {step} ({len(self.seeds)} seeds)",
+                  file=self.out)
+            return state, meta["eval_before"], None
+        if rd.resumed:  # resume asked, but no checkpoint yet: start over, from a clean record
+            rd.truncate_metrics(-1, phase=None)
+        t1 = time.perf_counter()
+        params, warm_state = self.params, None
+        if cfg.sft is not None and cfg.sft.steps > 0:
+            params, warm_state = _warmup(cfg, self.graphdef, params, self.tasks, self.tok,
+                                         self.rl, rd, self.out, self.compiled)
+        self.phases["warm-up"] = time.perf_counter() - t1
+        state = self.rl.init_state(params, self.seeds)
+        t1 = time.perf_counter()
+        before = _evaluate(self.rl, state.params["policy"], self.tasks, self.seeds, rd,
+                           "eval_before")
+        self.phases["evaluations"] += time.perf_counter() - t1
+        return state, before, warm_state
+
+    def rl_loop(self, state, before, stop) -> tuple[TrainState, float]:
+        """RL steps from ``state``'s step to ``rl.steps``, each seed's metrics logged and
+        the stacked state checkpointed every ``run.save_every`` steps; SIGTERM saves and
+        raises ``Preempted``, Ctrl-C saves and re-raises. Returns the state and the steps'
+        device time."""
+        cfg, ck = self.cfg, self.ck
+        bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=self.out, desc="rl")
+        rl_s, t1 = 0.0, time.perf_counter()
+        done = int(np.asarray(state.step)[0])
+        try:
+            while done < cfg.rl.steps:
+                state, ms = self.rl.step(state, [t.train for t in self.tasks])
+                done += 1
+                rl_s += ms[0]["time_step"]
+                for s, m in zip(self.seeds, ms):
+                    self.rd.log(done, {**m, "seed": s})
+                if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
+                    bar.update(done, {k: float(np.mean([m[k] for m in ms]))
+                                      for k in _PROGRESS_KEYS if k in ms[0]})
+                if done < cfg.rl.steps and stop.reached(done):
+                    stop_saved(ck, done, state, self.meta("preempted", before), self.out)
+                ck.save(done, state, self.meta("rl", before))
+        except KeyboardInterrupt:  # keep what was learned
+            save_interrupted(ck, done, state, self.meta("interrupted", before), self.out)
+            raise
+        self.phases["RL"] = time.perf_counter() - t1
+        return state, rl_s
 
 
 def _finish(cfg, rd, seeds, before, after, t0, rl_s, compiled, phases, out) -> SeedsResult:
