@@ -18,18 +18,22 @@ same step, or the checkpoint's collective save would hang or mix steps.
   (installed only from the main thread, the previous handler restored on exit).
 
 `Preempted` is what `run_experiment` raises once the state of that step is saved
-(`stop_saved`); `save_interrupted` keeps the state a Ctrl-C (KeyboardInterrupt) left.
+(`stop_saved`). Ctrl-C (SIGINT) during an RL step is held until the step ends
+(`DeferredInterrupt`): a step donates the state's buffers to its program, so a
+KeyboardInterrupt raised inside it would leave no state to save. `save_interrupted` then
+saves the step reached; a second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 
 import jax
 from jax.experimental import multihost_utils
 
-__all__ = ["Preempted", "StopSignal", "save_interrupted", "stop_saved"]
+__all__ = ["DeferredInterrupt", "Preempted", "StopSignal", "save_interrupted", "stop_saved"]
 
 
 class Preempted(Exception):
@@ -74,6 +78,33 @@ class StopSignal:
         return self._flag
 
 
+class DeferredInterrupt:
+    """A block that Ctrl-C must not cut (an update that donates the state's buffers):
+    a SIGINT inside it only sets `hit` (the caller raises KeyboardInterrupt at its next
+    step boundary, once the step is logged); a second SIGINT raises at once. Only from
+    the main thread (a no-op elsewhere, where Python delivers no signals)."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.hit = True
+        signal.signal(signal.SIGINT, self._previous)  # a second Ctrl-C: at once
+        print("\n[rljax] Ctrl-C: stopping after this step (Ctrl-C again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    def __enter__(self) -> DeferredInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
 def stop_saved(ck, step: int, state, meta: dict, out) -> None:
     """Save `state` as checkpoint `step` of the `rljax.train.checkpoint.Checkpointer` `ck`
     (forced), wait until it is on disk, report to `out` and raise `Preempted`."""
@@ -86,7 +117,13 @@ def stop_saved(ck, step: int, state, meta: dict, out) -> None:
 
 def save_interrupted(ck, step: int, state, meta: dict, out) -> None:
     """After a KeyboardInterrupt: save `state` as checkpoint `step` (forced), wait for the
-    write and say how to continue (the caller re-raises)."""
+    write and say how to continue (the caller re-raises). A state whose buffers a cut
+    step had donated is not saved: the checkpoints on disk stay as they were."""
+    if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+        print(f"\n[rljax] interrupted inside a step: nothing new saved; the latest "
+              f"checkpoint in {ck.directory} is intact (continue with --set "
+              "run.resume=true)", file=out)
+        return
     ck.save(step, state, meta, force=True)
     ck.wait_until_finished()
     print(f"\n[rljax] interrupted at step {step}; checkpoint saved in {ck.directory}; "

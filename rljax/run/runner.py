@@ -38,7 +38,7 @@ from flax import nnx
 from rljax.models import ValueModel
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
-from rljax.run.preemption import StopSignal, save_interrupted, stop_saved
+from rljax.run.preemption import DeferredInterrupt, StopSignal, save_interrupted, stop_saved
 from rljax.run.profiling import StepProfiler, parse_profile_steps
 from rljax.run.report import Progress, format_summary
 from rljax.run.run_dir import RunDir, is_local
@@ -246,8 +246,8 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, sto
                         last=cfg.rl.steps)
     try:
         for step in range(int(state.step), cfg.rl.steps):
-            with prof.step(step + 1):  # numbered as metrics.jsonl numbers it
-                state, metrics = trainer.step(state, task.train)
+            with prof.step(step + 1), DeferredInterrupt() as held:  # numbered as
+                state, metrics = trainer.step(state, task.train)  # metrics.jsonl numbers it
             metrics.update(getattr(reward_fns, "last", {}))  # per-term reward means
             done = int(state.step)
             if cfg.rl.eval_every and done % cfg.rl.eval_every == 0 and done < cfg.rl.steps:
@@ -256,6 +256,8 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, sto
             rd.log(done, metrics)
             if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
                 bar.update(done, metrics)
+            if held.hit:  # Ctrl-C during the step: saved below as this step
+                raise KeyboardInterrupt
             if done < cfg.rl.steps and stop.reached(done):  # before orbax's own check
                 stop_saved(ck, done, state, _meta(cfg, rd, state, "preempted", acc_before), out)
             _save(ck, done, state, _meta(cfg, rd, state, "rl", acc_before))

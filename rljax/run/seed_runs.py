@@ -32,7 +32,7 @@ from flax import nnx
 
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
-from rljax.run.preemption import StopSignal, save_interrupted, stop_saved
+from rljax.run.preemption import DeferredInterrupt, StopSignal, save_interrupted, stop_saved
 from rljax.run.report import Progress, format_summary, result_line
 from rljax.run.run_dir import RunDir
 from rljax.train.batching import encode_pairs
@@ -220,14 +220,17 @@ class _SeedRun:
         done = int(np.asarray(state.step)[0])
         try:
             while done < cfg.rl.steps:
-                state, ms = self.rl.step(state, [t.train for t in self.tasks])
-                done += 1
+                with DeferredInterrupt() as held:  # a step donates the state: never cut one
+                    state, ms = self.rl.step(state, [t.train for t in self.tasks])
+                    done += 1
                 rl_s += ms[0]["time_step"]
                 for s, m in zip(self.seeds, ms):
                     self.rd.log(done, {**m, "seed": s})
                 if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
                     bar.update(done, {k: float(np.mean([m[k] for m in ms]))
                                       for k in _PROGRESS_KEYS if k in ms[0]})
+                if held.hit:  # Ctrl-C during the step: saved below as this step
+                    raise KeyboardInterrupt
                 if done < cfg.rl.steps and stop.reached(done):
                     stop_saved(ck, done, state, self.meta("preempted", before), self.out)
                 ck.save(done, state, self.meta("rl", before))

@@ -1,0 +1,61 @@
+"""Ctrl-C during an RL step is held until the step ends (the step donates the state's
+buffers, so a KeyboardInterrupt inside it would leave nothing to save); a second Ctrl-C
+stops at once; a state a cut step had donated is not saved over the checkpoints."""
+
+import io
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from rljax.run.preemption import DeferredInterrupt, save_interrupted
+from rljax.train.checkpoint import Checkpointer
+
+
+def _sigint():
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_inside_the_block_is_held_until_it_ends():
+    before = signal.getsignal(signal.SIGINT)
+    with DeferredInterrupt() as held:
+        _sigint()
+        x = jnp.arange(3) + 1  # the block goes on to its end
+    assert held.hit and x.tolist() == [1, 2, 3]
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is put back
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    with pytest.raises(KeyboardInterrupt):
+        with DeferredInterrupt() as held:
+            _sigint()
+            _sigint()
+            raise AssertionError("the second Ctrl-C did not stop the block")
+    assert held.hit
+
+
+def test_no_ctrl_c_no_hit():
+    with DeferredInterrupt() as held:
+        pass
+    assert not held.hit
+
+
+def _donated_state():
+    state = {"w": jnp.ones(4)}
+    jax.jit(lambda s: s, donate_argnums=0)(state)  # the program took the buffers
+    return state
+
+
+def test_a_donated_state_is_not_saved_over_the_checkpoints(tmp_path):
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"w": jnp.zeros(4)}, {"phase": "rl"}, force=True)
+        ck.wait_until_finished()
+        out = io.StringIO()
+        state = _donated_state()
+        assert state["w"].is_deleted()  # XLA:CPU donates
+        save_interrupted(ck, 2, state, {"phase": "interrupted"}, out)
+        assert ck.latest_step() == 1 and "nothing new saved" in out.getvalue()
+        save_interrupted(ck, 2, {"w": jnp.ones(4)}, {"phase": "interrupted"}, out)
+        assert ck.latest_step() == 2 and "checkpoint saved" in out.getvalue()
