@@ -1,8 +1,8 @@
 """With a device reward the RL step is one compiled program (sample -> score -> learn),
 and it makes the same samples and updates as the host-reward step, on one device and
-sharded over an 8-device mesh; several seeds in one
-vmapped program are the runs each seed makes alone (``rljax.train.seeds``). One file, so
-one test worker compiles the shared programs once."""
+sharded over an 8-device mesh; several seeds in one vmapped program are the runs each
+seed makes alone (``rljax.train.seeds``). One file, so one test worker compiles the
+shared programs once."""
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,8 @@ TOK = CharTok()
 def tiny_model(seed=0, mesh=None):
     """One layer: what these tests compare needs no depth, and each layer is compile time."""
     return _tiny_model(seed=seed, mesh=mesh, num_layers=1)
+
+
 PROMPTS = ["1+2=", "3+4=", "15+6=", "7+8=", "2*3=", "9-1="]
 
 
