@@ -52,11 +52,26 @@ DRIVER = pathlib.Path(__file__).with_name("_mp_driver.py")
 TIMEOUT_S = 900  # a guard against a hung collective, not a speed assertion
 
 EXPERIMENT = textwrap.dedent('''
+    import jax.numpy as jnp
     import numpy as np
     from rljax.models import ModelConfig
     from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                     SFTConfig)
     from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+    from rljax.rewards.device import DeviceReward
+
+    class EvenShare(DeviceReward):
+        """On token ids, inside the compiled step: the share of a completion's tokens
+        with an even id (varies within groups from step 1)."""
+
+        def task_arrays(self, metadata):
+            return {{"n": np.ones(len(metadata), np.float32)}}
+
+        def __call__(self, tokens_BxT, mask_BxT, task):
+            even = (tokens_BxT % 2 == 0) * mask_BxT
+            return task["n"] * even.sum(axis=1) / jnp.maximum(mask_BxT.sum(axis=1), 1.0)
+
+    even_reward = EvenShare()  # a device reward: sample -> score -> learn is one program
 
     def digit_reward(completions, metadata):
         """Fraction of digits in each completion: varies within groups from step 1."""
@@ -136,10 +151,10 @@ class Scenario:
 
     def __init__(self, root: pathlib.Path, name: str, algorithm: str, prompts: int, *,
                  plots: bool = False, resume: bool = True, widths: bool = False,
-                 sft: str = "None"):
+                 sft: str = "None", reward: str = "digit_reward"):
         self.root, self.name, self.plots, self.resume = root / name, name, plots, resume
         self.root.mkdir(parents=True)
-        task, reward = ARITHMETIC, "digit_reward"
+        task = ARITHMETIC
         if widths:
             write_width_data(self.root / "data")
             task, reward = WIDTHS.format(path=self.root / "data"), "width_reward"

@@ -18,6 +18,14 @@ def _sigint():
     os.kill(os.getpid(), signal.SIGINT)
 
 
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """Python's own Ctrl-C handler (a pytest-xdist worker ignores SIGINT)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_ctrl_c_inside_the_block_is_held_until_it_ends():
     before = signal.getsignal(signal.SIGINT)
     with DeferredInterrupt() as held:
@@ -40,6 +48,13 @@ def test_no_ctrl_c_no_hit():
     with DeferredInterrupt() as held:
         pass
     assert not held.hit
+
+
+def test_a_process_that_ignores_ctrl_c_keeps_ignoring_it():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with DeferredInterrupt() as held:
+        _sigint()
+    assert not held.hit and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def _donated_state():

@@ -1,7 +1,8 @@
 """Issue 16's acceptance on two processes x 4 CPU devices through the CLI (`rljax train
 --distributed --coordinator ...`), against one process x 8 devices, for GRPO, PPO (value
 model, GAE, KL in the reward, 2 epochs x 2 minibatches with the in-graph permutation) and
-DAPO (dynamic sampling with refill rounds of different prompt widths):
+DAPO (dynamic sampling with refill rounds of different prompt widths), and GRPO with a
+device reward (the whole step one program):
 
 - steps 1..3 equal (loss and gradient norms 1e-5 at step 1, 1e-4 later; equal tokens);
 - PPO's SFT warm-up steps equal too (loss and gradient norm 1e-5);
@@ -32,6 +33,9 @@ def runs(tmp_path_factory):
                            sft="SFTConfig(steps=2, batch_size=8)"),
         "dapo": mp.Scenario(root, "mp_dapo", 'name="dapo", group_size=4, max_refill_rounds=3',
                             prompts=4, resume=False, widths=True),
+        # A device reward: each step one program, sample -> score -> learn, on 2 processes
+        "device": mp.Scenario(root, "mp_device", 'name="grpo", group_size=4', prompts=4,
+                              resume=False, reward="even_reward"),
     }
     mp.run_all(root, list(scenarios.values()))
     return scenarios
@@ -64,6 +68,17 @@ def test_checkpoint_restores_on_both_topologies(runs, name, numeric):
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
 def test_only_process_zero_writes_the_run_directory(runs, name):
     mp.check_single_writer(runs[name])
+
+
+def test_device_reward_steps_equal_one_process(runs):
+    """The one-program step (rljax.train.fused) over 2 processes x 4 devices: the same
+    tokens, rewards and updates as on 1 x 8."""
+    s = runs["device"]
+    mp.check_steps_equal_one_process(s, GRPO, later=("kl_ref",))
+    assert mp.rl_rows(s.dir("ref"))[1]["reward_std"] > 0  # the updates are real
+    for run in ("ref", "mp"):  # one program a step: no separate rollout / learn phases
+        first = next(r for r in mp.read_metrics(s.dir(run)) if r["phase"] == "rl")
+        assert "time_step" in first and "time_learn" not in first, run
 
 
 def test_dapo_refills_prompts_of_other_widths_equally_on_both_topologies(runs):

@@ -4,8 +4,9 @@ metrics, the same final weights and held-out results as the run left alone.
 
 The smoke model answers no sum right after its 2-step warm-up, so the task's verifier
 would give every completion 0 and every update would be zero: the runs here are scored by
-a reward that varies within each group from the first step (the share of even token ids),
-so that each RL step changes the weights."""
+a custom device reward (`reward.function` naming a `DeviceReward` instance) that varies
+within each group from the first step (the share of even token ids), so that each RL step
+changes the weights."""
 
 import io
 import json
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+from rljax.models import build_char_tokenizer
 from rljax.rewards.device import DeviceReward
 from rljax.run import builders
 from rljax.run.experiment_files import load_experiment
@@ -39,10 +41,18 @@ class EvenShare(DeviceReward):
         return task["n"] * even.sum(axis=1) / jax.numpy.maximum(mask_BxT.sum(axis=1), 1.0)
 
 
-def _config(run_dir, *extra):
+EVEN_SHARE = EvenShare()
+
+
+def host_reward(completions, metadata):
+    return np.zeros(len(completions), np.float32)
+
+
+def _config(run_dir, *extra, reward="EVEN_SHARE"):
     return load_experiment("arithmetic_grpo", [
         "smoke=true", f"run.dir={run_dir}", "run.plots=false", "run.tensorboard=false",
-        f"rl.steps={STEPS}", "run.save_every=3", "model.num_layers=1", *extra])
+        f"rl.steps={STEPS}", "run.save_every=3", "model.num_layers=1", "reward.kind=custom",
+        f"reward.function={__name__}:{reward}", *extra])
 
 
 def _final(run_dir):
@@ -59,12 +69,7 @@ def _rl_rows(run_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(builders, "build_device_reward", lambda cfg, tok: EvenShare())
-        return _runs(tmp_path_factory.mktemp("seed_resume"))
-
-
-def _runs(base):
+    base = tmp_path_factory.mktemp("seed_resume")
     ref_dir, cut_dir = str(base / "ref"), str(base / "cut")
     ref = run_experiment(_config(ref_dir), out=io.StringIO())
     # The second RL step gets SIGTERM: the run stops after it (save_every=3 would not
@@ -120,3 +125,9 @@ def test_resumed_run_equals_the_uninterrupted_one(runs):
 def _json(run_dir, name):
     with open(os.path.join(run_dir, f"{name}.json")) as f:
         return json.load(f)
+
+
+def test_several_seeds_need_a_device_reward_function(tmp_path):
+    cfg = _config(tmp_path, reward="host_reward")
+    with pytest.raises(ValueError, match="host reward.*DeviceReward instance"):
+        builders.build_device_reward(cfg, build_char_tokenizer())

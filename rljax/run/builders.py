@@ -36,6 +36,7 @@ from rljax.data import (ArithmeticTask, CountdownTask, LengthPolicy, ShuffledIte
                         TfdsPromptSource, build_chat_prompt, filter_by_length, gsm8k_transform,
                         load_prompts)
 from rljax.models import Decoder
+from rljax.rewards.device import is_device_reward
 from rljax.models.hf_io import from_pretrained
 from rljax.models.tokenizer import build_char_tokenizer, check_vocab, load_tokenizer
 from rljax.run.experiment import ExperimentConfig
@@ -281,13 +282,23 @@ def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
 def build_device_reward(cfg: ExperimentConfig, tokenizer):
     """The task's reward as a JAX function of token ids (`rljax.rewards.device`), for runs
     whose whole step is one program (`run.seeds > 1`): the arithmetic task's accuracy
-    reward in the plain or reversed style. Other tasks and reward kinds: ValueError."""
+    reward in the plain or reversed style, or a custom `reward.function` that is a
+    `DeviceReward` instance. Other tasks and reward kinds: ValueError."""
     r, t = cfg.reward, cfg.task
+    if r.kind == "custom":
+        fn = _import(r.function, "reward.function")
+        if not is_device_reward(fn):
+            raise ValueError(f"reward.function={r.function!r} is a host reward "
+                             f"({type(fn).__name__}); run.seeds > 1 needs a "
+                             "rljax.rewards.device.DeviceReward instance (use run.seeds=1 "
+                             "for host rewards)")
+        return fn
     if t.name != "arithmetic" or t.style not in ("plain", "reversed") or r.kind != "accuracy":
         raise ValueError(
             f"a device reward exists for task 'arithmetic' (style plain or reversed) with "
-            f"reward.kind 'accuracy'; got task {t.name!r} style {t.style!r} reward.kind "
-            f"{r.kind!r} (run.seeds > 1 needs one; use run.seeds=1 for host rewards)")
+            f"reward.kind 'accuracy', or as a custom reward.function; got task {t.name!r} "
+            f"style {t.style!r} reward.kind {r.kind!r} (run.seeds > 1 needs one; use "
+            "run.seeds=1 for host rewards)")
     vocab = cfg.model.vocab_size if cfg.model is not None else len(tokenizer)
     return ArithmeticDeviceReward(tokenizer, vocab, tokenizer.eos_token_id, style=t.style,
                                   scale=r.accuracy_weight * r.correct_reward)

@@ -95,7 +95,9 @@ class DeferredInterrupt:
               file=sys.stderr, flush=True)
 
     def __enter__(self) -> DeferredInterrupt:
-        if threading.current_thread() is threading.main_thread():
+        # A process that ignores SIGINT (started in the background) keeps ignoring it.
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
