@@ -3,6 +3,7 @@ lost and no half-written checkpoint is ever read.
 
     python experiments/kill_campaign.py --kills 50 --processes 1
     python experiments/kill_campaign.py --kills 20 --processes 2      # 2 processes x 4 devices
+    python experiments/kill_campaign.py --kills 20 --seeds 2          # 2 seeds in one program
 
 A tiny GRPO experiment (1-layer decoder, 4 prompts x 4 samples, a checkpoint every step,
 the last 2 kept) runs once uninterrupted ("ref"), then as runs of `--kills-per-run` kills
@@ -18,6 +19,9 @@ attempt completes the run. A run is lost when an attempt fails other than by the
 resumes another step, or when any metric line (all steps, every attempt, before and after
 each kill) or the final checkpoint (parameters, optimiser state, counters, bit for bit)
 differs from the uninterrupted run's: same seed, same process count, so equal means equal.
+With `--seeds N` (one process) the experiment trains N seeds in one program
+(`rljax.run.seed_runs`), scored by a device reward; its metric lines are compared per step
+and seed, and "update" is the step's one program (sample, score, learn).
 
 One process uses 1 device and JAX's persistent compilation cache (no collectives, so the
 restored-collective deadlock of tests/conftest.py cannot occur), so a restart costs its
@@ -60,8 +64,19 @@ EXPERIMENT = textwrap.dedent('''
     from rljax.models import ModelConfig
     from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig
     from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+    from rljax.rewards.device import DeviceReward
 
     kill_hooks.install_from_env()
+
+    class EvenShare(DeviceReward):  # on token ids: varies within groups, real updates
+        def task_arrays(self, metadata):
+            return {{"n": np.ones(len(metadata), np.float32)}}
+
+        def __call__(self, tokens_BxT, mask_BxT, task):
+            even = (tokens_BxT % 2 == 0) * mask_BxT
+            return task["n"] * even.sum(axis=1) / (mask_BxT.sum(axis=1) + 1.0)
+
+    even_share = EvenShare()
 
     def digits(completions, metadata):  # varies within groups: real updates every step
         return np.array([sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions])
@@ -73,12 +88,12 @@ EXPERIMENT = textwrap.dedent('''
                               num_layers=1, num_heads=2, num_kv_heads=1,
                               max_position_embeddings=32),
             task=TaskConfig(name="arithmetic", difficulty=1, max_prompt_tokens=8),
-            reward=RewardConfig(kind="custom", function="rljax_experiment_killexp:digits"),
+            reward=RewardConfig(kind="custom", function="rljax_experiment_killexp:{reward}"),
             algorithm=AlgorithmConfig(name="grpo", group_size=4), optim=OptimConfig(lr=3e-3),
             sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
             rl=RLConfig(steps={steps}, prompts_per_step=4, eval_prompts=4, logp_chunk=8),
             run=RunConfig(dir="runs/unset", save_every=1, keep=2, plots=False,
-                          tensorboard=False))
+                          tensorboard=False, seeds={seeds}))
 ''')
 
 
@@ -160,13 +175,15 @@ def complete_steps(ckpt: pathlib.Path) -> list[int]:
                   if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").exists())
 
 
-def metric_rows(run_dir: pathlib.Path) -> dict[int, dict]:
-    """RL metric lines by step without wall-clock keys (a torn last line is skipped)."""
+def metric_rows(run_dir: pathlib.Path) -> dict[tuple[int, int], dict]:
+    """RL metric lines by (step, seed) without wall-clock keys (a torn last line is
+    skipped; one-seed runs have seed 0)."""
     from rljax.run.run_dir import read_metrics
 
     if not (run_dir / "metrics.jsonl").exists():
         return {}
-    return {r["step"]: {k: v for k, v in r.items() if not any(s in k for s in VOLATILE)}
+    return {(r["step"], r.get("seed", 0)): {k: v for k, v in r.items()
+                                            if not any(s in k for s in VOLATILE)}
             for r in read_metrics(run_dir) if r["phase"] == "rl"}
 
 
@@ -214,9 +231,12 @@ class Campaign:
     """Kills, resumes and checks (the module docstring); `run()` returns the summary."""
 
     def __init__(self, root: pathlib.Path, *, kills: int, processes: int, kills_per_run: int,
-                 seed: int, kinds: tuple[str, ...] = KINDS, devices: int | None = None):
-        if kills < 1 or processes not in (1, 2) or kills_per_run < 1:
-            raise ValueError("kills and kills_per_run must be >= 1 and processes 1 or 2")
+                 seed: int, kinds: tuple[str, ...] = KINDS, devices: int | None = None,
+                 seeds: int = 1):
+        if kills < 1 or processes not in (1, 2) or kills_per_run < 1 or seeds < 1:
+            raise ValueError("kills, kills_per_run and seeds must be >= 1 and processes 1 or 2")
+        if seeds > 1 and processes != 1:
+            raise ValueError(f"seeds={seeds}: several-seed runs use one process")
         if not set(kinds) <= set(KINDS) or not kinds:
             raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds}")
         self.root, self.kills, self.processes, self.kinds = root, kills, processes, kinds
@@ -225,7 +245,9 @@ class Campaign:
         self.steps = 3 * kills_per_run + 2  # room for every kill of a run to progress
         self.exp = root / "killexp.py"
         root.mkdir(parents=True, exist_ok=True)
-        self.exp.write_text(EXPERIMENT.format(steps=self.steps))
+        self.seeds = seeds
+        self.exp.write_text(EXPERIMENT.format(steps=self.steps, seeds=seeds, reward=(
+            "even_share" if seeds > 1 else "digits")))
         self.records: list[dict] = []
         self.problems: dict[str, list[str]] = {}
         self.ref_rows: dict[int, dict] = {}
@@ -239,9 +261,13 @@ class Campaign:
             raise RuntimeError(f"the uninterrupted run failed ({rcs}):\n{attempt.log()[-3000:]}")
         self.ref_rows = metric_rows(self.root / "ref")
         from rljax.run.run_dir import read_metrics
-        rows = [r for r in read_metrics(self.root / "ref") if r["phase"] == "rl"][1:]
+        rows = [r for r in read_metrics(self.root / "ref") if r["phase"] == "rl"][self.seeds:]
         med = lambda *ks: float(np.median([sum(r[k] for k in ks) for r in rows]))  # noqa: E731
-        self.delays.update(rollout=med("time_rollout", "time_reward"), update=med("time_learn"))
+        if "time_learn" in rows[0]:
+            self.delays.update(rollout=med("time_rollout", "time_reward"),
+                               update=med("time_learn"))
+        else:  # one program a step (a device reward): the host only packs prompts first
+            self.delays.update(update=med("time_step"))
 
     def _plan(self, kind: str, latest: int) -> dict | None:
         if kind == "external":
@@ -277,7 +303,7 @@ class Campaign:
         rec["during_save"] = bool(fresh_unfinished(ckpt, attempt.started))
         rows = metric_rows(run_dir)
         problems += differences(rows, self.ref_rows)
-        missing = sorted(set(range(1, rec["complete_after"][-1] + 1)) - set(rows)) \
+        missing = sorted(set(range(1, rec["complete_after"][-1] + 1)) - {s for s, _ in rows}) \
             if rec["complete_after"] else []
         if missing:  # every checkpointed step keeps its metric line
             problems.append(f"metric lines of checkpointed steps {missing} are gone")
@@ -349,7 +375,7 @@ class Campaign:
                 "half_checkpoints_read": self.half_read,
                 "kills_during_save": sum(rec["during_save"] for rec in self.records),
                 "finished_before_kill": self.finished,
-                "processes": self.processes, "devices": self.devices,
+                "processes": self.processes, "devices": self.devices, "seeds": self.seeds,
                 "phases": by("phase"), "worst_attempt_s": max(rec["wall_s"] for rec in
                                                              self.records),
                 "wall_s": round(time.perf_counter() - t0, 1), "problems": self.problems}
@@ -364,11 +390,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--kills-per-run", type=int, default=5, help="kills of one run (default 5)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"subset of {','.join(KINDS)}")
     p.add_argument("--seed", type=int, default=0, help="the campaign's random moments")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="seeds trained in one program (run.seeds; one process)")
     p.add_argument("--root", default=None, help="work folder (default: a new temporary one)")
     a = p.parse_args(argv)
     root = pathlib.Path(a.root or tempfile.mkdtemp(prefix="kill_campaign_")).resolve()
     out = Campaign(root, kills=a.kills, processes=a.processes, kills_per_run=a.kills_per_run,
-                   seed=a.seed, kinds=tuple(a.kinds.split(","))).run()
+                   seed=a.seed, kinds=tuple(a.kinds.split(",")), seeds=a.seeds).run()
     for name, problems in out["problems"].items():
         print(f"LOST {name}:\n  " + "\n  ".join(problems), file=sys.stderr)
     print(f"work folder {root}; phases at the kill {out['phases']}")

@@ -8,10 +8,12 @@ The campaign's generated experiment file calls `install_from_env()` when it is i
 
 this module wraps three rljax entry points (only in this process; rljax is unchanged):
 
-- `RLTrainer.step`: the phase is "rollout" from the start of step K (prompts, sampling,
-  rewards) until the learning program starts, and "host" after it (metrics, logging);
-- the step's timer for "learn" (`rljax.train.rl._Phase.timed`): the phase is "update"
-  while the jitted learning program runs (its compilation included on a first step);
+- `RLTrainer.step` (and `SeedRL.step`, several seeds): the phase is "rollout" from the
+  start of step K (prompts, sampling, rewards) until the learning program starts, and
+  "host" after it (metrics, logging);
+- the step's timer for "learn" (`rljax.train.rl._Phase.timed`), or for "step" where the
+  whole step is one program (a device reward): the phase is "update" while the jitted
+  program runs (its compilation included on a first step);
 - `Checkpointer.save`: once the asynchronous save of step K has started ("save"), its
   write runs in orbax's background thread while the loop goes on.
 
@@ -87,22 +89,27 @@ def _enter(phase: str, step: int | None = None) -> None:
 
 def install(plan: dict[str, Any]) -> None:
     """Wrap the entry points (module docstring) and arm `plan`."""
-    from rljax.train import rl
+    import numpy as np
+
+    from rljax.train import rl, seeds
     from rljax.train.checkpoint import Checkpointer
 
     if plan.get("phase") not in PHASES or not isinstance(plan.get("step"), int):
         raise ValueError(f"{PLAN_ENV}: phase must be one of {PHASES} and step an int, got {plan}")
     _plan.update(plan)
     step_fn, timed_fn, save_fn = rl.RLTrainer.step, rl._Phase.timed, Checkpointer.save
+    seed_step_fn = seeds.SeedRL.step
 
-    def step(self, state, source):
-        _enter("rollout", int(state.step) + 1)
-        out = step_fn(self, state, source)
-        _enter("host")
-        return out
+    def wrap(fn):
+        def step(self, state, source):
+            _enter("rollout", int(np.asarray(state.step).reshape(-1)[0]) + 1)
+            out = fn(self, state, source)
+            _enter("host")
+            return out
+        return step
 
     def timed(self, name, fn, *args, **kw):
-        if name != "learn":
+        if name not in ("learn", "step"):
             return timed_fn(self, name, fn, *args, **kw)
         _enter("update")
         out = timed_fn(self, name, fn, *args, **kw)
@@ -118,7 +125,8 @@ def install(plan: dict[str, Any]) -> None:
             _where["phase"] = phase  # the write goes on in the background
         return started
 
-    rl.RLTrainer.step, rl._Phase.timed, Checkpointer.save = step, timed, save
+    rl.RLTrainer.step, seeds.SeedRL.step = wrap(step_fn), wrap(seed_step_fn)
+    rl._Phase.timed, Checkpointer.save = timed, save
 
 
 def install_from_env() -> None:
