@@ -36,9 +36,9 @@ from rljax.data import (ArithmeticTask, CountdownTask, LengthPolicy, ShuffledIte
                         TfdsPromptSource, build_chat_prompt, filter_by_length, gsm8k_transform,
                         load_prompts)
 from rljax.models import Decoder
-from rljax.rewards.device import is_device_reward
 from rljax.models.hf_io import from_pretrained
 from rljax.models.tokenizer import build_char_tokenizer, check_vocab, load_tokenizer
+from rljax.rewards.device import is_device_reward
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.tasks import ArithmeticDeviceReward, ArithmeticReward, CountdownReward
 from rljax.sharding import make_mesh, mesh_context

@@ -204,8 +204,9 @@ class RunConfig:
         `rljax.run.profiling`. Not part of the config hash: a resumed run may change it.
       seeds: independent runs trained at once in one compiled program (seeds `seed`,
         `seed + 1`, ...; `rljax.run.seed_runs`); > 1 needs a device reward (the
-        arithmetic task's accuracy reward) and one device; such a run resumes as one run
-        does.
+        arithmetic task's accuracy reward, or a custom `reward.function` that is a
+        `rljax.rewards.device.DeviceReward`) and one device; such a run resumes as one
+        run does.
     """
 
     dir: str = "runs/default"

@@ -86,7 +86,8 @@ class DeferredInterrupt:
 
     def __init__(self) -> None:
         self.hit = False
-        self._previous = None
+        self._installed = False
+        self._previous = signal.default_int_handler
 
     def _handle(self, signum, frame) -> None:
         self.hit = True
@@ -98,13 +99,16 @@ class DeferredInterrupt:
         # A process that ignores SIGINT (started in the background) keeps ignoring it.
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            previous = signal.signal(signal.SIGINT, self._handle)
+            # None: a handler not set from Python; Python's own takes its place after.
+            self._previous = signal.default_int_handler if previous is None else previous
+            self._installed = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._previous is not None:
+        if self._installed:
             signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+            self._installed = False
 
 
 def stop_saved(ck, step: int, state, meta: dict, out) -> None:
