@@ -46,6 +46,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # also when imported by path
+from kill_checks import (checkpoint_differences, complete_steps, differences,  # noqa: E402
+                         fresh_unfinished, metric_rows, resumed_step)
 from kill_hooks import PLAN_ENV, unfinished_checkpoints  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -54,7 +56,6 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FAST_COMPILE = ("--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false "
                 "--xla_backend_optimization_level=0")
 KINDS = ("rollout", "update", "save", "external")
-VOLATILE = ("time_", "_tok_s", "flops", "mfu")  # wall-clock metrics
 ATTEMPT_TIMEOUT_S = 900  # a guard against a hang, not a speed assertion
 SAVE_DELAY_S = 0.05  # orbax's background write of this tiny state takes tens of ms
 
@@ -157,74 +158,6 @@ class Attempt:
     def records(self) -> list[dict]:
         paths = sorted(self.record.parent.glob(self.record.name + ".p*"))
         return [json.loads(p.read_text()) for p in paths]
-
-
-def resumed_step(log: str) -> int | None:
-    """The step an attempt's log says it resumed, or None (a fresh start or no log)."""
-    for line in log.splitlines():
-        if line.startswith("[rljax] resumed ") and " at step " in line:
-            return int(line.rsplit(" at step ", 1)[1].split()[0])
-    return None
-
-
-def complete_steps(ckpt: pathlib.Path) -> list[int]:
-    """Finalised checkpoint steps (orbax's marker written) in `ckpt`, ascending."""
-    if not ckpt.is_dir():
-        return []
-    return sorted(int(p.name) for p in ckpt.iterdir()
-                  if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").exists())
-
-
-def metric_rows(run_dir: pathlib.Path) -> dict[tuple[int, int], dict]:
-    """RL metric lines by (step, seed) without wall-clock keys (a torn last line is
-    skipped; one-seed runs have seed 0)."""
-    from rljax.run.run_dir import read_metrics
-
-    if not (run_dir / "metrics.jsonl").exists():
-        return {}
-    return {(r["step"], r.get("seed", 0)): {k: v for k, v in r.items()
-                                            if not any(s in k for s in VOLATILE)}
-            for r in read_metrics(run_dir) if r["phase"] == "rl"}
-
-
-def differences(got: dict[int, dict], want: dict[int, dict]) -> list[str]:
-    """Steps of `got` whose metric lines are not exactly `want`'s."""
-    return [f"step {s}: " + ", ".join(f"{k} {got[s].get(k)} != {want[s].get(k)}"
-                                      for k in sorted(set(got[s]) | set(want.get(s, {})))
-                                      if got[s].get(k) != want.get(s, {}).get(k))
-            for s in sorted(got) if got[s] != want.get(s)]
-
-
-def checkpoint_differences(a: pathlib.Path, b: pathlib.Path, step: int) -> list[str]:
-    """Arrays of checkpoint `step` that are not bit-identical between run dirs a and b,
-    each read onto this process's first device (whatever topology wrote it)."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    from rljax.train.checkpoint import Checkpointer
-
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    missing = [str(d) for d in (a, b) if not (d / "checkpoints" / str(step)).is_dir()]
-    if missing:  # a failed final attempt: a lost run, reported, not a crash of the campaign
-        return [f"no checkpoint {step} in {', '.join(missing)}"]
-    flat = []
-    for d in (a, b):
-        md = ocp.StandardCheckpointer().metadata(d / "checkpoints" / str(step) / "state")
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev),
-                              dict(getattr(md, "item_metadata", md)),
-                              is_leaf=lambda x: hasattr(x, "shape"))
-        with Checkpointer(d / "checkpoints") as ck:
-            flat.append(dict(jax.tree_util.tree_flatten_with_path(ck.restore(target, step)[0])[0]))
-    bad = [jax.tree_util.keystr(k) for k in flat[0] if k not in flat[1]
-           or not np.array_equal(np.asarray(flat[0][k]), np.asarray(flat[1][k]))]
-    return bad or ([] if flat[0] else ["no arrays read"])
-
-
-def fresh_unfinished(ckpt: pathlib.Path, since: float) -> list[str]:
-    """Half-written checkpoint directories in `ckpt` changed at or after time `since`
-    (orbax reuses a step's temporary name: an older leftover is not this kill's)."""
-    return [n for n in unfinished_checkpoints(str(ckpt))
-            if (ckpt / n).stat().st_mtime >= since - 1e-3]
 
 
 class Campaign:
