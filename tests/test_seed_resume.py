@@ -71,7 +71,8 @@ def _rl_rows(run_dir):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("seed_resume")
     ref_dir, cut_dir = str(base / "ref"), str(base / "cut")
-    ref = run_experiment(_config(ref_dir), out=io.StringIO())
+    # The reference also evaluates every 2 steps: evaluating must not change the training.
+    ref = run_experiment(_config(ref_dir, f"rl.eval_every={STOP_AT}"), out=io.StringIO())
     # The second RL step gets SIGTERM: the run stops after it (save_every=3 would not
     # have saved step 2), saves it and raises Preempted.
     orig, calls = SeedRL.step, []
@@ -120,6 +121,17 @@ def test_resumed_run_equals_the_uninterrupted_one(runs):
     assert rows_a[(1, 0)]["reward_std"] > 0  # the rewards vary: the updates are real
     ref_init = _json(ref_dir, "eval_before")
     assert ref_init != _json(ref_dir, "eval_after")  # and they moved the held-out reward
+
+
+def test_eval_every_logs_each_seeds_held_out_results(runs):
+    _, ref_dir, _, _, _, cut_dir, _ = runs
+    rows, _ = _rl_rows(ref_dir)
+    evaluated = sorted(k for k, r in rows.items() if "eval/reward_mean" in r)
+    assert evaluated == [(STOP_AT, 0), (STOP_AT, 1)]  # step 2 of 4; the last is eval_after
+    assert not any("eval/reward_mean" in r for r in _rl_rows(cut_dir)[0].values())
+    after = _json(ref_dir, "eval_after")
+    assert [rows[(STOP_AT, s)]["eval/reward_mean"] for s in (0, 1)] != \
+        [after[str(s)]["reward_mean"] for s in (0, 1)]  # measured then, not copied
 
 
 def _json(run_dir, name):

@@ -216,7 +216,7 @@ class _SeedRun:
         device time."""
         cfg, ck = self.cfg, self.ck
         bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=self.out, desc="rl")
-        rl_s, t1 = 0.0, time.perf_counter()
+        rl_s, t1, ev0 = 0.0, time.perf_counter(), self.phases["evaluations"]
         done = int(np.asarray(state.step)[0])
         try:
             while done < cfg.rl.steps:
@@ -224,6 +224,8 @@ class _SeedRun:
                     state, ms = self.rl.step(state, [t.train for t in self.tasks])
                     done += 1
                 rl_s += ms[0]["time_step"]
+                if cfg.rl.eval_every and done % cfg.rl.eval_every == 0 and done < cfg.rl.steps:
+                    self._eval_into(state, ms)
                 for s, m in zip(self.seeds, ms):
                     self.rd.log(done, {**m, "seed": s})
                 if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
@@ -237,8 +239,19 @@ class _SeedRun:
         except KeyboardInterrupt:  # keep what was learned
             save_interrupted(ck, done, state, self.meta("interrupted", before), self.out)
             raise
-        self.phases["RL"] = time.perf_counter() - t1
+        self.phases["RL"] = time.perf_counter() - t1 - (self.phases["evaluations"] - ev0)
         return state, rl_s
+
+
+    def _eval_into(self, state, ms: list[dict]) -> None:
+        """Held-out evaluation of every seed at this step (``rl.eval_every``), added to
+        each seed's metrics as ``eval/<key>``; its time counts as evaluations."""
+        t1 = time.perf_counter()
+        res = self.rl.evaluate(state.params["policy"], [t.eval_prompts for t in self.tasks],
+                               [t.eval_metadata for t in self.tasks])
+        for m, r in zip(ms, res):
+            m.update({f"eval/{k}": v for k, v in r.items()})
+        self.phases["evaluations"] += time.perf_counter() - t1
 
 
 def _finish(cfg, rd, seeds, before, after, t0, rl_s, compiled, phases, out) -> SeedsResult:
