@@ -6,19 +6,23 @@ from scratch:
    0.45, so the model has partial ability;
 2. held-out greedy accuracy (512 prompts from their own stream, never trained on);
 3. GRPO on fresh prompts with the verifier as the only reward (64 prompts x 8 samples a
-   step at temperature 0.7, no KL term, lr 2e-4 after a warm-up, 100 steps);
+   step at temperature 0.7, no KL term, lr 2e-4 after a warm-up with a cosine decay to 0.1x,
+   50 steps);
 4. held-out greedy accuracy again; then, for honesty, what continuing SFT for the RL
    phase's wall time reaches (with perfect worked examples SFT is very efficient here: the
    demo shows RL learning from a verifier, not that RL beats SFT).
+Seeds 0-3 train at once, each program vmapped over them (`run.seeds=4`).
 
-Target: accuracy >= 0.75 and a gain >= +0.30 in under 5 minutes. Last measured
-(2026-12-03, the one-program RL step): seeds 0-4 gain +0.28 to +0.43 (0.47-0.54 ->
-0.75-0.92; seed 0 in 200 s); seed 2 misses by 0.002 / 0.021 (0.469 -> 0.748). Margins are
-small, and float32 rounding changes move seeds. History and what was tried: docs/arithmetic_grpo.md.
+Targets (issue 19): every seed >= 0.75 after RL and >= +0.20 gain, mean gain >= +0.30,
+warm-up + RL + evaluations under 300 s, the whole command under 480 s. The measured
+figures, and the warm-up's reliability on other seeds, are in the README; the history of
+the config in docs/arithmetic_grpo.md.
 
 Run: `rljax train arithmetic_grpo` (the RL run only) or
 `python experiments/arithmetic_grpo.py [--no-baseline] [--set key=value ...]`.
-The last line is `RESULT accuracy_before=... accuracy_after=... wall_s=...`.
+The last line is `RESULT seeds=4 accuracy_before=<mean> accuracy_after=<mean>
+accuracy_after_min=... gain_mean=... gain_min=... wall_s=... sft_baseline_accuracy=...
+total_s=...` (no baseline accuracy with `--no-baseline`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def config() -> ExperimentConfig:
     """The demo's frozen config (override any field with `--set a.b=value`)."""
     return ExperimentConfig(
         name="arithmetic_grpo",
-        model=ModelConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024,
+        model=ModelConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
                           num_layers=2, num_heads=4, num_kv_heads=4,
                           max_position_embeddings=64),
         tokenizer="char",
@@ -63,7 +67,7 @@ def config() -> ExperimentConfig:
         # (checked every 5 steps), not at a step count or a loss: a fixed count left seeds
         # at 0.22-0.35, and the loss target's starting accuracy moved with the machine's
         # rounding (0.40-0.62 on one VM).
-        sft=SFTConfig(steps=400, batch_size=64, stop_accuracy=0.45, stop_every=5,
+        sft=SFTConfig(steps=500, batch_size=64, stop_accuracy=0.45, stop_every=5,
                       optim=OptimConfig(lr=1e-3, warmup_steps=20, schedule="constant")),
         # GRPO (group-normalised advantages, clip 0.2) without the KL term, as DAPO and
         # Dr.GRPO run it, with a learning-rate warm-up (a constant lr on a fresh Adam state
@@ -74,9 +78,12 @@ def config() -> ExperimentConfig:
         # +0.30 on every seed once rounding moved (docs/arithmetic_grpo.md).
         algorithm=algorithm_preset("grpo", group_size=8, num_minibatches=2, kl_coef=0.0,
                                    old_logp="sampler"),
-        optim=OptimConfig(lr=2e-4, warmup_steps=10, schedule="constant"),
+        # 50 steps with a cosine decay to 0.1 lr: held-out accuracy still rises at 40-60
+        # steps on every seed, and the decay keeps the last steps from moving the end point
+        # (at a constant lr one seed fell from 0.816 at step 80 to 0.764 at step 100).
+        optim=OptimConfig(lr=2e-4, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1),
         sampling=SamplingConfig(max_new_tokens=4, temperature=0.7),
-        rl=RLConfig(steps=100, prompts_per_step=64, eval_prompts=512, logp_chunk=8),
+        rl=RLConfig(steps=50, prompts_per_step=64, eval_prompts=512, logp_chunk=8),
         # Four seeds trained at once: every program is vmapped over them
         # (rljax.run.seed_runs), scored by the arithmetic verifier in JAX.
         run=RunConfig(dir="runs/arithmetic_grpo", seed=0, overwrite=True, plots=False, seeds=4),
