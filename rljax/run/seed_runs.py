@@ -116,8 +116,13 @@ def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out,
             for k in range(len(params))], state
 
 
+def _held_out(rl: SeedRL, params_S, tasks) -> list[dict]:
+    """Each seed's greedy results on its task's held-out prompts."""
+    return rl.evaluate(params_S, [t.eval_prompts for t in tasks], [t.eval_metadata for t in tasks])
+
+
 def _evaluate(rl: SeedRL, params_S, tasks, seeds, rd, name: str) -> list[dict]:
-    res = rl.evaluate(params_S, [t.eval_prompts for t in tasks], [t.eval_metadata for t in tasks])
+    res = _held_out(rl, params_S, tasks)
     rd.write_json(name, {str(s): r for s, r in zip(seeds, res)})
     return res
 
@@ -242,14 +247,11 @@ class _SeedRun:
         self.phases["RL"] = time.perf_counter() - t1 - (self.phases["evaluations"] - ev0)
         return state, rl_s
 
-
     def _eval_into(self, state, ms: list[dict]) -> None:
         """Held-out evaluation of every seed at this step (``rl.eval_every``), added to
         each seed's metrics as ``eval/<key>``; its time counts as evaluations."""
         t1 = time.perf_counter()
-        res = self.rl.evaluate(state.params["policy"], [t.eval_prompts for t in self.tasks],
-                               [t.eval_metadata for t in self.tasks])
-        for m, r in zip(ms, res):
+        for m, r in zip(ms, _held_out(self.rl, state.params["policy"], self.tasks)):
             m.update({f"eval/{k}": v for k, v in r.items()})
         self.phases["evaluations"] += time.perf_counter() - t1
 
