@@ -91,10 +91,11 @@ def config() -> ExperimentConfig:
 
 
 def smoke(cfg: ExperimentConfig) -> ExperimentConfig:
-    """Two RL steps with a tiny model (for tests of the recipe)."""
+    """Two RL steps with a tiny one-layer model (for tests of the recipe; each layer is
+    compile time)."""
     return dataclasses.replace(
         cfg,
-        model=dataclasses.replace(cfg.model, hidden_size=32, intermediate_size=64),
+        model=dataclasses.replace(cfg.model, hidden_size=32, intermediate_size=64, num_layers=1),
         sft=dataclasses.replace(cfg.sft, steps=2, batch_size=8),
         rl=dataclasses.replace(cfg.rl, steps=2, prompts_per_step=2, eval_prompts=8),
         run=dataclasses.replace(cfg.run, seeds=min(cfg.run.seeds, 2)),

@@ -1,8 +1,9 @@
 """Issue 16's acceptance on two processes x 4 CPU devices through the CLI (`rljax train
 --distributed --coordinator ...`), against one process x 8 devices, for GRPO, PPO (value
 model, GAE, KL in the reward, 2 epochs x 2 minibatches with the in-graph permutation) and
-DAPO (dynamic sampling with refill rounds of different prompt widths), and GRPO with a
-device reward (the whole step one program):
+DAPO (dynamic sampling with refill rounds of different prompt widths). GRPO is scored by a
+device reward (the whole step one program, `rljax.train.fused`); PPO and DAPO by host
+rewards (rollout, scoring on the host, learning program):
 
 - steps 1..3 equal (loss and gradient norms 1e-5 at step 1, 1e-4 later; equal tokens);
 - PPO's SFT warm-up steps equal too (loss and gradient norm 1e-5);
@@ -25,25 +26,29 @@ PPO = ("loss", "grad_norm", "grad_norm_policy", "grad_norm_value")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("mp")
     scenarios = {
+        # A device reward: each step one program, sample -> score -> learn
         "grpo": mp.Scenario(root, "mp_grpo", 'name="grpo", group_size=4', prompts=4,
-                            plots=True),
+                            plots=True, reward="even_reward"),
         # 4 prompts x 4 samples, as GRPO: the same sampler programs
         "ppo": mp.Scenario(root, "mp_ppo", 'name="ppo", group_size=4, kl_coef=0.02, '
                            'num_epochs=2, num_minibatches=2', prompts=4,
                            sft="SFTConfig(steps=2, batch_size=8)"),
         "dapo": mp.Scenario(root, "mp_dapo", 'name="dapo", group_size=4, max_refill_rounds=3',
                             prompts=4, resume=False, widths=True),
-        # A device reward: each step one program, sample -> score -> learn, on 2 processes
-        "device": mp.Scenario(root, "mp_device", 'name="grpo", group_size=4', prompts=4,
-                              resume=False, reward="even_reward"),
     }
     mp.run_all(root, list(scenarios.values()))
     return scenarios
 
 
 def test_grpo_steps_equal_one_process(runs):
-    mp.check_steps_equal_one_process(runs["grpo"], GRPO, later=("kl_ref",))
-    assert mp.rl_rows(runs["grpo"].dir("ref"))[1]["reward_std"] > 0
+    """The one-program step over 2 processes x 4 devices: the same tokens, rewards and
+    updates as on 1 x 8."""
+    s = runs["grpo"]
+    mp.check_steps_equal_one_process(s, GRPO, later=("kl_ref",))
+    assert mp.rl_rows(s.dir("ref"))[1]["reward_std"] > 0  # the updates are real
+    for run in ("ref", "mp"):  # one program a step: no separate rollout / learn phases
+        first = next(r for r in mp.read_metrics(s.dir(run)) if r["phase"] == "rl")
+        assert "time_step" in first and "time_learn" not in first, run
 
 
 def test_ppo_steps_equal_one_process(runs):
@@ -68,17 +73,6 @@ def test_checkpoint_restores_on_both_topologies(runs, name, numeric):
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
 def test_only_process_zero_writes_the_run_directory(runs, name):
     mp.check_single_writer(runs[name])
-
-
-def test_device_reward_steps_equal_one_process(runs):
-    """The one-program step (rljax.train.fused) over 2 processes x 4 devices: the same
-    tokens, rewards and updates as on 1 x 8."""
-    s = runs["device"]
-    mp.check_steps_equal_one_process(s, GRPO, later=("kl_ref",))
-    assert mp.rl_rows(s.dir("ref"))[1]["reward_std"] > 0  # the updates are real
-    for run in ("ref", "mp"):  # one program a step: no separate rollout / learn phases
-        first = next(r for r in mp.read_metrics(s.dir(run)) if r["phase"] == "rl")
-        assert "time_step" in first and "time_learn" not in first, run
 
 
 def test_dapo_refills_prompts_of_other_widths_equally_on_both_topologies(runs):

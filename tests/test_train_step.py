@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from _train_common import random_seqs, tiny_model
+from _train_common import random_seqs, tiny_model as _tiny_model
 from rljax.objectives import Coef, token_logprobs
 from rljax.train.algorithms import make_objective
 from rljax.train.config import OptimConfig, algorithm_preset
@@ -19,6 +19,12 @@ from rljax.train.rl import rl_loss
 from rljax.train.step import (Learner, NonFiniteError, accumulate, make_optimizer,
                               make_schedule, new_train_state, num_micro_batches)
 from flax import nnx
+
+
+def tiny_model(mesh=None):
+    """One layer: chunking, accumulation and sharding need no depth, and each layer is
+    compile time."""
+    return _tiny_model(mesh=mesh, num_layers=1)
 
 
 def test_chunked_logprobs_equal_full_logits():
