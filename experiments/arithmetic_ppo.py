@@ -3,9 +3,9 @@
 Same task, tokenizer and SFT warm-up as `arithmetic_grpo` (with its model as of
 2026-12-04); the RL phase is PPO as in InstructGPT / Ziegler et al. 2019: one completion
 per prompt, the verifier's reward on the last token, a per-token k1 KL penalty to the SFT
-reference in the reward, GAE
-(gamma 1, lambda 0.95), whitened advantages, a separate value model (the policy backbone
-with a scalar head) trained with the clipped value loss, two epochs of two minibatches.
+reference in the reward, GAE (gamma 1, lambda 0.95), whitened advantages, a separate value
+model (the policy backbone with a scalar head) trained with the clipped value loss, two
+epochs of two minibatches.
 Target: held-out greedy accuracy rises by at least 0.10. Last measured (2026-12-02, seed 0,
 the validation-accuracy warm-up of `arithmetic_grpo`, on a VM about half as fast as the
 first): 0.459 -> 0.863 (+0.40) in 228 s. History: docs/arithmetic_ppo.md.
