@@ -25,6 +25,7 @@ from rljax.run.preemption import Preempted
 from rljax.run.runner import run_experiment
 from rljax.run.run_dir import read_metrics
 from rljax.train.checkpoint import Checkpointer
+from rljax.train.config import RLConfig
 from rljax.train.seeds import SeedRL
 
 STEPS, STOP_AT = 4, 2
@@ -132,6 +133,12 @@ def test_eval_every_logs_each_seeds_held_out_results(runs):
     after = _json(ref_dir, "eval_after")
     assert [rows[(STOP_AT, s)]["eval/reward_mean"] for s in (0, 1)] != \
         [after[str(s)]["reward_mean"] for s in (0, 1)]  # measured then, not copied
+
+
+def test_eval_due_every_n_steps_but_the_last():
+    assert [s for s in range(1, 11) if RLConfig(steps=10, eval_every=3).eval_due(s)] == [3, 6, 9]
+    assert [s for s in range(1, 11) if RLConfig(steps=9, eval_every=3).eval_due(s)] == [3, 6]
+    assert not any(RLConfig(steps=10, eval_every=0).eval_due(s) for s in range(1, 11))
 
 
 def _json(run_dir, name):

@@ -250,7 +250,7 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, sto
                 state, metrics = trainer.step(state, task.train)  # metrics.jsonl numbers it
             metrics.update(getattr(reward_fns, "last", {}))  # per-term reward means
             done = int(state.step)
-            if cfg.rl.eval_every and done % cfg.rl.eval_every == 0 and done < cfg.rl.steps:
+            if cfg.rl.eval_due(done):
                 res = trainer.evaluate(state.params["policy"], task.eval_prompts, task.eval_metadata)
                 metrics.update({f"eval/{k}": v for k, v in res.items()})
             rd.log(done, metrics)

@@ -229,7 +229,7 @@ class _SeedRun:
                     state, ms = self.rl.step(state, [t.train for t in self.tasks])
                     done += 1
                 rl_s += ms[0]["time_step"]
-                if cfg.rl.eval_every and done % cfg.rl.eval_every == 0 and done < cfg.rl.steps:
+                if cfg.rl.eval_due(done):
                     self._eval_into(state, ms)
                 for s, m in zip(self.seeds, ms):
                     self.rd.log(done, {**m, "seed": s})

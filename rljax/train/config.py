@@ -345,6 +345,11 @@ class RLConfig:
         check_num(c, "value_lr_ratio", self.value_lr_ratio, lo=0.0, lo_open=True)
         check_choice(c, "ref_dtype", self.ref_dtype, REF_DTYPES)
 
+    def eval_due(self, step: int) -> bool:
+        """Whether the held-out evaluation runs after RL step ``step`` (1-based): every
+        ``eval_every`` steps, except the last, which the run's final evaluation covers."""
+        return bool(self.eval_every) and step % self.eval_every == 0 and step < self.steps
+
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
