@@ -71,6 +71,8 @@ def test_train_interrupt_resume_reproduce(exp, tmp_path, capsys, monkeypatch):
     assert [r["step"] for r in rows_a] == [1, 2] and rows_a[0]["reward_std"] > 0
     assert rows_a[1]["grad_norm"] > 0
     assert len(list((a / "profile").glob("**/*.xplane.pb"))) == 1
+    with Checkpointer(a / "checkpoints") as ck:  # save_every 1: the last step's is the final
+        assert [ck.read_meta(s)["phase"] for s in (1, 2)] == ["rl", "done"]
     row = [r for r in read_metrics(a) if r["phase"] == "rl"][1]
     n = jax.device_count()  # the default mesh spans every device
     assert row["step"] == 2 and row["model_flops_s"] > 0 and "mfu" not in row  # CPU

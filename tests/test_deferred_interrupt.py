@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from rljax.run.preemption import DeferredInterrupt, save_interrupted
+from rljax.run.preemption import DeferredInterrupt, StopSignal, save_interrupted
 from rljax.train.checkpoint import Checkpointer
 
 
@@ -74,3 +74,50 @@ def test_a_donated_state_is_not_saved_over_the_checkpoints(tmp_path):
         assert ck.latest_step() == 1 and "nothing new saved" in out.getvalue()
         save_interrupted(ck, 2, {"w": jnp.ones(4)}, {"phase": "interrupted"}, out)
         assert ck.latest_step() == 2 and "checkpoint saved" in out.getvalue()
+
+
+
+def _as_two_processes(monkeypatch):
+    """This process seen as one of two, with JAX's preemption service."""
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert jax.config.jax_enable_preemption_service  # JAX's default
+
+
+@pytest.fixture
+def sigterm_notices():
+    """JAX's C++ SIGTERM handler (which tells the other processes) stood in for by a
+    Python one that counts the notices."""
+    notices = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: notices.append(1))
+    yield notices
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_several_processes_turn_the_first_ctrl_c_into_an_agreed_stop(monkeypatch,
+                                                                     sigterm_notices):
+    _as_two_processes(monkeypatch)
+    with StopSignal() as stop:
+        with stop.guard() as held:  # no lone save to protect: nothing held
+            _sigint()
+            x = jnp.arange(3) + 1
+        assert sigterm_notices == [1] and not held.hit and x.tolist() == [1, 2, 3]
+        with pytest.raises(KeyboardInterrupt):  # the second: at once
+            _sigint()
+    assert sigterm_notices == [1]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
+def test_one_process_guard_holds_ctrl_c():
+    with StopSignal() as stop, stop.guard() as held:
+        _sigint()
+    assert held.hit
+
+
+def test_several_processes_save_nothing_alone_after_ctrl_c(monkeypatch, tmp_path):
+    with Checkpointer(tmp_path / "ck") as ck:
+        _as_two_processes(monkeypatch)
+        out = io.StringIO()
+        save_interrupted(ck, 2, {"w": jnp.ones(4)}, {"phase": "interrupted"}, out)
+        assert ck.latest_step() is None and "nothing new saved" in out.getvalue()
+        monkeypatch.undo()  # orbax closes the manager as one process

@@ -18,14 +18,23 @@ same step, or the checkpoint's collective save would hang or mix steps.
   (installed only from the main thread, the previous handler restored on exit).
 
 `Preempted` is what `run_experiment` raises once the state of that step is saved
-(`stop_saved`). Ctrl-C (SIGINT) during an RL step is held until the step ends
-(`DeferredInterrupt`): a step donates the state's buffers to its program, so a
-KeyboardInterrupt raised inside it would leave no state to save. `save_interrupted` then
-saves the step reached; a second Ctrl-C stops at once.
+(`stop_saved`). Ctrl-C (SIGINT) on one process, during an RL step, is held until the step
+ends (`DeferredInterrupt`, from `StopSignal.guard()`): a step donates the state's buffers to
+its program, so a KeyboardInterrupt raised inside it would leave no state to save.
+`save_interrupted` then saves the step reached; a second Ctrl-C stops at once.
+
+On several processes a Ctrl-C usually reaches some of them (the terminal of one host), and a
+checkpoint is a collective write that a lone process would wait on forever. So there, while
+JAX's service can make the processes agree, `StopSignal` turns the first Ctrl-C into a
+SIGTERM to its own process: every process then stops after the same step and saves it, as on
+a preemption. A second Ctrl-C raises KeyboardInterrupt at once; `save_interrupted` saves
+nothing on several processes (the other processes stop on their heartbeat timeout) and says
+that the latest checkpoint is intact.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -56,26 +65,58 @@ class StopSignal:
         # not agree: SIGTERM then keeps its default effect.
         self._agreed = self.distributed and jax.config.jax_enable_preemption_service
         self._flag = False
-        self._previous = None
+        self._previous: dict[int, object] = {}  # signal -> the handler to put back
 
     def _handle(self, signum, frame) -> None:
         self._flag = True
 
+    def _forward_ctrl_c(self, signum, frame) -> None:
+        """Several processes: the first Ctrl-C asks for an agreed stop (module docstring)."""
+        signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))  # a second: at once
+        print(f"\n[rljax] Ctrl-C on process {jax.process_index()} of {jax.process_count()}: "
+              "every process stops after the same step and saves it, as on SIGTERM "
+              "(Ctrl-C again to stop at once, unsaved)", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # JAX's handler tells the other processes
+
     def __enter__(self) -> StopSignal:
-        if not self.distributed and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python delivers signals to the main thread only
+        if not self.distributed:
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+        elif self._agreed and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            previous = signal.signal(signal.SIGINT, self._forward_ctrl_c)
+            self._previous[signal.SIGINT] = (signal.default_int_handler if previous is None
+                                             else previous)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def guard(self) -> DeferredInterrupt | _Unguarded:
+        """The block around one RL step: on one process a `DeferredInterrupt` (Ctrl-C held
+        to the step's end); on several, none (Ctrl-C is an agreed stop, or, without JAX's
+        service, a KeyboardInterrupt that saves nothing), with the same `hit` attribute."""
+        return _Unguarded() if self.distributed else DeferredInterrupt()
 
     def reached(self, step: int) -> bool:
         """Call after every step (and once with the starting step), on every process."""
         if self._agreed:
             return bool(multihost_utils.reached_preemption_sync_point(int(step)))
         return self._flag
+
+
+class _Unguarded:
+    """`StopSignal.guard()` on several processes: a block that holds nothing."""
+
+    hit = False
+
+    def __enter__(self) -> _Unguarded:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
 
 
 class DeferredInterrupt:
@@ -124,7 +165,14 @@ def stop_saved(ck, step: int, state, meta: dict, out) -> None:
 def save_interrupted(ck, step: int, state, meta: dict, out) -> None:
     """After a KeyboardInterrupt: save `state` as checkpoint `step` (forced), wait for the
     write and say how to continue (the caller re-raises). A state whose buffers a cut
-    step had donated is not saved: the checkpoints on disk stay as they were."""
+    step had donated is not saved, nor is anything on several processes (a checkpoint is a
+    collective write the others are not making): the checkpoints on disk stay as they were."""
+    if jax.process_count() > 1:
+        print(f"\n[rljax] interrupted on process {jax.process_index()} of "
+              f"{jax.process_count()}: nothing new saved (a checkpoint needs every process); "
+              f"the latest checkpoint in {ck.directory} is intact (continue with --set "
+              "run.resume=true)", file=out)
+        return
     if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
         print(f"\n[rljax] interrupted inside a step: nothing new saved; the latest "
               f"checkpoint in {ck.directory} is intact (continue with --set "

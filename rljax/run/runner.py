@@ -38,7 +38,7 @@ from flax import nnx
 from rljax.models import ValueModel
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
-from rljax.run.preemption import DeferredInterrupt, StopSignal, save_interrupted, stop_saved
+from rljax.run.preemption import StopSignal, save_interrupted, stop_saved
 from rljax.run.profiling import StepProfiler, parse_profile_steps
 from rljax.run.report import Progress, format_summary
 from rljax.run.run_dir import RunDir, is_local
@@ -216,7 +216,7 @@ def _train(cfg, rd, ck, stop, out):
     after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
     rd.log(int(state.step), {f"eval/{k}": v for k, v in after.items()}, phase="eval")
     _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
-          force=True)  # the final state, whatever save_every is
+          force=True)  # a no-op after the loop's last step; saves step 0 when rl.steps is 0
     return acc_before, after
 
 
@@ -246,7 +246,7 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, sto
                         last=cfg.rl.steps)
     try:
         for step in range(int(state.step), cfg.rl.steps):
-            with prof.step(step + 1), DeferredInterrupt() as held:  # numbered as
+            with prof.step(step + 1), stop.guard() as held:  # numbered as
                 state, metrics = trainer.step(state, task.train)  # metrics.jsonl numbers it
             metrics.update(getattr(reward_fns, "last", {}))  # per-term reward means
             done = int(state.step)
@@ -260,7 +260,9 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, sto
                 raise KeyboardInterrupt
             if done < cfg.rl.steps and stop.reached(done):  # before orbax's own check
                 stop_saved(ck, done, state, _meta(cfg, rd, state, "preempted", acc_before), out)
-            _save(ck, done, state, _meta(cfg, rd, state, "rl", acc_before))
+            last = done == cfg.rl.steps  # the final state: saved as soon as it exists
+            _save(ck, done, state, _meta(cfg, rd, state, "done" if last else "rl", acc_before),
+                  force=last)
     except KeyboardInterrupt:  # keep what was learned
         save_interrupted(ck, int(state.step), state,
                          _meta(cfg, rd, state, "interrupted", acc_before), out)

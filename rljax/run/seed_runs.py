@@ -32,7 +32,7 @@ from flax import nnx
 
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
-from rljax.run.preemption import DeferredInterrupt, StopSignal, save_interrupted, stop_saved
+from rljax.run.preemption import StopSignal, save_interrupted, stop_saved
 from rljax.run.report import Progress, format_summary, result_line
 from rljax.run.run_dir import RunDir
 from rljax.train.batching import encode_pairs
@@ -154,7 +154,7 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
             t1 = time.perf_counter()
             after = _evaluate(run.rl, state.params["policy"], run.tasks, seeds, rd, "eval_after")
             run.phases["evaluations"] += time.perf_counter() - t1
-            ck.save(cfg.rl.steps, state, run.meta("done", before), force=True)
+            ck.save(cfg.rl.steps, state, run.meta("done", before), force=True)  # rl.steps 0
             run.compiled.update(run.rl.compiled())
     finally:
         rd.close()
@@ -225,7 +225,7 @@ class _SeedRun:
         done = int(np.asarray(state.step)[0])
         try:
             while done < cfg.rl.steps:
-                with DeferredInterrupt() as held:  # a step donates the state: never cut one
+                with stop.guard() as held:  # a step donates the state: never cut one
                     state, ms = self.rl.step(state, [t.train for t in self.tasks])
                     done += 1
                 rl_s += ms[0]["time_step"]
@@ -240,7 +240,8 @@ class _SeedRun:
                     raise KeyboardInterrupt
                 if done < cfg.rl.steps and stop.reached(done):
                     stop_saved(ck, done, state, self.meta("preempted", before), self.out)
-                ck.save(done, state, self.meta("rl", before))
+                last = done == cfg.rl.steps  # the final state: saved as soon as it exists
+                ck.save(done, state, self.meta("done" if last else "rl", before), force=last)
         except KeyboardInterrupt:  # keep what was learned
             save_interrupted(ck, done, state, self.meta("interrupted", before), self.out)
             raise
