@@ -46,6 +46,7 @@ from rljax.run.seed_runs import seed_configs
 from rljax.train.batching import encode_pairs
 from rljax.train.config import (OptimConfig, RLConfig, SamplingConfig, SFTConfig,
                                 algorithm_preset)
+from rljax.train.programs import CompileLog
 from rljax.train.rl import RLTrainer
 from rljax.train.seeds import SeedRL, SeedSFT
 
@@ -146,6 +147,17 @@ def main(argv=None) -> int:
     ap.add_argument("--no-baseline", action="store_true", help="skip the SFT baseline")
     args = ap.parse_args(argv)
     cfg = apply_overrides(config(), args.set)
+    if cfg.smoke:  # as rljax train does: the tiny settings, then the overrides again
+        cfg = apply_overrides(smoke(cfg), args.set)
+    with CompileLog() as log:
+        values = _run(cfg, args.no_baseline)
+    print(f"compilations, whole command: {log.summary()}")
+    print(result_line(values))
+    return 0
+
+
+def _run(cfg: ExperimentConfig, no_baseline: bool) -> dict:
+    """The run, each seed's figures and the baseline; returns the RESULT line's values."""
     t0 = time.perf_counter()
     res = run_experiment(cfg)
     if res.seeds is not None:
@@ -163,7 +175,7 @@ def main(argv=None) -> int:
         print(f"held-out greedy accuracy: before GRPO {res.accuracy_before:.3f}, after "
               f"{res.accuracy_after:.3f} (gain {res.accuracy_after - res.accuracy_before:+.3f}); "
               f"run {res.wall_s:.1f} s")
-    if not args.no_baseline:
+    if not no_baseline:
         t1 = time.perf_counter()
         warm = res.seeds.warm_state if res.seeds is not None else None
         accs, steps = sft_baseline(cfg, rl_seconds, warm)
@@ -174,8 +186,7 @@ def main(argv=None) -> int:
         values["sft_baseline_accuracy"] = float(np.mean(accs))
     values["total_s"] = time.perf_counter() - t0
     print(f"total wall time including baseline: {values['total_s']:.1f} s")
-    print(result_line(values))
-    return 0
+    return values
 
 
 def _rl_seconds(run_dir: str) -> float:

@@ -1,12 +1,12 @@
 """Fixed shapes: RL steps on prompts of random length compile nothing new once each
 prompt bucket has been seen (the sampler, log-prob and learning programs included)."""
 
-import jax
 import numpy as np
 
 from _train_common import CharTok, tiny_model
 from rljax.sampling.prompts import bucket_length
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
+from rljax.train.programs import CompileLog
 from rljax.train.rl import RLTrainer
 
 TOK = CharTok()
@@ -25,26 +25,6 @@ def length_reward(completions, metadata):
     return np.array([float(len(c)) for c in completions], np.float32)
 
 
-class CompileCounter:
-    """Counts XLA backend compilations (jax.monitoring's compile-duration events)."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event, duration, **kw):
-        if event == self.EVENT:
-            self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self)
-
-
 def test_rl_steps_compile_once_per_prompt_bucket():
     gd, st = tiny_model()
     tr = RLTrainer(gd, TOK, length_reward,
@@ -54,7 +34,7 @@ def test_rl_steps_compile_once_per_prompt_bucket():
                    prompt_len=60)
     state = tr.init_state(st)
     seen, log = set(), []
-    with CompileCounter() as counter:
+    with CompileLog() as counter:
         for step in range(10):
             prompts, _ = source(step * N_PROMPTS, N_PROMPTS)
             width = min(bucket_length(max(len(p) for p in prompts), 16), 60)

@@ -26,6 +26,7 @@ from rljax.run.runner import run_experiment
 from rljax.run.run_dir import read_metrics
 from rljax.train.checkpoint import Checkpointer
 from rljax.train.config import RLConfig
+from rljax.train.programs import CompileLog
 from rljax.train.seeds import SeedRL
 
 STEPS, STOP_AT = 4, 2
@@ -84,24 +85,26 @@ def runs(tmp_path_factory):
             os.kill(os.getpid(), signal.SIGTERM)
         return orig(self, state, sources)
 
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(Preempted) as stopped:
-        mp.setattr(SeedRL, "step", step)
-        run_experiment(_config(cut_dir), out=io.StringIO())
-    saved = _final(cut_dir)
-    out = io.StringIO()
-    resumed = run_experiment(_config(cut_dir, "run.overwrite=false", "run.resume=true"), out=out)
-    return ref, ref_dir, stopped.value, saved, resumed, cut_dir, out.getvalue()
+    with CompileLog() as log:
+        with pytest.MonkeyPatch.context() as mp, pytest.raises(Preempted) as stopped:
+            mp.setattr(SeedRL, "step", step)
+            run_experiment(_config(cut_dir), out=io.StringIO())
+        saved = _final(cut_dir)
+        out = io.StringIO()
+        resumed = run_experiment(_config(cut_dir, "run.overwrite=false", "run.resume=true"),
+                                 out=out)
+    return ref, ref_dir, stopped.value, saved, resumed, cut_dir, out.getvalue(), log
 
 
 def test_sigterm_saves_the_step_reached(runs):
-    _, _, stopped, (state, meta), _, _, _ = runs
+    _, _, stopped, (state, meta), _, _, _, _ = runs
     assert stopped.step == STOP_AT and meta["phase"] == "preempted"
     assert np.asarray(state["step"]).tolist() == [STOP_AT, STOP_AT]
     assert len(meta["eval_before"]) == 2 and meta["seeds"] == [0, 1]
 
 
 def test_resumed_run_equals_the_uninterrupted_one(runs):
-    ref, ref_dir, _, _, resumed, cut_dir, text = runs
+    ref, ref_dir, _, _, resumed, cut_dir, text, _ = runs
     assert f"resumed {cut_dir} at step {STOP_AT}" in text
     assert resumed.seeds.warm_state is None  # no warm-up ran again
     ev = lambda d, name: _json(d, name)  # noqa: E731
@@ -125,7 +128,7 @@ def test_resumed_run_equals_the_uninterrupted_one(runs):
 
 
 def test_eval_every_logs_each_seeds_held_out_results(runs):
-    _, ref_dir, _, _, _, cut_dir, _ = runs
+    _, ref_dir, _, _, _, cut_dir, _, _ = runs
     rows, _ = _rl_rows(ref_dir)
     evaluated = sorted(k for k, r in rows.items() if "eval/reward_mean" in r)
     assert evaluated == [(STOP_AT, 0), (STOP_AT, 1)]  # step 2 of 4; the last is eval_after
@@ -150,3 +153,12 @@ def test_several_seeds_need_a_device_reward_function(tmp_path):
     cfg = _config(tmp_path, reward="host_reward")
     with pytest.raises(ValueError, match="host reward.*DeviceReward instance"):
         builders.build_device_reward(cfg, build_char_tokenizer())
+
+
+def test_later_runs_reuse_the_first_runs_programs(runs):
+    """The stopped and the resumed run build new trainers with the reference run's model
+    and configs: they reuse its compiled programs (rljax.train.programs)."""
+    log = runs[-1]
+    assert not {"jit(rl_step)", "jit(sft_update)", "jit(evaluate)"} & set(log.by_name()), \
+        log.summary()
+    assert runs[4].seeds.compiled == {"rl_step": 1, "evaluate": 1}  # each compiled once

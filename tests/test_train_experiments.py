@@ -12,6 +12,7 @@ from flax import nnx
 from rljax.run import builders
 from rljax.run.experiment_files import load_experiment
 from rljax.run.runner import run_experiment
+from rljax.train.programs import CompileLog
 from rljax.train.rl import RLTrainer
 
 
@@ -44,10 +45,13 @@ def test_demo_smoke_runs_and_reports(tmp_path, name, algo, monkeypatch):
 
 def _check_baseline_continues_the_warm_up(cfg, warm_state):
     """The demo's SFT baseline starts from the warm-up's state (each seed at its own step),
-    not from a fresh model: with no time budget it runs exactly the one untimed step."""
+    not from a fresh model: with no time budget it runs exactly the one untimed step, with
+    the run's own SFT update and evaluation programs (the demo compiles each once)."""
     assert np.asarray(warm_state.step).tolist() == [cfg.sft.steps] * cfg.run.seeds
-    accs, steps = experiment_module("arithmetic_grpo").sft_baseline(cfg, 0.0, warm_state)
+    with CompileLog() as log:
+        accs, steps = experiment_module("arithmetic_grpo").sft_baseline(cfg, 0.0, warm_state)
     assert steps == 1 and len(accs) == cfg.run.seeds and all(0.0 <= a <= 1.0 for a in accs)
+    assert not {"jit(sft_update)", "jit(evaluate)"} & set(log.by_name()), log.summary()
 
 
 def _spy_on_init_state(monkeypatch) -> dict:

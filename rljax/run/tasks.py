@@ -114,6 +114,18 @@ class ArithmeticDeviceReward(DeviceReward):
             num[i] = len(body)
         return {"digits": digits, "num_digits": num, "negative": neg}
 
+    def _identity(self) -> tuple:
+        t = self.table.classes_VxL
+        return self.style, self.scale, self.max_digits, self.max_chars, t.shape, t.tobytes()
+
+    def __eq__(self, other) -> bool:
+        """Equal when built alike (same table and settings): trainers with equal rewards
+        share their compiled programs (`rljax.train.programs`)."""
+        return type(other) is type(self) and self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
     def __call__(self, tokens_BxT, mask_BxT, task):
         text_BxC = self.table.text_classes(tokens_BxT, mask_BxT, self.max_chars)
         ok_B = leading_integer_matches(text_BxC, task["digits"], task["num_digits"],

@@ -31,7 +31,7 @@ from rljax import objectives as obj
 from rljax.rewards.device import is_device_reward
 from rljax.sharding import on_mesh, replicated
 from rljax.train import algorithms as alg
-from rljax.train import hosts
+from rljax.train import hosts, programs
 from rljax.train import ppo as ppo_lib
 from rljax.train import throughput
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
@@ -117,14 +117,6 @@ def _assemble(rounds: tuple, n_groups: int, pad_id: int) -> Rollout:
     out = jax.tree.map(lambda x: x[rows], cat)
     weight_B = jnp.repeat(jnp.where(zv_G[take_N], 0.0, 1.0), g)
     return dataclasses.replace(out, weight_B=weight_B)
-
-
-# Jitted learning programs by ``RLTrainer._program_key``: the model's graphdef, the
-# configs the program reads, the mesh and the state's shardings. A program's closures are
-# those of the trainer that built it, equal by construction to those of any trainer with
-# the same key. The oldest goes when a process has seen more than _MAX_PROGRAMS.
-_PROGRAMS: dict = {}
-_MAX_PROGRAMS = 8
 
 
 class RLTrainer:
@@ -233,7 +225,8 @@ class RLTrainer:
         self._learn = None  # jitted with the state's shardings at the first step
 
     def _program_key(self, state: TrainState) -> tuple:
-        """Everything the learning program is a function of (see ``_PROGRAMS``)."""
+        """Everything the learning program is a function of: the model's graphdef, the
+        configs the program reads, the mesh and the state's shardings."""
         r, s = self.rl, self.sampling
         shardings = None
         if self.mesh is not None:
@@ -251,13 +244,10 @@ class RLTrainer:
 
     def _cached_learn(self, state: TrainState):
         """The jitted learning program: another trainer's when it computes the same thing
-        (a resumed run, or a new trainer on the same model and configs, compiles nothing)."""
-        key = self._program_key(state)
-        if key not in _PROGRAMS:
-            while len(_PROGRAMS) >= _MAX_PROGRAMS:
-                _PROGRAMS.pop(next(iter(_PROGRAMS)))
-            _PROGRAMS[key] = self._jit_learn(state)
-        return _PROGRAMS[key]
+        (a resumed run, or a new trainer on the same model and configs, compiles nothing;
+        ``rljax.train.programs``)."""
+        return programs.shared(("learn", self._program_key(state)),
+                               lambda: self._jit_learn(state))
 
     def _learn_program(self):
         """The pure learning program ``(params, opt_state, scalars, ref_params, ro, key,

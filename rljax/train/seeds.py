@@ -27,7 +27,7 @@ import numpy as np
 
 from rljax.sampling.generate import config_of, prepare
 from rljax.sampling.sampler import sample_arrays
-from rljax.train import hosts
+from rljax.train import hosts, programs
 from rljax.train.batching import encode_text, pad_left
 from rljax.train.config import SFTConfig
 from rljax.train.fused import make_fused_step
@@ -105,11 +105,17 @@ class SeedRL:
         task = {k: jnp.asarray(np.stack([x[2][k] for x in per])) for k in per[0][2]}
         return spec, stacked, task
 
-    def _program(self, spec):
+    def _program(self, spec, state: TrainState):
         if spec not in self._steps:
-            step = make_fused_step(self.tr.gd, self.tr._learn_program(), self.tr.device_reward)
-            vm = jax.vmap(functools.partial(step, spec), in_axes=(0,) * 7 + (None,))
-            self._steps[spec] = jax.jit(vm, donate_argnums=(0, 1))
+            def build():
+                step = make_fused_step(self.tr.gd, self.tr._learn_program(),
+                                       self.tr.device_reward)
+                vm = jax.vmap(functools.partial(step, spec), in_axes=(0,) * 7 + (None,))
+                return jax.jit(vm, donate_argnums=(0, 1))
+            # Another SeedRL's when its trainer's learning program and the sampler's spec
+            # are equal (a resumed run compiles nothing; rljax.train.programs).
+            key = ("seed_rl_step", self.tr._program_key(state), spec)
+            self._steps[spec] = programs.shared(key, build)
         return self._steps[spec]
 
     def step(self, state: TrainState, sources: Sequence) -> tuple[TrainState, list[dict]]:
@@ -124,7 +130,7 @@ class SeedRL:
                        skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
         ph = _Phase()
         params, opt_state, out, m = ph.timed(
-            "step", self._program(spec), state.params, state.opt_state, scalars,
+            "step", self._program(spec, state), state.params, state.opt_state, scalars,
             state.ref_params, prompts, task, state.key, self.tr.teacher_params)
         n = self.tr.rl.prompts_per_step
         state = dataclasses.replace(state, params=params, opt_state=opt_state,
@@ -149,11 +155,12 @@ class SeedRL:
         if spec not in self._evals:
             reward, gd = self.tr.device_reward, self.tr.gd
 
-            def one(params, tok, mask, pos, task):
+            def evaluate(params, tok, mask, pos, task):  # one seed's greedy rewards
                 out = sample_arrays(gd, params, tok, mask, pos, spec, jax.random.key(0))
                 return reward(out.tokens, out.completion_mask.astype(jnp.float32), task)
 
-            self._evals[spec] = jax.jit(jax.vmap(one))
+            self._evals[spec] = programs.shared(("seed_eval", gd, reward, spec),
+                                                lambda: jax.jit(jax.vmap(evaluate)))
         return self._evals[spec]
 
     def evaluate(self, params_S, prompts: Sequence[Sequence[str]],
@@ -222,13 +229,17 @@ class SeedSFT:
             lr = self.sft.learner
             update = make_update(self.sft.loss_fn, lr.txs, lr.schedules, num_micro)
 
-            def one(active, params, opt_state, counters, batch):
+            def sft_update(active, params, opt_state, counters, batch):  # one seed's
                 new = update(params, opt_state, counters, batch, None)
                 keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(active, x, y), a, b)
                 return (keep(new[0], params), keep(new[1], opt_state), keep(new[2], counters),
                         new[3])
 
-            self._jitted[num_micro] = jax.jit(jax.vmap(one), donate_argnums=(1, 2))
+            # The SFT config holds all the update reads (loss, optimiser, schedule): the
+            # demo's SFT baseline continues its warm-up with the warm-up's program.
+            key = ("seed_sft_update", self.sft.graphdef, self.cfg, num_micro)
+            self._jitted[num_micro] = programs.shared(
+                key, lambda: jax.jit(jax.vmap(sft_update), donate_argnums=(1, 2)))
         return self._jitted[num_micro]
 
     def step(self, state: TrainState, batches: Sequence[dict], active: Sequence[bool]):
