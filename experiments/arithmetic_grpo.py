@@ -38,7 +38,7 @@ from flax import nnx
 from rljax.models import ModelConfig
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
-from rljax.run.overrides import apply_overrides
+from rljax.run.experiment_files import load_experiment
 from rljax.run.run_dir import read_metrics
 from rljax.run.report import result_line
 from rljax.run.runner import run_experiment
@@ -146,9 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--no-baseline", action="store_true", help="skip the SFT baseline")
     args = ap.parse_args(argv)
-    cfg = apply_overrides(config(), args.set)
-    if cfg.smoke:  # as rljax train does: the tiny settings, then the overrides again
-        cfg = apply_overrides(smoke(cfg), args.set)
+    cfg = load_experiment(__file__, args.set)  # as `rljax train` reads it (smoke=true too)
     with CompileLog() as log:
         values = _run(cfg, args.no_baseline)
     print(f"compilations, whole command: {log.summary()}")
