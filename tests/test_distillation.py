@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import itertools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -181,13 +183,20 @@ def test_trainer_runs_a_distillation_step_with_a_loaded_teacher(tmp_path):
         make(None)
     with pytest.raises(ValueError, match="not allowed otherwise.*'grpo'"):
         make(load_teacher(teacher_dir, tok), "grpo")
-    runs = {}
+    runs, trainers, learns = {}, [], []
     for name, path in (("other", teacher_dir), ("self", self_dir)):
         tr = make(load_teacher(path, tok))
+        trainers.append(weakref.ref(tr))
         state, m = tr.step(tr.init_state(jax.tree.map(jnp.copy, params)), source)
         moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
                     zip(jax.tree.leaves(state.params["policy"]), jax.tree.leaves(params)))
         runs[name] = (m, moved)
+        learns.append(tr._learn)
+    # The second trainer ran the first one's compiled program (rljax.train.programs), and
+    # that program does not keep the first trainer, nor its teacher's parameters, alive.
+    assert learns[0] is learns[1]
+    gc.collect()
+    assert trainers[0]() is None and trainers[1]() is tr
     m, moved = runs["other"]
     assert m["teacher_kl_k3"] > 0.01 and m["grad_norm"] > 0 and moved > 0
     assert np.isfinite([m["loss"], m["teacher_kl"], m["teacher_logp"]]).all()

@@ -251,12 +251,15 @@ class RLTrainer:
 
     def _learn_program(self):
         """The pure learning program ``(params, opt_state, scalars, ref_params, ro, key,
-        teacher_params) -> (params, opt_state, scalars, metrics)``."""
+        teacher_params) -> (params, opt_state, scalars, metrics)``. It closes over the
+        learning function, not the trainer: a shared program outlives its first trainer,
+        which must not keep that trainer's arrays (its teacher's parameters) alive."""
+        learn = self._learn_fn
+
         def program(params, opt_state, scalars, ref_params, ro, key, teacher_params):
             counters = (scalars["updates"], scalars["nonfinite_run"], scalars["skipped"])
-            params, opt_state, c, kl, m = self._learn_fn(params, opt_state, counters, ref_params,
-                                                         ro, scalars["kl_coef"], key,
-                                                         teacher_params)
+            params, opt_state, c, kl, m = learn(params, opt_state, counters, ref_params, ro,
+                                                scalars["kl_coef"], key, teacher_params)
             m.update(skipped_total=c[2].astype(jnp.float32),
                      nonfinite_run=c[1].astype(jnp.float32))
             out = dict(updates=c[0], nonfinite_run=c[1], skipped=c[2], kl_coef=kl,
