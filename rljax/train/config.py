@@ -6,31 +6,24 @@ paper decides default to ``None`` ("the preset of ``name``", see
 ``rljax.train.presets``), so ``AlgorithmConfig(name="dapo")``,
 ``dataclasses.replace(cfg, name="gspo")`` and ``--set algorithm.name=gspo`` all give
 that paper's settings with the fields set explicitly on top; ``AlgorithmConfig.resolve()``
-fills them in. Checks that need two configs are in :func:`check_algorithm_sampling`.
+fills them in (``AlgorithmConfig`` and ``algorithm_preset`` are defined in
+``rljax.train.algorithm_config`` and public here too). Checks that need two configs are
+in :func:`check_algorithm_sampling`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
+# The algorithm's config lives in its own module; these names stay public here.
+from rljax.train.algorithm_config import (ADV_STDS, AGGREGATIONS, ALGORITHMS,  # noqa: F401
+                                          GROUP_BASELINES, KL_IN, KL_KINDS, OLD_LOGP,
+                                          AlgorithmConfig, algorithm_preset)
 from rljax.train.checks import check_algorithm_sampling  # noqa: F401 (public here too)
-from rljax.train.checks import (check_algorithm_extras, check_bool, check_choice, check_import_path,
-                                check_micro_batch, check_num, check_pass_options, fail)
-from rljax.train.presets import BASE, PRESET_FIELDS, PRESETS
+from rljax.train.checks import check_choice, check_micro_batch, check_num, check_pass_options, fail
 
-ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce", "ppo", "cispo", "sapo",
-              "gmpo", "clip_cov", "kl_cov", "distill")
 SCHEDULES = ("constant", "cosine", "linear")
-KL_KINDS = ("k1", "k2", "k3")
-KL_IN = ("loss", "reward", "none")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                "seq-mean-token-sum-norm")
-ADV_STDS = ("population", "sample", "none")
-OLD_LOGP = ("auto", "recompute", "sampler")
 REF_DTYPES = ("float32", "bfloat16")
-GROUP_BASELINES = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "cispo", "sapo", "gmpo",
-                   "clip_cov", "kl_cov")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,202 +65,6 @@ class OptimConfig:
         check_num(c, "b2", self.b2, lo=0.0, hi=1.0, hi_open=True)
         check_num(c, "eps", self.eps, lo=0.0, lo_open=True)
         check_num(c, "clip_norm", self.clip_norm, lo=0.0, finite=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class AlgorithmConfig:
-    """One RL algorithm as a configuration of the shared loop.
-
-    The fields marked *preset* default to ``None``: "what ``name``'s paper uses"
-    (``rljax.train.presets``). Setting ``name`` (in the constructor, with
-    ``dataclasses.replace`` or ``--set algorithm.name=X``) therefore switches every preset
-    field that was not set explicitly; explicit values stay on top. ``resolve()`` returns
-    the config with every preset field filled in: readers use that one.
-
-    Attributes:
-      name: which loss and advantage estimator: one of ``ALGORITHMS``.
-      group_size: (preset) completions sampled per prompt (G); group baselines need G >= 2.
-      kl_coef: (preset) KL-to-reference weight (beta); with ``kl_in="reward"`` the initial
-        value of the (possibly adaptive) controller.
-      kl_kind: (preset) KL estimator "k1" | "k2" | "k3" (Schulman's approximations).
-      kl_in: (preset) "loss" (GRPO), "reward" (PPO / InstructGPT per-token penalty, PPO
-        only) or "none".
-      clip_low, clip_high: (preset) ratio clip range [1 - clip_low, 1 + clip_high]
-        (clip_low in [0, 1], 1 = no lower clip; DAPO's clip-higher uses a larger
-        ``clip_high``; inf = no upper clip). CISPO clips its IS weight with them; GMPO
-        clips in log space, ratios in [e^-clip_low, e^clip_high].
-      dual_clip: dual-clip constant c > 1 for negative advantages (``inf`` = off).
-      aggregation: (preset) how per-token losses reduce: one of ``AGGREGATIONS``.
-      adv_std: (preset) group-advantage normalisation: "population", "sample" or "none".
-      num_epochs, num_minibatches: (preset) passes over each rollout batch and minibatches
-        per pass; both 1 means one update per batch (ratio 1, no extra forward pass).
-      micro_batch_size: sequences per accumulation micro-batch (0 = whole minibatch).
-      old_logp: "auto" (ratio 1 for single-update batches, else "recompute"),
-        "recompute" (a forward pass before the updates) or "sampler" (the sampler's; not
-        with top-k / top-p, see :func:`check_algorithm_sampling`).
-      tis_cap, is_low, is_level, is_mode: importance correction of the sampler/trainer
-        gap (``rljax.objectives.sampler_correction``), on when ``tis_cap`` is finite or
-        ``is_low > 0`` (not with top-k / top-p): ``is_level`` "token" | "sequence",
-        ``is_mode`` "truncate" (weights min(rho, tis_cap)) | "mask" (rho outside
-        [is_low, tis_cap] gets weight 0; IcePop / MIS).
-      mask_truncated: completions cut at ``max_new_tokens`` contribute no loss (DAPO §3.4).
-      sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (name="sapo").
-      clip_cov_ratio, clip_cov_low, clip_cov_high: Clip-Cov's fraction of tokens and
-        covariance band (name="clip_cov"); kl_cov_ratio, kl_cov_coef: KL-Cov's fraction
-        and penalty weight (name="kl_cov"); see ``rljax.objectives.cov_selection``.
-      distill_discount: name="distill" (the trainer needs a teacher): gamma of the
-        reverse-KL reward-to-go, 0 per-token (Thinking Machines 2025) ... 1 whole sequence.
-      entropy_coef: entropy bonus weight (negative = entropy penalty).
-      value_coef, value_clip: PPO value-loss weight and clip range (inf = no clip).
-      gamma, lam: GAE discount and lambda (PPO).
-      adaptive_kl_target, adaptive_kl_horizon: adaptive KL controller (Ziegler et al.
-        2019, §2.2) for ``kl_in="reward"``; target None = fixed coefficient.
-      whiten_advantages: PPO: whiten GAE advantages over the batch's real tokens.
-      dynamic_sampling: (preset) DAPO: drop zero-variance groups and sample more prompts
-        to refill (needs group_size >= 2).
-      max_refill_rounds: extra sampling rounds allowed to refill a dynamic-sampling batch.
-      overlong_buffer: (preset) DAPO overlong shaping window in tokens (0 = off; "auto" =
-        20% of ``max_new_tokens``, the paper's 4096 of 20480).
-      overlong_penalty: penalty at the maximum length (DAPO Eq. 13).
-      objective: optional import path "pkg.mod:fn" of a user objective with the contract
-        ``(ObjectiveBatch, Coef) -> (loss_sum, count, metrics)`` replacing the library one.
-      advantages: optional import path "pkg.mod:fn" of an advantage estimator
-        ``(rewards_B, group_size) -> adv_B`` replacing the default.
-    """
-
-    name: str = "grpo"
-    group_size: int | None = None
-    kl_coef: float | None = None
-    kl_kind: str | None = None
-    kl_in: str | None = None
-    clip_low: float | None = None
-    clip_high: float | None = None
-    dual_clip: float = math.inf
-    aggregation: str | None = None
-    adv_std: str | None = None
-    num_epochs: int | None = None
-    num_minibatches: int | None = None
-    micro_batch_size: int = 0
-    old_logp: str = "auto"
-    tis_cap: float = math.inf
-    is_low: float = 0.0
-    is_level: str = "token"
-    is_mode: str = "truncate"
-    mask_truncated: bool = False
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    clip_cov_ratio: float = 2e-4
-    clip_cov_low: float = 1.0
-    clip_cov_high: float = 5.0
-    kl_cov_ratio: float = 2e-3
-    kl_cov_coef: float = 1.0
-    distill_discount: float = 0.0
-    entropy_coef: float = 0.0
-    value_coef: float = 0.5
-    value_clip: float = 0.2
-    gamma: float = 1.0
-    lam: float = 0.95
-    adaptive_kl_target: float | None = None
-    adaptive_kl_horizon: int = 10000
-    whiten_advantages: bool = True
-    dynamic_sampling: bool | None = None
-    max_refill_rounds: int = 4
-    overlong_buffer: int | str | None = None
-    overlong_penalty: float = 1.0
-    objective: str | None = None
-    advantages: str | None = None
-
-    def __post_init__(self):
-        c = "AlgorithmConfig"
-        check_choice(c, "name", self.name, ALGORITHMS)
-        # Validate what will run: explicit values, and the preset's for the rest.
-        v = {f: self.resolved(f) for f in PRESET_FIELDS}
-        check_num(c, "group_size", v["group_size"], lo=1, integer=True)
-        if self.name in GROUP_BASELINES and v["group_size"] < 2:
-            fail(c, "group_size", v["group_size"], f">= 2 for {self.name} (group baseline)")
-        check_num(c, "kl_coef", v["kl_coef"], lo=0.0)
-        check_choice(c, "kl_kind", v["kl_kind"], KL_KINDS)
-        check_choice(c, "kl_in", v["kl_in"], KL_IN)
-        if v["kl_in"] == "reward" and self.name != "ppo":
-            fail(c, "kl_in", v["kl_in"], f"'loss' or 'none' unless name='ppo' (name={self.name!r})")
-        check_num(c, "clip_low", v["clip_low"], lo=0.0, hi=1.0)
-        check_num(c, "clip_high", v["clip_high"], lo=0.0, finite=False)
-        check_num(c, "dual_clip", self.dual_clip, lo=1.0, lo_open=True, finite=False)
-        check_choice(c, "aggregation", v["aggregation"], AGGREGATIONS)
-        check_choice(c, "adv_std", v["adv_std"], ADV_STDS)
-        check_num(c, "num_epochs", v["num_epochs"], lo=1, integer=True)
-        check_num(c, "num_minibatches", v["num_minibatches"], lo=1, integer=True)
-        check_num(c, "micro_batch_size", self.micro_batch_size, lo=0, integer=True)
-        check_choice(c, "old_logp", self.old_logp, OLD_LOGP)
-        check_num(c, "tis_cap", self.tis_cap, lo=0.0, lo_open=True, finite=False)
-        check_algorithm_extras(self)
-        check_bool(c, "whiten_advantages", self.whiten_advantages)
-        check_bool(c, "dynamic_sampling", v["dynamic_sampling"])
-        if v["dynamic_sampling"] and v["group_size"] < 2:
-            fail(c, "dynamic_sampling", True, "False when group_size < 2 (every group of "
-                  "one completion has zero reward variance and would be dropped)")
-        check_num(c, "max_refill_rounds", self.max_refill_rounds, lo=0, integer=True)
-        if v["overlong_buffer"] != "auto":
-            if isinstance(v["overlong_buffer"], str):
-                fail(c, "overlong_buffer", v["overlong_buffer"], "an int >= 0 or 'auto'")
-            check_num(c, "overlong_buffer", v["overlong_buffer"], lo=0, integer=True)
-        check_num(c, "overlong_penalty", self.overlong_penalty, lo=0.0)
-        check_import_path(c, "objective", self.objective)
-        check_import_path(c, "advantages", self.advantages)
-
-    def explicit_presets(self) -> dict:
-        """The preset fields set explicitly (not None), by name."""
-        return {f: getattr(self, f) for f in PRESET_FIELDS if getattr(self, f) is not None}
-
-    def resolved(self, field: str):
-        """One field's value: the explicit one, else the preset of ``name``."""
-        value = getattr(self, field)
-        if value is not None or field not in PRESET_FIELDS:
-            return value
-        return PRESETS[self.name].get(field, BASE[field])
-
-    def resolve(self) -> AlgorithmConfig:
-        """This config with every preset field filled in (explicit values kept).
-
-        The result pins the preset's values: ``dataclasses.replace(cfg.resolve(),
-        name=...)`` keeps them as if they were explicit, so switch ``name`` on the
-        unresolved config.
-        """
-        return dataclasses.replace(self, **{f: self.resolved(f) for f in PRESET_FIELDS})
-
-    @property
-    def single_update(self) -> bool:
-        """True when each rollout batch gets exactly one optimiser update."""
-        return self.resolved("num_epochs") == 1 and self.resolved("num_minibatches") == 1
-
-    def overlong_tokens(self, max_new_tokens: int) -> int:
-        """The DAPO overlong window in tokens ("auto" = 20% of ``max_new_tokens``)."""
-        buf = self.resolved("overlong_buffer")
-        buf = max_new_tokens // 5 if buf == "auto" else buf
-        if buf and buf >= max_new_tokens:
-            raise ValueError(f"AlgorithmConfig.overlong_buffer={buf} must be < "
-                             f"SamplingConfig.max_new_tokens={max_new_tokens}")
-        return buf
-
-
-def algorithm_preset(name: str, **overrides) -> AlgorithmConfig:
-    """``AlgorithmConfig`` for ``name``'s paper with ``overrides`` set explicitly.
-
-    Same as ``AlgorithmConfig(name=name, **overrides)``: the preset fields not overridden
-    stay ``None`` and follow ``name`` (see ``AlgorithmConfig.resolve``).
-
-    Raises:
-      ValueError: ``name`` is not one of ``ALGORITHMS`` or an override key is unknown.
-    """
-    if name not in PRESETS:
-        fail("algorithm_preset", "name", name, "one of " + ", ".join(ALGORITHMS))
-    valid = {f.name for f in dataclasses.fields(AlgorithmConfig)}
-    unknown = sorted(set(overrides) - valid)
-    if unknown:
-        raise ValueError(
-            f"algorithm_preset: unknown option(s) {unknown}; valid: {sorted(valid)}"
-        )
-    return AlgorithmConfig(name=name, **overrides)
 
 
 @dataclasses.dataclass(frozen=True)
