@@ -10,7 +10,9 @@ import string
 from collections.abc import Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+# AutoTokenizer is imported where it is used: importing it imports torch when torch is
+# installed (~1.2 s a process here), which only loading a tokenizer folder needs.
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from rljax.models.config import ModelConfig
 
@@ -28,6 +30,8 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     path = pathlib.Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"load_tokenizer: {path} is not a directory")
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 

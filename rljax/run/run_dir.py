@@ -35,7 +35,6 @@ import jax
 import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
-from tensorboardX import SummaryWriter
 
 from rljax.run import plots as _plots
 from rljax.train.config_io import config_to_dict, jsonable
@@ -195,6 +194,9 @@ class RunDir:
         return _Lines(self._lines, path)
 
     def _open_tensorboard(self):
+        # Imported here: tensorboardX imports torch when torch is installed (~1.1 s).
+        from tensorboardX import SummaryWriter
+
         return SummaryWriter(logdir=str(self.path / "tb"), flush_secs=10)
 
     def _open_wandb(self, project: str):

@@ -30,9 +30,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
-from transformers import AutoTokenizer
 
-from rljax.models import ModelConfig, ValueModel
+from rljax.models import ModelConfig, ValueModel, load_tokenizer
 from rljax.train.batching import encode_text, pad_right, special_ids
 from rljax.train.checkpoint import pure_params
 from rljax.train.config_io import config_from_dict, config_to_dict
@@ -209,7 +208,7 @@ def load_reward_model(path: str | pathlib.Path):
     nnx.update(model, state)
     tokenizer = None
     if (path / "tokenizer").is_dir():
-        tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
+        tokenizer = load_tokenizer(path / "tokenizer")
     return model, tokenizer
 
 
