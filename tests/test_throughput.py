@@ -14,6 +14,7 @@ from rljax.train.throughput import (chips_and_kind, peak_flops_per_chip, step_mo
 @pytest.mark.parametrize("kind, peak", [
     ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5", 459e12),
     ("TPU v5p", 459e12), ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
+    ("TPU7x", 1153.5e12),  # per device: a TPU7x chip is two devices
     ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
     ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12),

@@ -19,7 +19,8 @@ metrics it returns:
   unknown accelerator there is no ``mfu``, only FLOP/s.
 
 Per-chip figures divide by every device of the mesh (all processes): the step is one SPMD
-program over all of them.
+program over all of them. A device is a chip on every accelerator in the table but TPU7x,
+where it is one of the chip's two TensorCores (so there, "per chip" reads per TensorCore).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ __all__ = ["PEAK_BF16_FLOPS", "chips_and_kind", "peak_flops_per_chip", "step_mod
 # - Google Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4, v5e, v5p,
 #   v6e), "peak compute per chip (bf16)": v4 275 TFLOP/s, v5e 197, v5p 459, v6e 918.
 #   JAX names v5e "TPU v5 lite", v5p "TPU v5", v6e "TPU v6 lite".
+# - TPU7x (Ironwood; JAX's kind "TPU7x"): 2307 TFLOP/s bf16 per chip (cloud.google.com/
+#   tpu/docs/tpu7x), but a chip's two TensorCores are two JAX devices (no megacore:
+#   jax.experimental.pallas.tpu.ChipVersion), and this module's "chip" is a device, so its
+#   entry is half the chip's figure. (v4 and v5p chips are one device: megacore.)
 # - NVIDIA data sheets, BF16 Tensor Core, halved from the "with sparsity" figures they
 #   print: A100 (SXM and PCIe) 312 TFLOP/s; H100 SXM 989, H100 NVL 835, H100 PCIe 756;
 #   H200 SXM 989, H200 NVL 835.
@@ -47,6 +52,7 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     (r"^tpu v5 ?(lite|e)$", 197e12),
     (r"^tpu v5p?$", 459e12),
     (r"^tpu v6 ?(lite|e)$|trillium", 918e12),
+    (r"^tpu ?7x$|ironwood", 2307e12 / 2),
     (r"a100", 312e12),
     (r"h100.*pcie", 756e12),
     (r"h[12]00.*nvl", 835e12),
