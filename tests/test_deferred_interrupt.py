@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from rljax.run.preemption import DeferredInterrupt, StopSignal, save_interrupted
+from rljax.run.preemption import DeferredInterrupt, Preempted, StopSignal, save_interrupted
 from rljax.train.checkpoint import Checkpointer
 
 
@@ -98,10 +98,15 @@ def test_several_processes_turn_the_first_ctrl_c_into_an_agreed_stop(monkeypatch
                                                                      sigterm_notices):
     _as_two_processes(monkeypatch)
     with StopSignal() as stop:
+        assert stop.cause == "SIGTERM"
         with stop.guard() as held:  # no lone save to protect: nothing held
             _sigint()
             x = jnp.arange(3) + 1
         assert sigterm_notices == [1] and not held.hit and x.tolist() == [1, 2, 3]
+        # This process's stop message names the Ctrl-C (the others' name SIGTERM).
+        assert stop.cause == "Ctrl-C (forwarded as SIGTERM)"
+        assert "stopped by Ctrl-C (forwarded as SIGTERM) at step 3;" in str(
+            Preempted(3, "ck", stop.cause))
         with pytest.raises(KeyboardInterrupt):  # the second: at once
             _sigint()
     assert sigterm_notices == [1]

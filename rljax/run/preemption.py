@@ -47,17 +47,21 @@ __all__ = ["DeferredInterrupt", "Preempted", "StopSignal", "save_interrupted", "
 
 class Preempted(Exception):
     """The run stopped on SIGTERM at `step` with its checkpoint saved in `checkpoint_dir`
-    (complete on disk); `rljax train` reports it and exits 0."""
+    (complete on disk); `rljax train` reports it and exits 0. `cause` names the signal in
+    the message ("SIGTERM", or `StopSignal.cause` on the process where Ctrl-C was
+    forwarded)."""
 
-    def __init__(self, step: int, checkpoint_dir: str):
+    def __init__(self, step: int, checkpoint_dir: str, cause: str = "SIGTERM"):
         self.step, self.checkpoint_dir = step, checkpoint_dir
-        super().__init__(f"stopped by SIGTERM at step {step}; checkpoint saved in "
+        super().__init__(f"stopped by {cause} at step {step}; checkpoint saved in "
                          f"{checkpoint_dir}; continue with --set run.resume=true")
 
 
 class StopSignal:
     """`reached(step)` is True at the step boundary where every process stops (see the
-    module docstring); a context manager that installs / removes the one-process handler."""
+    module docstring); a context manager that installs / removes the one-process handler.
+    `cause` is what asked this process to stop, for its message: "SIGTERM", or
+    "Ctrl-C (forwarded as SIGTERM)" once it forwarded a Ctrl-C."""
 
     def __init__(self) -> None:
         self.distributed = jax.distributed.is_initialized()
@@ -66,6 +70,7 @@ class StopSignal:
         self._agreed = self.distributed and jax.config.jax_enable_preemption_service
         self._flag = False
         self._previous: dict[int, object] = {}  # signal -> the handler to put back
+        self.cause = "SIGTERM"
 
     def _handle(self, signum, frame) -> None:
         self._flag = True
@@ -73,6 +78,7 @@ class StopSignal:
     def _forward_ctrl_c(self, signum, frame) -> None:
         """Several processes: the first Ctrl-C asks for an agreed stop (module docstring)."""
         signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))  # a second: at once
+        self.cause = "Ctrl-C (forwarded as SIGTERM)"
         print(f"\n[rljax] Ctrl-C on process {jax.process_index()} of {jax.process_count()}: "
               "every process stops after the same step and saves it, as on SIGTERM "
               "(Ctrl-C again to stop at once, unsaved)", file=sys.stderr, flush=True)
@@ -152,12 +158,13 @@ class DeferredInterrupt:
             self._installed = False
 
 
-def stop_saved(ck, step: int, state, meta: dict, out) -> None:
+def stop_saved(ck, step: int, state, meta: dict, out, cause: str = "SIGTERM") -> None:
     """Save `state` as checkpoint `step` of the `rljax.train.checkpoint.Checkpointer` `ck`
-    (forced), wait until it is on disk, report to `out` and raise `Preempted`."""
+    (forced), wait until it is on disk, report to `out` and raise `Preempted` (its message
+    names `cause`: pass `StopSignal.cause`)."""
     ck.save(step, state, meta, force=True)
     ck.wait_until_finished()
-    err = Preempted(step, str(ck.directory))
+    err = Preempted(step, str(ck.directory), cause)
     print(f"\n[rljax] {err}", file=out, flush=True)
     raise err
 

@@ -259,7 +259,8 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, sto
             if held.hit:  # Ctrl-C during the step: saved below as this step
                 raise KeyboardInterrupt
             if done < cfg.rl.steps and stop.reached(done):  # before orbax's own check
-                stop_saved(ck, done, state, _meta(cfg, rd, state, "preempted", acc_before), out)
+                stop_saved(ck, done, state, _meta(cfg, rd, state, "preempted", acc_before), out,
+                           stop.cause)
             last = done == cfg.rl.steps  # the final state: saved as soon as it exists
             _save(ck, done, state, _meta(cfg, rd, state, "done" if last else "rl", acc_before),
                   force=last)

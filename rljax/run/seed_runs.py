@@ -239,7 +239,8 @@ class _SeedRun:
                 if held.hit:  # Ctrl-C during the step: saved below as this step
                     raise KeyboardInterrupt
                 if done < cfg.rl.steps and stop.reached(done):
-                    stop_saved(ck, done, state, self.meta("preempted", before), self.out)
+                    stop_saved(ck, done, state, self.meta("preempted", before), self.out,
+                               stop.cause)
                 last = done == cfg.rl.steps  # the final state: saved as soon as it exists
                 ck.save(done, state, self.meta("done" if last else "rl", before), force=last)
         except KeyboardInterrupt:  # keep what was learned
