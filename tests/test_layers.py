@@ -1,5 +1,6 @@
 """The layering contracts of pyproject.toml (run by `lint-imports` in scripts/test.sh) catch
-an upward import: checked on a temporary copy of the package, with one import added."""
+an upward import: checked on a temporary copy of the package, with one import added. And
+importing the package loads neither torch nor matplotlib (start-up time of every process)."""
 
 import os
 import pathlib
@@ -67,3 +68,24 @@ def test_added_import_breaks_the_named_contract(tmp_path, lint_available, module
     assert contract in res.stdout.split("Broken contracts")[-1], res.stdout
     assert "1 broken" in res.stdout, res.stdout
     assert edge in res.stdout, res.stdout
+
+
+# What `import rljax` pulls in: each process (the CLI, every process of a multi-process run)
+# pays for it. torch (transformers' AutoTokenizer and tensorboardX import it when it is
+# installed, ~1.2 s) and matplotlib load where they are used.
+_HEAVY = ("torch", "matplotlib", "tensorboardX")
+_PROBE = ("import sys\n"
+          "heavy = lambda: sorted({m.split('.')[0] for m in sys.modules} & set(%r))\n"
+          "import rljax.models, rljax.train, rljax.run.runner, rljax.run.seed_runs, rljax.cli\n"
+          "print(heavy())\n"
+          "from transformers import AutoTokenizer  # the control: the probe sees torch\n"
+          "print(heavy())\n") % (_HEAVY,)
+
+
+def test_importing_rljax_loads_no_torch_or_plotting():
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    after_rljax, after_control = out.stdout.strip().splitlines()[-2:]
+    assert after_rljax == "[]", after_rljax
+    assert "torch" in after_control, after_control  # torch is installed: the check is live
