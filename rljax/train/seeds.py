@@ -226,20 +226,22 @@ class SeedSFT:
 
     def _program(self, num_micro: int):
         if num_micro not in self._jitted:
-            lr = self.sft.learner
-            update = make_update(self.sft.loss_fn, lr.txs, lr.schedules, num_micro)
+            def build():  # only when no equal program is shared already
+                lr = self.sft.learner
+                update = make_update(self.sft.loss_fn, lr.txs, lr.schedules, num_micro)
 
-            def sft_update(active, params, opt_state, counters, batch):  # one seed's
-                new = update(params, opt_state, counters, batch, None)
-                keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(active, x, y), a, b)
-                return (keep(new[0], params), keep(new[1], opt_state), keep(new[2], counters),
-                        new[3])
+                def sft_update(active, params, opt_state, counters, batch):  # one seed's
+                    new = update(params, opt_state, counters, batch, None)
+                    keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(active, x, y), a, b)
+                    return (keep(new[0], params), keep(new[1], opt_state),
+                            keep(new[2], counters), new[3])
+
+                return jax.jit(jax.vmap(sft_update), donate_argnums=(1, 2))
 
             # The SFT config holds all the update reads (loss, optimiser, schedule): the
             # demo's SFT baseline continues its warm-up with the warm-up's program.
             key = ("seed_sft_update", self.sft.graphdef, self.cfg, num_micro)
-            self._jitted[num_micro] = programs.shared(
-                key, lambda: jax.jit(jax.vmap(sft_update), donate_argnums=(1, 2)))
+            self._jitted[num_micro] = programs.shared(key, build)
         return self._jitted[num_micro]
 
     def step(self, state: TrainState, batches: Sequence[dict], active: Sequence[bool]):
