@@ -4,7 +4,7 @@
   4 kv heads, intermediate 704, vocab 32000, float32) and the larger one of issue 19
   (hidden 512, intermediate 1408, 8 layers), as HF config dicts and as rljax
   ``ModelConfig``s;
-- an HF checkpoint of such a model (torch seed 0) and a byte-level BPE tokenizer trained
+- an HF checkpoint of such a model (transformers' initialisation, numpy seed 0) and a byte-level BPE tokenizer trained
   here on a synthetic corpus, so nothing is downloaded;
 - ``CpuMeter``: the CPU time other processes used during a block (these 2 cores are
   shared: two processes timing at once slow each other several-fold);
@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax.models import ModelConfig
+from rljax.models import ModelConfig, weight_map
+from rljax.models.hf_io import write_pretrained
 
 REFERENCE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=4, intermediate_size=704, vocab_size=32000)
@@ -33,11 +34,6 @@ LARGER = dict(REFERENCE, hidden_size=512, intermediate_size=1408, num_hidden_lay
 # --quick: a model that compiles and runs in a second or two (smoke tests).
 TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=64, vocab_size=512)
-
-
-def hf_config(sizes: dict) -> dict:
-    """HF ``Qwen2Config`` keyword arguments of a benchmark model (untied head, float32)."""
-    return dict(sizes, max_position_embeddings=512, tie_word_embeddings=False)
 
 
 def model_config(sizes: dict) -> ModelConfig:
@@ -50,21 +46,30 @@ def model_config(sizes: dict) -> ModelConfig:
                        architecture="qwen2", max_position_embeddings=512)
 
 
-def build_checkpoint(path, sizes: dict = REFERENCE):
-    """A random Qwen2 (torch seed 0) saved as an HF checkpoint in ``path``; returns the
-    torch model (eval mode, float32, no EOS in its generation config)."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def build_checkpoint(path, sizes: dict = REFERENCE, seed: int = 0) -> ModelConfig:
+    """A random Qwen2 written as an HF checkpoint in ``path`` by rljax's own writer, so no
+    torch is needed (a machine that runs rljax's side alone may have none); returns its
+    ``ModelConfig``. Its weights follow transformers' initialisation of a Qwen2 (every
+    matrix N(0, 0.02), biases 0, norm scales 1), drawn from numpy seed ``seed`` one tensor
+    at a time in the writer's order, so only one is in memory at once. The config names
+    no EOS, so neither side stops a sample early."""
+    config = model_config(sizes)
+    rng = np.random.default_rng(seed)
+    names = {spath: (name, shape, to_ours) for name, spath, shape, (to_ours, _) in
+             weight_map(config)}
 
-    torch.manual_seed(0)
-    # pad 0 / eos 1: the ids of `train_tokenizer`'s special tokens.
-    cfg = Qwen2Config(**hf_config(sizes), dtype="float32", pad_token_id=0, eos_token_id=1,
-                      bos_token_id=None)
-    model = AutoModelForCausalLM.from_config(cfg).float().eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    model.save_pretrained(path)
-    return model
+    def tensor(spath):
+        name, shape, to_ours = names[spath]
+        if name.endswith("norm.weight"):
+            hf = np.ones(shape, np.float32)
+        elif name.endswith(".bias"):
+            hf = np.zeros(shape, np.float32)
+        else:
+            hf = 0.02 * rng.standard_normal(shape, np.float32)
+        return to_ours(hf)
+
+    write_pretrained(config, tensor, path)
+    return config
 
 
 def _corpus(rng, words: int, lines: int) -> tuple[list[str], list[str]]:

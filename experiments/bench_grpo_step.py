@@ -1,10 +1,10 @@
 """One GRPO step, rljax vs TRL's GRPOTrainer, on the reference model, interleaved in one run.
 
 The workload (issue 19): the reference benchmark model (random Qwen2: hidden 256, 4
-layers, 8 heads, 4 kv heads, intermediate 704, vocab 32000, float32), built by
-transformers with torch seed 0 and saved as an HF checkpoint in a temporary folder with a
-byte-level BPE tokenizer trained here (32,000 ids); 8 prompts of 32 tokens x 8
-completions x 128 new tokens sampled at temperature 1 with no early stop (TRL:
+layers, 8 heads, 4 kv heads, intermediate 704, vocab 32000, float32, initialised as
+transformers does), written as an HF checkpoint by ``_bench.build_checkpoint`` in a
+temporary folder with a byte-level BPE tokenizer trained here (32,000 ids); 8 prompts of
+32 tokens x 8 completions x 128 new tokens sampled at temperature 1 with no early stop (TRL:
 ``min_new_tokens=128``; rljax has fixed shapes and stops only when every row has drawn
 EOS, which a random model does with probability ~1/32000 per token), GRPO with beta 0.04
 against a frozen reference model (k3 in the loss), one AdamW step at lr 1e-6, a cheap

@@ -1,8 +1,9 @@
 """Sampler speed: rljax.sampling.generate vs transformers' generate on the reference model.
 
 The reference benchmark model (DESIGN.md): a random Qwen2 (hidden 256, 4 layers, 8 heads,
-4 kv heads, intermediate 704, vocab 32000, float32) built by transformers with a fixed
-torch seed, saved as an HF checkpoint to a temporary folder and loaded by both sides.
+4 kv heads, intermediate 704, vocab 32000, float32) with transformers' initialisation,
+written as an HF checkpoint to a temporary folder (``_bench.build_checkpoint``) and
+loaded by both sides.
 Batch 32, prompts of 32 random tokens, exactly 128 new tokens sampled at temperature 1
 with no early stop on either side (no stop ids / no EOS, ``min_new_tokens=128``).
 
@@ -46,8 +47,12 @@ TARGET = 5  # the issue's speed target: rljax >= 5x transformers' generate
 
 
 def build_checkpoint(path):
-    """The random reference Qwen2 (torch seed 0), saved as an HF checkpoint; returns it."""
-    return B.build_checkpoint(path, B.REFERENCE)
+    """The random reference Qwen2 written as an HF checkpoint in ``path``; returns it
+    loaded by transformers (eval mode, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    B.build_checkpoint(path, B.REFERENCE)
+    return AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
 
 
 def best_seconds(fn, reps):

@@ -5,10 +5,11 @@ import importlib.util
 import math
 import sys
 
+import numpy as np
 import pytest
 
 from _experiments import load_experiment
-from rljax.models import ModelConfig
+from rljax.models import ModelConfig, from_pretrained
 
 grpo = load_experiment("bench_grpo_step")
 train = load_experiment("bench_train_step")
@@ -30,6 +31,22 @@ def test_forward_flops_counts_projections_causal_attention_and_the_head():
     assert bench.forward_flops(cfg, 3, s, 3) == 2 * 3 * per_row
     # Sampling 1 token is the prefill alone (its head on the last position).
     assert bench.decode_flops(cfg, 3, s, 1) == bench.forward_flops(cfg, 3, s, 1)
+
+
+def test_build_checkpoint_writes_a_qwen2_initialised_as_transformers_does(tmp_path):
+    config = bench.build_checkpoint(tmp_path, bench.TINY, seed=3)
+    model = from_pretrained(tmp_path)
+    assert model.config == config and config.architecture == "qwen2" and config.qkv_bias
+    layer = model.layers[0]
+    embed = np.asarray(model.embed[...])
+    assert embed.shape == (512, 32) and abs(embed.std() - 0.02) < 1e-3
+    assert abs(np.asarray(layer.mlp.up[...]).std() - 0.02) < 2e-3
+    assert not np.asarray(layer.attn.q_bias[...]).any()
+    np.testing.assert_array_equal(np.asarray(layer.attn_norm.scale[...]), 1.0)
+    again = bench.build_checkpoint(tmp_path / "again", bench.TINY, seed=3)
+    assert again == config
+    np.testing.assert_array_equal(np.asarray(from_pretrained(tmp_path / "again").embed[...]),
+                                  embed)  # the seed fixes the weights
 
 
 def test_train_step_quick_prints_its_result(capsys):
