@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -34,14 +33,14 @@ def tiny_config(**kw) -> ModelConfig:
 
 
 def tiny_model(seed=0, mesh=None, **kw):
-    """(graphdef, state) of a tiny decoder, sharded over ``mesh`` when given."""
-    cfg = tiny_config(**kw)
+    """(graphdef, state) of a tiny decoder, sharded over ``mesh`` when given: initialised
+    on one device (the same programs as without a mesh, compiled once per worker) and then
+    placed per its logical annotations."""
+    gd, st = nnx.split(Decoder(tiny_config(**kw), rngs=nnx.Rngs(seed)))
     if mesh is None:
-        return nnx.split(Decoder(cfg, rngs=nnx.Rngs(seed)))
+        return gd, st
     from rljax.sharding import shard_params
 
-    with jax.set_mesh(mesh):
-        gd, st = nnx.split(Decoder(cfg, rngs=nnx.Rngs(seed)))
     return gd, shard_params(st, mesh)
 
 
