@@ -16,8 +16,10 @@ from rljax.train.algorithms import make_objective
 from rljax.train.config import OptimConfig, algorithm_preset
 from rljax.train.logprobs import policy_logprobs
 from rljax.train.rl import rl_loss
-from rljax.train.step import (Learner, NonFiniteError, accumulate, make_optimizer,
-                              make_schedule, new_train_state, num_micro_batches)
+from rljax.train.programs import CompileLog
+from rljax.train.step import (Learner, NonFiniteError, accumulate, init_opt_state,
+                              make_optimizer, make_schedule, new_train_state,
+                              num_micro_batches)
 from flax import nnx
 
 
@@ -118,6 +120,25 @@ def test_one_step_on_8_devices_equals_one_device(mesh8):
     # After one Adam step parameters agree to about lr where gradients are near zero.
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8)):
         assert np.max(np.abs(a - b)) <= 1e-2
+
+
+def test_opt_state_init_compiles_once_per_optimiser_and_layout(mesh8):
+    """A trainer's states for several seeds share one compiled init; another parameter
+    layout gets its own, with each moment sharded like its parameter."""
+    txs = {"policy": make_optimizer(OptimConfig(lr=1e-2), 10)[0]}
+    one, eight = {"policy": tiny_model()[1]}, {"policy": tiny_model(mesh=mesh8)[1]}
+    with CompileLog() as log:
+        first, again = init_opt_state(txs, one), init_opt_state(txs, one)
+        sharded = init_opt_state(txs, eight, mesh8)
+    assert log.by_name()["jit(<lambda>)"] == 2, log.compiles
+    jax.tree.map(np.testing.assert_array_equal, first, again)
+    by_shape = {}
+    for p in jax.tree.leaves(eight):
+        by_shape.setdefault(p.shape, set()).add(p.sharding)
+    moments = [m for m in jax.tree.leaves(sharded) if m.ndim]
+    assert len(moments) == 2 * len(jax.tree.leaves(eight))  # Adam's mu and nu
+    assert all(m.sharding in by_shape[m.shape] for m in moments)
+    assert any(not m.sharding.is_fully_replicated for m in moments)
 
 
 def _sft_like_loss(scale):

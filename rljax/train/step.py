@@ -13,6 +13,7 @@ because ``d(sum/count)/dθ = (d sum/dθ)/count`` when the count does not depend 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Callable
 
@@ -257,15 +258,38 @@ def opt_state_shardings(txs: dict, params: dict, mesh) -> dict:
                                      transform_non_params=lambda _: rep) for k in abstract}
 
 
+_OPT_INITS: collections.OrderedDict = collections.OrderedDict()
+MAX_OPT_INITS = 16
+
+
 def init_opt_state(txs: dict, params: dict, mesh=None) -> dict:
     """Optimiser states for ``params`` (dict name -> NNX state); on a mesh each moment is
     sharded like its parameter (a jit left to choose placed the zeros replicated: every
-    chip held all of Adam's moments, 3.7 GiB per chip for Qwen2.5-0.5B)."""
+    chip held all of Adam's moments, 3.7 GiB per chip for Qwen2.5-0.5B).
+
+    The jitted init is kept for the last ``MAX_OPT_INITS`` (optimisers, mesh, parameter
+    layout): a trainer that makes several states (one per seed in ``rljax.train.seeds``,
+    a resumed run's fresh template) compiles it once."""
+    leaves, tree = jax.tree.flatten(params)
+    key = (tuple(txs.items()), mesh, tree,
+           None if mesh is None else tuple(x.sharding for x in leaves))
+    try:
+        init = _OPT_INITS.pop(key)
+    except KeyError:
+        init = _opt_init_program(txs, params, mesh)
+    except TypeError:  # an optimiser that cannot be hashed: no reuse, same result
+        return _opt_init_program(txs, params, mesh)(params)
+    _OPT_INITS[key] = init
+    while len(_OPT_INITS) > MAX_OPT_INITS:
+        _OPT_INITS.popitem(last=False)
+    return init(params)
+
+
+def _opt_init_program(txs: dict, params: dict, mesh):
     init = lambda p: {k: txs[k].init(p[k]) for k in p}
     if mesh is None:
-        return jax.jit(init)(params)
-    with jax.set_mesh(mesh):
-        return jax.jit(init, out_shardings=opt_state_shardings(txs, params, mesh))(params)
+        return jax.jit(init)
+    return on_mesh(jax.jit(init, out_shardings=opt_state_shardings(txs, params, mesh)), mesh)
 
 
 def new_train_state(params: dict, opt_state: dict, seed: int, *, ref_params=None,
