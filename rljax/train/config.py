@@ -108,7 +108,10 @@ class RLConfig:
       eval_prompts: held-out prompts per evaluation.
       remat: rematerialise each decoder layer in the backward pass.
       logp_chunk: sequence positions per log-prob chunk; each chunk's ``[B, chunk, V]``
-        logits are recomputed in the backward pass, never the whole ``[B, T, V]``.
+        logits are recomputed in the backward pass, never the whole ``[B, T, V]``. The
+        default 32 keeps a chunk's logits at ``B x 32 x V`` (262 MB for 64 rows and a
+        32,000 vocabulary; 1 GB at 128 positions) while its head matmul still has
+        ``B x 32`` rows; raise it only for batches of a few rows.
       max_nonfinite_steps: stop with an error after this many consecutive updates skipped
         for a non-finite loss or gradient.
       peak_flops: one chip's peak FLOP/s for the MFU estimate (0 = the chip's dense bf16
@@ -125,7 +128,7 @@ class RLConfig:
     eval_every: int = 0
     eval_prompts: int = 256
     remat: bool = False
-    logp_chunk: int = 256
+    logp_chunk: int = 32
     max_nonfinite_steps: int = 5
     peak_flops: float = 0.0
     value_lr_ratio: float = 1.0
@@ -179,7 +182,7 @@ class SFTConfig:
                                             min_lr_ratio=0.1)
     )
     remat: bool = False
-    logp_chunk: int = 256
+    logp_chunk: int = 32
     max_nonfinite_steps: int = 5
     eval_every: int = 0
     stop_loss: float = 0.0
