@@ -2,10 +2,10 @@
 
 - the reference benchmark model of DESIGN.md (random Qwen2: hidden 256, 4 layers, 8 heads,
   4 kv heads, intermediate 704, vocab 32000, float32) and the larger one of issue 19
-  (hidden 512, intermediate 1408, 8 layers), as HF config dicts and as rljax
-  ``ModelConfig``s;
-- an HF checkpoint of such a model (transformers' initialisation, numpy seed 0) and a byte-level BPE tokenizer trained
-  here on a synthetic corpus, so nothing is downloaded;
+  (hidden 512, intermediate 1408, 8 layers), as size dicts and as rljax ``ModelConfig``s;
+- an HF checkpoint of such a model (transformers' initialisation, numpy seed 0, written
+  by rljax) and a byte-level BPE tokenizer trained here on a synthetic corpus, so nothing
+  is downloaded;
 - ``CpuMeter``: the CPU time other processes used during a block (these 2 cores are
   shared: two processes timing at once slow each other several-fold);
 - ``matmul_peak_flops``: the float32 matmul FLOP/s of this machine under XLA;
