@@ -29,7 +29,8 @@ machine's state is the same for both. Phases:
   minus ``_generate_and_score_completions``: forward, backward, clipping, AdamW.
 
 Beside each figure: other processes' CPU use during it, in cores (these 2 cores are
-shared). rljax's FLOP floor: the step's matmul FLOPs (sampling with the KV cache, the
+shared), and the benchmark process's own kernel time in seconds (on a CPU backend mostly
+the zeroing of fresh pages for large buffers: an OS cost, not a compute one). rljax's FLOP floor: the step's matmul FLOPs (sampling with the KV cache, the
 reference forward, forward + backward of the update = 3 forwards; ``_bench``) over the
 float32 matmul peak (median of 2048^3 ``jnp.dot`` calls) measured in each round.
 
@@ -153,7 +154,8 @@ class RljaxSide:
             self.state, m = self.tr.step(self.state, self.source)
         return {"step": meter.wall, "generation": m["time_rollout"],
                 "rewards": m.get("time_reward", 0.0), "learn": m["time_learn"],
-                "others": meter.others_cores, "tokens": m["completion_tokens"]}
+                "others": meter.others_cores, "kernel": meter.kernel_s,
+                "tokens": m["completion_tokens"]}
 
     def ref_forward_seconds(self) -> float:
         """One reference forward on the step's shapes, jitted alone (compiled at the first
@@ -195,7 +197,7 @@ class TrlSide:
             def on_step_end(self, args, state, control, **kw):
                 m = side.meter.stop()
                 side.rows.append(dict(side.acc, step=m.wall, update=m.wall - side.acc["prepare"],
-                                      others=m.others_cores))
+                                      others=m.others_cores, kernel=m.kernel_s))
                 after_step(len(side.rows) - 1)
 
         args = GRPOConfig(
@@ -267,10 +269,11 @@ def run(w: Workload, steps: int, warmup: int, with_trl: bool = True, log=print) 
             r = ours[-1]
             log(f"round {i - warmup}: rljax {r['step']:.2f} s = "
                 f"{_fmt(r, ('generation', 'rewards', 'learn'))} (reference alone {refs[-1]:.2f}; "
-                f"others {r['others']:.2f} cores)" + (
+                f"others {r['others']:.2f} cores; kernel {r['kernel']:.2f} s)" + (
                     f" | TRL {trl.rows[i]['step']:.2f} s = "
                     f"{_fmt(trl.rows[i], ('generation', 'reference', 'rewards', 'update'))} "
-                    f"(others {trl.rows[i]['others']:.2f} cores)" if with_trl else ""))
+                    f"(others {trl.rows[i]['others']:.2f} cores; kernel "
+                    f"{trl.rows[i]['kernel']:.2f} s)" if with_trl else ""))
 
         if with_trl:
             trl = TrlSide(w, folder, prompts, total, pathlib.Path(tmp) / "trl", rljax_turn)
@@ -296,7 +299,7 @@ def report(w: Workload, res: dict, log=print) -> str:
     log(f"rljax median: step {r['step']:.3f} s = generation {r['generation']:.3f} + rewards "
         f"{r['rewards']:.3f} + learning program {r['learn']:.3f} (reference forward alone "
         f"{res['reference_alone']:.3f}, so update ~{upd:.3f}); others' CPU {r['others']:.2f} "
-        f"cores; {r['tokens']:.0f} completion tokens")
+        f"cores; own kernel time {r['kernel']:.2f} s; {r['tokens']:.0f} completion tokens")
     floors = {k: v / peak for k, v in fl.items()}
     log(f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s (median of 2048^3 jnp.dot, each "
         f"round); step matmul FLOPs {sum(fl.values()) / 1e9:.1f} G: floors generation "
@@ -311,7 +314,7 @@ def report(w: Workload, res: dict, log=print) -> str:
             f"reference forward {t['reference']:.3f} + rewards {t['rewards']:.3f} + update "
             f"{t['update']:.3f} (+ other preparation "
             f"{t['prepare'] - t['generation'] - t['reference'] - t['rewards']:.3f}); "
-            f"others' CPU {t['others']:.2f} cores")
+            f"others' CPU {t['others']:.2f} cores; own kernel time {t['kernel']:.2f} s")
         log(f"rljax is {trl_s / r['step']:.2f}x TRL per step: generation "
             f"{t['generation'] / r['generation']:.2f}x, reference forward "
             f"{t['reference'] / res['reference_alone']:.2f}x, update {t['update'] / upd:.2f}x")

@@ -13,7 +13,8 @@ causal attention, the head on the 128 completion positions), forward + backward 
 forwards, plus the reference forward (4 forwards in all), over the median time of
 ``--reps`` calls after a compiling call. The peak is the median FLOP/s of 2048^3 float32
 ``jnp.dot`` calls, one measured after each call of the program (same conditions).
-Other processes' CPU use is printed beside each figure.
+Other processes' CPU use and this process's own kernel time (on a CPU backend mostly
+the zeroing of fresh pages for the program's large buffers) are printed beside each figure.
 
     python experiments/bench_train_step.py [--reps 5] [--quick]
 
@@ -104,7 +105,7 @@ class LearnBench:
                 s.params, s.opt_state, scalars, s.ref_params, self.ro, self.key, None)
             jax.block_until_ready((params, opt_state, metrics))
         self.state = dataclasses.replace(s, params=params, opt_state=opt_state, **out)
-        self.others = meter.others_cores
+        self.others, self.kernel = meter.others_cores, meter.kernel_s
         return meter.wall
 
     def flops(self) -> int:
@@ -126,17 +127,20 @@ def measure(sizes: dict, shape: Shape, reps: int, peak_n: int = 2048, log=print)
     bench = LearnBench(sizes, shape, steps=reps + 1)
     bench.call()  # compile
     B.matmul_peak_flops(peak_n, 1)
-    times, others, peaks = [], [], []
+    times, others, kernel, peaks = [], [], [], []
     for i in range(reps):
         times.append(bench.call())
         others.append(bench.others)
+        kernel.append(bench.kernel)
         peaks.append(B.matmul_peak_flops(peak_n))
-        log(f"  call {i}: {times[-1]:.3f} s (others {others[-1]:.2f} cores), peak "
+        log(f"  call {i}: {times[-1]:.3f} s (others {others[-1]:.2f} cores; kernel "
+            f"{kernel[-1]:.2f} s), peak "
             f"{peaks[-1] / 1e9:.1f} GFLOP/s")
     t, peak = B.median(times), B.median(peaks)
     flops = bench.flops()
     return {"seconds": t, "flops": flops, "flops_per_s": flops / t, "peak": peak,
-            "fraction": flops / t / peak, "others": B.median(others)}
+            "fraction": flops / t / peak, "others": B.median(others),
+            "kernel": B.median(kernel)}
 
 
 def main(argv=None) -> int:
@@ -157,7 +161,8 @@ def main(argv=None) -> int:
         print(f"{name} model {sizes}:")
         r = res[name] = measure(sizes, shape, args.reps, 256 if args.quick else 2048)
         print(f"{name}: learning program {r['seconds']:.3f} s (median; others' CPU "
-              f"{r['others']:.2f} cores), {r['flops'] / 1e9:.1f} GFLOP -> "
+              f"{r['others']:.2f} cores; own kernel time {r['kernel']:.2f} s), "
+              f"{r['flops'] / 1e9:.1f} GFLOP -> "
               f"{r['flops_per_s'] / 1e9:.1f} GFLOP/s = {r['fraction']:.1%} of the float32 "
               f"matmul peak ({r['peak'] / 1e9:.1f} GFLOP/s)")
     r = res[list(models)[-1]]

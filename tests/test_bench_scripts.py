@@ -49,6 +49,15 @@ def test_build_checkpoint_writes_a_qwen2_initialised_as_transformers_does(tmp_pa
                                   embed)  # the seed fixes the weights
 
 
+def test_cpu_meter_counts_this_process_page_faults_and_kernel_time():
+    with bench.CpuMeter() as m:
+        buf = np.ones(16 * 2**20, np.float32)  # 64 MiB of fresh pages, each written
+    assert buf[-1] == 1.0
+    # At least one fault per 2 MiB huge page (THP), 16 Ki where pages are 4 KiB.
+    assert m.faults >= 32
+    assert m.kernel_s >= 0 and m.self_cores >= 0 and m.others_cores >= 0 and m.wall > 0
+
+
 def test_train_step_quick_prints_its_result(capsys):
     assert train.main(["--quick", "--reps", "1"]) == 0
     r = _result(capsys.readouterr().out.strip().splitlines()[-1])
