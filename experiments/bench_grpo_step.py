@@ -30,9 +30,10 @@ machine's state is the same for both. Phases:
 
 Beside each figure: other processes' CPU use during it, in cores (these 2 cores are
 shared), and the benchmark process's own kernel time in seconds (on a CPU backend mostly
-the zeroing of fresh pages for large buffers: an OS cost, not a compute one). rljax's FLOP floor: the step's matmul FLOPs (sampling with the KV cache, the
-reference forward, forward + backward of the update = 3 forwards; ``_bench``) over the
-float32 matmul peak (median of 2048^3 ``jnp.dot`` calls) measured in each round.
+the zeroing of fresh pages for large buffers: an OS cost, not a compute one). rljax's
+FLOP floor: the step's matmul FLOPs (sampling with the KV cache, the reference forward,
+forward + backward of the update = 3 forwards; ``_bench``) over the float32 matmul peak
+(median of 2048^3 ``jnp.dot`` calls) measured in each round.
 
     pip install -e .[bench]   # torch==2.13.0 first, so pip keeps the CPU build
     python experiments/bench_grpo_step.py [--steps 5] [--warmup 2] [--quick]

@@ -14,7 +14,8 @@ forwards, plus the reference forward (4 forwards in all), over the median time o
 ``--reps`` calls after a compiling call. The peak is the median FLOP/s of 2048^3 float32
 ``jnp.dot`` calls, one measured after each call of the program (same conditions).
 Other processes' CPU use and this process's own kernel time (on a CPU backend mostly
-the zeroing of fresh pages for the program's large buffers) are printed beside each figure.
+the zeroing of fresh pages for the program's large buffers) are printed beside each
+figure.
 
     python experiments/bench_train_step.py [--reps 5] [--quick]
 
