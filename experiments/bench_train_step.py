@@ -17,7 +17,7 @@ Other processes' CPU use and this process's own kernel time (on a CPU backend mo
 the zeroing of fresh pages for the program's large buffers) are printed beside each
 figure.
 
-    python experiments/bench_train_step.py [--reps 5] [--quick]
+    python experiments/bench_train_step.py [--reps 5] [--quick] [--logp-chunk N]
 
 Last line (the larger model): ``RESULT flops_per_s=... peak_flops_per_s=... fraction=...``.
 """
@@ -79,14 +79,17 @@ def random_rollout(shape: Shape, vocab: int, seed: int = 0) -> Rollout:
 class LearnBench:
     """``RLTrainer``'s learning program for a random model, called directly."""
 
-    def __init__(self, sizes: dict, shape: Shape, steps: int, seed: int = 0):
+    def __init__(self, sizes: dict, shape: Shape, steps: int, seed: int = 0,
+                 logp_chunk: int | None = None):
         self.config = B.model_config(sizes)
         graphdef, params = nnx.split(Decoder(self.config, rngs=nnx.Rngs(seed)))
         # The trainer reads only the pad / eos ids of its tokenizer outside rollouts.
         self.tr = RLTrainer(
             graphdef, build_char_tokenizer(), lambda c, m: np.zeros(len(c), np.float32),
             algorithm=AlgorithmConfig(name="grpo", group_size=shape.group, kl_coef=0.04),
-            optim=OptimConfig(lr=1e-6), rl=RLConfig(steps=steps, prompts_per_step=shape.prompts),
+            optim=OptimConfig(lr=1e-6),
+            rl=RLConfig(steps=steps, prompts_per_step=shape.prompts,
+                        **({} if logp_chunk is None else {"logp_chunk": logp_chunk})),
             sampling=SamplingConfig(max_new_tokens=shape.new_tokens),
             prompt_len=shape.prompt_len)
         self.state = self.tr.init_state(params, seed=seed)
@@ -123,9 +126,10 @@ def learning_program(tr: RLTrainer, state):
     return tr._cached_learn(state)
 
 
-def measure(sizes: dict, shape: Shape, reps: int, peak_n: int = 2048, log=print) -> dict:
+def measure(sizes: dict, shape: Shape, reps: int, peak_n: int = 2048, log=print,
+            logp_chunk: int | None = None) -> dict:
     """Median seconds, FLOP/s and peak (one peak measurement after each call)."""
-    bench = LearnBench(sizes, shape, steps=reps + 1)
+    bench = LearnBench(sizes, shape, steps=reps + 1, logp_chunk=logp_chunk)
     bench.call()  # compile
     B.matmul_peak_flops(peak_n, 1)
     times, others, kernel, peaks = [], [], [], []
@@ -148,9 +152,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5, help="timed calls per model (after one)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    ap.add_argument("--logp-chunk", type=int, default=None,
+                    help="RLConfig.logp_chunk (default: RLConfig's own); e.g. 32 vs 256 "
+                         "to compare the head's chunking on one device")
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error("--reps must be >= 1")
+    if args.logp_chunk is not None and args.logp_chunk < 1:
+        ap.error(f"--logp-chunk must be >= 1, got {args.logp_chunk}")
     shape = QUICK if args.quick else FULL
     models = ({"tiny": B.TINY} if args.quick else
               {"reference": B.REFERENCE, "larger": B.LARGER})
@@ -160,7 +169,8 @@ def main(argv=None) -> int:
     res = {}
     for name, sizes in models.items():
         print(f"{name} model {sizes}:")
-        r = res[name] = measure(sizes, shape, args.reps, 256 if args.quick else 2048)
+        r = res[name] = measure(sizes, shape, args.reps, 256 if args.quick else 2048,
+                                logp_chunk=args.logp_chunk)
         print(f"{name}: learning program {r['seconds']:.3f} s (median; others' CPU "
               f"{r['others']:.2f} cores; own kernel time {r['kernel']:.2f} s), "
               f"{r['flops'] / 1e9:.1f} GFLOP -> "

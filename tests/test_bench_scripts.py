@@ -65,6 +65,13 @@ def test_train_step_quick_prints_its_result(capsys):
     assert all(math.isfinite(x) and x > 0 for x in r.values())
 
 
+def test_train_step_logp_chunk_reaches_the_trainer_and_is_checked(capsys):
+    assert train.LearnBench(bench.TINY, train.QUICK, steps=2, logp_chunk=3).tr.rl.logp_chunk == 3
+    with pytest.raises(SystemExit):
+        train.main(["--quick", "--logp-chunk", "0"])
+    assert "--logp-chunk must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_grpo_step_quick_runs_both_sides(capsys):
     res = grpo.run(grpo.QUICK, steps=1, warmup=1, with_trl=HAS_TRL)
     r = _result(grpo.report(grpo.QUICK, res))
