@@ -7,7 +7,8 @@
   by rljax) and a byte-level BPE tokenizer trained here on a synthetic corpus, so nothing
   is downloaded;
 - ``CpuMeter``: the CPU time other processes used during a block (these 2 cores are
-  shared: two processes timing at once slow each other several-fold);
+  shared: two processes timing at once slow each other several-fold), and this process's
+  own kernel time and page faults;
 - ``matmul_peak_flops``: the float32 matmul FLOP/s of this machine under XLA;
 - ``forward_flops`` / ``decode_flops``: matmul FLOPs of a forward / of sampling.
 
