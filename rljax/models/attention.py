@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rljax.models.attention_kernels import SegmentMask, kernel_attend
+from rljax.models.attention_kernels import (PrefixSegmentMask, SegmentMask, kernel_attend,
+                                            kernel_attend_prefix)
 from rljax.models.config import ModelConfig
 from rljax.models.layers import (RMSNorm, annotated_param, apply_rope, compute_dtype, dense,
                                  normal_param)
@@ -86,22 +87,29 @@ class Attention(nnx.Module):
         return q, k, v.astype(self.dtype)
 
     def __call__(self, x_BxTxD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
-                 allowed_BxTxS: jax.Array | SegmentMask,
+                 allowed_BxTxS: jax.Array | SegmentMask | PrefixSegmentMask,
                  cache_kv: tuple[jax.Array, jax.Array] | None = None,
                  slot: jax.Array | int | None = None,
+                 prefix_kv: tuple[jax.Array, jax.Array] | None = None,
                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Attention output `[B,T,D]` (float32) and this layer's (keys, values) buffers.
 
         Without `cache_kv` the keys/values are the T new ones (S = T). With it, the new
         keys/values are written at slots [slot, slot + T) of the given buffers first.
+        With `prefix_kv` (keys `[B,K,H,P]`, values `[B,K,P,H]`, e.g. a shared prompt's)
+        they are the prefix followed by the T new ones (S = P + T).
         A `SegmentMask` (causal attention among the T new tokens only: a full forward, or
-        a prefill at slot 0) runs `config.attention`'s kernel; a boolean `[B,T,S]` mask
-        runs `attend`.
+        a prefill at slot 0) runs `config.attention`'s kernel, a `PrefixSegmentMask` its
+        prefix kernel; a boolean `[B,T,S]` mask runs `attend`.
         """
         q, k, v = self.qkv(x_BxTxD, cos_sin)
         k_BxKxHxT = jnp.transpose(k, (0, 2, 3, 1))
         v_BxKxTxH = jnp.transpose(v, (0, 2, 1, 3))
-        if cache_kv is None:
+        if prefix_kv is not None:
+            pk, pv = prefix_kv
+            keys = jnp.concatenate([pk.astype(k.dtype), k_BxKxHxT], axis=3)
+            values = jnp.concatenate([pv.astype(v.dtype), v_BxKxTxH], axis=2)
+        elif cache_kv is None:
             keys, values = k_BxKxHxT, v_BxKxTxH
         else:
             ck, cv = cache_kv
@@ -109,6 +117,9 @@ class Attention(nnx.Module):
             values = jax.lax.dynamic_update_slice(cv, v_BxKxTxH.astype(cv.dtype), (0, 0, slot, 0))
         if isinstance(allowed_BxTxS, SegmentMask):
             o = kernel_attend(self.attention, q, k, v, allowed_BxTxS.segment_ids_BxT)
+        elif isinstance(allowed_BxTxS, PrefixSegmentMask):
+            o = kernel_attend_prefix(self.attention, q, keys.transpose(0, 3, 1, 2),
+                                     values.transpose(0, 2, 1, 3), allowed_BxTxS)
         else:
             o = attend(q, keys, values, allowed_BxTxS)
         # (n, h) contracted as one flattened axis (`dense`): contracting both made

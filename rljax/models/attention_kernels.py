@@ -64,6 +64,22 @@ class SegmentMask:
     segment_ids_BxT: jax.Array
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefixSegmentMask:
+    """The mask of T new tokens after a prefix of P tokens, as the kernel paths take it.
+
+    New token t attends to prefix slot j when both carry the same id, and to new slot
+    s <= t likewise (the prefix comes before every new token). Ids as in `SegmentMask`.
+
+    segment_ids_BxT: int32 ids of the new tokens.
+    prefix_segment_ids_BxP: int32 ids of the prefix's slots.
+    """
+
+    segment_ids_BxT: jax.Array
+    prefix_segment_ids_BxP: jax.Array
+
+
 def segment_ids_from_mask(mask_BxT: jax.Array) -> jax.Array:
     """Segment ids of one sequence per row: 0 on real tokens (mask True), -1 on padding."""
     return jnp.where(jnp.asarray(mask_BxT, bool), 0, -1).astype(jnp.int32)
@@ -81,36 +97,40 @@ def splash_block(t: int) -> int:
     return next(b for b in _BLOCKS if t % b == 0)
 
 
-def _splash_kernel(num_heads: int, t: int, interpret: bool) -> splash.SplashAttentionKernel:
+def _splash_kernel(num_heads: int, tq: int, tkv: int, interpret: bool,
+                   ) -> splash.SplashAttentionKernel:
     # The kernel holds the block structure of the causal mask (numpy, cached by splash per
     # shape) as arrays made inside the caller's trace: so it is built per call, never kept
     # across traces (a kept one leaks tracers). Segment ids are runtime inputs. GQA is
-    # native: query head i reads kv head i // (num_heads / num_kv_heads).
-    b = splash_block(t)
-    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
-                              block_kv_dkv=b, block_kv_dkv_compute=b,
+    # native: query head i reads kv head i // (num_heads / num_kv_heads). With tkv > tq the
+    # queries are the last tq of the tkv positions (a prefix of tkv - tq keys before them).
+    bq, bkv = splash_block(tq), splash_block(tkv)
+    sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
+                              block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
                               use_fused_bwd_kernel=True)
-    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((t, t))] * num_heads)
+    causal = splash_mask.CausalMask((tq, tkv), offset=tkv - tq)
+    mask = splash_mask.MultiHeadMask([causal] * num_heads)
     return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                   interpret=interpret)
 
 
-def _on_mesh(fn, q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, seg_BxT):
+def _on_mesh(fn, q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg_BxT, kv_seg_BxS):
     """Run `fn` per device under `shard_map` when a mesh is set (`jax.set_mesh`).
 
     A Pallas kernel is a custom call that GSPMD cannot split: without this every chip would
     gather the whole batch. Batch goes over its logical axes; heads over "tensor" where
     the kv heads divide it (query heads then follow their kv head), else replicated.
     """
+    args = (q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg_BxT, kv_seg_BxS)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return fn(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, seg_BxT)
-    batch = fitted_spec(("batch",), seg_BxT.shape[:1], mesh)[0]
-    heads = fitted_spec(("kv_heads",), k_BxKxTxH.shape[1:2], mesh)[0]
+        return fn(*args)
+    batch = fitted_spec(("batch",), q_seg_BxT.shape[:1], mesh)[0]
+    heads = fitted_spec(("kv_heads",), k_BxKxSxH.shape[1:2], mesh)[0]
     qkv = PartitionSpec(batch, heads, None, None)
-    return jax.shard_map(fn, in_specs=(qkv, qkv, qkv, PartitionSpec(batch, None)),
-                         out_specs=qkv, check_vma=False)(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH,
-                                                         seg_BxT)
+    seg = PartitionSpec(batch, None)
+    return jax.shard_map(fn, in_specs=(qkv, qkv, qkv, seg, seg), out_specs=qkv,
+                         check_vma=False)(*args)
 
 
 def _pad_time(x, axis, t_to, value=0):
@@ -130,21 +150,55 @@ def splash_attend(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Arr
     None means interpret unless the default backend is TPU (or inside `tpu_kernels()`). Returns `[B, T, N, H]` in
     q's dtype.
     """
-    b, t, n, h = q_BxTxNxH.shape
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu" and not _FORCE_TPU_KERNEL
+    t = q_BxTxNxH.shape[1]
     tp = -(-t // _LANES) * _LANES
     seg = _isolate_padding(_pad_time(jnp.asarray(segment_ids_BxT, jnp.int32), 1, tp, -1))
-    q = q_BxTxNxH * jnp.asarray(h**-0.5, q_BxTxNxH.dtype)  # splash does not scale
-    q, k, v = (_pad_time(x.transpose(0, 2, 1, 3), 2, tp)
-               for x in (q, k_BxTxKxH, v_BxTxKxH))
+    return _splash_run(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, seg, seg, 0, interpret)
 
-    def per_device(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, seg_BxT):
-        kernel = _splash_kernel(q_BxNxTxH.shape[1], tp, bool(interpret))
-        one = lambda qq, kk, vv, ss: kernel(qq, kk, vv, segment_ids=splash.SegmentIds(ss, ss))
-        return jax.vmap(one)(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, seg_BxT)
 
-    o_BxNxTxH = _on_mesh(per_device, q, k, v, seg)
+def splash_attend_prefix(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
+                         segment_ids_BxT: jax.Array, prefix_segment_ids_BxP: jax.Array, *,
+                         interpret: bool | None = None) -> jax.Array:
+    """`splash_attend` for T new queries against a prefix of P keys and the T new keys.
+
+    k/v hold S = P + T positions: the prefix (e.g. a shared prompt's keys) first, then the
+    new tokens'. New token t attends to prefix slot j where the prefix's segment id equals
+    its own, and to new slot s <= t with the same id (negative ids mark padding, isolated
+    as in `splash_attend`). The prefix and T are each padded up to a multiple of 128.
+    Returns `[B, T, N, H]` in q's dtype.
+    """
+    t, p = q_BxTxNxH.shape[1], prefix_segment_ids_BxP.shape[1]
+    if k_BxSxKxH.shape[1] != p + t:
+        raise ValueError(f"splash_attend_prefix: keys hold {k_BxSxKxH.shape[1]} positions; "
+                         f"expected prefix {p} + new {t}")
+    tp, pp = (-(-n // _LANES) * _LANES for n in (t, p))
+    seg_kv = jnp.concatenate(
+        [_pad_time(jnp.asarray(prefix_segment_ids_BxP, jnp.int32), 1, pp, -1),
+         _pad_time(jnp.asarray(segment_ids_BxT, jnp.int32), 1, tp, -1)], axis=1)
+    seg_kv = _isolate_padding(seg_kv)
+    k, v = (jnp.concatenate([_pad_time(x[:, :p], 1, pp), _pad_time(x[:, p:], 1, tp)], axis=1)
+            for x in (k_BxSxKxH, v_BxSxKxH))
+    return _splash_run(q_BxTxNxH, k, v, seg_kv[:, pp:], seg_kv, pp, interpret)
+
+
+def _splash_run(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxTp, kv_seg_BxS, prefix: int,
+                interpret):
+    """The kernel on q padded to `q_seg`'s length and k/v (already padded, `prefix` slots
+    before the queries' own); `[B, T, N, H]` cut back to q's T."""
+    b, t, n, h = q_BxTxNxH.shape
+    tp, s = q_seg_BxTp.shape[1], kv_seg_BxS.shape[1]
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu" and not _FORCE_TPU_KERNEL
+    q = _pad_time((q_BxTxNxH * jnp.asarray(h**-0.5, q_BxTxNxH.dtype)).transpose(0, 2, 1, 3),
+                  2, tp)  # splash does not scale
+    k, v = (_pad_time(x.transpose(0, 2, 1, 3), 2, s) for x in (k_BxSxKxH, v_BxSxKxH))
+
+    def per_device(q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg, kv_seg):
+        kernel = _splash_kernel(q_BxNxTxH.shape[1], tp, s, bool(interpret))
+        one = lambda qq, kk, vv, qs, ks: kernel(qq, kk, vv, segment_ids=splash.SegmentIds(qs, ks))
+        return jax.vmap(one)(q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg, kv_seg)
+
+    o_BxNxTxH = _on_mesh(per_device, q, k, v, q_seg_BxTp, kv_seg_BxS)
     return o_BxNxTxH[:, :, :t].transpose(0, 2, 1, 3)
 
 
@@ -178,3 +232,13 @@ def kernel_attend(implementation: str, q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Arra
         return cudnn_attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
     raise ValueError(f"kernel_attend: implementation={implementation!r}; allowed: "
                      "'splash', 'cudnn'")
+
+
+def kernel_attend_prefix(implementation: str, q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,
+                         v_BxSxKxH: jax.Array, mask: PrefixSegmentMask) -> jax.Array:
+    """`splash_attend_prefix` by `ModelConfig.attention` (only 'splash' has one here)."""
+    if implementation == "splash":
+        return splash_attend_prefix(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask.segment_ids_BxT,
+                                    mask.prefix_segment_ids_BxP)
+    raise ValueError(f"kernel_attend_prefix: implementation={implementation!r}; allowed: "
+                     "'splash' (a cuDNN prefix path is not built; use 'xla')")

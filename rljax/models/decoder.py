@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike
 
+from rljax.models import grouped
 from rljax.models.attention import Attention
 from rljax.models.attention_kernels import SegmentMask, segment_ids_from_mask
 from rljax.models.config import ModelConfig
@@ -28,9 +29,10 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, cos_sin: tuple[jax.Array, jax.Array], allowed: jax.Array,
                  cache_kv: tuple[jax.Array, jax.Array] | None = None,
                  slot: jax.Array | int | None = None,
+                 prefix_kv: tuple[jax.Array, jax.Array] | None = None,
                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """(new residual stream, this layer's (keys, values)); see :class:`Attention`."""
-        a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot)
+        a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot, prefix_kv)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), kv
 
@@ -47,13 +49,14 @@ def _check_ids(input_ids_BxT, positions_BxT, mask_BxT):
     return ids
 
 
-def _run_layer(layer, x, cos_sin, allowed, remat: str):
+def _run_layer(layer, body, carry, remat: str):
+    """`body(layer, carry)`, under `jax.checkpoint` unless remat is "none"."""
     if remat == "none":
-        return layer(x, cos_sin, allowed)[0]
+        return body(layer, carry)
     graphdef, state = nnx.split(layer)
-    fn = jax.checkpoint(lambda st, xx: nnx.merge(graphdef, st)(xx, cos_sin, allowed)[0],
+    fn = jax.checkpoint(lambda st, c: body(nnx.merge(graphdef, st), c),
                         policy=remat_policy(remat))
-    return fn(state, x)
+    return fn(state, carry)
 
 
 def _causal_mask(config: ModelConfig, mask_BxT: jax.Array) -> jax.Array | SegmentMask:
@@ -110,14 +113,47 @@ class Decoder(nnx.Module):
         pos = default_positions(mask) if positions_BxT is None else jnp.asarray(positions_BxT)
         allowed = _causal_mask(self.config, mask)
         cos_sin = rope_cos_sin(self.config, pos)
-        x = self._embed(ids)
-        remat = effective_remat(self.config.remat, remat)
-        if self.config.scan_layers:
-            x = scan_apply(self.layers, lambda lyr, xx: lyr(xx, cos_sin, allowed)[0], x, remat)
-        else:
-            for layer in self.layers:
-                x = _run_layer(layer, x, cos_sin, allowed, remat)
+        x = self._apply_layers(lambda lyr, xx: lyr(xx, cos_sin, allowed)[0], self._embed(ids),
+                               effective_remat(self.config.remat, remat))
         return self.final_norm(x)
+
+    def _apply_layers(self, body, carry, remat: str):
+        """`carry = body(layer, carry)` through every layer (a scan for stacked layers)."""
+        if self.config.scan_layers:
+            return scan_apply(self.layers, body, carry, remat)
+        for layer in self.layers:
+            carry = _run_layer(layer, body, carry, remat)
+        return carry
+
+    def grouped_hidden_states(self, prompt_NxP: ArrayLike, prompt_mask_NxP: ArrayLike,
+                              input_ids_BxT: ArrayLike, mask_BxT: ArrayLike, *,
+                              remat: bool = False) -> tuple[jax.Array, jax.Array]:
+        """`hidden_states` of ``concat(prompt_n, row_b)`` with each prompt computed once.
+
+        Rows ``n G .. n G + G - 1`` (G = B / N) follow prompt n (`rljax.models.grouped`).
+        Returns the final-norm hidden states of the prompts `[N, P, D]` and of the rows'
+        own slots `[B, T, D]` (float32): on real slots they equal `hidden_states` of the
+        concatenated rows at positions P.. (and, per prompt, ..P - 1). Attention "xla" or
+        "splash"; `remat` as in `hidden_states`.
+        """
+        pids, ids = jnp.asarray(prompt_NxP), jnp.asarray(input_ids_BxT)
+        g = grouped.check_groups(pids, prompt_mask_NxP, ids, mask_BxT)
+        pm, cm = jnp.asarray(prompt_mask_NxP, bool), jnp.asarray(mask_BxT, bool)
+        pm_B = grouped.repeat_rows(pm, g)
+        c = self.config
+        allowed_p, allowed_c = _causal_mask(c, pm), grouped.completion_mask(c, pm_B, cm)
+        cs_p = rope_cos_sin(c, default_positions(pm))
+        cs_c = rope_cos_sin(c, grouped.completion_positions(pm_B, cm))
+
+        def body(layer, xs):
+            xp, xc = xs
+            xp, (kp, vp) = layer(xp, cs_p, allowed_p)
+            prefix = (grouped.repeat_rows(kp, g), grouped.repeat_rows(vp, g))
+            return xp, layer(xc, cs_c, allowed_c, prefix_kv=prefix)[0]
+
+        xp, xc = self._apply_layers(body, (self._embed(pids), self._embed(ids)),
+                                    effective_remat(c.remat, remat))
+        return self.final_norm(xp), self.final_norm(xc)
 
     def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
         """Output projection of hidden states `[..., D]` to float32 logits `[..., V]`."""

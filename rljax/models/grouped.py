@@ -1,0 +1,69 @@
+"""Shared-prompt forwards: a group's prompt through the decoder once, its rows after it.
+
+GRPO-style batches hold G completions of each prompt. A full causal forward over
+``concat(prompt, completion)`` computes the prompt's positions G times over, identically
+(left-padded prompts; causal attention keeps them from seeing the completions). Here the
+N distinct prompts run through every layer once, and the B = N x G completion rows run
+against their prompt's keys and values (repeated G times, so the gradients of the G rows
+sum into the prompt's positions) followed by their own: the same hidden states, with the
+prompt's share of the layer FLOPs divided by G in the forward and in the backward.
+
+Rows are grouped consecutively: rows ``n G .. n G + G - 1`` continue prompt n.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rljax.models.attention_kernels import PrefixSegmentMask, segment_ids_from_mask
+from rljax.models.config import ModelConfig
+
+
+def completion_positions(prompt_mask_BxP: jax.Array, completion_mask_BxT: jax.Array) -> jax.Array:
+    """Positions of the completion slots: those of `default_positions` over the
+    concatenated row (``len(prompt) + cumsum(completion mask) - 1``, at least 0)."""
+    n_B = jnp.sum(prompt_mask_BxP.astype(jnp.int32), axis=1)
+    c = jnp.cumsum(completion_mask_BxT.astype(jnp.int32), axis=1)
+    return jnp.maximum(n_B[:, None] + c - 1, 0)
+
+
+def completion_mask(config: ModelConfig, prompt_mask_BxP: jax.Array,
+                    completion_mask_BxT: jax.Array) -> jax.Array | PrefixSegmentMask:
+    """The mask of completion queries over prompt + completion keys.
+
+    "xla": booleans `[B, T, P + T]`, the rows of the full forward's causal mask for the
+    completion slots (real prompt slots, real completion slots up to the query, and the
+    query itself); "splash": a `PrefixSegmentMask` (padding isolated instead: padding rows
+    differ, real rows equal). "cudnn" has no prefix kernel here: ValueError.
+    """
+    pm, cm = prompt_mask_BxP.astype(bool), completion_mask_BxT.astype(bool)
+    if config.attention == "splash":
+        return PrefixSegmentMask(segment_ids_from_mask(cm), segment_ids_from_mask(pm))
+    if config.attention != "xla":
+        raise ValueError(f"shared-prompt forward: attention={config.attention!r} has no prefix "
+                         "kernel here; allowed: 'xla', 'splash'")
+    b, t = cm.shape
+    i = jnp.arange(t)
+    own = (i[:, None] >= i[None, :])[None] & cm[:, None, :] | (i[:, None] == i[None, :])[None]
+    prompt = jnp.broadcast_to(pm[:, None, :], (b, t, pm.shape[1]))
+    return jnp.concatenate([prompt, own], axis=2)
+
+
+def check_groups(prompt_NxP, prompt_mask_NxP, completion_BxT, completion_mask_BxT) -> int:
+    """Validate the shapes of a shared-prompt forward; returns the group size G = B / N."""
+    n, p = prompt_NxP.shape
+    b, t = completion_BxT.shape
+    if tuple(prompt_mask_NxP.shape) != (n, p) or tuple(completion_mask_BxT.shape) != (b, t):
+        raise ValueError(
+            f"shared-prompt forward: masks {tuple(prompt_mask_NxP.shape)} / "
+            f"{tuple(completion_mask_BxT.shape)} do not match ids {(n, p)} / {(b, t)}")
+    if n < 1 or b % n:
+        raise ValueError(f"shared-prompt forward: {b} completion rows do not split into "
+                         f"groups over {n} prompts; B must be a multiple of N")
+    return b // n
+
+
+def repeat_rows(x_Nx, g: int):
+    """Each row G times, consecutively: ``[N, ...] -> [N G, ...]`` (its transpose sums)."""
+    return jnp.repeat(x_Nx, g, axis=0, total_repeat_length=x_Nx.shape[0] * g)
