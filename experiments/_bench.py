@@ -10,7 +10,8 @@
   shared: two processes timing at once slow each other several-fold), and this process's
   own kernel time and page faults;
 - ``matmul_peak_flops``: the float32 matmul FLOP/s of this machine under XLA;
-- ``forward_flops`` / ``decode_flops``: matmul FLOPs of a forward / of sampling.
+- ``forward_flops`` / ``grouped_forward_flops`` / ``decode_flops``: matmul FLOPs of a
+  forward / of a shared-prompt forward / of sampling.
 
 The scripts import it as ``_bench`` (``sys.path`` gets this folder first; see
 ``import_bench`` at the top of each script).
@@ -207,6 +208,21 @@ def forward_flops(cfg: ModelConfig, rows: int, seq_len: int, head_positions: int
                                  + 2 * cfg.num_heads * cfg.head_dim * pairs)
                + head_positions * cfg.hidden_size * cfg.vocab_size)
     return 2 * rows * per_row
+
+
+def grouped_forward_flops(cfg: ModelConfig, prompts: int, group: int, prompt_len: int,
+                          new_tokens: int) -> int:
+    """Matmul FLOPs of the shared-prompt forward (``Decoder.grouped_hidden_states``) that
+    gives ``prompts x group`` rows their log-probs: each prompt's ``prompt_len`` tokens
+    once, each row's first ``new_tokens - 1`` tokens against the prompt's keys and its own
+    (the last token predicts nothing), and the head on ``new_tokens`` positions a row."""
+    rows, p, t = prompts * group, prompt_len, new_tokens - 1
+    prompt = forward_flops(cfg, prompts, p, 0)
+    pairs = t * p + t * (t + 1) // 2  # completion query i sees p + i + 1 keys
+    per_row = (cfg.num_layers * (t * _layer_matmul_flops(cfg)
+                                 + 2 * cfg.num_heads * cfg.head_dim * pairs)
+               + new_tokens * cfg.hidden_size * cfg.vocab_size)
+    return prompt + 2 * rows * per_row
 
 
 def decode_flops(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int,

@@ -32,8 +32,9 @@ Beside each figure: other processes' CPU use during it, in cores (these 2 cores 
 shared), and the benchmark process's own kernel time in seconds (on a CPU backend mostly
 the zeroing of fresh pages for large buffers: an OS cost, not a compute one). rljax's
 FLOP floor: the step's matmul FLOPs (sampling with the KV cache, the reference forward,
-forward + backward of the update = 3 forwards; ``_bench``) over the float32 matmul peak
-(median of 2048^3 ``jnp.dot`` calls) measured in each round.
+forward + backward of the update = 3 forwards; each group's prompt counted once, as rljax
+computes it: ``_bench``) over the float32 matmul peak (median of 2048^3 ``jnp.dot``
+calls) measured in each round.
 
     pip install -e .[bench]   # torch==2.13.0 first, so pip keeps the CPU build
     python experiments/bench_grpo_step.py [--steps 5] [--warmup 2] [--quick]
@@ -136,11 +137,13 @@ class RljaxSide:
             prompt_len=w.prompt_len)
         self.state = self.tr.init_state(params, seed=0)
         self.prompts = prompts
-        chunk = self.tr.rl.logp_chunk
-        self._ref = jax.jit(lambda p, s: policy_logprobs(graphdef, p, s, chunk=chunk)[0])
+        chunk, g = self.tr.rl.logp_chunk, self.tr.share_group
+        self._ref = jax.jit(lambda p, s: policy_logprobs(graphdef, p, s, chunk=chunk,
+                                                         group=g)[0])
         rng = np.random.default_rng(1)
         v = self.config.vocab_size
-        self._seqs = {"prompt_BxP": jnp.asarray(rng.integers(2, v, (w.rows, w.prompt_len))),
+        prompt_NxP = rng.integers(2, v, (w.prompts, w.prompt_len))
+        self._seqs = {"prompt_BxP": jnp.asarray(np.repeat(prompt_NxP, w.group, axis=0)),
                       "prompt_mask_BxP": jnp.ones((w.rows, w.prompt_len), jnp.float32),
                       "completion_BxT": jnp.asarray(rng.integers(2, v, (w.rows, w.new_tokens))),
                       "completion_mask_BxT": jnp.ones((w.rows, w.new_tokens), jnp.float32)}
@@ -166,9 +169,13 @@ class RljaxSide:
         return time.perf_counter() - t
 
     def step_flops(self, w: Workload) -> dict:
-        """Matmul FLOPs of one step by phase (the floor's numerator)."""
+        """Matmul FLOPs of one step by phase (the floor's numerator): the training forwards
+        compute each group's prompt once where the trainer shares prompts, as the sampler's
+        prefill does."""
         seq = w.prompt_len + w.new_tokens
-        fwd = B.forward_flops(self.config, w.rows, seq, w.new_tokens)
+        fwd = (B.grouped_forward_flops(self.config, w.prompts, w.group, w.prompt_len,
+                                       w.new_tokens) if self.tr.share_group > 1
+               else B.forward_flops(self.config, w.rows, seq, w.new_tokens))
         return {"generation": B.decode_flops(self.config, w.rows, w.prompt_len, w.new_tokens,
                                              prefill_rows=w.prompts),
                 "reference": fwd, "update": 3 * fwd}

@@ -8,16 +8,18 @@ completion tokens, every token real), for two random Qwen2 models (float32, voca
 32000): the reference benchmark model (hidden 256, 4 layers, 8 heads, 4 kv heads,
 intermediate 704) and a larger one (hidden 512, intermediate 1408, 8 layers).
 
-Achieved model FLOP/s: matmul FLOPs only (``_bench.forward_flops``: projections, MLP,
-causal attention, the head on the 128 completion positions), forward + backward = 3
-forwards, plus the reference forward (4 forwards in all), over the median time of
-``--reps`` calls after a compiling call. The peak is the median FLOP/s of 2048^3 float32
+Achieved model FLOP/s: matmul FLOPs only (``_bench.grouped_forward_flops``: projections,
+MLP, causal attention, the head on the 128 completion positions, each group's prompt once
+as the trainer computes it; ``forward_flops`` per row with ``--per-row-prompts``),
+forward + backward = 3 forwards, plus the reference forward (4 in all), over the median
+time of ``--reps`` calls after a compiling call. The peak is the median FLOP/s of 2048^3 float32
 ``jnp.dot`` calls, one measured after each call of the program (same conditions).
 Other processes' CPU use and this process's own kernel time (on a CPU backend mostly
 the zeroing of fresh pages for the program's large buffers) are printed beside each
 figure.
 
     python experiments/bench_train_step.py [--reps 5] [--quick] [--logp-chunk N]
+                                           [--per-row-prompts]
 
 Last line (the larger model): ``RESULT flops_per_s=... peak_flops_per_s=... fraction=...``.
 """
@@ -62,12 +64,14 @@ FULL, QUICK = Shape(), Shape(prompts=2, group=4, prompt_len=8, new_tokens=8)
 
 
 def random_rollout(shape: Shape, vocab: int, seed: int = 0) -> Rollout:
-    """A full-length rollout of random tokens, with rewards that vary within each group."""
+    """A full-length rollout of random tokens (each prompt's completions consecutive, as a
+    sampler lays them out), with rewards that vary within each group."""
     rng = np.random.default_rng(seed)
     b, p, t = shape.rows, shape.prompt_len, shape.new_tokens
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    prompt_NxP = rng.integers(2, vocab, (shape.prompts, p))
     return Rollout(
-        prompt_BxP=jnp.asarray(rng.integers(2, vocab, (b, p)), jnp.int32),
+        prompt_BxP=jnp.asarray(np.repeat(prompt_NxP, shape.group, axis=0), jnp.int32),
         prompt_mask_BxP=f32(np.ones((b, p))),
         completion_BxT=jnp.asarray(rng.integers(2, vocab, (b, t)), jnp.int32),
         completion_mask_BxT=f32(np.ones((b, t))),
@@ -80,7 +84,7 @@ class LearnBench:
     """``RLTrainer``'s learning program for a random model, called directly."""
 
     def __init__(self, sizes: dict, shape: Shape, steps: int, seed: int = 0,
-                 logp_chunk: int | None = None):
+                 logp_chunk: int | None = None, share_prompts: bool = True):
         self.config = B.model_config(sizes)
         graphdef, params = nnx.split(Decoder(self.config, rngs=nnx.Rngs(seed)))
         # The trainer reads only the pad / eos ids of its tokenizer outside rollouts.
@@ -89,6 +93,7 @@ class LearnBench:
             algorithm=AlgorithmConfig(name="grpo", group_size=shape.group, kl_coef=0.04),
             optim=OptimConfig(lr=1e-6),
             rl=RLConfig(steps=steps, prompts_per_step=shape.prompts,
+                        share_prompts=share_prompts,
                         **({} if logp_chunk is None else {"logp_chunk": logp_chunk})),
             sampling=SamplingConfig(max_new_tokens=shape.new_tokens),
             prompt_len=shape.prompt_len)
@@ -113,8 +118,12 @@ class LearnBench:
         return meter.wall
 
     def flops(self) -> int:
-        """Matmul FLOPs of one call: the reference forward + forward and backward (3x)."""
+        """Matmul FLOPs of one call: the reference forward + forward and backward (3x), each
+        group's prompt counted once where the trainer shares prompts."""
         sh = self.shape
+        if self.tr.share_group > 1:
+            return 4 * B.grouped_forward_flops(self.config, sh.prompts, sh.group,
+                                               sh.prompt_len, sh.new_tokens)
         return 4 * B.forward_flops(self.config, sh.rows, sh.prompt_len + sh.new_tokens,
                                    sh.new_tokens)
 
@@ -127,9 +136,10 @@ def learning_program(tr: RLTrainer, state):
 
 
 def measure(sizes: dict, shape: Shape, reps: int, peak_n: int = 2048, log=print,
-            logp_chunk: int | None = None) -> dict:
+            logp_chunk: int | None = None, share_prompts: bool = True) -> dict:
     """Median seconds, FLOP/s and peak (one peak measurement after each call)."""
-    bench = LearnBench(sizes, shape, steps=reps + 1, logp_chunk=logp_chunk)
+    bench = LearnBench(sizes, shape, steps=reps + 1, logp_chunk=logp_chunk,
+                       share_prompts=share_prompts)
     bench.call()  # compile
     B.matmul_peak_flops(peak_n, 1)
     times, others, kernel, peaks = [], [], [], []
@@ -155,6 +165,9 @@ def main(argv=None) -> int:
     ap.add_argument("--logp-chunk", type=int, default=None,
                     help="RLConfig.logp_chunk (default: RLConfig's own); e.g. 32 vs 256 "
                          "to compare the head's chunking on one device")
+    ap.add_argument("--per-row-prompts", action="store_true",
+                    help="RLConfig.share_prompts=False: every row computes its prompt "
+                         "(the FLOPs counted accordingly)")
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error("--reps must be >= 1")
@@ -170,7 +183,8 @@ def main(argv=None) -> int:
     for name, sizes in models.items():
         print(f"{name} model {sizes}:")
         r = res[name] = measure(sizes, shape, args.reps, 256 if args.quick else 2048,
-                                logp_chunk=args.logp_chunk)
+                                logp_chunk=args.logp_chunk,
+                                share_prompts=not args.per_row_prompts)
         print(f"{name}: learning program {r['seconds']:.3f} s (median; others' CPU "
               f"{r['others']:.2f} cores; own kernel time {r['kernel']:.2f} s), "
               f"{r['flops'] / 1e9:.1f} GFLOP -> "

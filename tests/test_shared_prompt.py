@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _train_common import CharTok, random_seqs, tiny_model
 from rljax.models import Decoder, ModelConfig
+from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
+from rljax.train.learn import _minibatch_rows
+from rljax.train.rl import RLTrainer
+from rljax.train.rollout import Rollout
+from rljax.train.step import merge_micro, split_micro
 
 TINY = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                    num_heads=4, num_kv_heads=2, rope_theta=500.0)
@@ -85,3 +91,74 @@ def test_grouped_forward_checks_its_shapes_and_attention():
                     rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="allowed: 'xla', 'splash'"):
         cudnn.grouped_hidden_states(prompt, pmask, comp, cmask)
+
+
+def _grouped_rollout(rng, groups: int, g: int, p: int = 6, t: int = 5) -> Rollout:
+    """A rollout in the trainer's layout: each prompt's g completions consecutive."""
+    s = random_seqs(rng, groups * g, p, t)
+    prompt = np.repeat(s["prompt_BxP"][::g], g, axis=0)
+    pmask = np.repeat(s["prompt_mask_BxP"][::g], g, axis=0)
+    b = groups * g
+    rewards = rng.integers(0, 2, b).astype(np.float32)
+    return Rollout(prompt, pmask, s["completion_BxT"], s["completion_mask_BxT"],
+                   -rng.random((b, t), dtype=np.float32), np.zeros(b, np.float32), rewards,
+                   np.zeros(b, np.float32), np.ones(b, np.float32), group_size=g)
+
+
+def _trainer(gd, share: bool, name="grpo", **alg):
+    return RLTrainer(gd, CharTok(), lambda c, m: np.zeros(len(c), np.float32),
+                     algorithm=algorithm_preset(name, **alg),
+                     # eps = 1: the first Adam step is ~lr x gradient, so comparing weights
+                     # compares gradients (at eps ~ 0 it is lr x sign, ill-conditioned).
+                     optim=OptimConfig(lr=1.0, eps=1.0),
+                     sampling=SamplingConfig(max_new_tokens=5),
+                     rl=RLConfig(steps=2, prompts_per_step=4, logp_chunk=2, share_prompts=share),
+                     prompt_len=6)
+
+
+@pytest.mark.parametrize("micro", [0, 4])
+def test_learning_program_with_shared_prompts_equals_per_row_prompts(micro):
+    """GRPO with a KL reference (its forward shares too), one minibatch, whole or in
+    micro-batches of two groups: the same update, loss and metrics either way."""
+    gd, st = tiny_model()
+    ro = _grouped_rollout(np.random.default_rng(3), 4, 2)
+    outs = []
+    for share in (True, False):
+        tr = _trainer(gd, share, group_size=2, kl_coef=0.1, kl_in="loss", micro_batch_size=micro)
+        assert tr.share_group == (2 if share else 1)
+        state = tr.init_state(st)
+        counters = (state.updates, state.nonfinite_run, state.skipped)
+        outs.append(jax.jit(tr._learn_fn)(state.params, state.opt_state, counters,
+                                          state.ref_params, ro, state.kl_coef, jax.random.key(0)))
+    (p_s, _, _, _, m_s), (p_r, _, _, _, m_r) = outs
+    for k in ("loss", "grad_norm", "kl_ref"):
+        np.testing.assert_allclose(m_s[k], m_r[k], rtol=2e-5, err_msg=k)
+    assert float(m_r["grad_norm"]) > 0
+    moved = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
+             for a, b in zip(jax.tree.leaves(p_r["policy"]), jax.tree.leaves(st))]
+    assert max(moved) > 1e-4
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), p_s, p_r)
+
+
+def test_prompts_are_shared_only_where_groups_stay_whole():
+    gd, _ = tiny_model()
+    assert _trainer(gd, True, group_size=4).share_group == 4
+    assert _trainer(gd, True, group_size=4, micro_batch_size=2).share_group == 1
+    assert _trainer(gd, True, "reinforce", group_size=1).share_group == 1  # nothing to share
+    cudnn, _ = tiny_model(attention="cudnn", compute_dtype="bfloat16")
+    assert _trainer(cudnn, True, group_size=2).share_group == 1
+    with pytest.raises(ValueError, match="share_prompts.*True or False"):
+        RLConfig(share_prompts=1)
+
+
+def test_group_micro_batches_and_minibatches_keep_groups_whole():
+    x = np.arange(24)
+    m = np.asarray(split_micro(jnp.asarray(x), 2, 3))
+    np.testing.assert_array_equal(m, [[0, 1, 2, 6, 7, 8, 12, 13, 14, 18, 19, 20],
+                                      [3, 4, 5, 9, 10, 11, 15, 16, 17, 21, 22, 23]])
+    np.testing.assert_array_equal(np.asarray(merge_micro(jnp.asarray(m), 3)), x)
+    np.testing.assert_array_equal(np.asarray(split_micro(jnp.asarray(x), 4))[1], x[1::4])
+    rows = np.asarray(_minibatch_rows(jax.random.key(1), 24, 2, 3))
+    assert sorted(rows.ravel().tolist()) == list(range(24))
+    groups = rows.reshape(2, -1, 3)
+    assert np.all(groups % 3 == np.arange(3)) and np.all(groups[..., 0] // 3 == groups[..., 2] // 3)

@@ -67,3 +67,19 @@ def check_groups(prompt_NxP, prompt_mask_NxP, completion_BxT, completion_mask_Bx
 def repeat_rows(x_Nx, g: int):
     """Each row G times, consecutively: ``[N, ...] -> [N G, ...]`` (its transpose sums)."""
     return jnp.repeat(x_Nx, g, axis=0, total_repeat_length=x_Nx.shape[0] * g)
+
+
+def can_share_prompts(graphdef) -> bool:
+    """Whether a split model (``nnx.split``) runs `Decoder.grouped_hidden_states`: a
+    `Decoder` whose attention is "xla" or "splash". Read from the graphdef's static
+    attributes (no parameters needed); False for anything else."""
+    from rljax.models.decoder import Decoder  # grouped.py is imported by decoder.py
+
+    nodes = getattr(graphdef, "nodes", None)
+    if not nodes or getattr(nodes[0], "type", None) is not Decoder:
+        return False
+    for _, attr in getattr(graphdef, "attributes", ()):
+        config = getattr(attr, "value", None)
+        if isinstance(config, ModelConfig):
+            return config.attention in ("xla", "splash")
+    return False

@@ -20,7 +20,8 @@ from rljax.train.algorithm_config import (ADV_STDS, AGGREGATIONS, ALGORITHMS,  #
                                           GROUP_BASELINES, KL_IN, KL_KINDS, OLD_LOGP,
                                           AlgorithmConfig, algorithm_preset)
 from rljax.train.checks import check_algorithm_sampling  # noqa: F401 (public here too)
-from rljax.train.checks import check_choice, check_micro_batch, check_num, check_pass_options, fail
+from rljax.train.checks import (check_bool, check_choice, check_micro_batch, check_num,
+                                 check_pass_options, fail)
 
 SCHEDULES = ("constant", "cosine", "linear")
 REF_DTYPES = ("float32", "bfloat16")
@@ -121,6 +122,13 @@ class RLConfig:
       ref_dtype: storage dtype of the frozen KL reference, "float32" or "bfloat16" (half
         the memory; its forward runs in the model's compute_dtype and its log-probs stay
         float32; policy and optimiser stay float32). See ``rljax.train.reference``.
+      share_prompts: in the learning program's forwards (reference, old policy, teacher,
+        the update), run each group's prompt through the decoder once and its
+        ``group_size`` completions after it (``Decoder.grouped_hidden_states``): the same
+        log-probs and gradients with the prompt's layer FLOPs divided by the group size.
+        Applies when ``group_size > 1``, the micro-batches hold whole groups and the
+        policy's attention is "xla" or "splash"; minibatches then draw whole groups.
+        False: every row computes its prompt (``RLTrainer.share_group`` says which).
     """
 
     steps: int = 100
@@ -133,6 +141,7 @@ class RLConfig:
     peak_flops: float = 0.0
     value_lr_ratio: float = 1.0
     ref_dtype: str = "float32"
+    share_prompts: bool = True
 
     def __post_init__(self):
         c = "RLConfig"
@@ -144,6 +153,7 @@ class RLConfig:
         check_num(c, "peak_flops", self.peak_flops, lo=0.0)
         check_num(c, "value_lr_ratio", self.value_lr_ratio, lo=0.0, lo_open=True)
         check_choice(c, "ref_dtype", self.ref_dtype, REF_DTYPES)
+        check_bool(c, "share_prompts", self.share_prompts)
 
     def eval_due(self, step: int) -> bool:
         """Whether the held-out evaluation runs after RL step ``step`` (1-based): every

@@ -39,7 +39,7 @@ from rljax.train import ppo as ppo_lib
 from rljax.train.config import AlgorithmConfig
 from rljax.train.logprobs import policy_logprobs
 from rljax.train.rollout import Rollout
-from rljax.train.step import make_update, split_micro
+from rljax.train.step import make_update, merge_micro, split_micro
 
 Array = Any
 
@@ -54,6 +54,9 @@ class LearnSpec:
     num_micro: micro-batches per minibatch update (and per extra forward pass).
     max_new_tokens: the completion width (Dr.GRPO's constant, overlong shaping).
     overlong: DAPO's overlong window in tokens (0 = off).
+    share_group: G > 1 when rows share their prompt in groups of G and every forward
+      computes it once (``policy_logprobs(group=G)``); micro-batches and minibatches then
+      hold whole groups. 1: every row computes its prompt.
     """
 
     alg: AlgorithmConfig
@@ -64,16 +67,16 @@ class LearnSpec:
     temperature: float
     max_new_tokens: int
     overlong: int
+    share_group: int = 1
 
 
-def _map_micro(fn: Callable, seqs: dict, num_micro: int) -> Array:
-    """``fn(seqs)`` computed ``num_micro`` row-strided micro-batches at a time."""
+def _map_micro(fn: Callable, seqs: dict, num_micro: int, group: int = 1) -> Array:
+    """``fn(seqs)`` computed ``num_micro`` row-strided micro-batches at a time (strided by
+    whole groups of ``group`` rows), returned in row order."""
     if num_micro == 1:
         return fn(seqs)
-    out_MxNx = jax.lax.map(fn, jax.tree.map(lambda x: split_micro(x, num_micro), seqs))
-    b = next(iter(seqs.values())).shape[0]
-    # Undo split_micro's striding: micro-batch m holds rows m, m + M, m + 2M, ...
-    return out_MxNx.swapaxes(0, 1).reshape(b, *out_MxNx.shape[2:])
+    out_MxNx = jax.lax.map(fn, jax.tree.map(lambda x: split_micro(x, num_micro, group), seqs))
+    return merge_micro(out_MxNx, group)
 
 
 def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollout, kl_coef,
@@ -83,18 +86,19 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
     a = spec.alg
     seqs = ro.seqs()
     mask_BxT = seqs["completion_mask_BxT"]
+    g = spec.share_group
     logp = functools.partial(policy_logprobs, policy_gd, chunk=spec.chunk,
-                             temperature=spec.temperature)
-    fwd = lambda p: _map_micro(lambda s: logp(p, s)[0], seqs, spec.num_micro)
+                             temperature=spec.temperature, group=g)
+    fwd = lambda p: _map_micro(lambda s: logp(p, s)[0], seqs, spec.num_micro, g)
     batch = dict(seqs, sampler_logp_BxT=ro.sampler_logp_BxT)
     extra: dict = {}
     if spec.uses_ref:
         batch["ref_logp_BxT"] = fwd(ref_params)
     if teacher is not None:
         t_logp = functools.partial(policy_logprobs, teacher[0], chunk=spec.chunk,
-                                   temperature=spec.temperature)
+                                   temperature=spec.temperature, group=g)
         batch["teacher_logp_BxT"] = _map_micro(lambda s: t_logp(teacher[1], s)[0], seqs,
-                                               spec.num_micro)
+                                               spec.num_micro, g)
     if spec.old_mode == "recompute" or (a.name == "ppo" and spec.old_mode == "self"):
         batch["old_logp_BxT"] = fwd(params["policy"])
     elif spec.old_mode == "sampler":
@@ -106,7 +110,7 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
     if a.name == "ppo":
         values_BxT = _map_micro(
             lambda s: ppo_lib.value_predictions(value_gd, params["value"], s), seqs,
-            spec.num_micro)
+            spec.num_micro, g)
         adv, ret, _ = ppo_lib.ppo_advantages(
             rewards_B, batch["old_logp_BxT"], batch.get("ref_logp_BxT"), values_BxT, mask_BxT,
             kl_coef=kl_coef, kl_kind=a.kl_kind, gamma=a.gamma, lam=a.lam,
@@ -127,13 +131,16 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
     return batch, extra
 
 
-def _minibatch_rows(key, batch_size: int, num_minibatches: int) -> Array:
+def _minibatch_rows(key, batch_size: int, num_minibatches: int, group: int = 1) -> Array:
     """``[M, B/M]`` row indices: a random permutation split into minibatches (sorted
-    within each, so micro-batches keep their strided layout); identity for one."""
+    within each, so micro-batches keep their strided layout); identity for one. With
+    ``group`` G > 1 the permutation is of whole groups of G consecutive rows."""
     if num_minibatches == 1:
         return jnp.arange(batch_size)[None]
-    perm = jax.random.permutation(key, batch_size)
-    return jnp.sort(perm.reshape(num_minibatches, -1), axis=1)
+    perm = jax.random.permutation(key, batch_size // group)
+    groups_MxN = jnp.sort(perm.reshape(num_minibatches, -1), axis=1)
+    rows = groups_MxN[:, :, None] * group + jnp.arange(group)
+    return rows.reshape(num_minibatches, -1)
 
 
 def _cov_selector(spec: LearnSpec, policy_gd) -> Callable | None:
@@ -144,13 +151,14 @@ def _cov_selector(spec: LearnSpec, policy_gd) -> Callable | None:
     if rule is None:
         return None
     name, ratio, low, high = rule
+    g = spec.share_group
     logp = functools.partial(policy_logprobs, policy_gd, chunk=spec.chunk,
-                             temperature=spec.temperature)
+                             temperature=spec.temperature, group=g)
 
     def select(params, mb: dict, key) -> Array:
         seqs = {k: mb[k] for k in ("prompt_BxP", "prompt_mask_BxP", "completion_BxT",
                                    "completion_mask_BxT")}
-        logp_BxT = _map_micro(lambda s: logp(params["policy"], s)[0], seqs, spec.num_micro)
+        logp_BxT = _map_micro(lambda s: logp(params["policy"], s)[0], seqs, spec.num_micro, g)
         return obj.cov_selection(jax.lax.stop_gradient(logp_BxT), mb["adv_BxT"],
                                  mb["completion_mask_BxT"], rule=name, ratio=ratio, low=low,
                                  high=high, key=key)
@@ -164,7 +172,8 @@ def _updates(spec: LearnSpec, update, params, opt_state, counters, batch, coef, 
     a = spec.alg
     b = batch["completion_mask_BxT"].shape[0]
     keys = jax.random.split(key, a.num_epochs)
-    rows_UxN = jnp.concatenate([_minibatch_rows(k, b, a.num_minibatches) for k in keys])
+    rows_UxN = jnp.concatenate([_minibatch_rows(k, b, a.num_minibatches, spec.share_group)
+                                for k in keys])
     # Clip-Cov's draws: their own stream, so the minibatch permutation is unchanged.
     sel_keys_U = jax.random.split(jax.random.fold_in(key, 1), rows_UxN.shape[0])
 
@@ -197,7 +206,7 @@ def make_learn(spec: LearnSpec, loss_fn, txs: dict, schedules: dict, policy_gd, 
     With ``teacher_gd`` (on-policy distillation) ``teacher_params`` is the teacher's
     frozen state, global arrays like ``ref_params``.
     """
-    update = make_update(loss_fn, txs, schedules, spec.num_micro, constrain)
+    update = make_update(loss_fn, txs, schedules, spec.num_micro, constrain, spec.share_group)
     select = _cov_selector(spec, policy_gd)
 
     def learn(params, opt_state, counters, ref_params, ro: Rollout, kl_coef, key,

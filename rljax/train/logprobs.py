@@ -269,18 +269,41 @@ def head_weight(model) -> tuple[Array, bool] | None:
 
 
 def completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT, completion_mask_BxT,
-                      *, remat: bool = False) -> Array:
+                      *, remat: bool = False, group: int = 1) -> Array:
     """Hidden states ``[B, T, D]`` that predict each completion token.
 
     Runs the decoder on ``concat(prompt, completion)`` (left-padded prompts, right-padded
-    completions) and keeps positions ``P - 1 .. P + T - 2``.
+    completions) and keeps positions ``P - 1 .. P + T - 2``. ``group`` G > 1: rows
+    ``n G .. n G + G - 1`` share one prompt (the rollout's layout), which runs through the
+    decoder once (``Decoder.grouped_hidden_states``; the rows' last slot, which predicts
+    nothing, is left out): the same values on real positions.
     """
     p = prompt_BxP.shape[1]
     t = completion_BxT.shape[1]
+    if group > 1:
+        return _grouped_completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT,
+                                          completion_mask_BxT, remat, group)
     ids = jnp.concatenate([prompt_BxP, completion_BxT], axis=1).astype(jnp.int32)
     mask = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT], axis=1) > 0
     h = model.hidden_states(ids, mask_BxT=mask, remat=remat)
     return h[:, p - 1 : p + t - 1]
+
+
+def _grouped_completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT,
+                               completion_mask_BxT, remat: bool, g: int) -> Array:
+    b, p = prompt_BxP.shape
+    if b % g:
+        raise ValueError(f"completion_hidden: {b} rows do not split into groups of {g}")
+    prompt_NxP = prompt_BxP.reshape(b // g, g, p)[:, 0].astype(jnp.int32)
+    pmask_NxP = prompt_mask_BxP.reshape(b // g, g, p)[:, 0] > 0
+    t = completion_BxT.shape[1]
+    if t == 1:
+        h_NxPxD = model.hidden_states(prompt_NxP, mask_BxT=pmask_NxP, remat=remat)
+        return jnp.repeat(h_NxPxD[:, -1:], g, axis=0)
+    h_NxPxD, h_BxTxD = model.grouped_hidden_states(
+        prompt_NxP, pmask_NxP, completion_BxT[:, : t - 1].astype(jnp.int32),
+        completion_mask_BxT[:, : t - 1] > 0, remat=remat)
+    return jnp.concatenate([jnp.repeat(h_NxPxD[:, -1:], g, axis=0), h_BxTxD], axis=1)
 
 
 def head_logits(model_graphdef):
@@ -293,17 +316,18 @@ def head_logits(model_graphdef):
 
 
 def policy_logprobs(graphdef, params, seqs: dict, *, chunk: int, temperature: float = 1.0,
-                    remat: bool = False) -> tuple[Array, Array]:
+                    remat: bool = False, group: int = 1) -> tuple[Array, Array]:
     """Completion-token log-probs and entropies of the decoder ``(graphdef, params)``.
 
     ``seqs`` holds ``prompt_BxP``, ``prompt_mask_BxP``, ``completion_BxT`` and
-    ``completion_mask_BxT``. Returns ``(logp_BxT, entropy_BxT)`` float32; values at masked
-    positions are finite but meaningless.
+    ``completion_mask_BxT``. ``group``: rows share their prompt in groups of this many
+    (see :func:`completion_hidden`). Returns ``(logp_BxT, entropy_BxT)`` float32; values
+    at masked positions are finite but meaningless.
     """
     model = nnx.merge(graphdef, params)
     h_BxTxD = completion_hidden(
         model, seqs["prompt_BxP"], seqs["prompt_mask_BxP"], seqs["completion_BxT"],
-        seqs["completion_mask_BxT"], remat=remat,
+        seqs["completion_mask_BxT"], remat=remat, group=group,
     )
     targets_BxT = seqs["completion_BxT"].astype(jnp.int32)
     head = head_weight(model)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from typing import Sequence
 
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import objectives as obj
+from rljax.models.grouped import can_share_prompts
 from rljax.rewards.device import is_device_reward
 from rljax.sharding import on_mesh, replicated
 from rljax.train import algorithms as alg
@@ -44,16 +46,18 @@ from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_g
 from rljax.train.step import (NonFiniteError, TrainState, batch_constrainer, init_opt_state,
                               make_optimizer, new_train_state, num_micro_batches)
 
+log = logging.getLogger(__name__)
 sg = jax.lax.stop_gradient
 __all__ = ["PromptSource", "RLTrainer", "rl_loss"]
 
 
 def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, temperature,
-            remat, self_old: bool, use_sampler: bool, entropy_grad: bool):
+            remat, self_old: bool, use_sampler: bool, entropy_grad: bool, group: int = 1):
     """The RL micro-batch loss: current log-probs (and values) -> ``ObjectiveBatch`` ->
-    the objective's ``(loss_sum, count, metrics)`` plus the sampler-gap metric."""
+    the objective's ``(loss_sum, count, metrics)`` plus the sampler-gap metric. ``group``:
+    the micro-batch's rows share prompts in groups of that many (``policy_logprobs``)."""
     logp, ent = policy_logprobs(policy_gd, params["policy"], mb, chunk=chunk,
-                                temperature=temperature, remat=remat)
+                                temperature=temperature, remat=remat, group=group)
     m = mb["completion_mask_BxT"]
     values = None
     if value_gd is not None:
@@ -176,8 +180,10 @@ class RLTrainer:
                          else ("sampler" if algorithm.old_logp == "sampler" else "recompute"))
         self.uses_ref = algorithm.kl_in != "none" and algorithm.kl_coef > 0
         overlong = alg.resolve_overlong_buffer(algorithm, sampling.max_new_tokens)
+        self.share_group = self._share_group(num_micro)
         self.spec = LearnSpec(algorithm, self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
-                              sampling.temperature, sampling.max_new_tokens, overlong)
+                              sampling.temperature, sampling.max_new_tokens, overlong,
+                              share_group=self.share_group)
         self.rollouts = Rollouts(policy_graphdef, tokenizer, reward_fns, sampling=sampling,
                                  prompt_len=prompt_len, group_size=algorithm.group_size,
                                  accuracy_fn=accuracy_fn, mesh=mesh, reward_pool=reward_pool,
@@ -204,6 +210,25 @@ class RLTrainer:
                              f"of {n_dev}")
         return num_micro
 
+    def _share_group(self, num_micro: int) -> int:
+        """The group size the learning program shares prompts over (``RLConfig.
+        share_prompts``), or 1 where it cannot: one completion per prompt, a model without
+        a prefix attention path, or micro-batches that split a group."""
+        g = self.alg.group_size
+        if not self.rl.share_prompts or g < 2:
+            return 1
+        models = [self.gd] + ([self.teacher_gd] if self.teacher_gd is not None else [])
+        if not all(can_share_prompts(gd) for gd in models):
+            log.info("RLTrainer: prompts are not shared (the model's attention has no prefix "
+                     "path; 'xla' and 'splash' do)")
+            return 1
+        rows = self.batch_size // self.alg.num_minibatches // num_micro
+        if rows % g:
+            log.info("RLTrainer: prompts are not shared: micro-batches of %d rows split the "
+                     "groups of %d", rows, g)
+            return 1
+        return g
+
     def _build_program(self):
         a, total = self.alg, max(self.rl.steps * self.alg.num_epochs * self.alg.num_minibatches, 1)
         self._total_updates = total
@@ -217,7 +242,7 @@ class RLTrainer:
             chunk=self.rl.logp_chunk, temperature=self.sampling.temperature, remat=self.rl.remat,
             self_old=self.old_mode == "self",
             use_sampler=alg.uses_sampler_logp(a),
-            entropy_grad=a.entropy_coef != 0.0,
+            entropy_grad=a.entropy_coef != 0.0, group=self.share_group,
         )
         learn = make_learn(self.spec, loss, self.txs, {k: v[1] for k, v in optims.items()},
                            self.gd, self.value_gd, batch_constrainer(self.mesh), self.teacher_gd)

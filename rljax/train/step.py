@@ -91,14 +91,23 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, lr_scale: float = 1.0):
     return optax.chain(*parts), schedule
 
 
-def split_micro(x_BxN: Array, num_micro: int) -> Array:
-    """``[B, ...] -> [M, B/M, ...]`` with micro-batch i = rows i, i+M, i+2M, ...
+def split_micro(x_BxN: Array, num_micro: int, group: int = 1) -> Array:
+    """``[B, ...] -> [M, B/M, ...]`` with micro-batch i = rows i, i+M, i+2M, ...; with
+    ``group`` G > 1, whole groups of G consecutive rows: groups i, i+M, i+2M, ...
 
     Strided rows keep every micro-batch spread across the devices a batch-sharded array
     lives on (contiguous blocks would put a small micro-batch on a single device).
     """
-    b = x_BxN.shape[0]
-    return x_BxN.reshape(b // num_micro, num_micro, *x_BxN.shape[1:]).swapaxes(0, 1)
+    b, rest = x_BxN.shape[0], x_BxN.shape[1:]
+    x = x_BxN.reshape(b // (num_micro * group), num_micro, group, *rest).swapaxes(0, 1)
+    return x.reshape(num_micro, b // num_micro, *rest)
+
+
+def merge_micro(x_MxNx: Array, group: int = 1) -> Array:
+    """The inverse of :func:`split_micro`: ``[M, B/M, ...] -> [B, ...]`` in row order."""
+    m, n, rest = x_MxNx.shape[0], x_MxNx.shape[1], x_MxNx.shape[2:]
+    x = x_MxNx.reshape(m, n // group, group, *rest).swapaxes(0, 1)
+    return x.reshape(m * n, *rest)
 
 
 def _add_metrics(acc: dict, new: dict) -> dict:
@@ -106,11 +115,12 @@ def _add_metrics(acc: dict, new: dict) -> dict:
 
 
 def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
-               constrain: Callable | None = None):
+               constrain: Callable | None = None, group: int = 1):
     """Sum of loss sums, counts, metric pairs and loss-sum gradients over micro-batches.
 
     Returns ``(grads_sum, loss_sum, count, metrics)`` (all sums; divide once).
-    ``constrain`` re-applies the batch sharding to each micro-batch slice.
+    ``constrain`` re-applies the batch sharding to each micro-batch slice; ``group``
+    keeps groups of that many consecutive rows whole (:func:`split_micro`).
     """
 
     def one(mb):
@@ -128,7 +138,7 @@ def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
 
     if num_micro == 1:
         return one(batch)
-    micro = jax.tree.map(lambda x: split_micro(x, num_micro), batch)
+    micro = jax.tree.map(lambda x: split_micro(x, num_micro, group), batch)
     first = jax.tree.map(lambda x: x[0], micro)
     rest = jax.tree.map(lambda x: x[1:], micro)
     init = one(first)
@@ -164,7 +174,7 @@ def num_micro_batches(batch_size: int, micro_batch_size: int, what: str = "batch
 
 
 def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
-                constrain: Callable | None = None):
+                constrain: Callable | None = None, group: int = 1):
     """Build ``update(params, opt_state, counters, batch, coef) -> (params, opt_state,
     counters, metrics)``, the pure function the trainer jits with donation.
 
@@ -172,13 +182,14 @@ def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
     or gradient norm leaves params and optimiser state unchanged, does not advance
     ``updates``, increments ``nonfinite_run`` and ``skipped``; a finite one resets
     ``nonfinite_run``. Metrics: ``loss``, ``grad_norm`` (before clipping), ``lr`` (of the
-    first model), ``skipped_update``, and each loss metric's mean.
+    first model), ``skipped_update``, and each loss metric's mean. ``group``: micro-batches
+    keep groups of that many consecutive rows whole (:func:`split_micro`).
     """
 
     def update(params, opt_state, counters, batch, coef):
         updates, run, skipped = counters
         grads, loss_sum, count, msums = accumulate(loss_fn, params, batch, coef, num_micro,
-                                                   constrain)
+                                                   constrain, group)
         denom = jnp.where(count > 0, count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss = loss_sum / denom
