@@ -33,6 +33,23 @@ def test_forward_flops_counts_projections_causal_attention_and_the_head():
     assert bench.decode_flops(cfg, 3, s, 1) == bench.forward_flops(cfg, 3, s, 1)
 
 
+def test_grouped_forward_flops_count_each_prompt_once():
+    """One row per group is a causal forward of P + T - 1 tokens (the last completion token
+    predicts nothing); G rows save (G - 1) prompt forwards per group, nothing else."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2,
+                      num_heads=2, num_kv_heads=1)
+    p, t, n = 5, 4, 3
+    assert bench.grouped_forward_flops(cfg, n, 1, p, t) == bench.forward_flops(cfg, n, p + t - 1, t)
+    saved = (bench.grouped_forward_flops(cfg, n * 4, 1, p, t)
+             - bench.grouped_forward_flops(cfg, n, 4, p, t))
+    assert saved == 3 * bench.forward_flops(cfg, n, p, 0)
+    lb = train.LearnBench(bench.TINY, train.QUICK, steps=2)
+    sh = train.QUICK
+    assert lb.tr.share_group == sh.group
+    assert lb.flops() == 4 * bench.grouped_forward_flops(lb.config, sh.prompts, sh.group,
+                                                         sh.prompt_len, sh.new_tokens)
+
+
 def test_build_checkpoint_writes_a_qwen2_initialised_as_transformers_does(tmp_path):
     config = bench.build_checkpoint(tmp_path, bench.TINY, seed=3)
     model = from_pretrained(tmp_path)

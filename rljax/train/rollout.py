@@ -38,7 +38,9 @@ PromptSource = Callable[[int, int], tuple[Sequence[str], Sequence[dict]]]
 @dataclasses.dataclass(frozen=True)
 class Rollout:
     """One batch of sampled completions, ``B = groups x group_size`` rows (a prompt's
-    completions consecutive), as global arrays that stay on device until the update.
+    completions consecutive, each repeating its prompt: the learning program may compute a
+    group's prompt once, ``RLConfig.share_prompts``), as global arrays that stay on device
+    until the update.
 
     prompt_BxP / prompt_mask_BxP: left-padded prompt ids (int32) and 0/1 mask (float32).
     completion_BxT / completion_mask_BxT: completion ids and mask (stop token included).
