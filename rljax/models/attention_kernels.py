@@ -153,7 +153,7 @@ def splash_attend(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Arr
     t = q_BxTxNxH.shape[1]
     tp = -(-t // _LANES) * _LANES
     seg = _isolate_padding(_pad_time(jnp.asarray(segment_ids_BxT, jnp.int32), 1, tp, -1))
-    return _splash_run(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, seg, seg, 0, interpret)
+    return _splash_run(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, seg, seg, interpret)
 
 
 def splash_attend_prefix(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
@@ -178,13 +178,12 @@ def splash_attend_prefix(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: 
     seg_kv = _isolate_padding(seg_kv)
     k, v = (jnp.concatenate([_pad_time(x[:, :p], 1, pp), _pad_time(x[:, p:], 1, tp)], axis=1)
             for x in (k_BxSxKxH, v_BxSxKxH))
-    return _splash_run(q_BxTxNxH, k, v, seg_kv[:, pp:], seg_kv, pp, interpret)
+    return _splash_run(q_BxTxNxH, k, v, seg_kv[:, pp:], seg_kv, interpret)
 
 
-def _splash_run(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxTp, kv_seg_BxS, prefix: int,
-                interpret):
-    """The kernel on q padded to `q_seg`'s length and k/v (already padded, `prefix` slots
-    before the queries' own); `[B, T, N, H]` cut back to q's T."""
+def _splash_run(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxTp, kv_seg_BxS, interpret):
+    """The kernel on q padded to `q_seg`'s length and k/v padded to `kv_seg`'s (the queries
+    are the last of the kv positions); `[B, T, N, H]` cut back to q's T."""
     b, t, n, h = q_BxTxNxH.shape
     tp, s = q_seg_BxTp.shape[1], kv_seg_BxS.shape[1]
     if interpret is None:
