@@ -56,15 +56,15 @@ def matmul_params(params, cfg) -> int:
     return total - (0 if cfg.model.tie_word_embeddings else cfg.model.vocab_size * cfg.model.hidden_size)
 
 
-def _learn_fields(m: dict, epochs: int) -> None:
+def _learn_fields(m: dict, epochs: int, share_group: int = 1) -> None:
     """``time_learn`` and ``seq_tokens`` of a step's metrics; rljax before the one
     learning program timed its forwards and updates apart and logged no token counts."""
     if "time_learn" not in m:
         m["time_learn"] = sum(m.get(f"time_{k}", 0.0)
                               for k in ("ref_logp", "old_logp", "values", "update"))
         m["seq_tokens"] = m["train_tok_s"] * m["time_update"] / epochs
-    else:
-        m["seq_tokens"] = m["completion_tokens"] + m["prompt_tokens"]
+    else:  # the tokens the forwards compute: each group's prompt once where shared
+        m["seq_tokens"] = m["completion_tokens"] + m["prompt_tokens"] / share_group
 
 
 def main(argv=None) -> int:
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
             rows.append(m)
     med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)
     for r in rows:
-        _learn_fields(r, a.num_epochs)
+        _learn_fields(r, a.num_epochs, getattr(tr, "share_group", 1))
     learn_s = med("time_learn")
     seq_tokens = med("seq_tokens")
     fwd = tr.uses_ref + (tr.old_mode == "recompute")

@@ -162,3 +162,22 @@ def test_group_micro_batches_and_minibatches_keep_groups_whole():
     assert sorted(rows.ravel().tolist()) == list(range(24))
     groups = rows.reshape(2, -1, 3)
     assert np.all(groups % 3 == np.arange(3)) and np.all(groups[..., 0] // 3 == groups[..., 2] // 3)
+
+
+def test_model_flops_count_each_shared_prompt_once():
+    """The step's FLOP rate counts the prompt tokens the forwards compute (once per group);
+    the token rates count every row's."""
+    from rljax.train.rl import _Phase
+
+    gd, _ = tiny_model()
+    m = {}
+    for share in (True, False):
+        tr = _trainer(gd, share, group_size=4)
+        row = {"completion_tokens": 100.0, "prompt_tokens": 400.0}
+        tr._add_throughput(row, _Phase({"rollout": 1.0, "learn": 1.0}))
+        m[share] = row
+    assert m[True]["train_tok_s"] == m[False]["train_tok_s"] == 500.0
+    n = _trainer(gd, True, group_size=4).rollouts.num_params
+    # no KL reference, one epoch: 2N per generated token + 6N per computed sequence token
+    assert m[True]["model_flops_s"] == pytest.approx((2 * 100 + 6 * (100 + 100)) * n / 2.0)
+    assert m[False]["model_flops_s"] == pytest.approx((2 * 100 + 6 * (100 + 400)) * n / 2.0)

@@ -387,13 +387,16 @@ class RLTrainer:
 
     def _add_throughput(self, m: dict, ph: _Phase) -> None:
         """Tokens/s (whole mesh and per chip), phase times, model FLOP/s and MFU
-        (``rljax.train.throughput``; ``rl.peak_flops`` overrides the chip's table peak)."""
+        (``rljax.train.throughput``; ``rl.peak_flops`` overrides the chip's table peak).
+        The FLOPs count each group's prompt once where the forwards share it; the token
+        rates count every row's prompt."""
         gen, seq = m["completion_tokens"], m["completion_tokens"] + m["prompt_tokens"]
+        computed = m["completion_tokens"] + m["prompt_tokens"] / self.share_group
         fwd = self.uses_ref + (self.old_mode == "recompute") + (self.value_gd is not None)
         teacher = (0 if self.teacher_params is None else
                    sum(x.size for x in jax.tree.leaves(self.teacher_params)))
         flops = throughput.step_model_flops(
-            self.rollouts.num_params, gen_tokens=gen, seq_tokens=seq, extra_forwards=fwd,
+            self.rollouts.num_params, gen_tokens=gen, seq_tokens=computed, extra_forwards=fwd,
             epochs=self.alg.num_epochs, teacher_params=teacher)
         chips, kind = throughput.chips_and_kind(self.mesh)
         m.update(throughput.step_throughput(

@@ -84,7 +84,9 @@ def step_model_flops(num_params: int, *, gen_tokens: float, seq_tokens: float,
     Models", Sec. 2.1: 2N per token for a forward, 6N for forward + backward; attention
     FLOPs left out): 2N per generated token, 2N per sequence token for each extra forward
     (reference, old policy, value model), 6N per sequence token per epoch, and
-    2 N_teacher per sequence token for a distillation teacher."""
+    2 N_teacher per sequence token for a distillation teacher. ``seq_tokens`` are the tokens
+    the forwards compute: with shared prompts (``RLConfig.share_prompts``) each group's
+    prompt tokens count once."""
     n = num_params
     return (2 * n * gen_tokens + 2 * n * seq_tokens * extra_forwards
             + 6 * n * seq_tokens * epochs + 2 * teacher_params * seq_tokens)
