@@ -58,8 +58,7 @@ def _loss(fn, cmask):
     return f
 
 
-@pytest.mark.parametrize("impl", ["xla", "splash"])
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("impl,scan", [("xla", False), ("xla", True), ("splash", True)])
 def test_grouped_forward_and_gradients_equal_the_full_forward(impl, scan):
     cfg = dataclasses.replace(TINY, attention=impl, scan_layers=scan)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
