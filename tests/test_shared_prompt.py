@@ -79,6 +79,33 @@ def test_grouped_forward_and_gradients_equal_the_full_forward(impl, scan):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=3e-5 * scale, rtol=0)
 
 
+def test_grouped_forward_on_a_mesh_runs_a_prompt_copy_per_batch_shard(mesh8):
+    """2 prompts x 4 rows over 4 batch shards: each prompt runs as 2 copies (one per shard
+    holding its rows); the same hidden states as the full forward."""
+    from rljax.models import grouped
+
+    rng = np.random.default_rng(5)
+    n, g, p, t = 2, 4, 5, 4
+    prompt = jnp.asarray(rng.integers(1, TINY.vocab_size, (n, p)), jnp.int32)
+    pmask = jnp.asarray(np.arange(p)[None] >= np.array([[1], [0]]))
+    comp = jnp.asarray(rng.integers(1, TINY.vocab_size, (n * g, t)), jnp.int32)
+    cmask = jnp.asarray(np.arange(t)[None] < rng.integers(1, t + 1, (n * g, 1)))
+    model = Decoder(TINY, rngs=nnx.Rngs(0))
+    ids = jnp.concatenate([jnp.repeat(prompt, g, axis=0), comp], axis=1)
+    mask = jnp.concatenate([jnp.repeat(pmask, g, axis=0), cmask], axis=1)
+    with jax.set_mesh(mesh8):
+        assert grouped.prompt_copies(n, g) == 2
+        hp, hc = nnx.jit(lambda m: m.grouped_hidden_states(prompt, pmask, comp, cmask))(model)
+        h = nnx.jit(lambda m: m.hidden_states(ids, mask_BxT=mask))(model)
+    assert hp.shape == (n, p, TINY.hidden_size)
+    pm, cm = np.asarray(pmask), np.asarray(cmask)
+    np.testing.assert_allclose(np.asarray(hp)[pm], np.asarray(h)[::g, :p][pm], rtol=2e-5,
+                               atol=2e-5)
+    np.testing.assert_allclose(np.asarray(hc)[cm], np.asarray(h)[:, p:][cm], rtol=2e-5,
+                               atol=2e-5)
+    assert grouped.prompt_copies(n, g) == 1  # no mesh
+
+
 def test_grouped_forward_checks_its_shapes_and_attention():
     model = Decoder(TINY, rngs=nnx.Rngs(0))
     prompt, pmask, comp, cmask = _batch()

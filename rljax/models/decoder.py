@@ -134,12 +134,17 @@ class Decoder(nnx.Module):
         Returns the final-norm hidden states of the prompts `[N, P, D]` and of the rows'
         own slots `[B, T, D]` (float32): on real slots they equal `hidden_states` of the
         concatenated rows at positions P.. (and, per prompt, ..P - 1). Attention "xla" or
-        "splash"; `remat` as in `hidden_states`.
+        "splash"; `remat` as in `hidden_states`. On a mesh with more batch shards than
+        prompts each prompt runs as one copy per shard holding its rows
+        (`grouped.prompt_copies`), so no keys or values cross chips.
         """
         pids, ids = jnp.asarray(prompt_NxP), jnp.asarray(input_ids_BxT)
         g = grouped.check_groups(pids, prompt_mask_NxP, ids, mask_BxT)
-        pm, cm = jnp.asarray(prompt_mask_NxP, bool), jnp.asarray(mask_BxT, bool)
-        pm_B = grouped.repeat_rows(pm, g)
+        k = grouped.prompt_copies(pids.shape[0], g)  # each prompt's copies (1 off a mesh)
+        pids = grouped.on_batch_shards(grouped.repeat_rows(pids, k))
+        pm = grouped.repeat_rows(jnp.asarray(prompt_mask_NxP, bool), k)
+        cm = jnp.asarray(mask_BxT, bool)
+        pm_B = grouped.repeat_rows(pm, g // k)
         c = self.config
         allowed_p, allowed_c = _causal_mask(c, pm), grouped.completion_mask(c, pm_B, cm)
         cs_p = rope_cos_sin(c, default_positions(pm))
@@ -148,12 +153,12 @@ class Decoder(nnx.Module):
         def body(layer, xs):
             xp, xc = xs
             xp, (kp, vp) = layer(xp, cs_p, allowed_p)
-            prefix = (grouped.repeat_rows(kp, g), grouped.repeat_rows(vp, g))
+            prefix = (grouped.repeat_rows(kp, g // k), grouped.repeat_rows(vp, g // k))
             return xp, layer(xc, cs_c, allowed_c, prefix_kv=prefix)[0]
 
         xp, xc = self._apply_layers(body, (self._embed(pids), self._embed(ids)),
                                     effective_remat(c.remat, remat))
-        return self.final_norm(xp), self.final_norm(xc)
+        return self.final_norm(xp)[::k], self.final_norm(xc)
 
     def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
         """Output projection of hidden states `[..., D]` to float32 logits `[..., V]`."""

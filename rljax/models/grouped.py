@@ -9,6 +9,11 @@ sum into the prompt's positions) followed by their own: the same hidden states, 
 prompt's share of the layer FLOPs divided by G in the forward and in the backward.
 
 Rows are grouped consecutively: rows ``n G .. n G + G - 1`` continue prompt n.
+
+On a mesh whose batch shards outnumber the prompts (4 prompts of 8 rows on 8 chips), each
+prompt runs as k copies, one per shard that holds its rows (`prompt_copies`): the
+prompt stream is then split evenly like the rows, every chip computes the copy its own
+rows read, and no keys or values cross chips.
 """
 
 from __future__ import annotations
@@ -16,8 +21,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import math
+
+from jax.sharding import NamedSharding, PartitionSpec
+
 from rljax.models.attention_kernels import PrefixSegmentMask, segment_ids_from_mask
 from rljax.models.config import ModelConfig
+from rljax.sharding import BATCH_AXES
 
 
 def completion_positions(prompt_mask_BxP: jax.Array, completion_mask_BxT: jax.Array) -> jax.Array:
@@ -62,6 +72,31 @@ def check_groups(prompt_NxP, prompt_mask_NxP, completion_BxT, completion_mask_Bx
         raise ValueError(f"shared-prompt forward: {b} completion rows do not split into "
                          f"groups over {n} prompts; B must be a multiple of N")
     return b // n
+
+
+def prompt_copies(num_prompts: int, group: int) -> int:
+    """Copies k of each prompt in the prompt stream: 1 without a mesh; on one, the least k
+    dividing ``group`` with ``num_prompts * k`` a multiple of the batch shards (data x
+    fsdp), so each shard computes the copies its rows read; 1 if no such k."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    shards = math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.shape)
+    k = shards // math.gcd(num_prompts, shards)
+    return k if group % k == 0 else 1
+
+
+def on_batch_shards(x_Cx):
+    """`x` constrained to split its leading axis over the batch shards, when a mesh is set
+    and the axis divides evenly (the prompt stream after `prompt_copies`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x_Cx
+    axes = tuple(a for a in BATCH_AXES if a in mesh.shape)
+    if x_Cx.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return x_Cx
+    spec = PartitionSpec(axes, *([None] * (x_Cx.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x_Cx, NamedSharding(mesh, spec))
 
 
 def repeat_rows(x_Nx, g: int):
