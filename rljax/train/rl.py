@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import time
 from typing import Sequence
 
@@ -29,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import objectives as obj
-from rljax.models.grouped import can_share_prompts
 from rljax.rewards.device import is_device_reward
 from rljax.sharding import on_mesh, replicated
 from rljax.train import algorithms as alg
@@ -39,14 +37,13 @@ from rljax.train import throughput
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling)
 from rljax.train.fused import make_fused_step, split_step_key
-from rljax.train.learn import LearnSpec, make_learn
+from rljax.train.learn import LearnSpec, make_learn, share_group
 from rljax.train.logprobs import policy_logprobs
 from rljax.train.reference import reference_copy
 from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_groups
 from rljax.train.step import (NonFiniteError, TrainState, batch_constrainer, init_opt_state,
                               make_optimizer, new_train_state, num_micro_batches)
 
-log = logging.getLogger(__name__)
 sg = jax.lax.stop_gradient
 __all__ = ["PromptSource", "RLTrainer", "rl_loss"]
 
@@ -180,7 +177,10 @@ class RLTrainer:
                          else ("sampler" if algorithm.old_logp == "sampler" else "recompute"))
         self.uses_ref = algorithm.kl_in != "none" and algorithm.kl_coef > 0
         overlong = alg.resolve_overlong_buffer(algorithm, sampling.max_new_tokens)
-        self.share_group = self._share_group(num_micro)
+        self.share_group = share_group(
+            algorithm.group_size, rl.share_prompts,
+            self.batch_size // algorithm.num_minibatches // num_micro,
+            [self.gd] + ([self.teacher_gd] if self.teacher_gd is not None else []))
         self.spec = LearnSpec(algorithm, self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
                               sampling.temperature, sampling.max_new_tokens, overlong,
                               share_group=self.share_group)
@@ -209,25 +209,6 @@ class RLTrainer:
                              f"num_minibatches and micro_batch_size so they are a multiple "
                              f"of {n_dev}")
         return num_micro
-
-    def _share_group(self, num_micro: int) -> int:
-        """The group size the learning program shares prompts over (``RLConfig.
-        share_prompts``), or 1 where it cannot: one completion per prompt, a model without
-        a prefix attention path, or micro-batches that split a group."""
-        g = self.alg.group_size
-        if not self.rl.share_prompts or g < 2:
-            return 1
-        models = [self.gd] + ([self.teacher_gd] if self.teacher_gd is not None else [])
-        if not all(can_share_prompts(gd) for gd in models):
-            log.info("RLTrainer: prompts are not shared (the model's attention has no prefix "
-                     "path; 'xla' and 'splash' do)")
-            return 1
-        rows = self.batch_size // self.alg.num_minibatches // num_micro
-        if rows % g:
-            log.info("RLTrainer: prompts are not shared: micro-batches of %d rows split the "
-                     "groups of %d", rows, g)
-            return 1
-        return g
 
     def _build_program(self):
         a, total = self.alg, max(self.rl.steps * self.alg.num_epochs * self.alg.num_minibatches, 1)
