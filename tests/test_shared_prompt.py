@@ -17,7 +17,7 @@ from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_
 from rljax.train.learn import _minibatch_rows
 from rljax.train.rl import RLTrainer
 from rljax.train.rollout import Rollout
-from rljax.train.step import merge_micro, split_micro
+from rljax.train.micro import merge_micro, split_micro
 
 TINY = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                    num_heads=4, num_kv_heads=2, rope_theta=500.0)

@@ -41,7 +41,8 @@ from rljax.train import ppo as ppo_lib
 from rljax.train.config import AlgorithmConfig
 from rljax.train.logprobs import policy_logprobs
 from rljax.train.rollout import Rollout
-from rljax.train.step import make_update, merge_micro, split_micro
+from rljax.train.micro import merge_micro, split_micro
+from rljax.train.step import make_update
 
 Array = Any
 log = logging.getLogger(__name__)

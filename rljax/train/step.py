@@ -24,6 +24,8 @@ import optax
 
 from rljax.sharding import batch_sharding, on_mesh, replicated
 from rljax.train.config import OptimConfig
+from rljax.train.micro import (check_divisible, merge_micro,  # noqa: F401 (public here too)
+                               num_micro_batches, split_micro)
 
 Array = Any
 LossFn = Callable[[Any, dict, Any], tuple[Array, Array, dict]]
@@ -91,25 +93,6 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, lr_scale: float = 1.0):
     return optax.chain(*parts), schedule
 
 
-def split_micro(x_BxN: Array, num_micro: int, group: int = 1) -> Array:
-    """``[B, ...] -> [M, B/M, ...]`` with micro-batch i = rows i, i+M, i+2M, ...; with
-    ``group`` G > 1, whole groups of G consecutive rows: groups i, i+M, i+2M, ...
-
-    Strided rows keep every micro-batch spread across the devices a batch-sharded array
-    lives on (contiguous blocks would put a small micro-batch on a single device).
-    """
-    b, rest = x_BxN.shape[0], x_BxN.shape[1:]
-    x = x_BxN.reshape(b // (num_micro * group), num_micro, group, *rest).swapaxes(0, 1)
-    return x.reshape(num_micro, b // num_micro, *rest)
-
-
-def merge_micro(x_MxNx: Array, group: int = 1) -> Array:
-    """The inverse of :func:`split_micro`: ``[M, B/M, ...] -> [B, ...]`` in row order."""
-    m, n, rest = x_MxNx.shape[0], x_MxNx.shape[1], x_MxNx.shape[2:]
-    x = x_MxNx.reshape(m, n // group, group, *rest).swapaxes(0, 1)
-    return x.reshape(m * n, *rest)
-
-
 def _add_metrics(acc: dict, new: dict) -> dict:
     return {k: (acc[k][0] + new[k][0], acc[k][1] + new[k][1]) for k in acc}
 
@@ -150,27 +133,6 @@ def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
 
     out, _ = jax.lax.scan(body, init, rest)
     return out
-
-
-def check_divisible(batch_size: int, num_micro: int, what: str = "batch") -> None:
-    """Raise ValueError unless ``batch_size`` splits into ``num_micro`` equal parts."""
-    if num_micro < 1 or batch_size % num_micro:
-        raise ValueError(
-            f"{what} of {batch_size} sequences does not divide into {num_micro} "
-            f"micro-batches; choose micro_batch_size dividing {batch_size}"
-        )
-
-
-def num_micro_batches(batch_size: int, micro_batch_size: int, what: str = "batch") -> int:
-    """Micro-batches per update (``micro_batch_size`` 0 means one); validates division."""
-    if micro_batch_size == 0 or micro_batch_size >= batch_size:
-        return 1
-    if batch_size % micro_batch_size:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} does not divide the {what} of "
-            f"{batch_size} sequences; allowed: a divisor of {batch_size} or 0 (no split)"
-        )
-    return batch_size // micro_batch_size
 
 
 def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,

@@ -1,0 +1,52 @@
+"""Micro-batch layout: how a batch splits into accumulation micro-batches and back.
+
+Micro-batch i holds rows i, i+M, i+2M, ... (or whole groups of G consecutive rows, when
+the forwards share each group's prompt), so every micro-batch stays spread across the
+devices a batch-sharded array lives on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Array = Any
+
+
+def split_micro(x_BxN: Array, num_micro: int, group: int = 1) -> Array:
+    """``[B, ...] -> [M, B/M, ...]`` with micro-batch i = rows i, i+M, i+2M, ...; with
+    ``group`` G > 1, whole groups of G consecutive rows: groups i, i+M, i+2M, ...
+
+    Strided rows keep every micro-batch spread across the devices a batch-sharded array
+    lives on (contiguous blocks would put a small micro-batch on a single device).
+    """
+    b, rest = x_BxN.shape[0], x_BxN.shape[1:]
+    x = x_BxN.reshape(b // (num_micro * group), num_micro, group, *rest).swapaxes(0, 1)
+    return x.reshape(num_micro, b // num_micro, *rest)
+
+
+def merge_micro(x_MxNx: Array, group: int = 1) -> Array:
+    """The inverse of :func:`split_micro`: ``[M, B/M, ...] -> [B, ...]`` in row order."""
+    m, n, rest = x_MxNx.shape[0], x_MxNx.shape[1], x_MxNx.shape[2:]
+    x = x_MxNx.reshape(m, n // group, group, *rest).swapaxes(0, 1)
+    return x.reshape(m * n, *rest)
+
+
+def check_divisible(batch_size: int, num_micro: int, what: str = "batch") -> None:
+    """Raise ValueError unless ``batch_size`` splits into ``num_micro`` equal parts."""
+    if num_micro < 1 or batch_size % num_micro:
+        raise ValueError(
+            f"{what} of {batch_size} sequences does not divide into {num_micro} "
+            f"micro-batches; choose micro_batch_size dividing {batch_size}"
+        )
+
+
+def num_micro_batches(batch_size: int, micro_batch_size: int, what: str = "batch") -> int:
+    """Micro-batches per update (``micro_batch_size`` 0 means one); validates division."""
+    if micro_batch_size == 0 or micro_batch_size >= batch_size:
+        return 1
+    if batch_size % micro_batch_size:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} does not divide the {what} of "
+            f"{batch_size} sequences; allowed: a divisor of {batch_size} or 0 (no split)"
+        )
+    return batch_size // micro_batch_size
