@@ -43,6 +43,46 @@ def attend(q_BxTxNxH: jax.Array, k_BxKxHxS: jax.Array, v_BxKxSxH: jax.Array,
     return o.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
+
+def attend_group_prefix(q_BxTxNxH: jax.Array, prefix_k_CxKxHxP: jax.Array,
+                        prefix_v_CxKxPxH: jax.Array, prefix_valid_CxP: jax.Array,
+                        k_BxKxHxS: jax.Array, v_BxKxSxH: jax.Array,
+                        allowed_BxTxS: jax.Array) -> jax.Array:
+    """`attend` over a prefix shared by consecutive rows, then each row's own slots.
+
+    Rows ``c R .. c R + R - 1`` (R = B / C) continue prefix c (a sampled group's prompt):
+    its keys and values are read once per prefix, never copied per row. Every query sees
+    the prefix's valid slots (queries come after the prefix) and its own slots where
+    ``allowed_BxTxS``; one softmax over both. Equals `attend` over the rows' concatenated
+    ``prefix + own`` keys up to float32 summation order.
+    """
+    b, t, n, h = q_BxTxNxH.shape
+    c, k, _, p = prefix_k_CxKxHxP.shape
+    g, r = n // k, b // c
+    q_BxKxGxTxH = (q_BxTxNxH * jnp.asarray(h**-0.5, q_BxTxNxH.dtype)).reshape(
+        b, t, k, g, h).transpose(0, 2, 3, 1, 4)
+    s_own = jnp.einsum("bkgth,bkhs->bkgts", q_BxKxGxTxH, k_BxKxHxS,
+                       preferred_element_type=jnp.float32)
+    s_own = s_own + jnp.where(allowed_BxTxS, 0.0, _NEG)[:, None, None]
+    # The prefix dot batched over (prefix, kv head), its R rows' queries stacked: [C,K,RGT,H].
+    q_CxKxQxH = q_BxKxGxTxH.reshape(c, r, k, g * t, h).transpose(0, 2, 1, 3, 4).reshape(
+        c, k, r * g * t, h)
+    s_pre = jnp.einsum("ckqh,ckhp->ckqp", q_CxKxQxH, prefix_k_CxKxHxP,
+                       preferred_element_type=jnp.float32)
+    s_pre = s_pre + jnp.where(prefix_valid_CxP, 0.0, _NEG)[:, None, None, :]
+    s_pre = s_pre.reshape(c, k, r, g, t, p).transpose(0, 2, 1, 3, 4, 5).reshape(b, k, g, t, p)
+    m = jnp.maximum(jnp.max(s_own, axis=-1, keepdims=True), jnp.max(s_pre, axis=-1, keepdims=True))
+    e_own, e_pre = jnp.exp(s_own - m), jnp.exp(s_pre - m)
+    o = jnp.einsum("bkgts,bksh->bkgth", e_own.astype(v_BxKxSxH.dtype), v_BxKxSxH,
+                   preferred_element_type=jnp.float32)
+    e_CxKxQxP = e_pre.reshape(c, r, k, g * t, p).transpose(0, 2, 1, 3, 4).reshape(
+        c, k, r * g * t, p)
+    o_pre = jnp.einsum("ckqp,ckph->ckqh", e_CxKxQxP.astype(prefix_v_CxKxPxH.dtype),
+                       prefix_v_CxKxPxH, preferred_element_type=jnp.float32)
+    o = o + o_pre.reshape(c, k, r, g, t, h).transpose(0, 2, 1, 3, 4, 5).reshape(b, k, g, t, h)
+    o = o / (jnp.sum(e_own, axis=-1, keepdims=True) + jnp.sum(e_pre, axis=-1, keepdims=True))
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
 class Attention(nnx.Module):
     """Self-attention block: q/k/v projections, (q/k norm), RoPE, GQA, output projection.
 
@@ -91,6 +131,7 @@ class Attention(nnx.Module):
                  cache_kv: tuple[jax.Array, jax.Array] | None = None,
                  slot: jax.Array | int | None = None,
                  prefix_kv: tuple[jax.Array, jax.Array] | None = None,
+                 group_prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None,
                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Attention output `[B,T,D]` (float32) and this layer's (keys, values) buffers.
 
@@ -101,6 +142,9 @@ class Attention(nnx.Module):
         A `SegmentMask` (causal attention among the T new tokens only: a full forward, or
         a prefill at slot 0) runs `config.attention`'s kernel, a `PrefixSegmentMask` its
         prefix kernel; a boolean `[B,T,S]` mask runs `attend`.
+        With `group_prefix` (keys `[C,K,H,P]`, values `[C,K,P,H]`, valid slots `[C,P]`: a
+        prefix per group of B / C consecutive rows, e.g. the sampler's prompts) the
+        queries attend to their group's prefix, then to the cache (`attend_group_prefix`).
         """
         q, k, v = self.qkv(x_BxTxD, cos_sin)
         k_BxKxHxT = jnp.transpose(k, (0, 2, 3, 1))
@@ -115,7 +159,9 @@ class Attention(nnx.Module):
             ck, cv = cache_kv
             keys = jax.lax.dynamic_update_slice(ck, k_BxKxHxT.astype(ck.dtype), (0, 0, 0, slot))
             values = jax.lax.dynamic_update_slice(cv, v_BxKxTxH.astype(cv.dtype), (0, 0, slot, 0))
-        if isinstance(allowed_BxTxS, SegmentMask):
+        if group_prefix is not None:
+            o = attend_group_prefix(q, *group_prefix, keys, values, allowed_BxTxS)
+        elif isinstance(allowed_BxTxS, SegmentMask):
             o = kernel_attend(self.attention, q, k, v, allowed_BxTxS.segment_ids_BxT)
         elif isinstance(allowed_BxTxS, PrefixSegmentMask):
             o = kernel_attend_prefix(self.attention, q, keys.transpose(0, 3, 1, 2),

@@ -30,9 +30,11 @@ class Block(nnx.Module):
                  cache_kv: tuple[jax.Array, jax.Array] | None = None,
                  slot: jax.Array | int | None = None,
                  prefix_kv: tuple[jax.Array, jax.Array] | None = None,
+                 group_prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None,
                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """(new residual stream, this layer's (keys, values)); see :class:`Attention`."""
-        a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot, prefix_kv)
+        a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot, prefix_kv,
+                          group_prefix)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), kv
 
@@ -183,25 +185,33 @@ class Decoder(nnx.Module):
 
     def forward_cached(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike,
                        mask_BxT: ArrayLike, cache: KVCache, slot: ArrayLike,
-                       ) -> tuple[jax.Array, KVCache]:
+                       prefix: KVCache | None = None) -> tuple[jax.Array, KVCache]:
         """Run T new tokens against the cache: returns (final hidden `[B,T,D]`, new cache).
 
         The new keys/values go to slots [slot, slot + T) (slot: int32 scalar shared by all
         rows), marked valid where mask_BxT; the query at slot s attends to valid slots
         j <= s. Prefill: one call with the padded prompts at slot 0; decode: T = 1 calls
         at slots P, P + 1, ...
+
+        prefix: a read-only cache of C rows (C divides B) that rows ``c B/C .. (c+1) B/C - 1``
+        read before their own cache, e.g. the prompts of a sampled group, kept once per
+        prompt instead of copied into every row; every query sees its valid slots.
         """
         ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"forward_cached: cache must be a KVCache, got {type(cache).__name__}")
+        for name, c in (("cache", cache), ("prefix", prefix)):
+            if not isinstance(c, KVCache) and (name == "cache" or c is not None):
+                raise TypeError(f"forward_cached: {name} must be a KVCache, got {type(c).__name__}")
         if cache.batch_size != ids.shape[0] or ids.shape[1] > cache.max_len:
             raise ValueError(
                 f"forward_cached: input_ids shape {tuple(ids.shape)} does not fit a cache "
                 f"of batch {cache.batch_size} and {cache.max_len} slots"
             )
+        if prefix is not None and ids.shape[0] % prefix.batch_size:
+            raise ValueError(f"forward_cached: a prefix of {prefix.batch_size} rows does not "
+                             f"divide the {ids.shape[0]} rows into equal groups")
         t, s = ids.shape[1], cache.max_len
         # A prefill (slot a Python 0) sees only its own T tokens, so a kernel can run it.
-        prefill = isinstance(slot, int) and slot == 0
+        prefill = isinstance(slot, int) and slot == 0 and prefix is None
         slot = jnp.asarray(slot, jnp.int32)
         mask = jnp.asarray(mask_BxT, bool)
         valid = jax.lax.dynamic_update_slice(cache.valid_BxS, mask, (0, slot))
@@ -215,26 +225,31 @@ class Decoder(nnx.Module):
             )
         cos_sin = rope_cos_sin(self.config, jnp.asarray(positions_BxT))
         x = self._embed(ids)
+        gp = None if prefix is None else lambda i: (prefix.keys[i], prefix.values[i],
+                                                     prefix.valid_BxS)
         if self.config.scan_layers:
-            return self._forward_cached_scanned(x, cos_sin, allowed, cache, slot, valid)
+            return self._forward_cached_scanned(x, cos_sin, allowed, cache, slot, valid, gp)
         keys, values = [], []
-        for layer, ck, cv in zip(self.layers, cache.keys, cache.values):
-            x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot)
+        for i, (layer, ck, cv) in enumerate(zip(self.layers, cache.keys, cache.values)):
+            x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot,
+                              group_prefix=None if gp is None else gp(i))
             keys.append(k)
             values.append(v)
         new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid_BxS=valid)
         return self.final_norm(x), new_cache
 
-    def _forward_cached_scanned(self, x, cos_sin, allowed, cache, slot, valid):
+    def _forward_cached_scanned(self, x, cos_sin, allowed, cache, slot, valid, gp):
         """The cached forward of stacked layers: the `[L, ...]` cache rides in the scan's
-        carry, and layer i reads and writes back its slice i (updated in place by XLA)."""
+        carry, and layer i reads and writes back its slice i (updated in place by XLA);
+        `gp(i)`: layer i's group prefix, or None."""
         if not isinstance(cache.keys, jax.Array):
             raise ValueError("forward_cached: a scanned decoder (scan_layers=True) needs a "
                              "stacked cache (keys [L,B,K,H,S]); build it with init_cache")
 
         def body(layer, i, carry):
             h, k_L, v_L = carry
-            h, (k, v) = layer(h, cos_sin, allowed, (k_L[i], v_L[i]), slot)
+            h, (k, v) = layer(h, cos_sin, allowed, (k_L[i], v_L[i]), slot,
+                              group_prefix=None if gp is None else gp(i))
             return h, k_L.at[i].set(k), v_L.at[i].set(v)
 
         x, k_L, v_L = scan_apply_indexed(self.layers, body, (x, cache.keys, cache.values),

@@ -4,13 +4,22 @@
 compiled programs:
 
 1. ``_prefill``: one forward of the ``B`` padded prompts into a cache of ``P`` slots, the
-   cache and the next-token logits repeated ``G = num_samples`` times (each prompt is
-   prefilled once, its group shares the copies), and the first token drawn.
+   next-token logits repeated ``G = num_samples`` times (each prompt is prefilled once),
+   and the first token drawn.
 2. ``_decode``: ``lax.while_loop`` phases that feed the last token at slot ``P + t - 1``,
    draw token ``t`` and stop once ``max_new_tokens`` are drawn or every row has emitted
-   a stop id. The loop state is donated and the cache lives inside the program (grown
-   from the prompt cache), so every buffer is updated in place, never reallocated per
-   step; the full cache is not returned.
+   a stop id. The loop state is donated and the rows' caches live inside the program
+   (grown per phase), so every buffer is updated in place, never reallocated per step;
+   no cache is returned.
+
+Shared prompt cache: the G rows of a prompt read one copy of the prompt's keys and values
+(``Decoder.forward_cached(..., prefix=)``, ``rljax.models.attention.attend_group_prefix``)
+and each row's own cache holds only its completion. Against a cache with the prompt
+copied into every row this divides the prompt's share of the KV memory and of the decode
+attention's reads by G (on the GSM8K Qwen2.5 recipes, prompts of 320 and 512 new tokens,
+the decode program's peak per chip is ~21% lower; docs/performance.md). On a mesh with
+more batch shards than prompts each prompt's cache is kept once per shard holding its
+rows (``rljax.models.grouped.copies_for_shards``), so no keys cross chips.
 
 Decode phases: attention reads every slot of the cache, and on a CPU reading the cache
 costs about as much as the lm head at the end of a long completion. So the steps are
@@ -52,6 +61,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rljax.models import ModelConfig, grow_kv_cache, kv_cache_shardings
+from rljax.models.grouped import copies_for_shards
 from rljax.sampling.head import cached_vocab_major_weight, vocab_major_head
 from rljax.sampling.ops import SamplingParams, sample_tokens_VxR
 from rljax.sampling.prompts import PackedPrompts
@@ -109,7 +119,7 @@ class DecodeState:
     lengths_R: completion lengths so far. tokens/logp/sampling_logp: ``[R, N]`` outputs.
     """
 
-    cache: object  # a KVCache inside the decode loop, None between the two programs
+    cache: object  # the rows' own KVCache inside the decode loop, None between programs
     key: jax.Array
     step: jax.Array
     slot: jax.Array
@@ -131,7 +141,8 @@ def _constrain(x, mesh, names):
 def _constrain_state(s: DecodeState, mesh) -> DecodeState:
     if mesh is None:
         return s
-    cache = jax.lax.with_sharding_constraint(s.cache, kv_cache_shardings(s.cache, mesh))
+    cache = s.cache if s.cache is None else jax.lax.with_sharding_constraint(
+        s.cache, kv_cache_shardings(s.cache, mesh))
     rows = {
         f.name: _constrain(getattr(s, f.name), mesh, ("batch",) + (None,) * (getattr(s, f.name).ndim - 1))
         for f in dataclasses.fields(s)
@@ -196,10 +207,24 @@ def _repeat_cache_rows(cache, g):
                                valid_BxS=_repeat_rows(cache.valid_BxS, g))
 
 
+def _prompt_cache_copies(mesh, num_prompts: int, group: int) -> int:
+    """Copies of each prompt's cache: one per batch shard holding its rows (see
+    ``rljax.models.grouped.copies_for_shards``), 1 without a mesh."""
+    if mesh is None:
+        return 1
+    shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.shape]))
+    return copies_for_shards(num_prompts, group, shards)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mask_BxP, pos_BxP,
              key):
-    """Prefill the prompts once, repeat for the group, draw the first token."""
+    """Prefill the prompts once, draw the first token of each of their G rows.
+
+    Returns the state, the prompts' cache (each prompt once, or once per batch shard
+    holding its rows on a mesh: the decode's read-only prefix) and the prompt arrays
+    repeated for the rows.
+    """
     params, head_VxD = inference_layout(params, head_VxD, mesh)
     model = nnx.merge(graphdef, params)
     b, p = tokens_BxP.shape
@@ -209,12 +234,14 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
     h_BxPxD, cache = model.forward_cached(tokens_BxP, pos_BxP, mask_BxP, cache, 0)
     logits_VxB = vocab_major_head(model, head_VxD)(h_BxPxD[:, -1])
     g, n = spec.num_samples, spec.max_new_tokens
-    cache = _repeat_cache_rows(cache, g)
+    prefix = _repeat_cache_rows(cache, _prompt_cache_copies(mesh, b, g))
+    if mesh is not None:
+        prefix = jax.lax.with_sharding_constraint(prefix, kv_cache_shardings(prefix, mesh))
     r = b * g
     plen_R = _repeat_rows(jnp.sum(mask_BxP, axis=1, dtype=jnp.int32), g)
     zeros_RxN = jnp.zeros((r, n), jnp.float32)
     s = DecodeState(
-        cache=cache, key=key, step=jnp.int32(0), slot=jnp.int32(p - 1),
+        cache=None, key=key, step=jnp.int32(0), slot=jnp.int32(p - 1),
         last_R=jnp.zeros((r,), jnp.int32), feed_pos_R=plen_R - 1,
         done_R=jnp.zeros((r,), bool), lengths_R=jnp.zeros((r,), jnp.int32),
         tokens_RxN=jnp.full((r, n), spec.pad_id, jnp.int32),
@@ -222,38 +249,43 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
     )
     logits_VxR = logits_VxB if g == 1 else jnp.repeat(logits_VxB, g, axis=1)
     tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(key, 0), logits_VxR, spec.params)
-    s = _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
+    s = _constrain_state(_record(s, spec, None, tok, lp, slp), mesh)
     prompt = tuple(_repeat_rows(x, g) for x in (tokens_BxP, mask_BxP, pos_BxP))
-    return dataclasses.replace(s, cache=None), s.cache, prompt
+    return s, prefix, prompt
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
-def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, prompt_cache):
+def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, prefix):
     """Decode until ``max_new_tokens`` or every row stopped; the state is donated.
 
-    ``s.cache`` is None on the way in and out; the loops run on ``prompt_cache`` grown
-    to each phase's length. ``head_VxD``: ``cached_vocab_major_weight`` (or None). The
-    parameters are constrained to the inference layout here, outside the loops.
+    ``prefix``: the prompts' cache (``C`` rows, ``P`` slots), read by every step and
+    never copied per row; each row's own cache holds only its completion (slot ``j`` of
+    it is the sequence's slot ``P + j``), starts inside the program and grows to each
+    phase's length. ``s.cache`` is None on the way in and out. ``head_VxD``:
+    ``cached_vocab_major_weight`` (or None). The parameters are constrained to the
+    inference layout here, outside the loops.
     """
     params, head_VxD = inference_layout(params, head_VxD, mesh)
     model = nnx.merge(graphdef, params)
-    s = dataclasses.replace(s, cache=prompt_cache)
-    r = s.last_R.shape[0]
+    r, p = s.last_R.shape[0], prefix.max_len
     ones_Rx1 = jnp.ones((r, 1), bool)
     head = vocab_major_head(model, head_VxD)
+    own_len = lambda cache_len: max(cache_len - p, 1)
+    s = dataclasses.replace(s, cache=model.init_cache(r, own_len(spec.phases[0][1])))
 
     def body(s):
         h_Rx1xD, cache = model.forward_cached(
-            s.last_R[:, None], s.feed_pos_R[:, None], ones_Rx1, s.cache, s.slot
+            s.last_R[:, None], s.feed_pos_R[:, None], ones_Rx1, s.cache, s.slot - p, prefix
         )
         tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(s.key, s.step),
                                          head(h_Rx1xD[:, 0]), spec.params)
         return _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
 
     for end_step, cache_len in spec.phases:
-        s = _constrain_state(dataclasses.replace(s, cache=grow_kv_cache(s.cache, cache_len)), mesh)
+        s = dataclasses.replace(s, cache=grow_kv_cache(s.cache, own_len(cache_len)))
         s = jax.lax.while_loop(
-            lambda s, end=end_step: (s.step < end) & ~jnp.all(s.done_R), body, s
+            lambda s, end=end_step: (s.step < end) & ~jnp.all(s.done_R), body,
+            _constrain_state(s, mesh)
         )
     return dataclasses.replace(s, cache=None)
 
@@ -307,9 +339,9 @@ def sample_arrays(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxP, mask_Bx
     device or traced): callable inside ``jax.jit`` and ``jax.vmap``, so a caller can
     compile sampling into a larger program (``rljax.train.fused``). ``prompt_index_R``
     defaults to ``row // num_samples``."""
-    s, cache, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, head_VxD, tokens_BxP,
-                                             mask_BxP, positions_BxP, key)
-    s = _decode(graphdef, spec, mesh, params, head_VxD, s, cache)
+    s, prefix, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, head_VxD,
+                                              tokens_BxP, mask_BxP, positions_BxP, key)
+    s = _decode(graphdef, spec, mesh, params, head_VxD, s, prefix)
     n, g = spec.max_new_tokens, spec.num_samples
     cols_N = jnp.arange(n, dtype=jnp.int32)
     plen_R = jnp.sum(pmask, axis=1, dtype=jnp.int32)
