@@ -75,8 +75,10 @@ def config() -> ExperimentConfig:
 # so the 0.5B runs pure FSDP: its float32 state with the reference (~8 GB) is 1 GB per
 # chip on 8 chips, and tensor parallelism would only add collectives.
 RECIPES = {
-    # Micro 64 (8 rows/chip) compiled to a 15.79 GiB learning program on 16 GiB chips
-    # (memory_budget.py, TPU AOT): too close; 32 halves the per-micro-batch activations.
+    # Micro 64 (8 rows/chip) compiled to a 15.79 GiB learning program on 16 GiB chips with
+    # unrolled layers (memory_budget.py, TPU AOT, 2026-12-04), hence 32. With today's
+    # scanned, shared-prompt program (2026-12-06, same compiler): micro 32 3.29, 64 4.47,
+    # 128 7.09 GiB a chip; 32 kept until the larger ones are timed on a TPU.
     "0.5b-v5e8": Recipe("Qwen2.5-0.5B-Instruct", "v5e-8", MeshConfig(1, 8, 1), 32,
                         why="pure FSDP: state 1 GB/chip; micro 32 = 4 rows/chip"),
     # Pure FSDP (1, 8, 1) compiled to a decode program of 13.89 GiB + 2.88 GiB resident
