@@ -43,7 +43,6 @@ def attend(q_BxTxNxH: jax.Array, k_BxKxHxS: jax.Array, v_BxKxSxH: jax.Array,
     return o.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-
 def attend_group_prefix(q_BxTxNxH: jax.Array, prefix_k_CxKxHxP: jax.Array,
                         prefix_v_CxKxPxH: jax.Array, prefix_valid_CxP: jax.Array,
                         k_BxKxHxS: jax.Array, v_BxKxSxH: jax.Array,
@@ -82,6 +81,7 @@ def attend_group_prefix(q_BxTxNxH: jax.Array, prefix_k_CxKxHxP: jax.Array,
     o = o + o_pre.reshape(c, k, r, g, t, h).transpose(0, 2, 1, 3, 4, 5).reshape(b, k, g, t, h)
     o = o / (jnp.sum(e_own, axis=-1, keepdims=True) + jnp.sum(e_pre, axis=-1, keepdims=True))
     return o.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
 
 class Attention(nnx.Module):
     """Self-attention block: q/k/v projections, (q/k norm), RoPE, GQA, output projection.
