@@ -11,7 +11,8 @@ lowers and compiles, without running, the run's four programs:
   decode   the sampler's decode loops (donated state, cache grown per phase)
            Both take the policy in the sampler's inference layout
            (`rljax.sharding.inference_shardings`: replicated over data x fsdp, split over
-           tensor), the copy `rljax.sampling.sampler.run` makes once per step.
+           tensor, matmul weights in the compute dtype), the copy
+           `rljax.sampling.sampler.run` makes once per step.
   logprob  the reference's log-probs over the whole rollout batch, micro-batched (the
            first pass of the learning program, compiled alone)
   learn    the one learning program of `rljax.train.rl.RLTrainer` (forwards, advantages,
@@ -62,6 +63,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from rljax.models import Decoder, ValueModel  # noqa: E402
 from rljax.models.attention_kernels import tpu_kernels  # noqa: E402
+from rljax.models.layers import cast_matmul_weights, compute_dtype  # noqa: E402
 from rljax.run.experiment_files import experiment_module, load_experiment  # noqa: E402
 from rljax.sampling import sampler as sampler_lib  # noqa: E402
 from rljax.sampling.head import _to_VxD_jit, _source  # noqa: E402
@@ -238,7 +240,9 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     # Sampler: the policy's inference copy (and the head built from it) are arguments;
     # the training parameters (the policy's FSDP shard included), Adam moments and the
     # reference stay resident beside them.
-    infer = _abstract(policy, inference_shardings(policy, mesh))
+    cd = compute_dtype(model_cfg)  # run() casts the matmul weights before the copy
+    infer = _abstract(jax.eval_shape(lambda p: cast_matmul_weights(p, cd), policy),
+                      inference_shardings(policy, mesh))
     head = _head(infer, model_cfg, mesh)
     spec = sampler_lib.DecodeSpec(SamplingParams(temperature=cfg.sampling.temperature),
                                   (model_cfg.vocab_size - 1,), g, t,

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from rljax.models import Decoder, Llama3RopeScaling, ModelConfig, kv_cache_shardings
+from rljax.models.layers import MATMUL_WEIGHTS, cast_matmul_weights
 from rljax.sharding import MeshConfig, batch_sharding, make_mesh, state_shardings
 
 TOL = 1e-5  # float32 invariances (same math, different batching / caching)
@@ -128,6 +129,34 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     assert l16.dtype == jnp.float32
     assert m16.init_cache(1, 4).keys[0].dtype == jnp.bfloat16
     assert 0 < np.abs(np.asarray(l16 - l32)).max() < 5e-2
+
+
+@pytest.mark.parametrize("cfg", [QWEN2, QWEN3], ids=["qwen2-untied", "qwen3-tied"])
+def test_matmul_weights_cast_to_compute_dtype_compute_the_same(cfg):
+    # The sampler's inference copy: q/k/v/o, gate/up/down and lm_head in bfloat16, the
+    # rest float32; the forward and the cached decode are bitwise those of the original.
+    cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")
+    graphdef, state = nnx.split(_model(cfg))
+    # Norm scales off 1 (they must stay float32: the residual stream is float32).
+    state = jax.tree_util.tree_map_with_path(
+        lambda p, x: x * (1 + 0.1 * jax.random.normal(jax.random.key(len(p)), x.shape))
+        if "scale" in str(p) else x, state)
+    cast = cast_matmul_weights(state, jnp.bfloat16)
+    dtypes = {"/".join(str(k) for k in path): v.get_value().dtype
+              for path, v in nnx.to_flat_state(cast)}
+    for path, dtype in dtypes.items():
+        name = path.split("/")[-1]
+        want = jnp.bfloat16 if name in MATMUL_WEIGHTS else jnp.float32
+        assert dtype == want, (path, dtype)
+    assert any(d == jnp.bfloat16 for d in dtypes.values())
+    assert cast_matmul_weights(state, jnp.float32) is state
+    ids = jnp.asarray([[3, 1, 4, 1, 5, 9]], jnp.int32)
+    a, b = nnx.merge(graphdef, state), nnx.merge(graphdef, cast)
+    np.testing.assert_array_equal(_default(a, ids), _default(b, ids))
+    pos, mask = jnp.arange(6)[None], jnp.ones((1, 6), bool)
+    ha, _ = a.forward_cached(ids, pos, mask, a.init_cache(1, 8), 0)
+    hb, _ = b.forward_cached(ids, pos, mask, b.init_cache(1, 8), 0)
+    np.testing.assert_array_equal(ha, hb)
 
 
 def test_llama3_rope_scaling_changes_long_range_only():

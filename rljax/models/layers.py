@@ -57,6 +57,30 @@ def compute_dtype(config: ModelConfig) -> DTypeLike:
     return jnp.bfloat16 if config.compute_dtype == "bfloat16" else jnp.float32
 
 
+# The decoder's parameters that every forward casts to the compute dtype right before its
+# matmul (attention q / k / v / o, MLP gate / up / down, an untied lm_head). Norm scales,
+# biases and the embedding table (looked up in float32) are used as stored.
+MATMUL_WEIGHTS = frozenset({"q", "k", "v", "o", "gate", "up", "down", "lm_head"})
+
+
+def cast_matmul_weights(state, dtype: DTypeLike):
+    """A decoder's ``nnx.State`` with its `MATMUL_WEIGHTS` in ``dtype`` (others as they are).
+
+    With ``dtype`` the config's compute dtype the model computes exactly what it computes
+    from ``state`` (each forward casts those weights to it anyway), from a copy of that
+    dtype's size: the sampler's inference copy. Sharding is kept; float32 returns ``state``.
+    """
+    if jnp.dtype(dtype) == jnp.float32:
+        return state
+
+    def cast(path, x):
+        names = [getattr(k, "key", None) for k in path]
+        hit = any(n in MATMUL_WEIGHTS for n in names[-2:]) and x.dtype != dtype
+        return x.astype(dtype) if hit else x
+
+    return jax.tree_util.tree_map_with_path(cast, state)
+
+
 class RMSNorm(nnx.Module):
     """Root-mean-square norm, y = w * x / sqrt(mean(x^2) + eps), computed in float32.
 

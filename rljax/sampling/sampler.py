@@ -41,12 +41,15 @@ vocab). ``run`` copies the parameters to that layout once per call with
 ``jax.device_put`` (the copy is freed when the call returns; the caller's parameters are
 untouched), and ``_prefill`` / ``_decode`` constrain them to it on entry
 (``with_sharding_constraint``), so inside a larger program (``rljax.train.fused``) XLA
-gathers once, before the loops. Memory: while sampling, a chip holds the inference copy,
-``params / tensor``, beside its training shard, ``params / (fsdp * tensor)``, and the
-optimiser state; large models keep tensor >= 4 (Llama-3-8B's recipe: fsdp 8 x tensor 4,
-about 8 GB of float32 copy per chip) and ``experiments/memory_budget.py`` counts both
-copies. On a mesh with fsdp = 1 (and on one device) the layout is the training one and
-nothing is copied.
+gathers once, before the loops. The copy holds the matmul weights in the compute dtype
+(``rljax.models.layers.cast_matmul_weights``; cast before the gather): every forward
+casts them to it anyway, so the results are the same, and a bfloat16 model's copy is
+half the float32 size (norms, biases and the embedding table stay float32). Memory:
+while sampling, a chip holds the inference copy, ``params / tensor``, beside its training
+shard, ``params / (fsdp * tensor)``, and the optimiser state; large models keep tensor
+>= 4 (Llama-3-8B's recipe: fsdp 8 x tensor 4, about 4 GB of bfloat16 copy per chip) and
+``experiments/memory_budget.py`` counts both copies. On a mesh with fsdp = 1 (and on one
+device) the layout is the training one and only a bfloat16 model's cast copy is made.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from rljax.models import ModelConfig, grow_kv_cache, kv_cache_shardings
 from rljax.models.grouped import copies_for_shards
+from rljax.models.layers import cast_matmul_weights, compute_dtype
 from rljax.sampling.head import cached_vocab_major_weight, vocab_major_head
 from rljax.sampling.ops import SamplingParams, sample_tokens_VxR
 from rljax.sampling.prompts import PackedPrompts
@@ -192,6 +196,16 @@ def inference_layout(params, head_VxD, mesh, place=jax.lax.with_sharding_constra
     return params, head_VxD
 
 
+def _decode_model(graphdef, params, head_VxD, mesh):
+    """The decoder the sampler runs: matmul weights in the compute dtype
+    (``rljax.models.layers.cast_matmul_weights``: the values each forward casts to
+    anyway, so the same results; cast before the layout change, so an FSDP gather moves
+    that dtype), in the inference layout; and the head weight in that layout."""
+    cd = compute_dtype(nnx.merge(graphdef, params).config)
+    params, head_VxD = inference_layout(cast_matmul_weights(params, cd), head_VxD, mesh)
+    return nnx.merge(graphdef, params), head_VxD
+
+
 def _repeat_rows(x, g):
     return x if g == 1 else jnp.repeat(x, g, axis=0)
 
@@ -225,8 +239,7 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
     holding its rows on a mesh: the decode's read-only prefix) and the prompt arrays
     repeated for the rows.
     """
-    params, head_VxD = inference_layout(params, head_VxD, mesh)
-    model = nnx.merge(graphdef, params)
+    model, head_VxD = _decode_model(graphdef, params, head_VxD, mesh)
     b, p = tokens_BxP.shape
     cache = model.init_cache(b, p)
     if mesh is not None:
@@ -265,8 +278,7 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, 
     ``cached_vocab_major_weight`` (or None). The parameters are constrained to the
     inference layout here, outside the loops.
     """
-    params, head_VxD = inference_layout(params, head_VxD, mesh)
-    model = nnx.merge(graphdef, params)
+    model, head_VxD = _decode_model(graphdef, params, head_VxD, mesh)
     r, p = s.last_R.shape[0], prefix.max_len
     ones_Rx1 = jnp.ones((r, 1), bool)
     head = vocab_major_head(model, head_VxD)
@@ -317,16 +329,22 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
     (``rljax.sampling.head``); without it the weight is built inside each call.
 
     On a mesh the parameters are copied to the inference layout first (see the module
-    docstring); the output weight is then built from (and cached with) that copy.
+    docstring); the output weight is then built from (and cached with) that copy. With a
+    ``config`` whose compute dtype is bfloat16 the matmul weights are cast to it before
+    (``rljax.models.layers.cast_matmul_weights``): the inference copy is half the size,
+    and the programs hold no float32 weights they would cast anyway.
     """
     mesh = _mesh_of(params) if mesh is None else mesh
     host = (prompts.tokens_BxP, prompts.mask_BxP, prompts.positions_BxP)
+    cast = (lambda p: p) if config is None else (
+        lambda p: cast_matmul_weights(p, compute_dtype(config)))
     if mesh is not None:
         host = tuple(
             jax.device_put(x, logical_sharding(("batch", None), x.shape, mesh)) for x in host
         )
-        params, _ = inference_layout(params, None, mesh, place=jax.device_put)
+        params, _ = inference_layout(cast(params), None, mesh, place=jax.device_put)
     head_VxD = None if config is None else cached_vocab_major_weight(params, config)
+    params = cast(params)  # (a no-op on a mesh) the programs receive the cast copy
     index_R = _prompt_index(len(prompts.lengths_B), spec.num_samples, mesh)
     with mesh_context(mesh):  # prefill's attention kernels run per chip (rljax.sharding)
         return sample_arrays(graphdef, params, *host, spec, key, mesh, head_VxD, index_R)
