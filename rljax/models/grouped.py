@@ -74,23 +74,17 @@ def check_groups(prompt_NxP, prompt_mask_NxP, completion_BxT, completion_mask_Bx
     return b // n
 
 
-def copies_for_shards(num_prompts: int, group: int, shards: int) -> int:
-    """The least k dividing ``group`` with ``num_prompts * k`` a multiple of ``shards``
-    (rows split evenly over the shards then read only the copies on their own shard);
-    1 if there is no such k."""
-    k = shards // math.gcd(num_prompts, shards)
-    return k if group % k == 0 else 1
-
-
-def prompt_copies(num_prompts: int, group: int) -> int:
-    """Copies k of each prompt in the prompt stream: 1 without a mesh; on one,
-    `copies_for_shards` over the batch shards (data x fsdp), so each shard computes the
-    copies its rows read."""
-    mesh = jax.sharding.get_abstract_mesh()
+def prompt_copies(num_prompts: int, group: int, mesh=None) -> int:
+    """Copies k of each prompt in the prompt stream: 1 without a mesh (``mesh``, else the
+    abstract mesh set by ``jax.set_mesh``); on one, the least k dividing ``group`` with
+    ``num_prompts * k`` a multiple of the batch shards (data x fsdp), so rows split evenly
+    over the shards read only the copies on their own shard; 1 if there is no such k."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh.empty:
         return 1
     shards = math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.shape)
-    return copies_for_shards(num_prompts, group, shards)
+    k = shards // math.gcd(num_prompts, shards)
+    return k if group % k == 0 else 1
 
 
 def on_batch_shards(x_Cx):

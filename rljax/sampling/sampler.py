@@ -19,7 +19,7 @@ copied into every row this divides the prompt's share of the KV memory and of th
 attention's reads by G (on the GSM8K Qwen2.5 recipes, prompts of 320 and 512 new tokens,
 the decode program's peak per chip is ~21% lower; docs/performance.md). On a mesh with
 more batch shards than prompts each prompt's cache is kept once per shard holding its
-rows (``rljax.models.grouped.copies_for_shards``), so no keys cross chips.
+rows (``rljax.models.grouped.prompt_copies``), so no keys cross chips.
 
 Decode phases: attention reads every slot of the cache, and on a CPU reading the cache
 costs about as much as the lm head at the end of a long completion. So the steps are
@@ -64,7 +64,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rljax.models import ModelConfig, grow_kv_cache, kv_cache_shardings
-from rljax.models.grouped import copies_for_shards
+from rljax.models.grouped import prompt_copies
 from rljax.models.layers import cast_matmul_weights, compute_dtype
 from rljax.sampling.head import cached_vocab_major_weight, vocab_major_head
 from rljax.sampling.ops import SamplingParams, sample_tokens_VxR
@@ -221,15 +221,6 @@ def _repeat_cache_rows(cache, g):
                                valid_BxS=_repeat_rows(cache.valid_BxS, g))
 
 
-def _prompt_cache_copies(mesh, num_prompts: int, group: int) -> int:
-    """Copies of each prompt's cache: one per batch shard holding its rows (see
-    ``rljax.models.grouped.copies_for_shards``), 1 without a mesh."""
-    if mesh is None:
-        return 1
-    shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.shape]))
-    return copies_for_shards(num_prompts, group, shards)
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mask_BxP, pos_BxP,
              key):
@@ -247,7 +238,7 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
     h_BxPxD, cache = model.forward_cached(tokens_BxP, pos_BxP, mask_BxP, cache, 0)
     logits_VxB = vocab_major_head(model, head_VxD)(h_BxPxD[:, -1])
     g, n = spec.num_samples, spec.max_new_tokens
-    prefix = _repeat_cache_rows(cache, _prompt_cache_copies(mesh, b, g))
+    prefix = _repeat_cache_rows(cache, 1 if mesh is None else prompt_copies(b, g, mesh))
     if mesh is not None:
         prefix = jax.lax.with_sharding_constraint(prefix, kv_cache_shardings(prefix, mesh))
     r = b * g
