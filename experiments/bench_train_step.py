@@ -84,7 +84,8 @@ class LearnBench:
     """``RLTrainer``'s learning program for a random model, called directly."""
 
     def __init__(self, sizes: dict, shape: Shape, steps: int, seed: int = 0,
-                 logp_chunk: int | None = None, share_prompts: bool = True):
+                 logp_chunk: int | None = None, share_prompts: bool = True,
+                 one_pass_head: bool = True):
         self.config = B.model_config(sizes)
         graphdef, params = nnx.split(Decoder(self.config, rngs=nnx.Rngs(seed)))
         # The trainer reads only the pad / eos ids of its tokenizer outside rollouts.
@@ -93,7 +94,7 @@ class LearnBench:
             algorithm=AlgorithmConfig(name="grpo", group_size=shape.group, kl_coef=0.04),
             optim=OptimConfig(lr=1e-6),
             rl=RLConfig(steps=steps, prompts_per_step=shape.prompts,
-                        share_prompts=share_prompts,
+                        share_prompts=share_prompts, one_pass_head=one_pass_head,
                         **({} if logp_chunk is None else {"logp_chunk": logp_chunk})),
             sampling=SamplingConfig(max_new_tokens=shape.new_tokens),
             prompt_len=shape.prompt_len)
@@ -136,10 +137,11 @@ def learning_program(tr: RLTrainer, state):
 
 
 def measure(sizes: dict, shape: Shape, reps: int, peak_n: int = 2048, log=print,
-            logp_chunk: int | None = None, share_prompts: bool = True) -> dict:
+            logp_chunk: int | None = None, share_prompts: bool = True,
+            one_pass_head: bool = True) -> dict:
     """Median seconds, FLOP/s and peak (one peak measurement after each call)."""
     bench = LearnBench(sizes, shape, steps=reps + 1, logp_chunk=logp_chunk,
-                       share_prompts=share_prompts)
+                       share_prompts=share_prompts, one_pass_head=one_pass_head)
     bench.call()  # compile
     B.matmul_peak_flops(peak_n, 1)
     times, others, kernel, peaks = [], [], [], []
@@ -168,6 +170,10 @@ def main(argv=None) -> int:
     ap.add_argument("--per-row-prompts", action="store_true",
                     help="RLConfig.share_prompts=False: every row computes its prompt "
                          "(the FLOPs counted accordingly)")
+    ap.add_argument("--two-pass-head", action="store_true",
+                    help="RLConfig.one_pass_head=False: the update recomputes each log-prob "
+                         "chunk's logits in the backward pass (the FLOPs counted are the same "
+                         "model FLOPs either way)")
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error("--reps must be >= 1")
@@ -184,7 +190,8 @@ def main(argv=None) -> int:
         print(f"{name} model {sizes}:")
         r = res[name] = measure(sizes, shape, args.reps, 256 if args.quick else 2048,
                                 logp_chunk=args.logp_chunk,
-                                share_prompts=not args.per_row_prompts)
+                                share_prompts=not args.per_row_prompts,
+                                one_pass_head=not args.two_pass_head)
         print(f"{name}: learning program {r['seconds']:.3f} s (median; others' CPU "
               f"{r['others']:.2f} cores; own kernel time {r['kernel']:.2f} s), "
               f"{r['flops'] / 1e9:.1f} GFLOP -> "

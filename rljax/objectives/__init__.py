@@ -6,7 +6,9 @@ bound with `functools.partial`. Building blocks: advantages, KL estimators, surr
 value loss, aggregation, the sampler-gap correction, truncation masking, Clip-Cov /
 KL-Cov selection. Objectives: reinforce, grpo, gspo, ppo (`library`); cispo, sapo, gmpo,
 clip_cov, kl_cov (`recent`); distill, on-policy distillation from a teacher's
-log-probs (`distill`). `rljax.testing.check_objective` checks any objective.
+log-probs (`distill`). `rljax.testing.check_objective` checks any objective;
+`token_separable` says which ones the trainer may differentiate in one pass over the
+output head (`rljax.train.onepass`).
 """
 
 from rljax.objectives.advantages import (
@@ -30,6 +32,7 @@ from rljax.objectives.library import grpo, gspo, ppo, reinforce
 from rljax.objectives.logits import token_entropy, token_logprobs
 from rljax.objectives.recent import (clip_cov, cispo, cispo_objective, gmpo, gmpo_token_ratio,
                                      kl_cov, sapo, sapo_objective)
+from rljax.objectives.separable import token_separable
 from rljax.objectives.surrogates import (
     clip_indicators,
     gspo_token_ratio,
@@ -86,6 +89,7 @@ __all__ = [
     "token_covariance",
     "token_entropy",
     "token_logprobs",
+    "token_separable",
     "truncated_is_weights",
     "whiten",
     "zero_variance_fraction",

@@ -129,6 +129,12 @@ class RLConfig:
         Applies when ``group_size > 1``, the micro-batches hold whole groups and the
         policy's attention is "xla" or "splash"; minibatches then draw whole groups.
         False: every row computes its prompt (``RLTrainer.share_group`` says which).
+      one_pass_head: with a token-separable objective (``rljax.objectives.token_separable``:
+        GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE, PPO, CISPO, SAPO, Clip-Cov, KL-Cov) and a
+        linear output head, each update forms the head's gradient in the same pass as
+        its log-probs (``rljax.train.onepass``): three ``[rows x V]`` products a chunk
+        instead of four, one pass of exponentials instead of two, the same values and
+        (to rounding) gradients. False: the log-prob chunks are recomputed in the backward.
     """
 
     steps: int = 100
@@ -142,6 +148,7 @@ class RLConfig:
     value_lr_ratio: float = 1.0
     ref_dtype: str = "float32"
     share_prompts: bool = True
+    one_pass_head: bool = True
 
     def __post_init__(self):
         c = "RLConfig"
@@ -154,6 +161,7 @@ class RLConfig:
         check_num(c, "value_lr_ratio", self.value_lr_ratio, lo=0.0, lo_open=True)
         check_choice(c, "ref_dtype", self.ref_dtype, REF_DTYPES)
         check_bool(c, "share_prompts", self.share_prompts)
+        check_bool(c, "one_pass_head", self.one_pass_head)
 
     def eval_due(self, step: int) -> bool:
         """Whether the held-out evaluation runs after RL step ``step`` (1-based): every

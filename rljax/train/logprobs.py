@@ -109,7 +109,9 @@ def _linear_logits(w, h, vocab_major: bool, cd):
     return jnp.einsum(spec, h.astype(cd), w.astype(cd), preferred_element_type=jnp.float32)
 
 
-def _linear_chunk_fwd(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
+def _linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
+    """One chunk's ``(z, e, s, logz, logp, ent)``: logits ``z`` (scaled by ``inv_temp``),
+    ``e = exp(z - max z)``, ``s = sum(e)``, log Z, the target's log-prob, the entropy."""
     z = _linear_logits(w, h_BxCxD, vocab_major, cd) * inv_temp
     # One exp per logit serves both log Z and the entropy (E_p[z] = sum(e z) / sum(e));
     # logsumexp followed by p = exp(z - log Z) took two passes of exp over [B, C, V].
@@ -124,6 +126,12 @@ def _linear_chunk_fwd(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
     logp = jnp.take_along_axis(z, tgt_BxC[..., None], axis=-1,
                                mode="promise_in_bounds")[..., 0] - logz
     ent = logz - jnp.sum(e * z, axis=-1) / s
+    return z, e, s, logz, logp, ent
+
+
+def _linear_chunk_fwd(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
+    _, _, _, logz, logp, ent = _linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd,
+                                                   inv_temp)
     return logp, ent, logz
 
 

@@ -32,13 +32,12 @@ from rljax.rewards.device import is_device_reward
 from rljax.sharding import on_mesh, replicated
 from rljax.train import algorithms as alg
 from rljax.train import hosts, programs
-from rljax.train import ppo as ppo_lib
 from rljax.train import throughput
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling)
 from rljax.train.fused import make_fused_step, split_step_key
 from rljax.train.learn import LearnSpec, make_learn, share_group
-from rljax.train.logprobs import policy_logprobs
+from rljax.train.loss import rl_loss
 from rljax.train.reference import reference_copy
 from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_groups
 from rljax.train.step import (NonFiniteError, TrainState, batch_constrainer, init_opt_state,
@@ -46,33 +45,6 @@ from rljax.train.step import (NonFiniteError, TrainState, batch_constrainer, ini
 
 sg = jax.lax.stop_gradient
 __all__ = ["PromptSource", "RLTrainer", "rl_loss"]
-
-
-def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, temperature,
-            remat, self_old: bool, use_sampler: bool, entropy_grad: bool, group: int = 1):
-    """The RL micro-batch loss: current log-probs (and values) -> ``ObjectiveBatch`` ->
-    the objective's ``(loss_sum, count, metrics)`` plus the sampler-gap metric. ``group``:
-    the micro-batch's rows share prompts in groups of that many (``policy_logprobs``)."""
-    logp, ent = policy_logprobs(policy_gd, params["policy"], mb, chunk=chunk,
-                                temperature=temperature, remat=remat, group=group)
-    m = mb["completion_mask_BxT"]
-    values = None
-    if value_gd is not None:
-        values = ppo_lib.value_predictions(value_gd, params["value"], mb, remat=remat)
-    batch = obj.ObjectiveBatch(
-        logp_BxT=logp, old_logp_BxT=sg(logp) if self_old else mb["old_logp_BxT"], mask_BxT=m,
-        adv_BxT=mb["adv_BxT"], ref_logp_BxT=mb.get("ref_logp_BxT"),
-        sampler_logp_BxT=mb["sampler_logp_BxT"] if use_sampler else None,
-        values_BxT=values, old_values_BxT=mb.get("old_values_BxT"),
-        returns_BxT=mb.get("returns_BxT"), entropy_BxT=ent if entropy_grad else sg(ent),
-        cov_select_BxT=mb.get("cov_select_BxT"), teacher_logp_BxT=mb.get("teacher_logp_BxT"),
-    )
-    loss_sum, count, metrics = objective(batch, coef)
-    n = jnp.sum(m)
-    gap = jnp.where(m > 0, jnp.abs(sg(logp) - mb["sampler_logp_BxT"]), 0.0)
-    metrics = dict(metrics)
-    metrics["sampler_gap"] = (jnp.sum(gap), n)
-    return loss_sum, count, metrics
 
 
 @dataclasses.dataclass
@@ -225,6 +197,8 @@ class RLTrainer:
             use_sampler=alg.uses_sampler_logp(a),
             entropy_grad=a.entropy_coef != 0.0, group=self.share_group,
         )
+        loss = functools.partial(loss, one_pass=self.rl.one_pass_head
+                                 and obj.token_separable(loss.keywords["objective"]))
         learn = make_learn(self.spec, loss, self.txs, {k: v[1] for k, v in optims.items()},
                            self.gd, self.value_gd, batch_constrainer(self.mesh), self.teacher_gd)
         self._learn_fn = learn
@@ -245,7 +219,7 @@ class RLTrainer:
         return (self.spec, self.gd, self.value_gd, self.teacher_gd, self.device_reward,
                 self.optim, schedule,
                 r.value_lr_ratio,
-                r.logp_chunk, r.remat, r.ref_dtype, s.temperature, s.max_new_tokens, self.mesh,
+                r.logp_chunk, r.remat, r.ref_dtype, r.one_pass_head, s.temperature, s.max_new_tokens, self.mesh,
                 shardings)
 
     def _cached_learn(self, state: TrainState):

@@ -1,0 +1,107 @@
+"""The RL micro-batch loss of the learning program (``RLTrainer``'s updates).
+
+``rl_loss`` turns a micro-batch and the current parameters into the objective's
+``(loss_sum, count, metrics)``: the policy's log-probs and entropies (and PPO's values),
+the ``ObjectiveBatch``, the objective, the sampler-gap metric. With a token-separable
+objective (``rljax.objectives.token_separable``) and ``RLConfig.one_pass_head`` the
+policy's linear head forms its gradient in the forward pass (``rljax.train.onepass``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rljax import objectives as obj
+from rljax.models.layers import compute_dtype
+from rljax.train import ppo as ppo_lib
+from rljax.train.logprobs import completion_hidden, head_weight, policy_logprobs
+from rljax.train.onepass import one_pass_head, padded_width
+
+sg = jax.lax.stop_gradient
+__all__ = ["rl_loss"]
+
+
+def _objective_batch(mb: dict, logp, ent, values, *, self_old: bool, use_sampler: bool,
+                     entropy_grad: bool) -> obj.ObjectiveBatch:
+    """The objective's batch from a micro-batch and the current log-probs / entropies."""
+    return obj.ObjectiveBatch(
+        logp_BxT=logp, old_logp_BxT=sg(logp) if self_old else mb["old_logp_BxT"],
+        mask_BxT=mb["completion_mask_BxT"], adv_BxT=mb["adv_BxT"],
+        ref_logp_BxT=mb.get("ref_logp_BxT"),
+        sampler_logp_BxT=mb["sampler_logp_BxT"] if use_sampler else None,
+        values_BxT=values, old_values_BxT=mb.get("old_values_BxT"),
+        returns_BxT=mb.get("returns_BxT"), entropy_BxT=ent if entropy_grad else sg(ent),
+        cov_select_BxT=mb.get("cov_select_BxT"), teacher_logp_BxT=mb.get("teacher_logp_BxT"),
+    )
+
+
+def _one_pass_logprobs(policy_gd, policy_params, mb: dict, coef, values, *, objective, chunk,
+                       temperature, remat, group, **fields):
+    """``(surrogate, logp, ent)`` by ``rljax.train.onepass.one_pass_head`` (the objective
+    is token-separable), or None for a policy without a linear head. Each chunk's
+    derivatives come from the objective on the whole micro-batch with that chunk's
+    values in place (the other columns hold the sampler's log-probs: any finite values
+    do for a separable objective), at the chunks' padded width."""
+    model = nnx.merge(policy_gd, policy_params)
+    head = head_weight(model)
+    if head is None:
+        return None
+    h_BxTxD = completion_hidden(model, mb["prompt_BxP"], mb["prompt_mask_BxP"],
+                                mb["completion_BxT"], mb["completion_mask_BxT"], remat=remat,
+                                group=group)
+    b, t = mb["completion_mask_BxT"].shape
+    c, width = min(chunk, t), padded_width(t, chunk)
+    pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, width - t)))
+    wide = {k: pad(v) for k, v in mb.items() if k.endswith("_BxT")}
+    aux = (wide, sg(pad(values)), coef)
+
+    def token_grads(aux, logp_BxC, ent_BxC, start):
+        wide, values, coef = aux
+        put = lambda full, x: jax.lax.dynamic_update_slice(full, x, (0, start))
+        loss = lambda lp, en: objective(
+            _objective_batch(wide, lp, en, values, **fields), coef)[0]
+        a, e = jax.grad(loss, argnums=(0, 1))(put(wide["sampler_logp_BxT"], logp_BxC),
+                                              put(jnp.zeros((b, width), jnp.float32), ent_BxC))
+        cut = lambda x: jax.lax.dynamic_slice(x, (0, start), (b, c))
+        return cut(a), cut(e)
+
+    w, vocab_major = head
+    return one_pass_head(w, h_BxTxD, mb["completion_BxT"], token_grads, aux,
+                         vocab_major=vocab_major, chunk=chunk, temperature=temperature,
+                         compute_dtype=compute_dtype(model.config),
+                         with_entropy=fields["entropy_grad"])
+
+
+def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, temperature,
+            remat, self_old: bool, use_sampler: bool, entropy_grad: bool, group: int = 1,
+            one_pass: bool = False):
+    """The RL micro-batch loss: current log-probs (and values) -> ``ObjectiveBatch`` ->
+    the objective's ``(loss_sum, count, metrics)`` plus the sampler-gap metric. ``group``:
+    the micro-batch's rows share prompts in groups of that many (``policy_logprobs``).
+    ``one_pass``: the objective is token-separable (``rljax.objectives.token_separable``);
+    the policy's linear head then forms its gradient in the forward pass
+    (``rljax.train.onepass``): the same loss and, to rounding, the same gradients."""
+    m = mb["completion_mask_BxT"]
+    values = None
+    if value_gd is not None:
+        values = ppo_lib.value_predictions(value_gd, params["value"], mb, remat=remat)
+    fields = dict(self_old=self_old, use_sampler=use_sampler, entropy_grad=entropy_grad)
+    fused = None
+    if one_pass:
+        fused = _one_pass_logprobs(policy_gd, params["policy"], mb, coef, values,
+                                   objective=objective, chunk=chunk, temperature=temperature,
+                                   remat=remat, group=group, **fields)
+    if fused is None:
+        logp, ent = policy_logprobs(policy_gd, params["policy"], mb, chunk=chunk,
+                                    temperature=temperature, remat=remat, group=group)
+        surrogate = 0.0
+    else:  # log-probs as values; their gradient enters through the surrogate
+        surrogate, logp, ent = fused
+    loss_sum, count, metrics = objective(_objective_batch(mb, logp, ent, values, **fields), coef)
+    n = jnp.sum(m)
+    gap = jnp.where(m > 0, jnp.abs(sg(logp) - mb["sampler_logp_BxT"]), 0.0)
+    metrics = dict(metrics)
+    metrics["sampler_gap"] = (jnp.sum(gap), n)
+    return loss_sum + surrogate, count, metrics

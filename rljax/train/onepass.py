@@ -1,0 +1,148 @@
+"""The update's output head in one pass, for objectives that are sums over tokens.
+
+Through :func:`rljax.train.logprobs.linear_logprobs` an update costs four
+``[B*C, D] x [D, V]`` products per chunk of ``C`` positions: the forward's logits, and in
+the backward the logits again (a chunk's ``B*C*V`` floats are not kept), ``dh`` and
+``dW``. The backward needs the logits' gradient
+
+    d logits = a * (onehot - p) - e * p * (log p + H),
+
+where ``a`` and ``e`` are the loss's derivatives by each token's log-prob and entropy; in
+general they exist only once the whole loss has been computed, hence the recompute. An
+objective is *token-separable* when its derivative at a token depends on that token's
+log-prob and entropy alone (besides data, masks and stop-gradient weights): GRPO, DAPO,
+Dr.GRPO, REINFORCE / RLOO, PPO's policy term, CISPO, SAPO, Clip-Cov and KL-Cov, with
+token-level importance weights (``rljax.objectives.token_separable``). Then a chunk's
+``a`` and ``e`` are known as soon as its log-probs are, and :func:`one_pass_head` forms the
+chunk's ``dh`` and ``dW`` right there from the logits still in hand: three products and
+one pass of exponentials a chunk instead of four and two. It returns the log-probs and
+entropies as values and a zero-valued *surrogate* whose gradient with respect to the
+head weight and the hidden states is the loss's; the caller adds it to the loss it
+computes from those values under stop-gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from rljax.train.logprobs import _check_args, _chunks, _linear_chunk_stats, _unchunk
+
+Array = Any
+#: ``token_grads(aux, logp_BxC, entropy_BxC, start) -> (a_BxC, e_BxC)``: the loss's
+#: derivatives by the log-probs and entropies of the chunk at columns ``start ..
+#: start + C - 1`` of the (padded) completion; ``aux`` is the data it reads.
+TokenGrads = Callable[[Any, Array, Array, Array], tuple[Array, Array]]
+
+__all__ = ["TokenGrads", "one_pass_head", "padded_width"]
+
+
+def padded_width(t: int, chunk: int) -> int:
+    """The completion width the chunks cover: ``T`` rounded up to whole chunks of
+    ``min(chunk, T)`` (``token_grads`` sees its arrays at this width)."""
+    c = min(chunk, t)
+    return math.ceil(t / c) * c
+
+
+def _chunk_pass(w, h_BxCxD, tgt_BxC, aux, start, token_grads, vocab_major, cd, inv_temp,
+                with_ent):
+    z, e, s, logz, logp, ent = _linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd,
+                                                   inv_temp)
+    a, eg = token_grads(aux, logp, ent, start)
+    a = a.astype(jnp.float32)
+    scale = a[..., None]
+    if with_ent:
+        scale = scale + eg.astype(jnp.float32)[..., None] * (z - logz[..., None] + ent[..., None])
+    # p = e / s; d logits as in linear_logprobs' backward, from this pass's exponentials.
+    g = -(e / s[..., None]) * scale
+    g = g + jax.nn.one_hot(tgt_BxC, z.shape[-1], dtype=jnp.float32) * a[..., None]
+    g = (g * inv_temp).astype(cd)
+    dh = jnp.einsum("bcv,vd->bcd" if vocab_major else "bcv,dv->bcd", g, w.astype(cd),
+                    preferred_element_type=jnp.float32)
+    dw_DxV = jnp.einsum("bcd,bcv->dv", h_BxCxD.astype(cd), g, preferred_element_type=jnp.float32)
+    return logp, ent, dh, dw_DxV
+
+
+def _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c, with_ent):
+    b, t, d = h_BxTxD.shape
+    n = math.ceil(t / c)
+    wc = w.astype(cd)
+
+    def step(dw_DxV, xs):
+        h, tgt, start = xs
+        logp, ent, dh, dw = _chunk_pass(wc, h, tgt, aux, start, token_grads, vocab_major, cd,
+                                        inv_temp, with_ent)
+        return dw_DxV + dw, (logp, ent, dh)
+
+    starts = jnp.arange(n, dtype=jnp.int32) * c
+    dw_DxV, (logp, ent, dh) = jax.lax.scan(
+        step, jnp.zeros((d, w.shape[0] if vocab_major else w.shape[1]), jnp.float32),
+        (_chunks(h_BxTxD, n, c), _chunks(tgt_BxT, n, c), starts))
+    dw = dw_DxV.T if vocab_major else dw_DxV
+    return _unchunk(logp, t), _unchunk(ent, t), _unchunk(dh, t), dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _one_pass(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c, with_ent):
+    logp, ent, _, _ = _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c,
+                           with_ent)
+    return jnp.zeros((), jnp.float32), logp, ent
+
+
+def _one_pass_fwd(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c,
+                  with_ent):
+    logp, ent, dh, dw = _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp,
+                             c, with_ent)
+    res = (dw.astype(w.dtype), dh.astype(h_BxTxD.dtype))
+    return (jnp.zeros((), jnp.float32), logp, ent), res
+
+
+def _one_pass_bwd(token_grads, vocab_major, cd, inv_temp, c, with_ent, res, cts):
+    dw, dh = res
+    ct = cts[0]  # the surrogate's; log-probs and entropies leave as stop-gradient values
+    return (ct.astype(dw.dtype) * dw, ct.astype(dh.dtype) * dh, None, None)
+
+
+_one_pass.defvjp(_one_pass_fwd, _one_pass_bwd)
+
+
+def one_pass_head(
+    w: Array,
+    h_BxTxD: Array,
+    targets_BxT: Array,
+    token_grads: TokenGrads,
+    aux: Any,
+    *,
+    vocab_major: bool,
+    chunk: int,
+    temperature: float = 1.0,
+    compute_dtype: Any = jnp.float32,
+    with_entropy: bool = False,
+) -> tuple[Array, Array, Array]:
+    """Log-probs, entropies and the loss's gradient of a linear head in one pass.
+
+    ``w``, ``vocab_major``, ``chunk``, ``temperature``, ``compute_dtype``: as in
+    :func:`rljax.train.logprobs.linear_logprobs`, whose log-probs and entropies these
+    equal. ``token_grads(aux, logp_BxC, entropy_BxC, start)`` returns the loss's
+    derivatives ``(a_BxC, e_BxC)`` for one chunk; it must be the derivative of a
+    token-separable loss (module docstring), evaluated on the chunk's values. ``aux``
+    (arrays) is passed to it and gets no gradient. ``with_entropy``: the loss depends on
+    the entropies (otherwise ``e`` is ignored).
+
+    Returns ``(surrogate, logp_BxT, entropy_BxT)``: the two float32 arrays under
+    ``stop_gradient``, and ``surrogate``, a float32 zero whose gradient with respect to
+    ``w`` and ``h_BxTxD`` is the loss's (the chunks' ``dW`` summed, ``dh`` per position),
+    to be added to the loss.
+    """
+    b, t, d = _check_args("one_pass_head", h_BxTxD, targets_BxT, chunk, temperature)
+    if w.ndim != 2 or (w.shape[1] if vocab_major else w.shape[0]) != d:
+        raise ValueError(f"one_pass_head: weight shape {tuple(w.shape)} does not match hidden "
+                         f"size {d} (vocab_major={vocab_major})")
+    surrogate, logp, ent = _one_pass(
+        w, h_BxTxD, targets_BxT.astype(jnp.int32), aux, token_grads, bool(vocab_major),
+        jnp.dtype(compute_dtype), 1.0 / float(temperature), min(chunk, t), bool(with_entropy))
+    return surrogate, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent)
