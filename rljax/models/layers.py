@@ -9,22 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.typing import ArrayLike, DTypeLike
 
 from rljax.models.config import ModelConfig
-from rljax.sharding import fitted_spec
+from rljax.sharding import constrain_logical
 
 INIT_STD = 0.02
-
-
-def _place(value, names):
-    """Constrain `value` to its logical sharding when a mesh is set (`jax.set_mesh`)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return value
-    spec = fitted_spec(names, value.shape, mesh)
-    return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
 
 
 def annotated_param(value: ArrayLike, names: Sequence[str | None]) -> nnx.Param:
@@ -37,7 +27,7 @@ def annotated_param(value: ArrayLike, names: Sequence[str | None]) -> nnx.Param:
     names = tuple(names)
     if len(names) != value.ndim:
         raise ValueError(f"logical names {names} do not match parameter shape {value.shape}")
-    value = _place(jnp.asarray(value, jnp.float32), names)
+    value = constrain_logical(jnp.asarray(value, jnp.float32), names)
     return nnx.Param(value, eager_sharding=False, logical_axes=names)
 
 

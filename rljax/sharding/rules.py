@@ -92,6 +92,16 @@ def logical_sharding(names, shape, mesh: Mesh, drop: tuple[str, ...] = ()) -> Na
     return NamedSharding(mesh, fitted_spec(names, shape, mesh, drop))
 
 
+def constrain_logical(value, names: Sequence[str | None]):
+    """``value`` constrained to the sharding of its logical axis ``names`` on the mesh set
+    by ``jax.set_mesh`` (inside jit: a sharding constraint); ``value`` itself without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return value
+    return jax.lax.with_sharding_constraint(
+        value, NamedSharding(mesh, fitted_spec(names, value.shape, mesh)))
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Sharding for a batch array of rank `ndim`: leading axis over ("data", "fsdp")."""
     if ndim < 1:
@@ -104,7 +114,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _names_of(var) -> tuple | None:
+def logical_axes(var) -> tuple | None:
+    """The logical axis names an ``nnx.Variable`` carries (``logical_axes`` metadata), or
+    None (not a variable, or not annotated)."""
     names = var.get_metadata("logical_axes", None) if isinstance(var, nnx.Variable) else None
     return None if names is None else tuple(names)
 
@@ -119,7 +131,7 @@ def state_shardings(state, mesh: Mesh, drop: tuple[str, ...] = ()):
 
     def one(x):
         if isinstance(x, nnx.Variable):
-            names = _names_of(x)
+            names = logical_axes(x)
             val = x.get_value() if hasattr(x, "get_value") else x[...]
             shape = getattr(val, "shape", ())
             spec = fitted_spec(names, shape, mesh, drop) if names else PartitionSpec()

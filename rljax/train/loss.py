@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from rljax import objectives as obj
-from rljax.models.layers import compute_dtype
 from rljax.train import ppo as ppo_lib
-from rljax.train.logprobs import completion_hidden, head_weight, policy_logprobs
-from rljax.train.onepass import one_pass_head, padded_width
+from rljax.train.logprobs import policy_logprobs
+from rljax.train.onepass import padded_width, policy_one_pass
 
 sg = jax.lax.stop_gradient
 __all__ = ["rl_loss"]
@@ -39,18 +37,11 @@ def _objective_batch(mb: dict, logp, ent, values, *, self_old: bool, use_sampler
 
 def _one_pass_logprobs(policy_gd, policy_params, mb: dict, coef, values, *, objective, chunk,
                        temperature, remat, group, **fields):
-    """``(surrogate, logp, ent)`` by ``rljax.train.onepass.one_pass_head`` (the objective
-    is token-separable), or None for a policy without a linear head. Each chunk's
-    derivatives come from the objective on the whole micro-batch with that chunk's
-    values in place (the other columns hold the sampler's log-probs: any finite values
-    do for a separable objective), at the chunks' padded width."""
-    model = nnx.merge(policy_gd, policy_params)
-    head = head_weight(model)
-    if head is None:
-        return None
-    h_BxTxD = completion_hidden(model, mb["prompt_BxP"], mb["prompt_mask_BxP"],
-                                mb["completion_BxT"], mb["completion_mask_BxT"], remat=remat,
-                                group=group)
+    """``(surrogate, logp, ent)`` by ``rljax.train.onepass.policy_one_pass`` (the
+    objective is token-separable), or None for a policy without a linear head. Each
+    chunk's derivatives come from the objective on the whole micro-batch with that
+    chunk's values in place (the other columns hold the sampler's log-probs: any finite
+    values do for a separable objective), at the chunks' padded width."""
     b, t = mb["completion_mask_BxT"].shape
     c, width = min(chunk, t), padded_width(t, chunk)
     pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, width - t)))
@@ -67,11 +58,9 @@ def _one_pass_logprobs(policy_gd, policy_params, mb: dict, coef, values, *, obje
         cut = lambda x: jax.lax.dynamic_slice(x, (0, start), (b, c))
         return cut(a), cut(e)
 
-    w, vocab_major = head
-    return one_pass_head(w, h_BxTxD, mb["completion_BxT"], token_grads, aux,
-                         vocab_major=vocab_major, chunk=chunk, temperature=temperature,
-                         compute_dtype=compute_dtype(model.config),
-                         with_entropy=fields["entropy_grad"])
+    return policy_one_pass(policy_gd, policy_params, mb, token_grads, aux, chunk=chunk,
+                           temperature=temperature, remat=remat, group=group,
+                           with_entropy=fields["entropy_grad"])
 
 
 def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, temperature,

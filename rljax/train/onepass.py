@@ -29,8 +29,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from rljax.train.logprobs import _check_args, _chunks, _linear_chunk_stats, _unchunk
+from rljax.models.layers import compute_dtype
+from rljax.sharding import constrain_logical, logical_axes
+from rljax.train.logprobs import (_check_args, _chunks, _linear_chunk_stats, _unchunk,
+                                  completion_hidden, head_weight)
 
 Array = Any
 #: ``token_grads(aux, logp_BxC, entropy_BxC, start) -> (a_BxC, e_BxC)``: the loss's
@@ -38,7 +42,7 @@ Array = Any
 #: start + C - 1`` of the (padded) completion; ``aux`` is the data it reads.
 TokenGrads = Callable[[Any, Array, Array, Array], tuple[Array, Array]]
 
-__all__ = ["TokenGrads", "one_pass_head", "padded_width"]
+__all__ = ["TokenGrads", "one_pass_head", "padded_width", "policy_one_pass"]
 
 
 def padded_width(t: int, chunk: int) -> int:
@@ -67,41 +71,44 @@ def _chunk_pass(w, h_BxCxD, tgt_BxC, aux, start, token_grads, vocab_major, cd, i
     return logp, ent, dh, dw_DxV
 
 
-def _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c, with_ent):
+def _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c, with_ent,
+         w_names):
     b, t, d = h_BxTxD.shape
     n = math.ceil(t / c)
     wc = w.astype(cd)
+    # The [D, V] accumulator lives from the first chunk to the backward pass: split it as
+    # W is (a reduce-scatter per chunk), not replicated, on a mesh.
+    names_DxV = None if w_names is None else (w_names[::-1] if vocab_major else w_names)
+    place = (lambda x: x) if names_DxV is None else (lambda x: constrain_logical(x, names_DxV))
 
     def step(dw_DxV, xs):
         h, tgt, start = xs
         logp, ent, dh, dw = _chunk_pass(wc, h, tgt, aux, start, token_grads, vocab_major, cd,
                                         inv_temp, with_ent)
-        return dw_DxV + dw, (logp, ent, dh)
+        return place(dw_DxV + dw), (logp, ent, dh)
 
     starts = jnp.arange(n, dtype=jnp.int32) * c
     dw_DxV, (logp, ent, dh) = jax.lax.scan(
-        step, jnp.zeros((d, w.shape[0] if vocab_major else w.shape[1]), jnp.float32),
+        step, place(jnp.zeros((d, w.shape[0] if vocab_major else w.shape[1]), jnp.float32)),
         (_chunks(h_BxTxD, n, c), _chunks(tgt_BxT, n, c), starts))
     dw = dw_DxV.T if vocab_major else dw_DxV
     return _unchunk(logp, t), _unchunk(ent, t), _unchunk(dh, t), dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _one_pass(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c, with_ent):
-    logp, ent, _, _ = _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c,
-                           with_ent)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _one_pass(w, h_BxTxD, tgt_BxT, aux, *static):
+    logp, ent, _, _ = _run(w, h_BxTxD, tgt_BxT, aux, *static)
     return jnp.zeros((), jnp.float32), logp, ent
 
 
-def _one_pass_fwd(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c,
-                  with_ent):
-    logp, ent, dh, dw = _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp,
-                             c, with_ent)
+def _one_pass_fwd(w, h_BxTxD, tgt_BxT, aux, *static):
+    logp, ent, dh, dw = _run(w, h_BxTxD, tgt_BxT, aux, *static)
     res = (dw.astype(w.dtype), dh.astype(h_BxTxD.dtype))
     return (jnp.zeros((), jnp.float32), logp, ent), res
 
 
-def _one_pass_bwd(token_grads, vocab_major, cd, inv_temp, c, with_ent, res, cts):
+def _one_pass_bwd(*args):
+    *_, res, cts = args
     dw, dh = res
     ct = cts[0]  # the surrogate's; log-probs and entropies leave as stop-gradient values
     return (ct.astype(dw.dtype) * dw, ct.astype(dh.dtype) * dh, None, None)
@@ -122,6 +129,7 @@ def one_pass_head(
     temperature: float = 1.0,
     compute_dtype: Any = jnp.float32,
     with_entropy: bool = False,
+    weight_names: tuple | None = None,
 ) -> tuple[Array, Array, Array]:
     """Log-probs, entropies and the loss's gradient of a linear head in one pass.
 
@@ -131,7 +139,8 @@ def one_pass_head(
     derivatives ``(a_BxC, e_BxC)`` for one chunk; it must be the derivative of a
     token-separable loss (module docstring), evaluated on the chunk's values. ``aux``
     (arrays) is passed to it and gets no gradient. ``with_entropy``: the loss depends on
-    the entropies (otherwise ``e`` is ignored).
+    the entropies (otherwise ``e`` is ignored). ``weight_names``: ``w``'s logical axis
+    names (``rljax.sharding``), to keep the gradient accumulator split as ``w`` is on a mesh.
 
     Returns ``(surrogate, logp_BxT, entropy_BxT)``: the two float32 arrays under
     ``stop_gradient``, and ``surrogate``, a float32 zero whose gradient with respect to
@@ -144,5 +153,30 @@ def one_pass_head(
                          f"size {d} (vocab_major={vocab_major})")
     surrogate, logp, ent = _one_pass(
         w, h_BxTxD, targets_BxT.astype(jnp.int32), aux, token_grads, bool(vocab_major),
-        jnp.dtype(compute_dtype), 1.0 / float(temperature), min(chunk, t), bool(with_entropy))
+        jnp.dtype(compute_dtype), 1.0 / float(temperature), min(chunk, t), bool(with_entropy),
+        None if weight_names is None else tuple(weight_names))
     return surrogate, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent)
+
+
+def policy_one_pass(graphdef, params, seqs: dict, token_grads: TokenGrads, aux: Any, *,
+                    chunk: int, temperature: float = 1.0, remat: bool = False, group: int = 1,
+                    with_entropy: bool = False) -> tuple[Array, Array, Array] | None:
+    """:func:`one_pass_head` on the decoder ``(graphdef, params)``'s completion positions
+    (``seqs`` and ``group`` as in ``rljax.train.logprobs.policy_logprobs``), or None for
+    a decoder without a linear head (then use ``policy_logprobs`` and autodiff).
+    Returns ``(surrogate, logp_BxT, entropy_BxT)``; the surrogate's gradient reaches
+    every decoder parameter (the head directly, the layers and the embedding through the
+    hidden states)."""
+    model = nnx.merge(graphdef, params)
+    head = head_weight(model)
+    if head is None:
+        return None
+    h_BxTxD = completion_hidden(model, seqs["prompt_BxP"], seqs["prompt_mask_BxP"],
+                                seqs["completion_BxT"], seqs["completion_mask_BxT"],
+                                remat=remat, group=group)
+    w, vocab_major = head
+    names = logical_axes(getattr(model, "embed" if vocab_major else "lm_head"))
+    return one_pass_head(w, h_BxTxD, seqs["completion_BxT"], token_grads, aux,
+                         vocab_major=vocab_major, chunk=chunk, temperature=temperature,
+                         compute_dtype=compute_dtype(model.config), with_entropy=with_entropy,
+                         weight_names=names)
