@@ -43,7 +43,6 @@ from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_g
 from rljax.train.step import (NonFiniteError, TrainState, batch_constrainer, init_opt_state,
                               make_optimizer, new_train_state, num_micro_batches)
 
-sg = jax.lax.stop_gradient
 __all__ = ["PromptSource", "RLTrainer", "rl_loss"]
 
 
@@ -219,8 +218,8 @@ class RLTrainer:
         return (self.spec, self.gd, self.value_gd, self.teacher_gd, self.device_reward,
                 self.optim, schedule,
                 r.value_lr_ratio,
-                r.logp_chunk, r.remat, r.ref_dtype, r.one_pass_head, s.temperature, s.max_new_tokens, self.mesh,
-                shardings)
+                r.logp_chunk, r.remat, r.ref_dtype, r.one_pass_head, s.temperature,
+                s.max_new_tokens, self.mesh, shardings)
 
     def _cached_learn(self, state: TrainState):
         """The jitted learning program: another trainer's when it computes the same thing
