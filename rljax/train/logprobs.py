@@ -56,6 +56,16 @@ def _check_args(name: str, h_BxTxD, targets_BxT, chunk, temperature) -> tuple[in
     return b, t, d
 
 
+def _check_linear_args(name: str, w, h_BxTxD, targets_BxT, chunk, temperature,
+                       vocab_major) -> tuple[int, int, int]:
+    """``_check_args`` plus the linear head's weight against the hidden size."""
+    b, t, d = _check_args(name, h_BxTxD, targets_BxT, chunk, temperature)
+    if w.ndim != 2 or (w.shape[1] if vocab_major else w.shape[0]) != d:
+        raise ValueError(f"{name}: weight shape {tuple(w.shape)} does not match hidden "
+                         f"size {d} (vocab_major={vocab_major})")
+    return b, t, d
+
+
 def chunked_logprobs(
     logits_fn: Callable[[Any, Array], Array],
     head_params: Any,
@@ -256,10 +266,8 @@ def linear_logprobs(
     (float32 accumulation), as the forward takes ``h``. Returns ``(logp_BxT,
     entropy_BxT)``, float32.
     """
-    b, t, d = _check_args("linear_logprobs", h_BxTxD, targets_BxT, chunk, temperature)
-    if w.ndim != 2 or (w.shape[1] if vocab_major else w.shape[0]) != d:
-        raise ValueError(f"linear_logprobs: weight shape {tuple(w.shape)} does not match hidden "
-                         f"size {d} (vocab_major={vocab_major})")
+    _, t, _ = _check_linear_args("linear_logprobs", w, h_BxTxD, targets_BxT, chunk,
+                                 temperature, vocab_major)
     return _linear_logprobs(w, h_BxTxD, targets_BxT.astype(jnp.int32), bool(vocab_major),
                             jnp.dtype(compute_dtype), 1.0 / float(temperature), min(chunk, t))
 

@@ -33,8 +33,8 @@ from flax import nnx
 
 from rljax.models.layers import compute_dtype
 from rljax.sharding import constrain_logical, logical_axes
-from rljax.train.logprobs import (_check_args, _chunks, _linear_chunk_stats, _unchunk,
-                                  completion_hidden, head_weight)
+from rljax.train.logprobs import (_check_linear_args, _chunks, _linear_chunk_stats,
+                                  _unchunk, completion_hidden, head_weight)
 
 Array = Any
 #: ``token_grads(aux, logp_BxC, entropy_BxC, start) -> (a_BxC, e_BxC)``: the loss's
@@ -147,10 +147,8 @@ def one_pass_head(
     ``w`` and ``h_BxTxD`` is the loss's (the chunks' ``dW`` summed, ``dh`` per position),
     to be added to the loss.
     """
-    b, t, d = _check_args("one_pass_head", h_BxTxD, targets_BxT, chunk, temperature)
-    if w.ndim != 2 or (w.shape[1] if vocab_major else w.shape[0]) != d:
-        raise ValueError(f"one_pass_head: weight shape {tuple(w.shape)} does not match hidden "
-                         f"size {d} (vocab_major={vocab_major})")
+    _, t, _ = _check_linear_args("one_pass_head", w, h_BxTxD, targets_BxT, chunk,
+                                 temperature, vocab_major)
     surrogate, logp, ent = _one_pass(
         w, h_BxTxD, targets_BxT.astype(jnp.int32), aux, token_grads, bool(vocab_major),
         jnp.dtype(compute_dtype), 1.0 / float(temperature), min(chunk, t), bool(with_entropy),
