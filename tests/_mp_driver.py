@@ -8,6 +8,10 @@ The first run's argv carries the launch flags (`--distributed --coordinator ...`
 same two-process runtime (`jax.distributed` cannot start twice in a process). Each run's
 stdout and stderr (file descriptors 1 and 2, so logging and native output too) go to
 LOG_DIR/name. The process exits with the first non-zero status.
+
+With RLJAX_TEST_DEVICE_ORDER="i,j,..." (positions in the process-ordered device list)
+`jax.devices()` returns the devices in that order, as a TPU slice lists its chips by
+topology rather than by process (tests/_multiprocess.py sets it for the pair).
 """
 
 import json
@@ -33,7 +37,21 @@ def _run(argv: list, log_path: str) -> int:
             os.dup2(saved[1], 2)
 
 
+def _permute_devices(order: str) -> None:
+    import jax
+
+    listed = jax.devices
+
+    def devices(backend=None):
+        ds = sorted(listed(backend), key=lambda d: (d.process_index, d.id))
+        return [ds[int(i)] for i in order.split(",")]
+
+    jax.devices = devices
+
+
 def main() -> int:
+    if os.environ.get("RLJAX_TEST_DEVICE_ORDER"):
+        _permute_devices(os.environ["RLJAX_TEST_DEVICE_ORDER"])
     log_dir, runs = sys.argv[1], json.loads(sys.argv[2])
     for name, argv in runs:
         rc = _run(argv, os.path.join(log_dir, name))

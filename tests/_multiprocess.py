@@ -24,6 +24,11 @@ so steps 1..3 compare the topologies from the same start, and steps 4..5 compare
 from the same checkpoint (the 2 x 4 one, restored on 2 x 4 and on 1 x 8). The resume runs
 in the processes that wrote the checkpoint, as a relaunch on a pod does in new ones: the
 restore reads only the checkpoint either way, and one pair compiles each program once.
+
+The pair lists its devices out of process order (`PAIR_DEVICE_ORDER`), the way a v5e-16
+slice interleaves its hosts' chips along a (1, 16, 1) mesh (process 0 held blocks 0, 1, 6
+and 15 under `jax.make_mesh`): `rljax.sharding.make_mesh` must still give each process
+one block of rows in process order, and every step must still equal 1 x 8.
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ from rljax.run.run_dir import read_metrics
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DRIVER = pathlib.Path(__file__).with_name("_mp_driver.py")
 TIMEOUT_S = 900  # a guard against a hung collective, not a speed assertion
+# jax.devices() of the pair: process 0's chips 0, 1, process 1's four, process 0's 2, 3
+# (positions in the process-ordered list; a plain reshape would give process 0 blocks
+# 0, 1, 6, 7).
+PAIR_DEVICE_ORDER = "0,1,4,5,6,7,2,3"
 
 EXPERIMENT = textwrap.dedent('''
     import jax.numpy as jnp
@@ -195,8 +204,9 @@ class _Pair:
             plan = [(f"{s.name}.{tag}.p{i}.log", argv + (launch + [str(i)] if k == 0 else []))
                     for k, (s, tag, argv) in enumerate(runs)]
             log = open(root / f"{phase}.p{i}.log", "w")
+            env = dict(_env(4), RLJAX_TEST_DEVICE_ORDER=PAIR_DEVICE_ORDER)
             proc = subprocess.Popen([sys.executable, str(DRIVER), str(root), json.dumps(plan)],
-                                    cwd=root, env=_env(4), stdout=log, stderr=subprocess.STDOUT)
+                                    cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
             self.procs.append((proc, log))
 
     def wait_past(self, k: int) -> None:

@@ -28,17 +28,26 @@ __all__ = ["MODEL_SHAPES", "SLICES", "Recipe", "TpuSlice", "apply_recipe"]
 @dataclasses.dataclass(frozen=True)
 class TpuSlice:
     """A Cloud TPU slice: `topology` as `jax.experimental.topologies.get_topology_desc`
-    names it, its number of chips (JAX devices) and each chip's HBM in GiB."""
+    names it, its number of chips (JAX devices), each chip's HBM in GiB, and one host's
+    chips (`host_bounds`, libtpu's `chips_per_host_bounds`) where a VM holds more than
+    libtpu's default 2x2 (v5litepod-8 is one host of 2x4 chips)."""
 
     name: str
     topology: str
     chips: int
     hbm_gib: float
+    host_bounds: tuple[int, int, int] | None = None
+
+    def topology_kwargs(self) -> dict:
+        """Keyword arguments of `get_topology_desc` that describe the slice's hosts as a
+        run sees them (so ahead-of-time compiles lay the mesh out as a run does)."""
+        return {} if self.host_bounds is None else {
+            "chips_per_host_bounds": list(self.host_bounds)}
 
 
 # Cloud TPU names count chips for v5e and TensorCores for v4 / v5p (two per chip).
 SLICES = {s.name: s for s in (
-    TpuSlice("v5e-8", "v5e:2x4", 8, 16.0),
+    TpuSlice("v5e-8", "v5e:2x4", 8, 16.0, host_bounds=(2, 4, 1)),
     TpuSlice("v5e-16", "v5e:4x4", 16, 16.0),
     TpuSlice("v5e-64", "v5e:8x8", 64, 16.0),
     TpuSlice("v5p-64", "v5p:2x4x4", 32, 95.0),

@@ -4,6 +4,7 @@ Layer 2: knows nothing of models. Parameters and batches name their dimensions
 logically; `LOGICAL_RULES` maps those names to the mesh axes ("data", "fsdp", "tensor").
 """
 
+from rljax.sharding.layout import check_process_blocks, device_grid, process_blocks
 from rljax.sharding.mesh import MESH_AXES, MeshConfig, OnMesh, make_mesh, mesh_context, on_mesh
 from rljax.sharding.rules import (
     BATCH_AXES,
@@ -27,7 +28,9 @@ __all__ = [
     "MeshConfig",
     "OnMesh",
     "batch_sharding",
+    "check_process_blocks",
     "constrain_logical",
+    "device_grid",
     "fitted_spec",
     "inference_shardings",
     "logical_axes",
@@ -36,6 +39,7 @@ __all__ = [
     "make_mesh",
     "mesh_context",
     "on_mesh",
+    "process_blocks",
     "replicated",
     "shard_params",
     "state_shardings",

@@ -8,8 +8,9 @@ import math
 from typing import Callable
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh
+
+from rljax.sharding.layout import check_process_blocks, device_grid
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -68,17 +69,18 @@ def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
     """Build a `Mesh` with axes ("data", "fsdp", "tensor"), all `AxisType.Auto`.
 
     Auto axes let GSPMD propagate shardings from the parameter and batch annotations.
-    `devices` defaults to `jax.devices()`.
+    `devices` defaults to `jax.devices()`; a TPU topology description's devices give the
+    same layout (`rljax.sharding.layout.device_grid`): each process's devices hold one
+    contiguous block of batch rows, in process order, and the tensor axis stays inside a
+    host. Raises if the layout cannot give that (`check_process_blocks`).
     """
     cfg = MeshConfig() if cfg is None else cfg
     if not isinstance(cfg, MeshConfig):
         raise TypeError(f"make_mesh: cfg must be a MeshConfig, got {type(cfg).__name__}")
     devices = jax.devices() if devices is None else list(devices)
-    sizes = cfg.resolve(len(devices))
-    if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
-        return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
-    array = np.asarray(devices, dtype=object).reshape(sizes)
-    return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    grid = device_grid(cfg.resolve(len(devices)), devices)
+    check_process_blocks(grid)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def mesh_context(mesh: Mesh | None):

@@ -3,8 +3,11 @@ transfers across it (prompt ids in, own rows' token ids out, rewards in, scalars
 
 On a pod every process runs the same programs on global ``jax.Array`` s; a process may
 only read the shards it holds. Batch rows are split over the mesh's ("data", "fsdp")
-axes; the rows a process holds form one contiguous block (devices are ordered by process
-in ``rljax.sharding.make_mesh``), which is also the block of prompts it reads and scores.
+axes. ``rljax.sharding.make_mesh`` lays devices out so that the rows a process holds form
+one contiguous block, blocks in process order (``rljax.sharding.layout``; on a TPU slice
+``jax.make_mesh`` does not); that block is also the prompts the process reads and scores.
+Host rows cross processes by their global position (``gather_blocks``), never by
+assuming an order.
 Every function here that moves data runs under ``jax.transfer_guard("allow")``, so a
 step can run under ``"disallow_explicit"`` and fail on any other transfer.
 """
@@ -103,10 +106,36 @@ def put_replicated(value, mesh, dtype) -> jax.Array:
 
 
 def gather_rows(local_NxW: np.ndarray) -> np.ndarray:
-    """Every process's rows, concatenated in process order, on every host (small
-    arrays only: the step's prompt ids)."""
+    """Every process's rows, concatenated in process order, on every host (small arrays
+    whose order does not matter, e.g. partial sums; rows of a batch: ``gather_blocks``)."""
     if jax.process_count() == 1:
         return local_NxW
     with jax.transfer_guard("allow"):
         out = multihost_utils.process_allgather(local_NxW, tiled=True)
     return np.asarray(out)
+
+
+def gather_blocks(local_NxW: np.ndarray, lo: int, n_rows: int) -> np.ndarray:
+    """The ``[n_rows, ...]`` host array whose rows ``[lo, lo + N)`` are this process's
+    ``local_NxW``, assembled on every host by each process's ``lo`` (small arrays only:
+    the step's prompt ids and task arrays). Raises unless the processes' blocks tile
+    ``[0, n_rows)``."""
+    if jax.process_count() == 1:
+        if (lo, len(local_NxW)) != (0, n_rows):
+            raise ValueError(f"one process holds rows [{lo}, {lo + len(local_NxW)}), not "
+                             f"all {n_rows}")
+        return local_NxW
+    with jax.transfer_guard("allow"):
+        los = np.asarray(multihost_utils.process_allgather(np.asarray([lo, len(local_NxW)])))
+        rows = np.asarray(multihost_utils.process_allgather(local_NxW, tiled=True))
+    los = los.reshape(-1, 2)
+    out, starts = np.empty((n_rows, *rows.shape[1:]), rows.dtype), 0
+    covered = np.zeros(n_rows, np.int32)
+    for (a, n) in los:
+        out[a:a + n] = rows[starts:starts + n]
+        covered[a:a + n] += 1
+        starts += n
+    if not (covered == 1).all():
+        raise ValueError(f"the processes' row blocks {[(int(a), int(a + n)) for a, n in los]}"
+                         f" do not tile [0, {n_rows})")
+    return out

@@ -29,7 +29,7 @@ import numpy as np
 
 from rljax import objectives as obj
 from rljax.rewards.device import is_device_reward
-from rljax.sharding import on_mesh, replicated
+from rljax.sharding import check_process_blocks, on_mesh, replicated
 from rljax.train import algorithms as alg
 from rljax.train import hosts, programs
 from rljax.train import throughput
@@ -140,6 +140,8 @@ class RLTrainer:
             raise ValueError("RLTrainer: dynamic sampling decides its refills on the host; it "
                              "needs a host reward, not a device reward")
         self.teacher_gd, self.teacher_params = teacher if teacher is not None else (None, None)
+        if mesh is not None:  # a mesh from jax.make_mesh on a TPU slice would mis-score
+            check_process_blocks(mesh)
         self.gd, self.value_gd, self.mesh = policy_graphdef, value_graphdef, mesh
         self.alg, self.optim, self.sampling, self.rl = algorithm, optim, sampling, rl
         self.batch_size = rl.prompts_per_step * algorithm.group_size

@@ -137,15 +137,16 @@ class Rollouts:
         self.pad_id, self.eos_id = special_ids(tokenizer)
         self.num_params = 0
 
-    def _prompt_ids(self, prompts: Sequence[str], first: int):
-        """Own prompts -> every process's ids ``[n, prompt_len]`` and masks (gathered)."""
+    def _prompt_ids(self, prompts: Sequence[str], first: int, lo: int, n: int):
+        """Own prompts (prompts ``[lo, lo + len(prompts))`` of the step's ``n``) -> every
+        process's ids ``[n, prompt_len]`` and masks, placed by position."""
         ids = [encode_text(self.tok, p) for p in prompts]
         for i, x in enumerate(ids):
             if not 0 < len(x) <= self.prompt_len:
                 raise ValueError(f"prompt {first + i} has {len(x)} tokens; allowed: "
                                  f"1..{self.prompt_len} (prompt_len)")
         tok, mask = pad_left(ids, self.prompt_len, self.pad_id)
-        return hosts.gather_rows(tok), hosts.gather_rows(mask)
+        return hosts.gather_blocks(tok, lo, n), hosts.gather_blocks(mask, lo, n)
 
     def generate(self, params, tok_NxW, mask_NxW, key, *, greedy: bool = False,
                  num_samples: int = 1):
@@ -176,8 +177,8 @@ class Rollouts:
         g = self.group_size
         lo, hi = self._own_groups(n_prompts * g)
         prompts, meta = source(pos + lo // g, (hi - lo) // g)
-        tok, mask = self._prompt_ids(list(prompts), pos + lo // g)
-        task = {k: hosts.gather_rows(np.asarray(v))
+        tok, mask = self._prompt_ids(list(prompts), pos + lo // g, lo // g, n_prompts)
+        task = {k: hosts.gather_blocks(np.asarray(v), lo // g, n_prompts)
                 for k, v in self.reward_fns.task_arrays(list(meta)).items()}
         s = self.sampling
         if not self.num_params:
@@ -240,7 +241,7 @@ class Rollouts:
         b = n_prompts * g
         lo, hi = self._own_groups(b)
         prompts, meta = source(pos + lo // g, (hi - lo) // g)
-        tok, mask = self._prompt_ids(list(prompts), pos + lo // g)
+        tok, mask = self._prompt_ids(list(prompts), pos + lo // g, lo // g, n_prompts)
         out = ph.timed("rollout", self.generate, params, tok, mask, key, num_samples=g)
         t0 = time.perf_counter()
         texts = self._own_texts(out, lo, hi)
