@@ -136,8 +136,13 @@ def layouts() -> list[dict]:
 
 def _verdict(row: dict) -> str:
     if row["old_miss"] is None:
-        return "raises"
-    return "yes" if row["old_ordered"] else f"no: {row['old_blocks']}"
+        return "raises (no such physical split)"
+    if row["old_ordered"]:
+        return "yes"
+    blocks = row["old_blocks"]
+    if blocks[0] == blocks[1]:
+        return f"no: processes 0 and 1 both hold {blocks[0]}"
+    return f"no: process 0 holds {blocks[0]}, process 1 {blocks[1]}"
 
 
 def main() -> None:

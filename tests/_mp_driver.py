@@ -9,9 +9,11 @@ same two-process runtime (`jax.distributed` cannot start twice in a process). Ea
 stdout and stderr (file descriptors 1 and 2, so logging and native output too) go to
 LOG_DIR/name. The process exits with the first non-zero status.
 
-With RLJAX_TEST_DEVICE_ORDER="i,j,..." (positions in the process-ordered device list)
-`jax.devices()` returns the devices in that order, as a TPU slice lists its chips by
-topology rather than by process (tests/_multiprocess.py sets it for the pair).
+With RLJAX_TEST_DEVICE_ORDER="i,j,..." (positions in the process-ordered device list) the
+run's mesh is built from the devices in that order, as a TPU slice's topology order
+interleaves its hosts' chips (tests/_multiprocess.py sets it for the pair). Only the
+run's `make_mesh` sees the order: JAX's own multihost utilities keep `jax.devices()`,
+which on a TPU slice too lists each process's chips together.
 """
 
 import json
@@ -38,15 +40,23 @@ def _run(argv: list, log_path: str) -> int:
 
 
 def _permute_devices(order: str) -> None:
+    """The run's make_mesh gets the devices in `order` (read when it is called: after
+    the CLI has started jax.distributed)."""
     import jax
+    import numpy as np
 
-    listed = jax.devices
+    from rljax.run import builders
+    from rljax.sharding import make_mesh, process_blocks
 
-    def devices(backend=None):
-        ds = sorted(listed(backend), key=lambda d: (d.process_index, d.id))
-        return [ds[int(i)] for i in order.split(",")]
+    def permuted_make_mesh(cfg=None, devices=None):
+        listed = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        devices = [listed[int(i)] for i in order.split(",")]
+        naive = np.asarray(devices, dtype=object).reshape(1, len(devices), 1)
+        print(f"devices in mesh order {[d.id for d in devices]}; a plain reshape would "
+              f"give blocks {process_blocks(naive)}", flush=True)
+        return make_mesh(cfg, devices=devices)
 
-    jax.devices = devices
+    builders.make_mesh = permuted_make_mesh
 
 
 def main() -> int:

@@ -25,8 +25,8 @@ from the same checkpoint (the 2 x 4 one, restored on 2 x 4 and on 1 x 8). The re
 in the processes that wrote the checkpoint, as a relaunch on a pod does in new ones: the
 restore reads only the checkpoint either way, and one pair compiles each program once.
 
-The pair lists its devices out of process order (`PAIR_DEVICE_ORDER`), the way a v5e-16
-slice interleaves its hosts' chips along a (1, 16, 1) mesh (process 0 held blocks 0, 1, 6
+The pair's mesh receives its devices out of process order (`PAIR_DEVICE_ORDER`), the way
+a v5e-16 slice's topology interleaves its hosts' chips along a (1, 16, 1) mesh (process 0 held blocks 0, 1, 6
 and 15 under `jax.make_mesh`): `rljax.sharding.make_mesh` must still give each process
 one block of rows in process order, and every step must still equal 1 x 8.
 """
@@ -55,10 +55,10 @@ from rljax.run.run_dir import read_metrics
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DRIVER = pathlib.Path(__file__).with_name("_mp_driver.py")
 TIMEOUT_S = 900  # a guard against a hung collective, not a speed assertion
-# jax.devices() of the pair: process 0's chips 0, 1, process 1's four, process 0's 2, 3
-# (positions in the process-ordered list; a plain reshape would give process 0 blocks
-# 0, 1, 6, 7).
-PAIR_DEVICE_ORDER = "0,1,4,5,6,7,2,3"
+# The pair's devices as its mesh receives them: process 0's chips 0, 1, process 1's four,
+# process 0's 3, 2 (positions in the process-ordered list; a plain reshape would give
+# process 0 blocks 0, 1, 6, 7).
+PAIR_DEVICE_ORDER = "0,1,4,5,6,7,3,2"
 
 EXPERIMENT = textwrap.dedent('''
     import jax.numpy as jnp

@@ -111,3 +111,28 @@ def test_blocks_that_cannot_follow_processes_are_refused():
         device_grid((2, 3, 1), devices)
     assert process_blocks(device_grid((1, 6, 1), devices)) == {0: [0, 1], 1: [2, 3],
                                                                2: [4, 5]}
+
+
+def test_rl_trainer_refuses_a_mesh_whose_rows_do_not_follow_processes():
+    """A mesh built with jax.make_mesh on a v5e-16 slice (its layout, on the recorded
+    chips) is refused before anything runs, naming each process's blocks."""
+    from jax.sharding import AxisType, Mesh
+
+    from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig
+    from rljax.train.rl import RLTrainer
+
+    grid = topo.old_grid((1, 16, 1), topo.load_slice("v5e-16"))
+    mesh = Mesh(grid, ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    with pytest.raises(ValueError, match=r"0: \[0, 1, 6, 15\].*rljax.sharding.make_mesh"):
+        RLTrainer(None, None, lambda c, m: np.zeros(len(c)), algorithm=AlgorithmConfig(),
+                  optim=OptimConfig(), sampling=SamplingConfig(), rl=RLConfig(),
+                  prompt_len=8, mesh=mesh)
+
+
+def test_gather_blocks_on_one_process():
+    from rljax.train import hosts
+
+    rows = np.arange(12).reshape(6, 2)
+    np.testing.assert_array_equal(hosts.gather_blocks(rows, 0, 6), rows)
+    with pytest.raises(ValueError, match=r"holds rows \[2, 8\), not all 6"):
+        hosts.gather_blocks(rows, 2, 6)
