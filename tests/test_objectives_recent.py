@@ -183,8 +183,8 @@ def test_sampler_correction_weights_match_hand_values(level, mode):
                                  level=level, mode=mode, low=0.9, high=1.2)
     log_rho = SHIFT if level == "token" else np.broadcast_to((SHIFT * MASK).sum(1)[:, None], MASK.shape)
     rho = np.exp(log_rho)
-    if mode == "truncate":
-        want, changed = np.minimum(rho, 1.2), rho > 1.2
+    if mode == "truncate":  # raised to low, lowered to high (TRL's truncate modes)
+        want, changed = np.clip(rho, 0.9, 1.2), (rho > 1.2) | (rho < 0.9)
     else:
         inside = (rho >= 0.9) & (rho <= 1.2)
         want, changed = np.where(inside, rho, 0.0), ~inside

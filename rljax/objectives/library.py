@@ -85,7 +85,8 @@ def _common_terms(t: _Terms, b: ObjectiveBatch, coef: Coef, kl_kind: str | None,
     """KL-to-reference loss term, entropy bonus, and their metrics (when present)."""
     if b.ref_logp_BxT is not None:
         if kl_kind is not None:
-            kl = kl_estimate(b.logp_BxT, b.ref_logp_BxT, kl_kind, clamp=kl_clamp)
+            kl = kl_estimate(b.logp_BxT, b.ref_logp_BxT, kl_kind, clamp=kl_clamp,
+                             old_logp=b.old_logp_BxT)
             t.loss = t.loss + coef.kl * kl
         # Reported as k3 whatever the loss uses: unbiased and non-negative.
         t.metric("kl_ref", kl_estimate(b.logp_BxT, b.ref_logp_BxT, "k3"))
