@@ -156,15 +156,17 @@ def test_k3_ratio_expected_gradient_is_the_true_kl_pi_ref_gradient():
         ro.kl_estimate(jnp.zeros(2), jnp.zeros(2), "k3_ratio")
 
 
-def test_kl_kind_k3_ratio_reaches_the_loss_weighted_by_the_ratio():
+def test_kl_kind_selects_the_loss_term_k3_ratio_weighted_by_the_ratio():
     logp, old, ref = np.log([[0.5, 0.2]]), np.log([[0.4, 0.25]]), np.log([[0.3, 0.3]])
     b = _batch(logp, old, np.zeros((1, 2)), ref_logp_BxT=ref)
-    cfg = AlgorithmConfig(name="grpo", kl_kind="k3_ratio")
-    s, c, _ = make_objective(cfg, 8)(b, make_coef(cfg))
     d = ref - logp
-    want = 0.04 * np.mean(np.exp(logp - old) * (np.exp(d) - 1 - d))
-    assert float(s / c) == pytest.approx(want, rel=1e-5)
-    assert make_objective(cfg, 8).keywords["kl_kind"] == "k3_ratio"
+    k3 = np.exp(d) - 1 - d
+    for kind, per_token in [("k1", -d), ("k2", d**2 / 2), ("k3", k3),
+                            ("k3_ratio", np.exp(logp - old) * k3)]:
+        cfg = AlgorithmConfig(name="grpo", kl_kind=kind)
+        s, c, _ = make_objective(cfg, 8)(b, make_coef(cfg))
+        assert float(s / c) == pytest.approx(0.04 * per_token.mean(), rel=1e-5), kind
+        assert make_objective(cfg, 8).keywords["kl_kind"] == kind
     with pytest.raises(ValueError, match="k3_ratio.*allowed: 'k1', 'k2' or 'k3'"):
         ro.kl_penalized_rewards(b.adv_BxT, b.logp_BxT, b.ref_logp_BxT, b.mask_BxT, coef=0.1,
                                 kind="k3_ratio")
@@ -313,6 +315,17 @@ def test_kl_cov_penalty_acts_after_the_first_minibatch_of_the_presets_schedule()
         pushes.append(float(push))
     assert penalties[0] == 0.0 and pushes[0] == 0.0
     assert min(penalties[1:]) > 1e-3 and min(pushes[1:]) > 1e-3
+
+
+def test_updates_per_batch_of_each_preset():
+    """docs/objectives.md's table: the presets' num_epochs x num_minibatches. DAPO's paper
+    takes 16 (512 prompts x 16, mini-batches of 512 completions): num_minibatches=16."""
+    want = {"grpo": 1, "dr_grpo": 1, "dapo": 1, "gspo": 1, "rloo": 1, "reinforce": 1, "ppo": 4,
+            "cispo": 1, "sapo": 1, "gmpo": 1, "clip_cov": 8, "kl_cov": 8, "distill": 1}
+    for name, n in want.items():
+        r = AlgorithmConfig(name=name).resolve()
+        assert r.num_epochs * r.num_minibatches == n, name
+    assert not AlgorithmConfig(name="dapo", num_minibatches=16).single_update
 
 
 def test_new_fields_take_set_overrides():

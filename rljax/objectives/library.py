@@ -195,10 +195,10 @@ def grpo(
 
     with the k3 estimator of Eq. 4 by default (as a loss term its gradient follows
     KL(ref || pi); `kl_kind="k3_ratio"` weights it by r_it, DeepSeek-V3.2's form whose
-    gradient follows KL(pi || ref); see `rljax.objectives.kl`). Variants by options: DAPO (token-mean,
-    kl_kind=None, clip_high 0.28; arXiv:2503.14476), Dr.GRPO ("seq-mean-token-sum-norm"
-    with `norm_const` and group_advantages(std="none"); arXiv:2503.20783), dual clip via
-    `coef.dual_clip`, TIS via `sampler_logp_BxT`.
+    gradient follows KL(pi || ref); see `rljax.objectives.kl`). Variants by options:
+    DAPO (token-mean, kl_kind=None, clip_high 0.28; arXiv:2503.14476), Dr.GRPO
+    ("seq-mean-token-sum-norm" with `norm_const` and group_advantages(std="none");
+    arXiv:2503.20783), dual clip via `coef.dual_clip`, TIS via `sampler_logp_BxT`.
     """
     return _objective(batch, coef, _ratio_clipped(coef),
                       (aggregation, kl_kind, kl_clamp, norm_const),

@@ -11,7 +11,7 @@ each completion's tokens):
   sapo     (4 / tau) sigmoid(tau (r_t - 1)) A_t, tau by the sign of A   arXiv:2511.20347
   gmpo     A_t exp(1/|y| sum_t clip_log(log r_t))                       arXiv:2507.20673
   clip_cov PPO's clipped surrogate; Clip-Cov's tokens contribute 0       arXiv:2505.22617
-  kl_cov   r_t A_t - beta |log r_t| on KL-Cov's tokens (d/dlog r = 0 at 0) arXiv:2505.22617
+  kl_cov   r_t A_t - beta |log r_t| on KL-Cov's tokens                   arXiv:2505.22617
 """
 
 from __future__ import annotations
