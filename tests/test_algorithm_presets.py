@@ -30,9 +30,10 @@ PAPER = {
     "sapo": (0.2, 0.2, "seq-mean-token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 1),
     # GMPO: clip (e^-0.4, e^0.4) in log space, mean over sequences.
     "gmpo": (0.4, 0.4, "seq-mean-token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 1),
-    # Cui et al. 2025 (Clip-Cov / KL-Cov on a token-level GRPO without KL).
-    "clip_cov": (0.2, 0.2, "token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 1),
-    "kl_cov": (0.2, 0.2, "token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 1),
+    # Cui et al. 2025 (Clip-Cov / KL-Cov on a token-level GRPO without KL); verl's
+    # recipe/entropy/7b_*_cov.sh: 256 prompts in mini-batches of 32, 8 updates per batch.
+    "clip_cov": (0.2, 0.2, "token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 8),
+    "kl_cov": (0.2, 0.2, "token-mean", "population", "none", 0.0, "k3", False, 0, 8, 1, 8),
     # On-policy distillation: the teacher's per-token reverse KL is the reward (no group
     # baseline: one completion per prompt), token sum per sequence, no reference KL.
     "distill": (0.2, 0.2, "seq-mean-token-sum", "population", "none", 0.0, "k3", False, 0, 1, 1, 1),
@@ -65,9 +66,11 @@ def test_replace_name_switches_preset_and_keeps_explicit_fields(name):
     built = algorithm_preset(other)
     assert _values(dataclasses.replace(built, name=name)) == PAPER[name]
     # Explicit fields stay on top of the new preset.
-    explicit = dict(clip_high=0.5, entropy_coef=0.01, num_minibatches=4)
+    # (reinforce / rloo refuse several updates per batch: tests/test_objectives_conventions.py)
+    minibatches = 1 if name in ("reinforce", "rloo") else 4
+    explicit = dict(clip_high=0.5, entropy_coef=0.01, num_minibatches=minibatches)
     got = dataclasses.replace(algorithm_preset(other, **explicit), name=name).resolve()
-    assert (got.clip_high, got.entropy_coef, got.num_minibatches) == (0.5, 0.01, 4)
+    assert (got.clip_high, got.entropy_coef, got.num_minibatches) == (0.5, 0.01, minibatches)
     assert got.clip_low == PAPER[name][0] and got.aggregation == PAPER[name][2]
 
 
@@ -100,13 +103,18 @@ def test_explicit_fields_are_validated_against_the_new_name():
     (AlgorithmConfig, dict(tis_cap=0.0), r"tis_cap=0.0"),
     (AlgorithmConfig, dict(is_level="batch"), r"is_level='batch'.*'token', 'sequence'"),
     (AlgorithmConfig, dict(is_mode="clip"), r"is_mode='clip'.*'truncate', 'mask'"),
-    (AlgorithmConfig, dict(is_low=0.5), r"is_low=0.5.*is_mode='mask'"),
+    (AlgorithmConfig, dict(is_low=-0.5), r"is_low=-0.5.*>= 0.0"),
+    (AlgorithmConfig, dict(adv_eps=-1e-4), r"adv_eps=-0.0001.*>= 0.0"),
+    (AlgorithmConfig, dict(kl_clamp=0.0), r"kl_clamp=0.0.*> 0.0"),
+    (AlgorithmConfig, dict(name="ppo", kl_kind="k3_ratio"), r"kl_kind='k3_ratio'.*kl_in='reward'"),
+    (AlgorithmConfig, dict(kl_kind="k4"), r"kl_kind='k4'.*'k3_ratio'"),
     (AlgorithmConfig, dict(is_mode="mask", is_low=2.0, tis_cap=2.0), r"is_low=2.0.*< tis_cap"),
     (AlgorithmConfig, dict(mask_truncated=1), r"mask_truncated=1.*True or False"),
     (AlgorithmConfig, dict(sapo_tau_neg=0.0), r"sapo_tau_neg=0.0"),
     (AlgorithmConfig, dict(clip_cov_ratio=0.0), r"clip_cov_ratio=0.0.*\(0.0, 1.0\]"),
     (AlgorithmConfig, dict(kl_cov_ratio=1.5), r"kl_cov_ratio=1.5"),
-    (AlgorithmConfig, dict(clip_cov_low=6.0), r"clip_cov_low=6.0.*<= clip_cov_high=5.0"),
+    (AlgorithmConfig, dict(clip_cov_low=6.0), r"clip_cov_low=6.0.*< clip_cov_high=5.0"),
+    (AlgorithmConfig, dict(clip_cov_low=5.0), r"clip_cov_low=5.0.*< clip_cov_high=5.0"),
     (AlgorithmConfig, dict(kl_cov_coef=-1.0), r"kl_cov_coef=-1.0"),
     (AlgorithmConfig, dict(name="distill", distill_discount=1.5), r"distill_discount=1.5.*\[0.0, 1.0\]"),
     (AlgorithmConfig, dict(entropy_coef=math.nan), r"entropy_coef=nan"),

@@ -183,8 +183,8 @@ def test_sampler_correction_weights_match_hand_values(level, mode):
                                  level=level, mode=mode, low=0.9, high=1.2)
     log_rho = SHIFT if level == "token" else np.broadcast_to((SHIFT * MASK).sum(1)[:, None], MASK.shape)
     rho = np.exp(log_rho)
-    if mode == "truncate":
-        want, changed = np.minimum(rho, 1.2), rho > 1.2
+    if mode == "truncate":  # raised to low, lowered to high (TRL's truncate modes)
+        want, changed = np.clip(rho, 0.9, 1.2), (rho > 1.2) | (rho < 0.9)
     else:
         inside = (rho >= 0.9) & (rho <= 1.2)
         want, changed = np.where(inside, rho, 0.0), ~inside
@@ -317,7 +317,9 @@ def test_names_select_their_objective_coefficients_and_selection(name, fn):
 def test_learning_program_wires_kl_cov_truncation_masking_and_sequence_is():
     """The trainer's learning program with name="kl_cov", mask_truncated and sequence-level
     IS: the Cov selection and the correction reach the
-    objective (their metrics), and the truncated rows' tokens change no parameter."""
+    objective (their metrics), and the truncated rows' tokens change no parameter. The
+    preset's 8 minibatches per batch: updates after the first see r != 1, so the penalty
+    acts (with one update per batch it would be exactly 0)."""
     from _train_common import CharTok, random_seqs, tiny_model
     from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
     from rljax.train.rl import RLTrainer
@@ -349,5 +351,6 @@ def test_learning_program_wires_kl_cov_truncation_masking_and_sequence_is():
     for k in ("cov_selected_frac", "kl_cov_penalty", "is_truncated_frac", "is_kl", "loss"):
         assert np.isfinite(float(m[k])), k
     assert float(m["cov_selected_frac"]) > 0
+    assert cfg.resolve().num_minibatches == 8 and float(m["kl_cov_penalty"]) > 1e-6
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=0), outs[0][0],
                  outs[1][0])

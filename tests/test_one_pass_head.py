@@ -103,6 +103,8 @@ CASES = [
     ("sapo", {}, False, False),
     ("clip_cov", {}, False, False),
     ("kl_cov", {}, False, False),
+    # On-policy (r = 1: the penalty's subgradient 0) with DeepSeek-V3.2's ratio-weighted k3.
+    ("kl_cov", {"kl_in": "loss", "kl_coef": 0.05, "kl_kind": "k3_ratio"}, True, False),
 ]
 
 

@@ -26,7 +26,8 @@ from rljax.objectives.batch import DIFFERENTIABLE_FIELDS, Coef, ObjectiveBatch
 from rljax.objectives.correction import (IS_LEVELS, IS_MODES, mask_truncated_completions,
                                          sampler_correction)
 from rljax.objectives.distill import distill, distill_advantages
-from rljax.objectives.entropy_control import COV_RULES, cov_selection, token_covariance
+from rljax.objectives.entropy_control import (COV_RULES, cov_selection, ppo_clipped_tokens,
+                                              token_covariance)
 from rljax.objectives.kl import KL_KINDS, kl_estimate, kl_penalized_rewards
 from rljax.objectives.library import grpo, gspo, ppo, reinforce
 from rljax.objectives.logits import token_entropy, token_logprobs
@@ -81,6 +82,7 @@ __all__ = [
     "policy_gradient_objective",
     "ppo",
     "ppo_clip_objective",
+    "ppo_clipped_tokens",
     "reinforce",
     "rloo_advantages",
     "sampler_correction",

@@ -126,7 +126,8 @@ class Coef:
       value_clip: clip range of the value prediction around old values (PPO2).
       tis_cap: cap of truncated importance-sampling weights, and the upper bound of the
         band of masked IS (`sampler_correction`); inf = uncapped.
-      is_low: lower bound of the masked-IS band (0 = none).
+      is_low: lower bound of the IS weights (`sampler_correction`): ratios below it are
+        masked (is_mode "mask") or raised to it (is_mode "truncate"); 0 = none.
       sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for A > 0 and A < 0
         (arXiv:2511.20347: 1.0 and 1.05).
       kl_cov: weight of KL-Cov's |log r| penalty on the selected tokens (arXiv:2505.22617: 1).

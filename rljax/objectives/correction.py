@@ -11,9 +11,12 @@ the only one that is unbiased for a sequence-level reward). Two ways to bound it
 (Liu, Li et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the
 Training-Inference Mismatch"; verl's rollout correction):
 
-  truncate (TIS):  w = min(rho, C)                      Yao et al. 2025, "Your efficient RL
+  truncate (TIS):  w = clip(rho, low, C)               Yao et al. 2025, "Your efficient RL
                                                         framework secretly brings you
                                                         off-policy RL training"; Ionides 2008
+                                                        (low = 0: min(rho, C); a low > 0
+                                                        raises small ratios to it, as TRL's
+                                                        truncate modes clamp at clip_min)
   mask (MIS):      w = rho * 1[low <= rho <= C]         IcePop (Ling team 2025, "Every
                                                         step evolves", §2.2); verl's
                                                         sequence IS + rejection sampling
@@ -56,15 +59,16 @@ def sampler_correction(
       old_logp_BxT, sampler_logp_BxT: log pi_old and log pi_sampler of the taken tokens.
       mask_BxT: 0/1, 1 on real tokens; masked positions get weight 0 and no metric.
       level: "token" (rho_t) or "sequence" (rho_i = prod_t rho_t on every token of i).
-      mode: "truncate" (min(rho, high); `low` unused) or "mask" (rho inside
-        [low, high], 0 outside: the token, or the whole sequence, contributes nothing).
+      mode: "truncate" (clip(rho, low, high): ratios above `high` lowered to it, below
+        `low` raised to it) or "mask" (rho inside [low, high], 0 outside: the token, or
+        the whole sequence, contributes nothing).
       low, high: the band (traced; high = inf for no upper bound).
 
     Returns:
       (w_BxT, metrics): stop-gradient float32 weights and `(sum, count)` metric pairs:
         is_ratio: mean token ratio rho_t over real tokens (unbounded);
         is_truncated_frac / is_masked_frac: fraction of tokens (token level) or of
-          sequences (sequence level) whose weight the bound changed;
+          sequences (sequence level) whose weight a bound changed;
         is_seq_log_ratio: mean over sequences of log rho_i = sum_t log rho_t;
         is_kl: KL(pi_sampler || pi_old) per token, the k3 estimate rho - 1 - log rho on
           tokens drawn from pi_sampler (unbiased, >= 0; Schulman 2020).
@@ -84,11 +88,12 @@ def sampler_correction(
     else:
         log_w, unit = jnp.broadcast_to(seq_log_rho_B[:, None], m.shape), has_B
     log_high = jnp.log(jnp.asarray(high, jnp.float32))
+    log_low = jnp.log(jnp.asarray(low, jnp.float32))  # -inf for low = 0
     if mode == "truncate":
-        changed = log_w > log_high
-        w = jnp.exp(jnp.minimum(log_w, log_high))
+        changed = (log_w > log_high) | (log_w < log_low)
+        w = jnp.exp(jnp.clip(log_w, log_low, log_high))
     else:
-        inside = (log_w >= jnp.log(jnp.asarray(low, jnp.float32))) & (log_w <= log_high)
+        inside = (log_w >= log_low) & (log_w <= log_high)
         changed = ~inside
         # exp only of in-band values, so an out-of-band huge ratio never overflows.
         w = jnp.where(inside, jnp.exp(jnp.where(inside, log_w, 0.0)), 0.0)

@@ -10,11 +10,18 @@ collapse. Per token i of the batch (N real tokens),
 and two rules pick the tokens to restrain:
 
   Clip-Cov: draw r * N tokens uniformly at random among those with
-            omega_low <= Cov_i <= omega_high; their gradient is detached
-            (paper: r = 2e-4, omega_low = 1, omega_high = 5);
+            omega_low < Cov_i < omega_high that PPO's clip has not already clipped;
+            their gradient is detached (paper: r = 2e-4, omega_low = 1, omega_high = 5);
   KL-Cov:   the top k * N tokens by Cov_i; they get a KL penalty
             beta * |log pi - log pi_old|
             (paper: k = 2e-3 for Qwen2.5-7B, 2e-4 for 32B; beta = 1).
+
+The strict band and the candidates left after PPO's clip follow the authors' code
+(PRIME-RL/Entropy-Mechanism-of-RL, adapted as verl's `compute_policy_loss_clip_cov` in
+`verl/trainer/ppo/core_algos.py`: `clip_by_origin` tokens get covariance -inf, then
+`(cov > clip_cov_lb) & (cov < clip_cov_ub)`): a clipped token's gradient is already 0,
+so a draw spent on it would restrain nothing. KL-Cov takes the top k * N of all real
+tokens (`torch.topk` there), clipped or not: its surrogate has no clip.
 
 Both use statistics of the whole (mini)batch, and Clip-Cov randomness, so the trainer
 computes the selection once per minibatch, before the objective, and passes it as the
@@ -31,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax.objectives._validate import check_choice, check_ndim, check_same_shape
+from rljax.objectives.surrogates import clip_indicators
 
 Array = Any
 sg = jax.lax.stop_gradient
@@ -69,6 +77,7 @@ def cov_selection(
     low: float = 1.0,
     high: float = 5.0,
     key: Array | None = None,
+    exclude_BxT: Array | None = None,
 ) -> Array:
     """float32 0/1 ``[B, T]``: the tokens Clip-Cov or KL-Cov restrains (module docstring).
 
@@ -77,8 +86,11 @@ def cov_selection(
       adv_BxT: advantages per token. mask_BxT: 1 on real tokens.
       rule: "clip-cov" or "kl-cov".
       ratio: fraction of the real tokens to select (r or k), in (0, 1].
-      low, high: Clip-Cov's covariance band [omega_low, omega_high] (KL-Cov ignores it).
+      low, high: Clip-Cov's covariance band (omega_low, omega_high), bounds excluded
+        (KL-Cov ignores it).
       key: PRNG key, required for Clip-Cov's random draw.
+      exclude_BxT: Clip-Cov only: 0/1, tokens that may not be drawn: those whose PPO clip
+        is already active at the current ratio (`ppo_clipped_tokens`); None = none.
     """
     check_choice("rule", rule, COV_RULES)
     if not 0 < ratio <= 1:
@@ -92,7 +104,24 @@ def cov_selection(
     else:
         if key is None:
             raise ValueError("cov_selection(rule='clip-cov') needs a PRNG key")
-        cand_N = real_N & (cov_N >= low) & (cov_N <= high)
+        cand_N = real_N & (cov_N > low) & (cov_N < high)
+        if exclude_BxT is not None:
+            check_same_shape("exclude_BxT", exclude_BxT, "logp_BxT", logp_BxT)
+            cand_N = cand_N & ~(jnp.asarray(exclude_BxT, jnp.float32) > 0).reshape(-1)
         u_N = jax.random.uniform(key, cov_N.shape)
         chosen = _lowest_ranks(jnp.where(cand_N, u_N, 2.0), k) & cand_N
     return chosen.reshape(jnp.shape(mask_BxT)).astype(jnp.float32)
+
+
+def ppo_clipped_tokens(logp_BxT: Array, old_logp_BxT: Array, adv_BxT: Array, *,
+                       eps_low: Any, eps_high: Any, dual_clip: Any = None) -> Array:
+    """float32 0/1 ``[B, T]``: tokens whose PPO clip (or dual clip) is active at the ratio
+    r = pi / pi_old, so their surrogate's gradient is already 0 (`clip_indicators`): the
+    tokens Clip-Cov may not draw (verl's `clip_by_origin`, the clipped loss above the
+    unclipped one: A > 0 with r > 1 + eps_high, A < 0 with r < 1 - eps_low)."""
+    check_same_shape("old_logp_BxT", old_logp_BxT, "logp_BxT", logp_BxT)
+    ratio = jnp.exp(sg(jnp.asarray(logp_BxT, jnp.float32))
+                    - jnp.asarray(old_logp_BxT, jnp.float32))
+    low, high, dual = clip_indicators(ratio, adv_BxT, eps_low=eps_low, eps_high=eps_high,
+                                      dual_clip=dual_clip)
+    return jnp.maximum(jnp.maximum(low, high), dual)

@@ -85,7 +85,8 @@ def _common_terms(t: _Terms, b: ObjectiveBatch, coef: Coef, kl_kind: str | None,
     """KL-to-reference loss term, entropy bonus, and their metrics (when present)."""
     if b.ref_logp_BxT is not None:
         if kl_kind is not None:
-            kl = kl_estimate(b.logp_BxT, b.ref_logp_BxT, kl_kind, clamp=kl_clamp)
+            kl = kl_estimate(b.logp_BxT, b.ref_logp_BxT, kl_kind, clamp=kl_clamp,
+                             old_logp=b.old_logp_BxT)
             t.loss = t.loss + coef.kl * kl
         # Reported as k3 whatever the loss uses: unbiased and non-negative.
         t.metric("kl_ref", kl_estimate(b.logp_BxT, b.ref_logp_BxT, "k3"))
@@ -162,8 +163,9 @@ def reinforce(
     """REINFORCE with a baseline: loss = -A_t log pi(a_t) [+ beta KL_t - alpha H_t].
 
     The advantage carries the baseline (R - b, e.g. `rloo_advantages`: RLOO,
-    arXiv:2402.14740). On-policy: no ratio, no clipping; with `sampler_logp_BxT` each token
-    is weighted by truncated IS weights pi_old / pi_sampler.
+    arXiv:2402.14740). On-policy: no ratio, no clipping, so one update per batch (the
+    trainer's config refuses more); with `sampler_logp_BxT` each token is weighted by
+    truncated IS weights pi_old / pi_sampler.
     """
     def surrogate(t, b):
         obj = _tis(t, b, coef, policy_gradient_objective(b.logp_BxT, b.adv_BxT))
@@ -192,10 +194,11 @@ def grpo(
       r_it = pi(o_it) / pi_old(o_it),
 
     with the k3 estimator of Eq. 4 by default (as a loss term its gradient follows
-    KL(ref || pi); see `rljax.objectives.kl`). Variants by options: DAPO (token-mean,
-    kl_kind=None, clip_high 0.28; arXiv:2503.14476), Dr.GRPO ("seq-mean-token-sum-norm"
-    with `norm_const` and group_advantages(std="none"); arXiv:2503.20783), dual clip via
-    `coef.dual_clip`, TIS via `sampler_logp_BxT`.
+    KL(ref || pi); `kl_kind="k3_ratio"` weights it by r_it, DeepSeek-V3.2's form whose
+    gradient follows KL(pi || ref); see `rljax.objectives.kl`). Variants by options:
+    DAPO (token-mean, kl_kind=None, clip_high 0.28; arXiv:2503.14476), Dr.GRPO
+    ("seq-mean-token-sum-norm" with `norm_const` and group_advantages(std="none");
+    arXiv:2503.20783), dual clip via `coef.dual_clip`, TIS via `sampler_logp_BxT`.
     """
     return _objective(batch, coef, _ratio_clipped(coef),
                       (aggregation, kl_kind, kl_clamp, norm_const),

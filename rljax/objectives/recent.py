@@ -181,8 +181,9 @@ def clip_cov(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "token-mea
              is_mode: str = "truncate") -> tuple[Array, Array, Metrics]:
     """Clip-Cov (Cui et al. 2025, arXiv:2505.22617 §4): PPO's clipped surrogate
     (`coef.clip_low` / `clip_high`), except that the tokens of `cov_select_BxT`
-    (`cov_selection(rule="clip-cov")`) contribute nothing: zero loss and gradient, still
-    counted in the normaliser, as in the authors' code. Token-mean by default.
+    (`cov_selection(rule="clip-cov")`, drawn among the tokens PPO's clip leaves alone:
+    `ppo_clipped_tokens`) contribute nothing: zero loss and gradient, still counted in
+    the normaliser, as in the authors' code. Token-mean by default.
     """
     def surrogate(t, b):
         sel = _selected(t, b, "clip_cov")
@@ -204,12 +205,19 @@ def kl_cov(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "token-mean"
     with the unclipped ratio (the paper replaces the clip by the penalty) and the tokens
     of `cov_select_BxT` (`cov_selection(rule="kl-cov")`). Token-mean by default. Metric
     `kl_cov_penalty`: mean |log r| over all real tokens' selected part.
+
+    The penalty is written log r * sign(sg(log r)): the value |log r|, the gradient
+    sign(log r) grad log pi with sign(0) = 0, the subgradient torch's `abs` takes in the
+    authors' code (verl `compute_policy_loss_kl_cov`). `jnp.abs` would give 1 at
+    log r = 0, so on-policy (the first update of each batch, r = 1) every selected token
+    would get a constant push of -beta grad log pi where KL(pi_old || pi)'s gradient is 0.
     """
     def surrogate(t, b):
         sel = _selected(t, b, "kl_cov")
         r = _ratio(b)
         t.metric("ratio", r)
-        penalty = jnp.where(sel, jnp.abs(b.logp_BxT - b.old_logp_BxT), 0.0)
+        log_r = b.logp_BxT - b.old_logp_BxT
+        penalty = jnp.where(sel, log_r * jnp.sign(sg(log_r)), 0.0)
         t.metric("kl_cov_penalty", penalty)
         return _tis(t, b, coef, r * sg(b.adv_BxT)) - coef.kl_cov * penalty
 

@@ -17,7 +17,7 @@ from rljax.train.presets import BASE, PRESET_FIELDS, PRESETS
 
 ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce", "ppo", "cispo", "sapo",
               "gmpo", "clip_cov", "kl_cov", "distill")
-KL_KINDS = ("k1", "k2", "k3")
+KL_KINDS = ("k1", "k2", "k3", "k3_ratio")
 KL_IN = ("loss", "reward", "none")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                 "seq-mean-token-sum-norm")
@@ -42,7 +42,11 @@ class AlgorithmConfig:
       group_size: (preset) completions sampled per prompt (G); group baselines need G >= 2.
       kl_coef: (preset) KL-to-reference weight (beta); with ``kl_in="reward"`` the initial
         value of the (possibly adaptive) controller.
-      kl_kind: (preset) KL estimator "k1" | "k2" | "k3" (Schulman's approximations).
+      kl_kind: (preset) KL estimator "k1" | "k2" | "k3" (Schulman's approximations) |
+        "k3_ratio" (k3 weighted by pi / pi_old: DeepSeek-V3.2's unbiased gradient of
+        KL(pi || ref), TRL's ``use_bias_correction_kl``; ``kl_in="loss"`` only).
+      kl_clamp: None (default) or c > 0: clip each token's KL estimate to [-c, c] in the
+        loss (verl clamps k3 at 10).
       kl_in: (preset) "loss" (GRPO), "reward" (PPO / InstructGPT per-token penalty, PPO
         only) or "none".
       clip_low, clip_high: (preset) ratio clip range [1 - clip_low, 1 + clip_high]
@@ -52,8 +56,11 @@ class AlgorithmConfig:
       dual_clip: dual-clip constant c > 1 for negative advantages (``inf`` = off).
       aggregation: (preset) how per-token losses reduce: one of ``AGGREGATIONS``.
       adv_std: (preset) group-advantage normalisation: "population", "sample" or "none".
+      adv_eps: added to the group std before dividing (1e-6; TRL uses 1e-4: with
+        ``adv_std="sample"`` that is TRL's ``scale_rewards="group"``).
       num_epochs, num_minibatches: (preset) passes over each rollout batch and minibatches
         per pass; both 1 means one update per batch (ratio 1, no extra forward pass).
+        ``reinforce`` / ``rloo`` (no importance ratio) take only one.
       micro_batch_size: sequences per accumulation micro-batch (0 = whole minibatch).
       old_logp: "auto" (ratio 1 for single-update batches, else "recompute"),
         "recompute" (a forward pass before the updates) or "sampler" (the sampler's; not
@@ -61,8 +68,8 @@ class AlgorithmConfig:
       tis_cap, is_low, is_level, is_mode: importance correction of the sampler/trainer
         gap (``rljax.objectives.sampler_correction``), on when ``tis_cap`` is finite or
         ``is_low > 0`` (not with top-k / top-p): ``is_level`` "token" | "sequence",
-        ``is_mode`` "truncate" (weights min(rho, tis_cap)) | "mask" (rho outside
-        [is_low, tis_cap] gets weight 0; IcePop / MIS).
+        ``is_mode`` "truncate" (weights clip(rho, is_low, tis_cap), as TRL's truncate
+        modes) | "mask" (rho outside [is_low, tis_cap] gets weight 0; IcePop / MIS).
       mask_truncated: completions cut at ``max_new_tokens`` contribute no loss (DAPO §3.4).
       sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (name="sapo").
       clip_cov_ratio, clip_cov_low, clip_cov_high: Clip-Cov's fraction of tokens and
@@ -92,12 +99,14 @@ class AlgorithmConfig:
     group_size: int | None = None
     kl_coef: float | None = None
     kl_kind: str | None = None
+    kl_clamp: float | None = None
     kl_in: str | None = None
     clip_low: float | None = None
     clip_high: float | None = None
     dual_clip: float = math.inf
     aggregation: str | None = None
     adv_std: str | None = None
+    adv_eps: float = 1e-6
     num_epochs: int | None = None
     num_minibatches: int | None = None
     micro_batch_size: int = 0

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 
 from rljax import objectives as obj
@@ -70,8 +72,8 @@ def make_objective(cfg: AlgorithmConfig, max_new_tokens: int) -> Callable:
             "distill": obj.distill}.get(cfg.name, obj.grpo)
     extra = {"discount": cfg.distill_discount} if cfg.name == "distill" else {}
     return functools.partial(base, aggregation=cfg.aggregation, kl_kind=kl_kind,
-                             norm_const=norm, is_level=cfg.is_level, is_mode=cfg.is_mode,
-                             **extra)
+                             kl_clamp=cfg.kl_clamp, norm_const=norm, is_level=cfg.is_level,
+                             is_mode=cfg.is_mode, **extra)
 
 
 #: The entropy-control rule of each algorithm name that selects tokens by covariance.
@@ -87,6 +89,24 @@ def cov_rule(cfg: AlgorithmConfig) -> tuple | None:
     if rule == "kl-cov":
         return rule, cfg.kl_cov_ratio, 0.0, 0.0
     return rule, cfg.clip_cov_ratio, cfg.clip_cov_low, cfg.clip_cov_high
+
+
+def cov_tokens(cfg: AlgorithmConfig, logp_BxT: Array, mb: dict, key: Array) -> Array:
+    """The tokens ``cfg``'s Clip-Cov / KL-Cov restrains in minibatch ``mb`` (its
+    ``adv_BxT``, ``completion_mask_BxT`` and, when the ratio is not 1, ``old_logp_BxT``),
+    from the current policy's log-probs: ``rljax.objectives.cov_selection``, Clip-Cov
+    drawing only among tokens PPO's clip leaves alone (``ppo_clipped_tokens``)."""
+    cfg = cfg.resolve()
+    rule, ratio, low, high = cov_rule(cfg)
+    logp_BxT = jax.lax.stop_gradient(logp_BxT)
+    exclude = None
+    if rule == "clip-cov" and mb.get("old_logp_BxT") is not None:
+        dual = cfg.dual_clip if math.isfinite(cfg.dual_clip) else None
+        exclude = obj.ppo_clipped_tokens(logp_BxT, mb["old_logp_BxT"], mb["adv_BxT"],
+                                         eps_low=cfg.clip_low, eps_high=cfg.clip_high,
+                                         dual_clip=dual)
+    return obj.cov_selection(logp_BxT, mb["adv_BxT"], mb["completion_mask_BxT"], rule=rule,
+                             ratio=ratio, low=low, high=high, key=key, exclude_BxT=exclude)
 
 
 def uses_sampler_logp(cfg: AlgorithmConfig) -> bool:
@@ -127,7 +147,7 @@ def sequence_advantages(cfg: AlgorithmConfig, rewards_B: Array) -> Array:
         return obj.rloo_advantages(rewards_B, g)
     if cfg.name == "reinforce" and g == 1:
         return rewards_B - jnp.mean(rewards_B)
-    return obj.group_advantages(rewards_B, g, std=cfg.adv_std)
+    return obj.group_advantages(rewards_B, g, std=cfg.adv_std, eps=cfg.adv_eps)
 
 
 def overlong_shaping(lengths_B: Array, max_new_tokens: int, buffer: int, penalty: float) -> Array:

@@ -85,8 +85,6 @@ def check_algorithm_extras(cfg) -> None:
     check_choice(c, "is_level", cfg.is_level, IS_LEVELS)
     check_choice(c, "is_mode", cfg.is_mode, IS_MODES)
     check_num(c, "is_low", cfg.is_low, lo=0.0)
-    if cfg.is_low > 0 and cfg.is_mode != "mask":
-        fail(c, "is_low", cfg.is_low, "0 unless is_mode='mask' (truncation has no lower bound)")
     if cfg.is_low >= cfg.tis_cap:
         fail(c, "is_low", cfg.is_low, f"< tis_cap={cfg.tis_cap} (the band [is_low, tis_cap])")
     check_bool(c, "mask_truncated", cfg.mask_truncated)
@@ -96,10 +94,39 @@ def check_algorithm_extras(cfg) -> None:
     check_num(c, "kl_cov_ratio", cfg.kl_cov_ratio, lo=0.0, hi=1.0, lo_open=True)
     check_num(c, "clip_cov_low", cfg.clip_cov_low)
     check_num(c, "clip_cov_high", cfg.clip_cov_high)
-    if cfg.clip_cov_low > cfg.clip_cov_high:
-        fail(c, "clip_cov_low", cfg.clip_cov_low, f"<= clip_cov_high={cfg.clip_cov_high}")
+    if cfg.clip_cov_low >= cfg.clip_cov_high:  # the band is open: (low, high)
+        fail(c, "clip_cov_low", cfg.clip_cov_low, f"< clip_cov_high={cfg.clip_cov_high}")
     check_num(c, "kl_cov_coef", cfg.kl_cov_coef, lo=0.0)
     check_num(c, "distill_discount", cfg.distill_discount, lo=0.0, hi=1.0)
+    check_num(c, "adv_eps", cfg.adv_eps, lo=0.0)
+    if cfg.kl_clamp is not None:
+        check_num(c, "kl_clamp", cfg.kl_clamp, lo=0.0, lo_open=True, finite=False)
+    if cfg.resolved("kl_kind") == "k3_ratio" and cfg.resolved("kl_in") == "reward":
+        fail(c, "kl_kind", "k3_ratio", "'k1', 'k2' or 'k3' with kl_in='reward' (the ratio "
+             "weights a gradient; a reward penalty has none)")
+    _check_on_policy_only(cfg)
+
+
+#: Objectives without an importance ratio: every update after a batch's first would use
+#: samples of an older policy, uncorrected.
+NO_RATIO = ("reinforce", "rloo")
+
+
+def _check_on_policy_only(cfg) -> None:
+    """``reinforce`` / ``rloo`` (the library's loss, A log pi) take one update per batch."""
+    if cfg.name not in NO_RATIO or cfg.objective is not None:
+        return
+    epochs, minibatches = cfg.resolved("num_epochs"), cfg.resolved("num_minibatches")
+    if epochs * minibatches > 1:
+        field = "num_epochs" if epochs > 1 else "num_minibatches"
+        raise ValueError(
+            f"AlgorithmConfig.{field}={cfg.resolved(field)} is invalid for name={cfg.name!r}: "
+            f"its loss (A log pi) has no importance ratio, so after the first of "
+            f"num_epochs x num_minibatches = {epochs * minibatches} updates per batch the "
+            f"samples come from an older policy, uncorrected. Allowed: num_epochs=1 and "
+            f"num_minibatches=1; for several updates per batch use PPO's or GRPO's clipped "
+            f"ratio: name='grpo' (adv_std='none' for REINFORCE's group-mean baseline, "
+            f"advantages='rljax.objectives:rloo_advantages' for RLOO's) or name='ppo'")
 
 
 def corrects_sampler(cfg) -> bool:

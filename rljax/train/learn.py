@@ -173,7 +173,6 @@ def _cov_selector(spec: LearnSpec, policy_gd) -> Callable | None:
     rule = alg.cov_rule(spec.alg)
     if rule is None:
         return None
-    name, ratio, low, high = rule
     g = spec.share_group
     logp = functools.partial(policy_logprobs, policy_gd, chunk=spec.chunk,
                              temperature=spec.temperature, group=g)
@@ -182,9 +181,7 @@ def _cov_selector(spec: LearnSpec, policy_gd) -> Callable | None:
         seqs = {k: mb[k] for k in ("prompt_BxP", "prompt_mask_BxP", "completion_BxT",
                                    "completion_mask_BxT")}
         logp_BxT = _map_micro(lambda s: logp(params["policy"], s)[0], seqs, spec.num_micro, g)
-        return obj.cov_selection(jax.lax.stop_gradient(logp_BxT), mb["adv_BxT"],
-                                 mb["completion_mask_BxT"], rule=name, ratio=ratio, low=low,
-                                 high=high, key=key)
+        return alg.cov_tokens(spec.alg, logp_BxT, mb, key)
 
     return select
 

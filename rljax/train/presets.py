@@ -57,8 +57,11 @@ PRESETS: dict[str, dict] = {
                  aggregation="seq-mean-token-mean"),
     # Clip-Cov / KL-Cov (Cui et al. 2025): GRPO-style advantages, token-level loss, no KL;
     # their ratios and bands are AlgorithmConfig.clip_cov_* / kl_cov_* (paper values).
-    "clip_cov": dict(kl_coef=0.0, kl_in="none", aggregation="token-mean"),
-    "kl_cov": dict(kl_coef=0.0, kl_in="none", aggregation="token-mean"),
+    # The authors' scripts (verl recipe/entropy/7b_clip_cov.sh, 7b_kl_cov.sh) take 256
+    # prompts per batch in mini-batches of 32: 8 updates per batch. With one, r = 1 and
+    # neither rule would restrain anything (docs/objectives.md).
+    "clip_cov": dict(kl_coef=0.0, kl_in="none", aggregation="token-mean", num_minibatches=8),
+    "kl_cov": dict(kl_coef=0.0, kl_in="none", aggregation="token-mean", num_minibatches=8),
     # On-policy distillation (Agarwal et al. 2024; Lu / Thinking Machines 2025): the
     # teacher's per-token reverse KL is the reward, so no group baseline is needed (one
     # completion per prompt, rljax's choice); a token sum per sequence makes the expected
