@@ -31,7 +31,9 @@ The model is split into ``graphdef`` (static) and ``state`` (an argument) outsid
 merged inside, so the trainer can pass the current policy's state without a copy. On a
 mesh, rows are split over ("data", "fsdp") and kv heads over "tensor" (the cache follows
 ``rljax.models.kv_cache_shardings``); the draws do not depend on the sharding (threefry
-keys are partitionable), so results equal the single-device ones.
+keys are partitionable), so results equal the single-device ones. The logits stay split
+by vocabulary over "tensor" while tokens are drawn (``rljax.sampling.vocab_shards``: the
+chips exchange per-row summaries, never the logits).
 
 Inference layout: training keeps the parameters FSDP-sharded (their "embed" dimension
 over "fsdp"), and a decode loop over that layout would all-gather every weight at every
