@@ -2,6 +2,8 @@
 
 - :class:`SamplingParams` and the ops in :mod:`rljax.sampling.ops` (temperature, top-k,
   top-p, greedy, exact inverse-CDF sampling, log-probs of chosen tokens).
+- :func:`sample_tokens_sharded`: the same draws with the vocabulary split over the mesh's
+  "tensor" axis (per-slice summaries exchanged, never the logits); prefill and decode use it.
 - :func:`generate`: prefill once, decode in jitted ``lax.while_loop`` phases with the KV
   cache updated in place; returns a :class:`SampleResult`.
 - :func:`compiled_count`: programs compiled by the sampler so far (to check bucketing).
@@ -29,6 +31,7 @@ from rljax.sampling.ops import (
     sample_tokens_VxR,
     token_logprobs,
 )
+from rljax.sampling.vocab_shards import sample_tokens_sharded, vocab_shards
 
 __all__ = [
     "DecodeSpec",
@@ -50,4 +53,6 @@ __all__ = [
     "sample_tokens",
     "sample_tokens_VxR",
     "token_logprobs",
+    "sample_tokens_sharded",
+    "vocab_shards",
 ]

@@ -31,7 +31,9 @@ The model is split into ``graphdef`` (static) and ``state`` (an argument) outsid
 merged inside, so the trainer can pass the current policy's state without a copy. On a
 mesh, rows are split over ("data", "fsdp") and kv heads over "tensor" (the cache follows
 ``rljax.models.kv_cache_shardings``); the draws do not depend on the sharding (threefry
-keys are partitionable), so results equal the single-device ones.
+keys are partitionable), so results equal the single-device ones. The logits stay split
+by vocabulary over "tensor" while tokens are drawn (``rljax.sampling.vocab_shards``: the
+chips exchange per-row summaries, never the logits).
 
 Inference layout: training keeps the parameters FSDP-sharded (their "embed" dimension
 over "fsdp"), and a decode loop over that layout would all-gather every weight at every
@@ -67,9 +69,10 @@ from rljax.models import ModelConfig, grow_kv_cache, kv_cache_shardings
 from rljax.models.grouped import prompt_copies
 from rljax.models.layers import cast_matmul_weights, compute_dtype
 from rljax.sampling.head import cached_vocab_major_weight, vocab_major_head
-from rljax.sampling.ops import SamplingParams, sample_tokens_VxR
+from rljax.sampling.ops import SamplingParams
 from rljax.sampling.prompts import PackedPrompts
 from rljax.sampling.result import SampleResult
+from rljax.sampling.vocab_shards import sample_tokens_sharded
 from rljax.sharding import BATCH_AXES, inference_shardings, logical_sharding, mesh_context
 
 __all__ = ["DecodeSpec", "DecodeState", "compiled_count", "inference_layout", "plan_phases",
@@ -252,7 +255,8 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
         logp_RxN=zeros_RxN, sampling_logp_RxN=zeros_RxN,
     )
     logits_VxR = logits_VxB if g == 1 else jnp.repeat(logits_VxB, g, axis=1)
-    tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(key, 0), logits_VxR, spec.params)
+    tok, lp, slp = sample_tokens_sharded(jax.random.fold_in(key, 0), logits_VxR, spec.params,
+                                         mesh)
     s = _constrain_state(_record(s, spec, None, tok, lp, slp), mesh)
     prompt = tuple(_repeat_rows(x, g) for x in (tokens_BxP, mask_BxP, pos_BxP))
     return s, prefix, prompt
@@ -280,8 +284,8 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, 
         h_Rx1xD, cache = model.forward_cached(
             s.last_R[:, None], s.feed_pos_R[:, None], ones_Rx1, s.cache, s.slot - p, prefix
         )
-        tok, lp, slp = sample_tokens_VxR(jax.random.fold_in(s.key, s.step),
-                                         head(h_Rx1xD[:, 0]), spec.params)
+        tok, lp, slp = sample_tokens_sharded(jax.random.fold_in(s.key, s.step),
+                                             head(h_Rx1xD[:, 0]), spec.params, mesh)
         return _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
 
     for end_step, cache_len in spec.phases:
