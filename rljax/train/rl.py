@@ -308,7 +308,8 @@ class RLTrainer:
             data_pos=hosts.put_replicated(pos, self.mesh, np.int32), **out)
         metrics = hosts.fetch_scalars(m)
         metrics.update(extra)
-        self._add_throughput(metrics, ph)
+        metrics.update(self.rollouts.term_means())  # reward/<term>: all processes and rounds
+        self._add_throughput(metrics, ph, state.params)
         done = int(metrics.pop("done_steps"))
         if metrics.pop("nonfinite_run") >= self.rl.max_nonfinite_steps:
             raise NonFiniteError(
@@ -339,19 +340,23 @@ class RLTrainer:
                          "dyn_dropped_groups": float(len(rounds) * n - sum(kept)),
                          "dyn_short_groups": float(max(0, n - sum(kept)))}
 
-    def _add_throughput(self, m: dict, ph: _Phase) -> None:
+    def _add_throughput(self, m: dict, ph: _Phase, params: dict) -> None:
         """Tokens/s (whole mesh and per chip), phase times, model FLOP/s and MFU
         (``rljax.train.throughput``; ``rl.peak_flops`` overrides the chip's table peak).
-        The FLOPs count each group's prompt once where the forwards share it; the token
+        The FLOPs count every pass of the step once (``step_model_flops``), each group's
+        prompt once where the forwards (and the sampler's prefill) share it; the token
         rates count every row's prompt."""
         gen, seq = m["completion_tokens"], m["completion_tokens"] + m["prompt_tokens"]
         computed = m["completion_tokens"] + m["prompt_tokens"] / self.share_group
-        fwd = self.uses_ref + (self.old_mode == "recompute") + (self.value_gd is not None)
-        teacher = (0 if self.teacher_params is None else
-                   sum(x.size for x in jax.tree.leaves(self.teacher_params)))
+        fwd = (self.uses_ref + (self.spec.old_mode == "recompute" or (
+            self.alg.name == "ppo" and self.spec.old_mode == "self"))
+            + (alg.cov_rule(self.alg) is not None) * self.alg.num_epochs)
+        size = lambda t: 0 if t is None else sum(x.size for x in jax.tree.leaves(t))
         flops = throughput.step_model_flops(
             self.rollouts.num_params, gen_tokens=gen, seq_tokens=computed, extra_forwards=fwd,
-            epochs=self.alg.num_epochs, teacher_params=teacher)
+            epochs=self.alg.num_epochs, teacher_params=size(self.teacher_params),
+            prefill_tokens=m["prompt_tokens"] / self.alg.group_size,
+            value_params=size(params.get("value")))
         chips, kind = throughput.chips_and_kind(self.mesh)
         m.update(throughput.step_throughput(
             gen_tokens=gen, seq_tokens=seq, epochs=self.alg.num_epochs, times=ph.times,
