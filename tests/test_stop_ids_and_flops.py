@@ -7,6 +7,7 @@ tests/test_multiprocess_rl.py.)"""
 import json
 import logging
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from _verifiers import MetaVerdict
 from rljax.models import Decoder, ModelConfig, ValueModel
 from rljax.models.tokenizer import build_char_tokenizer, generation_eos_ids, load_tokenizer
 from rljax.rewards import RewardPool
+from rljax.run.builders import build_tokenizer
 from rljax.train.batching import (completion_mask_from_tokens, decode_completions,
                                   encode_text, pad_left, stop_ids)
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
@@ -42,6 +44,9 @@ def test_stop_ids_come_from_generation_config_and_survive_a_save(tmp_path):
     assert generation_eos_ids(tmp_path / "c") == () and stop_ids(plain) == (2,)
     (tmp_path / "c" / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
     assert stop_ids(load_tokenizer(tmp_path / "c")) == (2, 5)
+    # A tokenizer folder apart from the checkpoint: the checkpoint's stop ids count too.
+    cfg = types.SimpleNamespace(tokenizer=str(tmp_path / "b"), hf_path=str(tmp_path / "c"))
+    assert stop_ids(build_tokenizer(cfg)) == (2, 7, 5)
     (tmp_path / "c" / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
     with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id=\['x'\]"):
         load_tokenizer(tmp_path / "c")

@@ -37,7 +37,8 @@ from rljax.data import (ArithmeticTask, CountdownTask, LengthPolicy, ShuffledIte
                         load_prompts)
 from rljax.models import Decoder
 from rljax.models.hf_io import from_pretrained
-from rljax.models.tokenizer import build_char_tokenizer, check_vocab, load_tokenizer
+from rljax.models.tokenizer import (add_stop_ids, build_char_tokenizer, check_vocab,
+                                    generation_eos_ids, load_tokenizer)
 from rljax.rewards.device import is_device_reward
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.tasks import ArithmeticDeviceReward, ArithmeticReward, CountdownReward
@@ -55,10 +56,15 @@ _SFT_FILE_ORDER = 0x534654  # "SFT": seeds the warm-up's visiting order of a fil
 
 
 def build_tokenizer(cfg: ExperimentConfig):
-    """"char" -> `build_char_tokenizer()`; a folder -> `load_tokenizer`; None -> `hf_path`'s."""
+    """"char" -> `build_char_tokenizer()`; a folder -> `load_tokenizer`; None -> `hf_path`'s.
+    The checkpoint's generation_config.json stop ids count whichever folder the tokenizer
+    comes from."""
     if cfg.tokenizer == "char":
         return build_char_tokenizer()
-    return load_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else cfg.hf_path)
+    tok = load_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else cfg.hf_path)
+    if cfg.tokenizer is not None and cfg.hf_path is not None:
+        add_stop_ids(tok, generation_eos_ids(cfg.hf_path))
+    return tok
 
 
 def build_mesh(cfg: ExperimentConfig):
