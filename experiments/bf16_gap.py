@@ -70,7 +70,8 @@ def build(vocab: int, head_scale: float, seed: int = 0):
 def sample(gd, params, prompts_BxP, group: int, new: int, key):
     res = generate((gd, params), prompts_BxP, key=key, max_new_tokens=new, temperature=1.0,
                    num_samples=group, length_multiple=16)
-    seqs = {"prompt_BxP": res.prompt_tokens, "prompt_mask_BxP": res.prompt_mask.astype(jnp.float32),
+    seqs = {"prompt_BxP": res.prompt_tokens,
+            "prompt_mask_BxP": res.prompt_mask.astype(jnp.float32),
             "completion_BxT": res.tokens,
             "completion_mask_BxT": res.completion_mask.astype(jnp.float32)}
     return seqs, res.sampling_logprobs
@@ -83,7 +84,8 @@ def logp_gap(gd, params, seqs, sampler_logp, group: int, chunk: int) -> dict:
     m = np.asarray(seqs["completion_mask_BxT"]) > 0
     gap = np.abs(np.asarray(logp) - np.asarray(sampler_logp))[m]
     return {"gap_mean": float(gap.mean()), "gap_max": float(gap.max()),
-            "entropy": float(np.asarray(ent)[m].mean()), "logp_mean": float(np.asarray(logp)[m].mean())}
+            "entropy": float(np.asarray(ent)[m].mean()),
+            "logp_mean": float(np.asarray(logp)[m].mean())}
 
 
 def grpo_grad(gd, params, seqs, sampler_logp, adv_B, group: int, chunk: int, new: int):

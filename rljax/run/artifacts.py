@@ -297,7 +297,8 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
         res = generate(model, ids, key=jax.random.key(cfg.run.seed + 1 + i), num_samples=k,
                        **opts, **common)
         rep_meta = [m for m in meta for _ in range(k)]
-        ok = _correct(accuracy_fn, _decode(tokenizer, res, stops), rep_meta).reshape(len(prompts), k)
+        ok = _correct(accuracy_fn, _decode(tokenizer, res, stops), rep_meta)
+        ok = ok.reshape(len(prompts), k)
         passed.append(ok.any(axis=1))
         sampled.append(ok.mean(axis=1))
     return {"n": n, "k": k, "accuracy": float(np.concatenate(greedy).mean()),

@@ -2,8 +2,9 @@
 
 Prompts are left-padded to width P, completions right-padded to width T (with EOS
 appended when it fits), masks float32 0/1. A completion ends at any of the tokenizer's
-stop ids (``stop_ids``: EOS and generation_config.json's ``eos_token_id`` list). Every training and evaluation batch is a dict
-``{"prompt_BxP", "prompt_mask_BxP", "completion_BxT", "completion_mask_BxT"}``.
+stop ids (``stop_ids``: EOS and generation_config.json's ``eos_token_id`` list). Every
+training and evaluation batch is a dict ``{"prompt_BxP", "prompt_mask_BxP",
+"completion_BxT", "completion_mask_BxT"}``.
 """
 
 from __future__ import annotations
