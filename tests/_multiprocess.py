@@ -92,6 +92,18 @@ EXPERIMENT = textwrap.dedent('''
         return np.array([1.0 if m["answer"] == "short" else float(k % 2)
                          for k, m in enumerate(metadata)])
 
+    class WidthTerms:
+        """width_reward, with two terms logged as reward/<term>: "width" (the reward) and
+        "digits" (digit_reward, weight 0): their means are over every process's rows and
+        every DAPO round (rljax.train.rollout.Rollouts.term_means)."""
+
+        def __call__(self, completions, metadata):
+            w = width_reward(completions, metadata)
+            self.last_components = {{"width": w, "digits": digit_reward(completions, metadata)}}
+            return w
+
+    width_terms = WidthTerms()
+
     def config():
         return ExperimentConfig(
             name="{name}",
@@ -166,7 +178,7 @@ class Scenario:
         task = ARITHMETIC
         if widths:
             write_width_data(self.root / "data")
-            task, reward = WIDTHS.format(path=self.root / "data"), "width_reward"
+            task, reward = WIDTHS.format(path=self.root / "data"), "width_terms"
         self.exp = self.root / f"{name}.py"
         self.exp.write_text(EXPERIMENT.format(name=name, algorithm=algorithm, prompts=prompts,
                                               task=task, reward=reward, sft=sft))

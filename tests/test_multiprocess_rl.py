@@ -1,7 +1,8 @@
 """Issue 16's acceptance on two processes x 4 CPU devices through the CLI (`rljax train
 --distributed --coordinator ...`), against one process x 8 devices, for GRPO, PPO (value
 model, GAE, KL in the reward, 2 epochs x 2 minibatches with the in-graph permutation) and
-DAPO (dynamic sampling with refill rounds of different prompt widths). GRPO is scored by a
+DAPO (dynamic sampling with refill rounds of different prompt widths; its per-term reward
+means, over every process's rows and every round, equal too). GRPO is scored by a
 device reward (the whole step one program, `rljax.train.fused`); PPO and DAPO by host
 rewards (rollout, scoring on the host, learning program):
 
@@ -90,3 +91,9 @@ def test_dapo_refills_prompts_of_other_widths_equally_on_both_topologies(runs):
     assert {k: ref[2][k] for k in dyn} == {"zero_var_frac": 1.0, "dyn_refill_rounds": 3.0,
                                           "dyn_dropped_groups": 16.0, "dyn_short_groups": 4.0}
     assert ref[2]["grad_norm"] == 0.0 and ref[1]["grad_norm"] > 0
+    # reward/<term> means over every process's rows and every round: equal to 1 x 8's;
+    # step 1's width term averages its all-short round (1.0) and its long round (0.5).
+    for step in (1, 2, 3):
+        mp.assert_close(two[step], ref[step], ("reward/width", "reward/digits"),
+                        mp.TOKEN_RTOL, f"reward terms of step {step}")
+    assert ref[1]["reward/width"] == two[1]["reward/width"] == 0.75

@@ -11,6 +11,7 @@ want of credentials: a misspelt flag or command group exits 2 before that.
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import sys
 import pytest
 
 from _fake_gcloud import (
+    ROOT,
     Fake,
     REAL_GCLOUD,
     SCRIPTS,
@@ -302,3 +304,20 @@ def test_recorded_commands_are_real_gcloud_commands(recorded, tmp_path):
         assert "unrecognized arguments" not in answer and "Invalid choice" not in answer
         assert any(m in answer for m in CREDENTIALS), (args, answer)
     assert len(calls) >= 12
+
+
+def test_example_run_commands_name_a_recipe():
+    """Every `rljax train` example of tpu_setup (README, script comments) but the smoke run
+    names a recipe that its experiment file defines: without one a run on a slice takes
+    the experiment's plain settings (attention "xla": memory quadratic in the length)."""
+    texts = [(SETUP / "README.md").read_text()] + [p.read_text() for p in SCRIPTS]
+    # Commands span lines ending in "\" (comment lines of scripts continue with "#").
+    joined = [re.sub(r"\\\n#?\s*", " ", t) for t in texts]
+    runs = [m.group(0) for t in joined for m in re.finditer(r"rljax train \S+[^\n`]*", t)]
+    runs = [r for r in runs if "smoke=true" not in r]
+    assert len(runs) >= 2, runs
+    for cmd in runs:
+        exp, recipe = cmd.split()[2], re.search(r"--set '?recipe=([\w.-]+)", cmd)
+        assert recipe, f"no --set recipe=NAME in: {cmd}"
+        source = (ROOT / "experiments" / f"{exp}.py").read_text()
+        assert re.search(rf'"{re.escape(recipe.group(1))}": Recipe\(', source), (exp, recipe)

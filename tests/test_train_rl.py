@@ -157,12 +157,15 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills():
     assert m["zero_var_frac"] == 0.5 and m["dyn_refill_rounds"] == 1
     assert m["dyn_dropped_groups"] == 4 and m["dyn_short_groups"] == 0
     assert int(state.data_pos) == 8 and calls == [8, 8]
+    # The sampler's work counts both rounds (FLOPs, rates): 8 more rows than the batch.
+    assert m["dyn_sampled_tokens"] >= m["completion_tokens"] + 8
     # No signal anywhere: after the allowed refills the batch is padded to full size.
     flat = lambda c, m: np.ones(len(c), np.float32)
     tr = _trainer(gd, "dapo", reward=flat, group_size=2, overlong_buffer=0, max_refill_rounds=1)
     state, m = tr.step(tr.init_state(tiny_model()[1]), source)  # st was donated above
     assert m["dyn_short_groups"] == 4 and m["dyn_refill_rounds"] == 1
     assert m["skipped_updates"] == 0 and int(state.data_pos) == 8
+    assert m["completion_tokens"] == 0 < m["dyn_sampled_tokens"] and m["model_flops_s"] > 0
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):

@@ -2,7 +2,7 @@
 # Run one command on every worker, detached, and watch it.
 #
 #   launch.sh --env my.env --run grpo -- rljax train gsm8k_qwen25_grpo --distributed \
-#     --set run.dir=gs://bucket/runs/grpo --set 'hf_path=$HOME/models/Qwen2.5-0.5B-Instruct'
+#     --set recipe=0.5b-v5e16 --set run.dir=gs://bucket/runs/grpo
 #
 # The words after -- (or COMMAND= in the env file) are joined with spaces and run by bash
 # in ~/rljax with ~/rljax-venv active, under setsid + nohup, so a dropped ssh (or a closed

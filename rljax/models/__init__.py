@@ -39,8 +39,9 @@ __all__ = [
     "rope_inv_freq",
 ]
 
-_TOKENIZER_NAMES = ("apply_chat_template", "build_char_tokenizer", "check_same_tokenizer",
-                    "check_vocab", "encode_prompts", "load_tokenizer")
+_TOKENIZER_NAMES = ("add_stop_ids", "apply_chat_template", "build_char_tokenizer",
+                    "check_same_tokenizer", "check_vocab", "encode_prompts",
+                    "generation_eos_ids", "load_tokenizer", "stop_token_ids")
 __all__ += list(_TOKENIZER_NAMES)
 
 

@@ -4,6 +4,7 @@ chat templates and prompt encoding. Nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import string
@@ -25,14 +26,54 @@ CHAR_CHAT_TEMPLATE = (
 )
 
 
+# Where a tokenizer keeps the extra stop ids: in `init_kwargs`, so `save_pretrained`
+# writes them to tokenizer_config.json and a saved run's tokenizer folder keeps them.
+GENERATION_EOS_KEY = "generation_eos_token_ids"
+
+
+def generation_eos_ids(folder: str | os.PathLike) -> tuple[int, ...]:
+    """`eos_token_id` of `folder/generation_config.json` (an int or a list; Llama-3-Instruct
+    lists `<|end_of_text|>` and `<|eot_id|>`), or () without that file or field."""
+    path = pathlib.Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    ids = json.loads(path.read_text()).get("eos_token_id")
+    ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id={ids!r}; allowed: a token id or a list of them")
+    return tuple(ids)
+
+
+def add_stop_ids(tokenizer, ids) -> None:
+    """Record `ids` as further ids that end a completion (see `stop_token_ids`)."""
+    have = list(tokenizer.init_kwargs.get(GENERATION_EOS_KEY) or [])
+    tokenizer.init_kwargs[GENERATION_EOS_KEY] = have + [int(i) for i in ids if i not in have]
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """Every id that ends a completion, resolved once: the tokenizer's `eos_token_id`
+    first, then the ids recorded by `add_stop_ids` (`load_tokenizer` records
+    generation_config.json's `eos_token_id` list), without repeats. A tokenizer without
+    EOS: ValueError."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ValueError("tokenizer has no eos_token_id; the trainer needs one to end completions")
+    extra = (getattr(tokenizer, "init_kwargs", None) or {}).get(GENERATION_EOS_KEY) or ()
+    return tuple(dict.fromkeys([int(eos), *(int(i) for i in extra)]))
+
+
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """`transformers.AutoTokenizer` from a local folder (never the Hub)."""
+    """`transformers.AutoTokenizer` from a local folder (never the Hub). The folder's
+    generation_config.json `eos_token_id` ids, if any, become stop ids
+    (`stop_token_ids`)."""
     path = pathlib.Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"load_tokenizer: {path} is not a directory")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    add_stop_ids(tok, generation_eos_ids(path))
+    return tok
 
 
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, path: str | os.PathLike | None = None,

@@ -35,7 +35,8 @@ from jax.sharding import SingleDeviceSharding
 from rljax.models import Decoder
 from rljax.models.hf_config import config_from_hf
 from rljax.models.hf_io import from_pretrained, state_location, weight_map, write_pretrained
-from rljax.models.tokenizer import build_char_tokenizer, encode_prompts, load_tokenizer
+from rljax.models.tokenizer import (build_char_tokenizer, encode_prompts, load_tokenizer,
+                                    stop_token_ids)
 from rljax.run.builders import build_reward, build_task
 from rljax.run.experiment import ExperimentConfig, config_from_dict
 from rljax.run.experiment_files import load_experiment
@@ -232,13 +233,12 @@ def sample_texts(source: str | pathlib.Path, prompts: Sequence[str], *, num_samp
         raise ValueError("prompts must be a non-empty list of strings")
     model, tokenizer, run_cfg = load_policy(source, step=step)
     eos = tokenizer.eos_token_id
+    stops = () if eos is None else stop_token_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     res = generate(model, encode_prompts(tokenizer, list(prompts)), key=jax.random.key(seed),
-                   stop_ids=() if eos is None else (eos,), num_samples=num_samples, pad_id=pad,
+                   stop_ids=stops, num_samples=num_samples, pad_id=pad,
                    **_sampling_defaults(run_cfg, max_new_tokens, temperature))
-    tokens, mask = np.asarray(res.tokens), np.asarray(res.completion_mask)
-    texts = [tokenizer.decode([int(t) for t, m in zip(row, mrow) if m and t != eos])
-             for row, mrow in zip(tokens, mask)]
+    texts = _decode(tokenizer, res, stops)
     return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 
 
@@ -255,9 +255,9 @@ def _correct(accuracy_fn, texts, metadata) -> np.ndarray:
     return np.asarray([bool(accuracy_fn(t, m)) for t, m in zip(texts, metadata)], np.float64)
 
 
-def _decode(tokenizer, res, eos) -> list[str]:
+def _decode(tokenizer, res, stops: tuple) -> list[str]:
     tokens, mask = np.asarray(res.tokens), np.asarray(res.completion_mask)
-    return [tokenizer.decode([int(t) for t, m in zip(row, mrow) if m and t != eos])
+    return [tokenizer.decode([int(t) for t, m in zip(row, mrow) if m and int(t) not in stops])
             for row, mrow in zip(tokens, mask)]
 
 
@@ -282,22 +282,23 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
         raise ValueError(f"num_prompts must be in 1..{len(task.eval_prompts)} "
                          f"(rl.eval_prompts), got {num_prompts!r}")
     _, accuracy_fn = build_reward(cfg)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    stops = stop_token_ids(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     opts = _sampling_defaults(cfg, None, None)
     greedy, passed, sampled = [], [], []
     for i in range(0, n, batch_size):
         prompts = task.eval_prompts[i:min(i + batch_size, n)]
         meta = task.eval_metadata[i:min(i + batch_size, n)]
         ids = encode_prompts(tokenizer, prompts)
-        common = dict(stop_ids=(eos,), pad_id=pad)
+        common = dict(stop_ids=stops, pad_id=pad)
         res = generate(model, ids, key=jax.random.key(0), temperature=0.0,
                        max_new_tokens=opts["max_new_tokens"], **common)
-        greedy.append(_correct(accuracy_fn, _decode(tokenizer, res, eos), meta))
+        greedy.append(_correct(accuracy_fn, _decode(tokenizer, res, stops), meta))
         res = generate(model, ids, key=jax.random.key(cfg.run.seed + 1 + i), num_samples=k,
                        **opts, **common)
         rep_meta = [m for m in meta for _ in range(k)]
-        ok = _correct(accuracy_fn, _decode(tokenizer, res, eos), rep_meta).reshape(len(prompts), k)
+        ok = _correct(accuracy_fn, _decode(tokenizer, res, stops), rep_meta)
+        ok = ok.reshape(len(prompts), k)
         passed.append(ok.any(axis=1))
         sampled.append(ok.mean(axis=1))
     return {"n": n, "k": k, "accuracy": float(np.concatenate(greedy).mean()),

@@ -37,7 +37,8 @@ from rljax.data import (ArithmeticTask, CountdownTask, LengthPolicy, ShuffledIte
                         load_prompts)
 from rljax.models import Decoder
 from rljax.models.hf_io import from_pretrained
-from rljax.models.tokenizer import build_char_tokenizer, check_vocab, load_tokenizer
+from rljax.models.tokenizer import (add_stop_ids, build_char_tokenizer, check_vocab,
+                                    generation_eos_ids, load_tokenizer)
 from rljax.rewards.device import is_device_reward
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.tasks import ArithmeticDeviceReward, ArithmeticReward, CountdownReward
@@ -55,10 +56,15 @@ _SFT_FILE_ORDER = 0x534654  # "SFT": seeds the warm-up's visiting order of a fil
 
 
 def build_tokenizer(cfg: ExperimentConfig):
-    """"char" -> `build_char_tokenizer()`; a folder -> `load_tokenizer`; None -> `hf_path`'s."""
+    """"char" -> `build_char_tokenizer()`; a folder -> `load_tokenizer`; None -> `hf_path`'s.
+    The checkpoint's generation_config.json stop ids count whichever folder the tokenizer
+    comes from."""
     if cfg.tokenizer == "char":
         return build_char_tokenizer()
-    return load_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else cfg.hf_path)
+    tok = load_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else cfg.hf_path)
+    if cfg.tokenizer is not None and cfg.hf_path is not None:
+        add_stop_ids(tok, generation_eos_ids(cfg.hf_path))
+    return tok
 
 
 def build_mesh(cfg: ExperimentConfig):
@@ -252,7 +258,8 @@ def _import(path: str, field: str) -> Callable:
 
 def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
     """`(reward_fns, accuracy_fn)` for `RLTrainer`: item rewards (a list) or a batch
-    reward function, and the verifier `(completion, meta) -> bool` for the accuracy metric."""
+    reward function, and the verifier `(completion, meta) -> bool` for the accuracy metric
+    (a frozen dataclass: it pickles, so it runs in the reward pool under the time limit)."""
     r, t = cfg.reward, cfg.task
     prefix = t.assistant_prefix.strip()
     fmt = rw.TagFormat(think_open=f"<{r.think_tag}>", think_close=f"</{r.think_tag}>",
@@ -265,7 +272,7 @@ def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
         acc = CountdownReward(fmt=fmt, correct=1.0, format_score=0.0)
     else:
         acc = rw.MathAccuracy(mode=r.answer_mode, answer_tags=fmt if tagged else None)
-    accuracy_fn = lambda c, m: acc(c, m) > 0.5
+    accuracy_fn = rw.Verified(acc, correct=1.0, incorrect=0.0, name="accuracy")
     if r.kind == "reward_model":
         return RewardModelScorer.from_pretrained(r.model_path), accuracy_fn
     if r.kind == "custom":
@@ -319,8 +326,10 @@ def shared_reward_pool(workers: int) -> rw.RewardPool:
 class ComponentReward:
     """Batch reward `sum_j w_j f_j` over item rewards that keeps each term's batch mean.
 
-    `last` holds `{"reward/<name>": mean}` of the latest call, so the run logs the
-    accuracy and format terms separately (R1-Zero's two rewards). With `workers > 0` the
+    `last` holds `{"reward/<name>": mean}` of the latest call and `last_components` its
+    per-row values (name -> float32[B]), from which the trainer logs each term's mean over
+    the whole step (`rljax.train.rollout.Rollouts.term_means`): the accuracy and format
+    terms separately (R1-Zero's two rewards). With `workers > 0` the
     item calls run in the process's shared `RewardPool` (`shared_reward_pool`) and each is
     cut at `timeout_s`: a call past it scores 0 and is logged with its row and the prompt
     id from its metadata, and the run goes on.
@@ -331,7 +340,7 @@ class ComponentReward:
 
     def __init__(self, terms: tuple[tuple[float, Callable], ...], *, timeout_s: float | None = None,
                  workers: int = 0):
-        self.terms, self.last = terms, {}
+        self.terms, self.last, self.last_components = terms, {}, {}
         self.timeout_s, self.workers = timeout_s, workers
 
     def __call__(self, completions, metadata) -> np.ndarray:
@@ -343,4 +352,5 @@ class ComponentReward:
             log.warning("reward %r timed out after %.1f s on row %d (prompt %s); scored 0",
                         t.fn, t.seconds, t.index, metadata[t.index].get("index", "?"))
         self.last = {f"reward/{k}": float(np.mean(v)) for k, v in out.components.items()}
+        self.last_components = out.components
         return out.rewards

@@ -209,10 +209,13 @@ def _train(cfg, rd, ck, stop, out):
     trainer = RLTrainer(graphdef, tokenizer, reward_fns, algorithm=cfg.algorithm,
                         optim=cfg.optim, sampling=cfg.sampling, rl=cfg.rl,
                         prompt_len=cfg.task.max_prompt_tokens, value_graphdef=value_gd,
-                        accuracy_fn=accuracy_fn, mesh=mesh, teacher=teacher)
+                        accuracy_fn=accuracy_fn, mesh=mesh, teacher=teacher,
+                        reward_pool=(builders.shared_reward_pool(cfg.reward.workers)
+                                     if cfg.reward.workers else None),
+                        reward_timeout_s=cfg.reward.timeout_s)
     state, acc_before = _start(cfg, rd, ck, trainer, graphdef, params, value_params,
                                task, tokenizer, mesh, out)
-    state = _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, stop)
+    state = _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop)
     after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
     rd.log(int(state.step), {f"eval/{k}": v for k, v in after.items()}, phase="eval")
     _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
@@ -240,7 +243,7 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
         float(before.get("accuracy", 0.0))
 
 
-def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, stop):
+def _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop):
     bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=out, desc="rl")
     prof = StepProfiler(parse_profile_steps(cfg.run.profile_steps), rd.path / "profile",
                         last=cfg.rl.steps)
@@ -248,7 +251,6 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, reward_fns, acc_before, out, sto
         for step in range(int(state.step), cfg.rl.steps):
             with prof.step(step + 1), stop.guard() as held:  # numbered as
                 state, metrics = trainer.step(state, task.train)  # metrics.jsonl numbers it
-            metrics.update(getattr(reward_fns, "last", {}))  # per-term reward means
             done = int(state.step)
             if cfg.rl.eval_due(done):
                 res = trainer.evaluate(state.params["policy"], task.eval_prompts, task.eval_metadata)

@@ -1,8 +1,10 @@
 """Host-side batching: text -> padded token arrays in the trainer's sequence layout.
 
 Prompts are left-padded to width P, completions right-padded to width T (with EOS
-appended when it fits), masks float32 0/1. Every training and evaluation batch is a dict
-``{"prompt_BxP", "prompt_mask_BxP", "completion_BxT", "completion_mask_BxT"}``.
+appended when it fits), masks float32 0/1. A completion ends at any of the tokenizer's
+stop ids (``stop_ids``: EOS and generation_config.json's ``eos_token_id`` list). Every
+training and evaluation batch is a dict ``{"prompt_BxP", "prompt_mask_BxP",
+"completion_BxT", "completion_mask_BxT"}``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,20 @@ def special_ids(tokenizer: Any) -> tuple[int, int]:
         raise ValueError("tokenizer has no eos_token_id; the trainer needs one to end completions")
     pad = getattr(tokenizer, "pad_token_id", None)
     return (eos if pad is None else int(pad)), int(eos)
+
+
+def stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Every id that ends a completion: EOS first, then generation_config.json's
+    ``eos_token_id`` list (``rljax.models.tokenizer.stop_token_ids``). The sampler stops
+    at any of them (and flags a completion without one as truncated), the loss mask ends
+    at the first, and decoded text leaves them out."""
+    from rljax.models.tokenizer import stop_token_ids  # imports transformers: only here
+
+    return stop_token_ids(tokenizer)
+
+
+def _id_set(ids: int | Sequence[int]) -> np.ndarray:
+    return np.asarray([ids] if isinstance(ids, (int, np.integer)) else list(ids), np.int64)
 
 
 def pad_left(seqs: Sequence[Sequence[int]], width: int, pad_id: int, what: str = "prompt"):
@@ -79,18 +95,21 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], prompt_len: int):
     return pad_left([encode_text(tokenizer, p) for p in prompts], prompt_len, pad)
 
 
-def completion_mask_from_tokens(tokens_BxT: np.ndarray, eos_id: int) -> np.ndarray:
-    """1 up to and including the first EOS of each row, 0 after it (float32)."""
-    is_eos = tokens_BxT == eos_id
+def completion_mask_from_tokens(tokens_BxT: np.ndarray, eos_id: int | Sequence[int]
+                                ) -> np.ndarray:
+    """1 up to and including the first stop id (``eos_id``: one id or the ``stop_ids``)
+    of each row, 0 after it (float32)."""
+    is_eos = np.isin(tokens_BxT, _id_set(eos_id))
     after = np.cumsum(is_eos, axis=1) - is_eos  # EOSes strictly before each position
     return (after == 0).astype(np.float32)
 
 
 def decode_completions(tokenizer: Any, tokens_BxT: np.ndarray, mask_BxT: np.ndarray,
-                       eos_id: int) -> list[str]:
-    """Text of each completion's real tokens, EOS excluded."""
-    out = []
+                       eos_id: int | Sequence[int]) -> list[str]:
+    """Text of each completion's real tokens, stop ids excluded (``eos_id``: one id or
+    the ``stop_ids``)."""
+    out, stops = [], set(_id_set(eos_id).tolist())
     for row, m in zip(np.asarray(tokens_BxT), np.asarray(mask_BxT)):
-        ids = [int(t) for t, keep in zip(row, m) if keep > 0 and t != eos_id]
+        ids = [int(t) for t, keep in zip(row, m) if keep > 0 and int(t) not in stops]
         out.append(tokenizer.decode(ids))
     return out

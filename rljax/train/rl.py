@@ -64,9 +64,11 @@ _split_key = jax.jit(split_step_key)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
-def _kept_groups(rewards_B, group_size: int):
-    """DAPO's kept-group count: groups whose verifier outcomes differ."""
-    return jnp.sum(~zero_variance_groups(rewards_B, group_size)).astype(jnp.int32)
+def _round_counts(ro: Rollout, group_size: int):
+    """A DAPO round's host numbers: kept groups (verifier outcomes differ), and the
+    completion and prompt tokens it sampled (for the step's FLOPs and token rates)."""
+    kept = jnp.sum(~zero_variance_groups(ro.rewards_B, group_size)).astype(jnp.int32)
+    return kept, jnp.sum(ro.completion_mask_BxT), jnp.sum(ro.prompt_mask_BxP)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -310,7 +312,8 @@ class RLTrainer:
             data_pos=hosts.put_replicated(pos, self.mesh, np.int32), **out)
         metrics = hosts.fetch_scalars(m)
         metrics.update(extra)
-        self._add_throughput(metrics, ph)
+        metrics.update(self.rollouts.term_means())  # reward/<term>: all processes and rounds
+        self._add_throughput(metrics, ph, state.params)
         done = int(metrics.pop("done_steps"))
         if metrics.pop("nonfinite_run") >= self.rl.max_nonfinite_steps:
             raise NonFiniteError(
@@ -324,7 +327,7 @@ class RLTrainer:
         outcomes differ and samples further prompts until the batch is full (or rounds
         run out); every process takes the same decision from the global kept count."""
         n, params = self.rl.prompts_per_step, state.params["policy"]
-        rounds, kept = [], []
+        rounds, kept, sampled = [], [], np.zeros(2)
         while True:
             key, k = jax.random.split(key)
             ro = self.rollouts.sample(params, source, pos, n, k, ph)
@@ -332,28 +335,39 @@ class RLTrainer:
             if not self.alg.dynamic_sampling:
                 return ro, pos, {}
             rounds.append(ro)
-            kept.append(int(hosts.fetch_scalars(_kept_groups(ro.rewards_B, ro.group_size))))
+            k, *tokens = hosts.fetch_scalars(_round_counts(ro, ro.group_size))
+            kept.append(int(k))
+            sampled += tokens
             if sum(kept) >= n or len(rounds) > self.alg.max_refill_rounds:
                 break
         ro = _assemble(tuple(rounds), n, self.rollouts.pad_id)
         return ro, pos, {"zero_var_frac": 1.0 - kept[0] / n,
                          "dyn_refill_rounds": float(len(rounds) - 1),
                          "dyn_dropped_groups": float(len(rounds) * n - sum(kept)),
-                         "dyn_short_groups": float(max(0, n - sum(kept)))}
+                         "dyn_short_groups": float(max(0, n - sum(kept))),
+                         "dyn_sampled_tokens": float(sampled[0]),
+                         "dyn_sampled_prompt_tokens": float(sampled[1])}
 
-    def _add_throughput(self, m: dict, ph: _Phase) -> None:
+    def _add_throughput(self, m: dict, ph: _Phase, params: dict) -> None:
         """Tokens/s (whole mesh and per chip), phase times, model FLOP/s and MFU
         (``rljax.train.throughput``; ``rl.peak_flops`` overrides the chip's table peak).
-        The FLOPs count each group's prompt once where the forwards share it; the token
+        The FLOPs count every pass of the step once (``step_model_flops``), each group's
+        prompt once where the forwards (and the sampler's prefill) share it; the token
         rates count every row's prompt."""
         gen, seq = m["completion_tokens"], m["completion_tokens"] + m["prompt_tokens"]
+        # DAPO samples rounds it drops: the sampler's FLOPs and rate count all of them.
+        gen = m.get("dyn_sampled_tokens", gen)
+        prefill = m.get("dyn_sampled_prompt_tokens", m["prompt_tokens"]) / self.alg.group_size
         computed = m["completion_tokens"] + m["prompt_tokens"] / self.share_group
-        fwd = self.uses_ref + (self.old_mode == "recompute") + (self.value_gd is not None)
-        teacher = (0 if self.teacher_params is None else
-                   sum(x.size for x in jax.tree.leaves(self.teacher_params)))
+        fwd = (self.uses_ref + (self.spec.old_mode == "recompute" or (
+            self.alg.name == "ppo" and self.spec.old_mode == "self"))
+            + (alg.cov_rule(self.alg) is not None) * self.alg.num_epochs)
+        size = lambda t: 0 if t is None else sum(x.size for x in jax.tree.leaves(t))
         flops = throughput.step_model_flops(
             self.rollouts.num_params, gen_tokens=gen, seq_tokens=computed, extra_forwards=fwd,
-            epochs=self.alg.num_epochs, teacher_params=teacher)
+            epochs=self.alg.num_epochs, teacher_params=size(self.teacher_params),
+            prefill_tokens=prefill,
+            value_params=size(params.get("value")))
         chips, kind = throughput.chips_and_kind(self.mesh)
         m.update(throughput.step_throughput(
             gen_tokens=gen, seq_tokens=seq, epochs=self.alg.num_epochs, times=ph.times,

@@ -26,7 +26,7 @@ from rljax.sampling import generate
 from rljax.sampling.generate import config_of, prepare
 from rljax.sharding import logical_sharding
 from rljax.train import hosts
-from rljax.train.batching import decode_completions, encode_text, pad_left, special_ids
+from rljax.train.batching import decode_completions, encode_text, pad_left, special_ids, stop_ids
 from rljax.train.config import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,14 @@ class Rollouts:
     0 and logged with its prompt index. Errors (a raise or a non-finite value) name the
     function and the prompt index. ``prompt_multiple``: prompts are left-padded to a
     multiple of it (the buckets).
+
+    ``accuracy_fn``: the verifier ``(completion, meta) -> bool``; with a ``reward_pool``
+    it runs there under ``reward_timeout_s`` too (so it must pickle), a call past the
+    limit counting as wrong. Completions end at any of the tokenizer's ``stop_ids``
+    (``rljax.train.batching.stop_ids``). A batch reward that sets ``last_components``
+    (name -> float[B] of its latest call, as ``rljax.run.builders.ComponentReward``
+    does) gets ``reward/<name>`` means over every row the step sampled: every process's,
+    every DAPO round's (``term_means``).
     """
 
     def __init__(self, graphdef, tokenizer, reward_fns, *, sampling: SamplingConfig,
@@ -135,7 +143,9 @@ class Rollouts:
         self.reward_pool = reward_pool
         self.reward_timeout_s = reward_timeout_s if reward_pool is not None else None
         self.pad_id, self.eos_id = special_ids(tokenizer)
+        self.stop_ids = stop_ids(tokenizer)
         self.num_params = 0
+        self._terms: dict[str, list] = {}  # reward term -> [sum, rows] since term_means
 
     def _prompt_ids(self, prompts: Sequence[str], first: int, lo: int, n: int):
         """Own prompts (prompts ``[lo, lo + len(prompts))`` of the step's ``n``) -> every
@@ -163,7 +173,7 @@ class Rollouts:
                 (self.gd, params), tok_NxW, prompt_mask=mask_NxW > 0, key=key,
                 max_new_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
                 top_k=s.top_k or None, top_p=None if s.top_p >= 1.0 else s.top_p,
-                stop_ids=(self.eos_id,), num_samples=num_samples, pad_id=self.pad_id,
+                stop_ids=self.stop_ids, num_samples=num_samples, pad_id=self.pad_id,
                 length_multiple=self.prompt_multiple, mesh=self.mesh,
                 # Buckets never exceed prompt_len: the last one is prompt_len itself.
                 max_len=self.prompt_len + s.max_new_tokens - 1)
@@ -186,7 +196,7 @@ class Rollouts:
         batch, spec = prepare(
             config_of(self.gd, params), tok, prompt_mask=mask > 0, max_new_tokens=s.max_new_tokens,
             temperature=s.temperature, top_k=s.top_k or None,
-            top_p=None if s.top_p >= 1.0 else s.top_p, stop_ids=(self.eos_id,),
+            top_p=None if s.top_p >= 1.0 else s.top_p, stop_ids=self.stop_ids,
             num_samples=g, pad_id=self.pad_id, length_multiple=self.prompt_multiple,
             max_len=self.prompt_len + s.max_new_tokens - 1)
         arrays = (batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP)
@@ -227,11 +237,46 @@ class Rollouts:
                         "(scored as a failure)", t.fn, t.seconds, first + t.prompt_index)
         return out.rewards
 
+    def _verify(self, texts: list, metadata: list, group_size: int, first: int) -> np.ndarray:
+        """The verifier's outcomes (float32 0/1; zeros without one) of own rows: in the
+        reward pool under the reward time limit when there is a pool, a call past it
+        logged with its prompt index and counted wrong; else in this process."""
+        if self.accuracy_fn is None:
+            return np.zeros(len(texts), np.float32)
+        if self.reward_pool is None:
+            return np.asarray([bool(self.accuracy_fn(c, m)) for c, m in zip(texts, metadata)],
+                              np.float32)
+        out = score_batch([self.accuracy_fn], texts, metadata, group_size=group_size,
+                          timeout_s=self.reward_timeout_s, pool=self.reward_pool)
+        for t in out.timeouts:
+            log.warning("accuracy verifier %r timed out after %.1f s on prompt index %d "
+                        "(counted wrong)", t.fn, t.seconds, first + t.prompt_index)
+        return (out.rewards != 0).astype(np.float32)
+
+    def _add_terms(self) -> None:
+        """Add the reward's per-term sums of the rows it just scored (``last_components``)."""
+        for k, v in (getattr(self.reward_fns, "last_components", None) or {}).items():
+            acc = self._terms.setdefault(k, [0.0, 0])
+            acc[0] += float(np.sum(np.asarray(v, np.float64)))
+            acc[1] += len(v)
+
+    def term_means(self) -> dict:
+        """``{"reward/<term>": mean}`` over the rows sampled since the last call (every
+        process's, every round's), then starts over. Every process calls it once per
+        step: with several processes the sums are reduced over them."""
+        names = sorted(self._terms)
+        if not names:
+            return {}
+        sums = np.asarray([self._terms[k] for k in names], np.float64).reshape(-1)
+        self._terms = {}
+        tot = _sum_over_processes(sums, self.mesh).reshape(-1, 2)
+        return {f"reward/{k}": float(s / max(n, 1.0)) for k, (s, n) in zip(names, tot)}
+
     def _own_texts(self, out, lo: int, hi: int) -> list:
         """Detokenise rows ``[lo, hi)`` (this process's) of the sampler's output."""
         tokens = hosts.host_rows(out.tokens, lo, hi)
         mask = hosts.host_rows(out.completion_mask, lo, hi)
-        return decode_completions(self.tok, tokens, mask, self.eos_id)
+        return decode_completions(self.tok, tokens, mask, self.stop_ids)
 
     def sample(self, params, source: PromptSource, pos: int, n_prompts: int, key,
                ph) -> Rollout:
@@ -247,9 +292,8 @@ class Rollouts:
         texts = self._own_texts(out, lo, hi)
         rep_meta = [m for m in meta for _ in range(g)]
         rewards = np.asarray(self.score(texts, rep_meta, g, lo // g), np.float32)
-        correct = (np.asarray([bool(self.accuracy_fn(c, m)) for c, m in zip(texts, rep_meta)],
-                              np.float32) if self.accuracy_fn is not None else
-                   np.zeros(hi - lo, np.float32))
+        self._add_terms()
+        correct = self._verify(texts, rep_meta, g, lo // g)
         glob = functools.partial(hosts.to_global, n_rows=b, mesh=self.mesh)
         ro = Rollout(*to_rollout(out.prompt_tokens, out.prompt_mask, out.tokens,
                                   out.completion_mask, out.sampling_logprobs, out.truncated,
@@ -282,7 +326,7 @@ class Rollouts:
             texts = self._own_texts(out, lo, hi)
             sums[0] += float(np.sum(self._eval_rewards(out, texts, ms, lo, hi, i)))
             if self.accuracy_fn is not None:
-                sums[1] += sum(bool(self.accuracy_fn(c, m)) for c, m in zip(texts, ms[lo:hi]))
+                sums[1] += float(np.sum(self._verify(texts, ms[lo:hi], 1, i + lo)))
         total = _sum_over_processes(sums, self.mesh) if len(prompts) else sums
         out = {"reward_mean": float(total[0] / max(len(prompts), 1)), "n": len(prompts)}
         if self.accuracy_fn is not None:

@@ -79,17 +79,37 @@ def chips_and_kind(mesh) -> tuple[int, str]:
 
 
 def step_model_flops(num_params: int, *, gen_tokens: float, seq_tokens: float,
-                     extra_forwards: int, epochs: int, teacher_params: int = 0) -> float:
-    """Model FLOPs of one RL step (Kaplan et al. 2020, "Scaling Laws for Neural Language
-    Models", Sec. 2.1: 2N per token for a forward, 6N for forward + backward; attention
-    FLOPs left out): 2N per generated token, 2N per sequence token for each extra forward
-    (reference, old policy, value model), 6N per sequence token per epoch, and
-    2 N_teacher per sequence token for a distillation teacher. ``seq_tokens`` are the tokens
-    the forwards compute: with shared prompts (``RLConfig.share_prompts``) each group's
-    prompt tokens count once."""
-    n = num_params
-    return (2 * n * gen_tokens + 2 * n * seq_tokens * extra_forwards
-            + 6 * n * seq_tokens * epochs + 2 * teacher_params * seq_tokens)
+                     extra_forwards: int, epochs: int, teacher_params: int = 0,
+                     prefill_tokens: float = 0.0, value_params: int = 0) -> float:
+    """Model FLOPs of one RL step: every pass the algorithm needs, counted once (Kaplan et
+    al. 2020, "Scaling Laws for Neural Language Models", Sec. 2.1: 2N per token for a
+    forward, 6N for forward + backward; attention FLOPs left out). Recomputation by
+    rematerialisation is not counted (that would make it hardware FLOPs, not MFU).
+
+    ====================================  ==============================================
+    pass                                  FLOPs
+    ====================================  ==============================================
+    sampler prefill                       2N x ``prefill_tokens`` (each prompt once)
+    sampler decode                        2N x ``gen_tokens``
+    policy-sized forwards before or       2N x ``seq_tokens`` x ``extra_forwards``
+    between updates: reference, old
+    policy (a recompute, or PPO's
+    self-mode forward for GAE),
+    Clip-Cov / KL-Cov selection (one per
+    epoch: each update's minibatch)
+    policy updates                        6N x ``seq_tokens`` x ``epochs``
+    value model (PPO): values before the  2 N_value x ``seq_tokens`` + 6 N_value x
+    updates, then trained each epoch      ``seq_tokens`` x ``epochs``
+    distillation teacher                  2 N_teacher x ``seq_tokens``
+    ====================================  ==============================================
+
+    ``seq_tokens`` are the tokens the learning program's forwards compute: with shared
+    prompts (``RLConfig.share_prompts``) each group's prompt tokens count once.
+    """
+    n, nv = num_params, value_params
+    return (2 * n * (gen_tokens + prefill_tokens) + 2 * n * seq_tokens * extra_forwards
+            + 6 * n * seq_tokens * epochs + 2 * teacher_params * seq_tokens
+            + (2 + 6 * epochs) * nv * seq_tokens)
 
 
 def _rate(amount: float, seconds: float) -> float:
