@@ -72,7 +72,7 @@ def test_sample_command_from_both_sources(tiny, capsys):
     greedy_hf = sample_texts(tiny.hf_dir, ["1+1=", "abc"], max_new_tokens=6, temperature=0.0)
     assert greedy_run == greedy_hf and len(greedy_run) == 2 and len(greedy_run[0]) == 1
     assert main(["sample", str(tiny.hf_dir), "--prompt", "1+1=", "--num-samples", "3",
-                 "--max-new-tokens", "5", "--seed", "1"]) == 0
+                 "--max-new-tokens", "5", "--sampling-seed", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("=== prompt: '1+1=' sample") == 3
     assert main(["sample", str(tiny.root / "missing"), "--prompt", "x"]) == 2
