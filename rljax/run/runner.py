@@ -12,10 +12,16 @@ ending in the `RESULT` line.
 With `run.resume=true` the latest checkpoint of the run directory is restored (the whole
 `TrainState`: parameters, optimiser moments, step, PRNG key, data position, KL
 coefficient) and the loop continues from its step; metric lines after that step are
-dropped first, so `metrics.jsonl` reads as one uninterrupted run. Ctrl-C saves the
+dropped first, so `metrics.jsonl` reads as one uninterrupted run. The restore is checked
+against this config's state before the run directory is written (`RunDir.begin`); one
+that does not fit raises `RunDirError` naming the changed fields. Ctrl-C saves the
 current state (waiting for the write) before the KeyboardInterrupt propagates. SIGTERM
 (a TPU maintenance event or spot reclaim) stops every process after the same step
 (`rljax.run.preemption`), saves that step, waits for the write and raises `Preempted`.
+During the SFT warm-up both stop at the next warm-up step with a checkpoint of their own,
+which a resume continues (`rljax.run.warmup_stop`). Before the first step the run prints
+its start-up summary (`rljax.run.startup`); a mesh that does not fit the devices is an
+error before the run directory is made.
 
 On several processes (`jax.distributed`) every process runs this same function: all of
 them save and restore checkpoints (each writes its own shards), and only process 0 writes
