@@ -269,7 +269,8 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
         print(f"[rljax] resumed {rd.path} at step {meta['step']}", file=out)
         return state, float(meta["accuracy_before"])
     sft = cfg.sft is not None and cfg.sft.steps > 0
-    if rd.resumed and not (sft and warm.saved_step() is not None):
+    saved = warm.saved_step() if sft else None  # on every process alike
+    if rd.resumed and saved is None:
         rd.truncate_metrics(-1, phase=None)  # no checkpoint yet: start over, clean record
     if sft:
         params = _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out,

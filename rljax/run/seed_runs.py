@@ -234,7 +234,8 @@ class _SeedRun:
                   file=self.out)
             return state, meta["eval_before"], None
         sft = cfg.sft is not None and cfg.sft.steps > 0
-        if rd.resumed and not (sft and warm.saved_step() is not None):
+        saved = warm.saved_step() if sft else None  # on every process alike
+        if rd.resumed and saved is None:
             rd.truncate_metrics(-1, phase=None)  # no checkpoint yet: start over, clean record
         t1 = time.perf_counter()
         params, warm_state = self.params, None
