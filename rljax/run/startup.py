@@ -23,10 +23,12 @@ def parameter_count(params: Any) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(params) if hasattr(x, "shape"))
 
 
-def _where(mesh) -> str:
+def _where(mesh, seeds: int) -> str:
     n, procs = jax.device_count(), jax.process_count()
     head = (f"{jax.default_backend()}: {n} device{'s' if n > 1 else ''} "
             f"({jax.devices()[0].device_kind}), {procs} process{'es' if procs > 1 else ''}")
+    if seeds > 1:
+        return head + f"; the {seeds} seeds' program runs on device 0 (no mesh)"
     if mesh is None:
         return head + "; no mesh (one device)"
     axes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
@@ -74,7 +76,7 @@ def startup_summary(cfg: ExperimentConfig, *, mesh, params: Any, task: Any,
     n = parameter_count(params)
     per = f" per seed, {seeds} seeds in one program" if seeds > 1 else ""
     origin = f"from {cfg.hf_path}" if cfg.hf_path else "random init"
-    return [f"backend {_where(mesh)}",
+    return [f"backend {_where(mesh, seeds)}",
             f"policy: {n:,} parameters{per} ({origin})",
             f"prompts: {_sizes(cfg, task)}",
             f"reward: {_reward(cfg, reward_fns)}",
