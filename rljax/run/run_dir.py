@@ -47,6 +47,8 @@ from jax.experimental import multihost_utils
 
 from rljax.run import plots as _plots
 from rljax.run.run_lock import LOCK_FILE, RunLock, RunLockedError
+from rljax.run.run_writers import BucketLines, TensorBoardRuns
+from rljax.run.run_writers import write_atomic as _write_atomic
 from rljax.train.config_io import config_to_dict, jsonable
 
 __all__ = ["RunDir", "RunDirError", "config_diff", "config_to_dict", "config_hash",
@@ -105,12 +107,6 @@ def run_path(path: str | os.PathLike) -> epath.Path:
 def is_local(path: epath.Path) -> bool:
     """True for a path on this machine's file system (not a bucket URI)."""
     return "://" not in os.fspath(path)
-
-
-def _write_atomic(path: epath.Path, text: str) -> None:
-    tmp = path.parent / (path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)  # readers see the old file or the new one, never half of one
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
@@ -247,7 +243,7 @@ class RunDir:
         _write_atomic(self.path / CONFIG_FILE, json.dumps(
             {"config_hash": self.config_hash, "config": self.config}, indent=2, sort_keys=True))
         self._metrics = self._open_metrics()
-        self._tb = _TensorBoard(self.path / "tb") if tensorboard else None
+        self._tb = TensorBoardRuns(self.path / "tb") if tensorboard else None
         self._wandb = self._open_wandb(wandb_project) if wandb_project else None
 
     def mismatch(self, err: BaseException) -> RunDirError:
@@ -271,7 +267,7 @@ class RunDir:
         if is_local(path):
             return open(path, "a", encoding="utf-8")
         self._lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-        return _Lines(self._lines, path)
+        return BucketLines(self._lines, path)
 
     def _open_wandb(self, project: str):
         try:
@@ -388,45 +384,3 @@ def _primary_verdict(ok: bool) -> bool:
         return ok
     multihost_utils.sync_global_devices("rljax.run_dir.prepared")
     return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
-
-
-class _TensorBoard:
-    """tensorboardX writers: `tb/` for the run's lines, `tb/seed_<s>/` for a seed's (each
-    a run of its own in TensorBoard, so the seeds' curves of one tag sit side by side)."""
-
-    def __init__(self, root: epath.Path):
-        self.root, self._writers = root, {}
-
-    def log(self, scalars: dict[str, float], step: int, seed) -> None:
-        writer = self._writers.get(seed)
-        if writer is None:
-            # Imported here: tensorboardX imports torch when torch is installed (~1.1 s).
-            from tensorboardX import SummaryWriter
-
-            logdir = self.root if seed is None else self.root / f"seed_{seed}"
-            writer = self._writers[seed] = SummaryWriter(logdir=str(logdir), flush_secs=10)
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
-
-    def close(self) -> None:
-        for writer in self._writers.values():
-            writer.close()
-        self._writers = {}
-
-
-class _Lines:
-    """A write-only text sink for `metrics.jsonl` on a bucket: each write adds to the
-    kept lines and `flush` rewrites the file (buckets have no appends)."""
-
-    def __init__(self, lines: list[str], path: epath.Path):
-        self.lines, self.path, self.closed = lines, path, False
-
-    def write(self, text: str) -> int:
-        self.lines.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        _write_atomic(self.path, "".join(self.lines))
-
-    def close(self) -> None:
-        self.closed = True
