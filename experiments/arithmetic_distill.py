@@ -69,7 +69,7 @@ def teacher_config(root: pathlib.Path = ROOT) -> ExperimentConfig:
         sft=SFTConfig(steps=3000, batch_size=64, stop_accuracy=0.97, stop_every=50,
                       optim=OptimConfig(lr=3e-4, warmup_steps=20, schedule="constant")),
         rl=dataclasses.replace(d.rl, steps=0),
-        run=RunConfig(dir=str(root / "teacher"), seed=d.run.seed, overwrite=True, plots=False))
+        run=RunConfig(dir=str(root / "teacher"), seed=d.run.seed, plots=False))
 
 
 def student_config(root: pathlib.Path = ROOT) -> ExperimentConfig:
@@ -77,7 +77,7 @@ def student_config(root: pathlib.Path = ROOT) -> ExperimentConfig:
     d = _demo()
     return dataclasses.replace(d, name="arithmetic_distill_student", rl=dataclasses.replace(d.rl, steps=0),
                                run=RunConfig(dir=str(root / "student"), seed=d.run.seed,
-                                             overwrite=True, plots=False))
+                                             plots=False))
 
 
 def _arm(root: pathlib.Path, name: str, steps: int, eval_every: int) -> ExperimentConfig:
@@ -85,7 +85,7 @@ def _arm(root: pathlib.Path, name: str, steps: int, eval_every: int) -> Experime
     return dataclasses.replace(
         d, name=f"arithmetic_{name}", model=None, hf_path=str(root / "student_hf"), sft=None,
         rl=dataclasses.replace(d.rl, steps=steps, eval_every=eval_every),
-        run=RunConfig(dir=str(root / name), seed=d.run.seed, overwrite=True, plots=True))
+        run=RunConfig(dir=str(root / name), seed=d.run.seed, plots=True))
 
 
 def grpo_config(root: pathlib.Path = ROOT, steps: int = 100, eval_every: int = 20) -> ExperimentConfig:
@@ -135,6 +135,10 @@ def at_time(points: list[tuple[float, float]], seconds: float) -> float:
     return [a for t, a in points if t <= seconds + 1e-9][-1]
 
 
+def _own(cfg: ExperimentConfig) -> ExperimentConfig:
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, overwrite=True))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=str(ROOT))
@@ -148,7 +152,9 @@ def main(argv=None) -> int:
                     help="override for both arms (e.g. optim.lr=1e-4)")
     args = ap.parse_args(argv)
     root, t0 = pathlib.Path(args.root), time.perf_counter()
-    small = smoke if args.smoke else (lambda c: c)
+    # This script owns --root: it replaces its own runs (the configs never overwrite, so
+    # `rljax train arithmetic_distill` refuses a directory holding another run).
+    small = lambda c: _own(smoke(c) if args.smoke else c)  # noqa: E731
     if not (args.reuse and (root / "student_hf" / "config.json").is_file()):
         teacher = run_experiment(small(teacher_config(root)))
         run_experiment(small(student_config(root)))

@@ -89,7 +89,7 @@ def config() -> ExperimentConfig:
         rl=RLConfig(steps=60, prompts_per_step=64, eval_prompts=512, logp_chunk=8),
         # Four seeds trained at once: every program is vmapped over them
         # (rljax.run.seed_runs), scored by the arithmetic verifier in JAX.
-        run=RunConfig(dir="runs/arithmetic_grpo", seed=0, overwrite=True, plots=False, seeds=4),
+        run=RunConfig(dir="runs/arithmetic_grpo", seed=0, plots=False, seeds=4),
     )
 
 

@@ -7,7 +7,7 @@ lost and no half-written checkpoint is ever read.
 
 A tiny GRPO experiment (1-layer decoder, 4 prompts x 4 samples, a checkpoint every step,
 the last 2 kept) runs once uninterrupted ("ref"), then as runs of `--kills-per-run` kills
-each. Every attempt of a run is `rljax train EXP --set run.resume=true` (1 process, or 2
+each. Every attempt of a run is `rljax train EXP --set run.resume=auto` (1 process, or 2
 joined by `--distributed`), armed by `experiments/kill_hooks.py` to SIGKILL itself (every
 process of the attempt) in the rollout, in the update or during the asynchronous save of
 a step shortly after its latest checkpoint, after a random delay; a fourth kind is
@@ -121,7 +121,7 @@ class Attempt:
                        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
         argv = [sys.executable, "-m", "rljax", "train", str(c.exp), "--set",
-                f"run.dir={run_dir}", "--set", "run.resume=true"]
+                f"run.dir={run_dir}", "--set", "run.resume=auto"]
         if c.processes > 1:
             argv += ["--distributed", "--coordinator", f"127.0.0.1:{_free_port()}",
                      "--num-processes", str(c.processes), "--process-id"]

@@ -3,17 +3,22 @@
     rljax train EXPERIMENT [--set a.b=value ...] [--dry-run] [--profile-steps STEPS]
                 [--distributed [--coordinator HOST:PORT --num-processes N --process-id I]
                  [--heartbeat-timeout S]]
-    rljax eval SOURCE [--experiment EXP] [--set ...] [--num-prompts N] [--k K]
+    rljax eval SOURCE [--experiment EXP] [--set ...] [--num-prompts N] [--k K] [--seed S]
     rljax sample SOURCE --prompt TEXT [--prompt ...] [--num-samples N] [--max-new-tokens N]
+                 [--raw] [--seed S] [--sampling-seed N]
     rljax export SOURCE OUT_DIR [--step N] [--dtype float32|bfloat16] [--max-shard-size SIZE]
-                 [--distributed ...]
-    rljax plot RUN_DIR
+                 [--seed S] [--distributed ...]
+    rljax plot RUN_DIR [--seed S]
 
 EXPERIMENT is a file under `experiments/` (by name) or a path to one. SOURCE is a run
 directory (its latest checkpoint) or a Hugging Face model folder. Each command is a thin
 layer over one Python call (named in its help), so everything here is also a library call.
+A run of several seeds (`run.seeds`) keeps them in one checkpoint: `--seed S` picks one for
+eval / sample / export (default the run's first seed, `run.seed`); `plot` draws one curve
+per seed (or only `--seed S`'s).
 Bad input (missing experiment, unknown or mistyped override, a run directory that holds
-another run) prints one clear error line and exits with status 2. A run stopped by SIGTERM
+another run or is in use) prints one clear error line and exits with status 2 (argparse's
+usage errors too); any other failure prints its traceback and exits 1. A run stopped by SIGTERM
 (preemption: every process saves the same step) exits 0 with the step and the resume hint.
 With --distributed, a process whose run fails (typically because another process died:
 its collectives fail) prints why and exits 1 at once instead of waiting in JAX's shutdown;
@@ -69,6 +74,12 @@ def _add_launch(p: argparse.ArgumentParser) -> None:
                         f"ends every process (default {HEARTBEAT_TIMEOUT_S})")
 
 
+def _add_seed(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="which seed of a several-seed run (run.seeds > 1: one stacked "
+                        "checkpoint) to use; default the run's first seed, run.seed")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the `rljax` command."""
     parser = argparse.ArgumentParser(prog="rljax", description="RL post-training of LMs in JAX.")
@@ -93,8 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default rl.eval_prompts)")
     p.add_argument("--k", type=int, default=1, help="samples per prompt for pass@k (default 1)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+    _add_seed(p)
 
-    p = sub.add_parser("sample", help="generate completions (rljax.run.artifacts.sample_texts)")
+    p = sub.add_parser(
+        "sample", help="generate completions (rljax.run.artifacts.sample_texts)",
+        description="Generate completions. From a run directory each prompt is wrapped as the "
+                    "run's training prompts were: the tokenizer's chat template when the run "
+                    "set task.chat_template, its task.system_prompt and "
+                    "task.assistant_prefix (--raw: the prompt as given). A model folder's "
+                    "prompts are used as given.")
     p.add_argument("source", help="run directory or HF model folder")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     p.add_argument("--num-samples", type=int, default=1)
@@ -103,8 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy; default: the run's sampling.temperature (1.0 for a model "
                         "folder); a run's top-k / top-p apply too")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw", action="store_true",
+                   help="use each prompt as given (no chat template, system prompt or "
+                        "assistant prefix from the run)")
+    p.add_argument("--sampling-seed", type=int, default=0, metavar="N",
+                   help="PRNG seed of the sampling (default 0)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+    _add_seed(p)
 
     p = sub.add_parser("export", help="write a HF model folder (rljax.run.artifacts.export_hf)")
     p.add_argument("source", help="run directory (latest checkpoint) or HF model folder")
@@ -116,10 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the weights into files of at most SIZE (bytes, or with KB / "
                         "MB / GB as in transformers: 5GB = 5e9 bytes), with "
                         "model.safetensors.index.json (default: one file)")
+    _add_seed(p)
     _add_launch(p)
 
     p = sub.add_parser("plot", help="PNG plots of a run's metrics (rljax.run.plots.plot_metrics)")
     p.add_argument("run_dir")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="a several-seed run: draw only seed S (default: one curve per seed)")
     return parser
 
 
@@ -214,7 +240,8 @@ def _cmd_train(args) -> int:
 
 def _cmd_eval(args) -> int:
     result = evaluate_source(args.source, experiment=args.experiment, overrides=args.overrides,
-                             num_prompts=args.num_prompts, k=args.k, step=args.step)
+                             num_prompts=args.num_prompts, k=args.k, step=args.step,
+                             run_seed=args.seed)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -222,7 +249,8 @@ def _cmd_eval(args) -> int:
 def _cmd_sample(args) -> int:
     outs = sample_texts(args.source, args.prompt, num_samples=args.num_samples,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        seed=args.seed, step=args.step)
+                        seed=args.sampling_seed, step=args.step, run_seed=args.seed,
+                        raw=args.raw)
     for prompt, completions in zip(args.prompt, outs):
         for i, text in enumerate(completions):
             print(f"=== prompt: {prompt!r} sample {i}\n{text}")
@@ -254,7 +282,7 @@ def _cmd_export(args) -> int:
     distributed = _distributed(args)
     try:
         out = export_hf(args.source, args.out_dir, step=args.step, dtype=args.dtype,
-                        max_shard_bytes=shard)
+                        max_shard_bytes=shard, run_seed=args.seed)
     except Exception as e:
         if distributed and jax.process_count() > 1:
             _exit_failed_process("export", e)
@@ -265,7 +293,14 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    paths = plot_metrics(read_metrics(args.run_dir), pathlib.Path(args.run_dir) / "plots")
+    records = read_metrics(args.run_dir)
+    if args.seed is not None:
+        seeds = sorted({r["seed"] for r in records if "seed" in r})
+        if args.seed not in seeds:
+            raise ValueError(f"--seed {args.seed}: the metrics of {args.run_dir} hold seeds "
+                             f"{seeds or 'none (a one-seed run)'}")
+        records = [r for r in records if r.get("seed") == args.seed]
+    paths = plot_metrics(records, pathlib.Path(args.run_dir) / "plots")
     if not paths:
         print(f"no plottable metrics in {args.run_dir}", file=sys.stderr)
         return 1
@@ -281,8 +316,10 @@ _COMMANDS = {"train": _cmd_train, "eval": _cmd_eval, "sample": _cmd_sample,
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `rljax` command with `argv` (default `sys.argv[1:]`); returns the exit status.
 
-    Configuration and input errors (ValueError, TypeError, FileNotFoundError) are printed as
-    `rljax <command>: error: ...` and give status 2; other exceptions propagate.
+    Configuration and input errors (ValueError, TypeError, FileNotFoundError,
+    FileExistsError) are printed as `rljax <command>: error: ...` and give status 2, as
+    argparse's usage errors do; any other failure prints its traceback and the same one
+    line, and gives status 1; Ctrl-C gives 130.
     """
     args = build_parser().parse_args(argv)
     try:
@@ -293,3 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"rljax {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a runtime failure: the traceback says where
+        traceback.print_exc()
+        print(f"rljax {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1

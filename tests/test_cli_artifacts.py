@@ -72,7 +72,7 @@ def test_sample_command_from_both_sources(tiny, capsys):
     greedy_hf = sample_texts(tiny.hf_dir, ["1+1=", "abc"], max_new_tokens=6, temperature=0.0)
     assert greedy_run == greedy_hf and len(greedy_run) == 2 and len(greedy_run[0]) == 1
     assert main(["sample", str(tiny.hf_dir), "--prompt", "1+1=", "--num-samples", "3",
-                 "--max-new-tokens", "5", "--seed", "1"]) == 0
+                 "--max-new-tokens", "5", "--sampling-seed", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("=== prompt: '1+1=' sample") == 3
     assert main(["sample", str(tiny.root / "missing"), "--prompt", "x"]) == 2
@@ -118,3 +118,42 @@ def test_sample_takes_its_defaults_from_the_runs_config(tiny, capsys):
     assert _sampling_defaults(None, None, None) == dict(max_new_tokens=64, temperature=1.0,
                                                         top_k=None, top_p=None)
     assert _sampling_defaults(cfg, 2, 0.0)["max_new_tokens"] == 2
+
+
+def test_several_seed_runs_pick_a_seed(tiny, capsys):
+    import jax
+
+    from rljax.run.builders import model_prompt
+    from rljax.run.experiment import TaskConfig
+
+    # A run of seeds 3 and 4 keeps them stacked [2, ...] in one checkpoint (rljax.run.seed_runs).
+    other = Decoder(tiny.cfg, rngs=nnx.Rngs(8))
+    run_dir = tiny.root / "run_seeds"
+    exp = ExperimentConfig(name="two", model=tiny.cfg, run=RunConfig(dir=str(run_dir), seed=3,
+                                                                    seeds=2),
+                           task=TaskConfig(chat_template=True, system_prompt="Add."))
+    RunDir(run_dir, exp).close()
+    tiny.tok.save_pretrained(str(run_dir / "tokenizer"))
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), nnx.state(tiny.trained), nnx.state(other))
+    with Checkpointer(run_dir / "checkpoints") as ck:
+        ck.save(2, {"params": {"policy": stacked}}, {"seeds": [3, 4]})
+    ids = [tiny.tok.encode("12+30=", add_special_tokens=False)]
+    for seed, want in ((None, tiny.trained), (3, tiny.trained), (4, other)):
+        model, _, cfg = load_policy(run_dir, run_seed=seed)
+        np.testing.assert_array_equal(_logits(model, ids), _logits(want, ids))
+        assert cfg.run.seeds == 1 and cfg.run.seed == (3 if seed is None else seed)
+    with pytest.raises(ValueError, match="--seed 5: this run trained seeds 3, 4"):
+        load_policy(run_dir, run_seed=5)
+    assert main(["eval", str(run_dir), "--seed", "5"]) == 2
+    assert "seeds 3, 4" in capsys.readouterr().err
+    out = tiny.root / "exported_seed4"
+    assert main(["export", str(run_dir), str(out), "--seed", "4"]) == 0
+    np.testing.assert_allclose(_logits(from_pretrained(out), ids), _logits(other, ids),
+                               rtol=1e-6, atol=1e-6)
+    # sample wraps a prompt as the run's training prompts were; --raw keeps it as given.
+    wrapped = model_prompt(load_policy(run_dir)[2], tiny.tok, "1+1=")
+    assert wrapped != "1+1=" and "Add." in wrapped and "1+1=" in wrapped
+    kw = dict(max_new_tokens=4, temperature=0.0)  # seed 3's weights are tiny.run_dir's
+    assert sample_texts(run_dir, ["1+1="], **kw) == sample_texts(run_dir, [wrapped], raw=True, **kw)
+    assert sample_texts(run_dir, ["1+1="], raw=True, **kw) == sample_texts(tiny.run_dir, ["1+1="], **kw)
+    assert main(["sample", str(tiny.hf_dir), "--prompt", "x", "--seed", "1"]) == 2  # no seeds

@@ -74,3 +74,21 @@ def test_plot_command(tmp_path, capsys):
     with RunDir(tmp_path / "empty", {"x": 1}) as rd:
         rd.log(0, {"note": "text only"})
     assert main(["plot", str(tmp_path / "empty")]) == 1
+
+
+def test_plot_seed_and_runtime_failures_exit_1(tmp_path, capsys, monkeypatch):
+    with RunDir(tmp_path / "run", {"x": 1}) as rd:
+        for s in range(3):
+            for k in (0, 1):
+                rd.log(s, {"reward_mean": s * 0.25 * (k + 1), "seed": k})
+    assert main(["plot", str(tmp_path / "run"), "--seed", "1"]) == 0
+    assert main(["plot", str(tmp_path / "run"), "--seed", "7"]) == 2
+    assert "hold seeds [0, 1]" in capsys.readouterr().err
+
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr("rljax.cli.plot_metrics", boom)
+    assert main(["plot", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "rljax plot: error: RuntimeError: disk on fire" in err

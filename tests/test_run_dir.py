@@ -159,3 +159,64 @@ def test_non_primary_process_writes_nothing(tmp_path):
         rd.write_json("eval", {"a": 1})
         assert rd.plot() == [] and rd.metrics() == []
     assert not (tmp_path / "r").exists()
+
+
+def test_seeds_get_a_curve_each_and_duplicates_are_drawn_once(tmp_path):
+    recs = [{"step": s, "phase": "rl", "seed": k, "reward_mean": 0.1 * s * (k + 1),
+             "reward/accuracy": 0.1 * s * (k + 1), "loss": 1.0 - 0.1 * s, "grad_norm": 2.0,
+             "lr": 1e-3, "clip_frac_high": 0.01} for s in range(1, 4) for k in (0, 1)]
+    series = metric_series(recs)
+    assert series["reward_mean [seed 1]"] == ([1, 2, 3], [0.2, 0.4, pytest.approx(0.6)])
+    assert "seed" not in series
+    from rljax.run.plots import _distinct
+
+    keys = sorted(k for k in series if "reward" in k)
+    assert [label for _, label in _distinct(keys, series)] == [
+        "reward/accuracy [seed 0] = reward_mean [seed 0]",
+        "reward/accuracy [seed 1] = reward_mean [seed 1]"]
+    names = {p.name for p in plot_metrics(recs, tmp_path)}
+    assert {"loss.png", "grad_norm.png", "lr.png", "clip_fraction.png"} <= names
+
+
+def _scalar_tags(folder) -> set[str]:
+    """Scalar tags of the event files directly in `folder` (TFRecord framing: length,
+    its CRC, the Event proto, its CRC)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    tags = set()
+    for path in folder.glob("events.out.tfevents.*"):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = Event.FromString(data[pos + 12:pos + 12 + n])
+            tags |= {v.tag for v in event.summary.value}
+            pos += 12 + n + 4
+    return tags
+
+
+def test_tensorboard_tags_name_the_phase_and_seeds_get_runs_of_their_own(tmp_path):
+    with RunDir(tmp_path / "r", Cfg()) as rd:
+        rd.log(1, {"sft/loss": 2.0}, phase="sft")
+        rd.log(1, {"loss": 1.0, "eval/accuracy": 0.5})
+        for k in (0, 1):
+            rd.log(2, {"loss": float(k), "seed": k})
+    tags = {run: _scalar_tags(tmp_path / "r" / "tb" / run) for run in ("", "seed_0", "seed_1")}
+    assert tags[""] == {"sft/loss", "rl/loss", "eval/accuracy"}
+    assert tags["seed_0"] == tags["seed_1"] == {"rl/loss"}
+
+
+def test_eta_leaves_out_the_compiling_first_step(monkeypatch):
+    import rljax.run.report as report
+
+    clock = iter([0.0, 100.0, 100.0, 101.0, 101.0, 102.0, 102.0])
+    monkeypatch.setattr(report.time, "perf_counter", lambda: next(clock))
+    buf = io.StringIO()
+    bar = Progress(10, stream=buf, min_interval_s=0.0, start=0)
+    bar.update(1, {})  # compiled for 100 s
+    bar.update(2, {})
+    bar.update(3, {})
+    first, second, third = buf.getvalue().splitlines()
+    assert "first step (compiling) eta --" in first
+    assert second.endswith("1.00s/step eta 0m08s") and third.endswith("1.00s/step eta 0m07s")

@@ -10,6 +10,8 @@ from rljax.train.config import SamplingConfig, SFTConfig
 from rljax.run.experiment import ExperimentConfig, RunConfig, TaskConfig
 from rljax.run.run_dir import RunDir, read_metrics
 from rljax.run.runner import _sft_warmup
+from rljax.run.preemption import StopSignal
+from rljax.run.warmup_stop import WarmupStop
 
 
 class ScriptedVerifier:
@@ -37,7 +39,8 @@ def _warm_up(tmp_path, sft, verifier):
     task = builders.build_task(cfg, tok)
     rd, out = RunDir(cfg.run.dir, cfg, tensorboard=False), io.StringIO()
     try:
-        _sft_warmup(cfg, graphdef, params, task, tok, None, rd, verifier, out)
+        _sft_warmup(cfg, graphdef, params, task, tok, None, rd, verifier, out,
+                    WarmupStop(rd, StopSignal(), False, out))
     finally:
         rd.close()
     rows = [r for r in read_metrics(rd.path) if r["phase"] == "sft"]

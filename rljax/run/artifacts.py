@@ -37,7 +37,7 @@ from rljax.models.hf_config import config_from_hf
 from rljax.models.hf_io import from_pretrained, state_location, weight_map, write_pretrained
 from rljax.models.tokenizer import (build_char_tokenizer, encode_prompts, load_tokenizer,
                                     stop_token_ids)
-from rljax.run.builders import build_reward, build_task
+from rljax.run.builders import build_reward, build_task, model_prompt
 from rljax.run.experiment import ExperimentConfig, config_from_dict
 from rljax.run.experiment_files import load_experiment
 from rljax.run.overrides import apply_overrides
@@ -92,9 +92,10 @@ def _model_config(cfg):
     return dataclasses.replace(config, scan_layers=cfg.scan_layers, remat=cfg.remat)
 
 
-def _policy_target(config, mesh) -> dict:
+def _policy_target(config, mesh, num_seeds: int = 1) -> dict:
     """`{"params": {"policy": ...}}` as saved (string keys, `{"value": leaf}`), with
-    ShapeDtypeStruct leaves sharded over `mesh` (or on this process's first device)."""
+    ShapeDtypeStruct leaves sharded over `mesh` (or on this process's first device); a
+    several-seed run's leaves are stacked `[num_seeds, ...]` (one device, no mesh)."""
     abs_state = nnx.state(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))), nnx.Param)
     flat = dict(nnx.to_flat_state(abs_state))
     if mesh is not None:
@@ -109,30 +110,52 @@ def _policy_target(config, mesh) -> dict:
             node = node.setdefault(str(key), {})
         sharding = shardings[spath] if mesh is not None else SingleDeviceSharding(
             jax.local_devices()[0])
-        node["value"] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+        shape = leaf.shape if num_seeds == 1 else (num_seeds, *leaf.shape)
+        node["value"] = jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding)
     return {"params": {"policy": tree}}
 
 
-def _restore_policy(run_dir, step: int | None, mesh=None):
-    """`(run config, model config, policy as pure nested dicts, checkpoint meta)` of a
-    run directory (local or gs://)."""
+def seed_config(cfg: ExperimentConfig, run_seed: int | None) -> ExperimentConfig:
+    """The config of one seed of a run: `run_seed` (default the run's first seed,
+    `run.seed`) with `run.seeds=1`, so its held-out prompts are that seed's own. A seed the
+    run did not train is a ValueError naming the seeds it did."""
+    seeds = list(range(cfg.run.seed, cfg.run.seed + cfg.run.seeds))
+    seed = cfg.run.seed if run_seed is None else run_seed
+    if seed not in seeds:
+        raise ValueError(f"--seed {seed}: this run trained seed"
+                         f"{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} "
+                         "(run.seed, run.seeds); choose one of them")
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=seed, seeds=1))
+
+
+def _restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = None):
+    """`(run config of the chosen seed, model config, policy as pure nested dicts,
+    checkpoint meta)` of a run directory (local or gs://). A several-seed run's stacked
+    checkpoint is read on one device and seed `run_seed` (default `run.seed`) taken."""
     blob = json.loads((run_dir / "config.json").read_text())  # load_run_config, via epath
-    cfg = config_from_dict(ExperimentConfig, blob.get("config", blob))
+    full = config_from_dict(ExperimentConfig, blob.get("config", blob))
+    cfg = seed_config(full, run_seed)
     ck_dir = run_dir / "checkpoints"
     if not ck_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} has no checkpoints/ to load a policy from")
     config = _model_config(cfg)
+    num_seeds = full.run.seeds
     with Checkpointer(ck_dir) as ck:
         try:
-            raw, meta = ck.restore_subtree(_policy_target(config, mesh), step)
+            raw, meta = ck.restore_subtree(
+                _policy_target(config, mesh if num_seeds == 1 else None, num_seeds), step)
         except (KeyError, ValueError) as e:
             raise ValueError(f"a checkpoint in {ck_dir} holds no params['policy'] of this "
                              f"run's model: {e}") from None
-    return cfg, config, pure_params(raw["params"]["policy"]), meta
+    policy = raw["params"]["policy"]
+    if num_seeds > 1:  # seed k of the stack is run.seed + k
+        k = cfg.run.seed - full.run.seed
+        policy = jax.tree.map(lambda x: x[k], policy)
+    return cfg, config, pure_params(policy), meta
 
 
-def _policy_from_run(run_dir: pathlib.Path, step: int | None):
-    cfg, config, policy, _ = _restore_policy(run_dir, step)
+def _policy_from_run(run_dir: pathlib.Path, step: int | None, run_seed: int | None):
+    cfg, config, policy, _ = _restore_policy(run_dir, step, run_seed=run_seed)
     model = Decoder(config, rngs=nnx.Rngs(0))
     state = nnx.state(model)
     nnx.replace_by_pure_dict(state, policy)
@@ -140,15 +163,22 @@ def _policy_from_run(run_dir: pathlib.Path, step: int | None):
     return model, _run_tokenizer(run_dir, cfg), cfg
 
 
-def load_policy(source: str | pathlib.Path, *, step: int | None = None):
-    """`(Decoder, tokenizer, ExperimentConfig or None)` from a run directory or HF folder."""
+def load_policy(source: str | pathlib.Path, *, step: int | None = None,
+                run_seed: int | None = None):
+    """`(Decoder, tokenizer, ExperimentConfig or None)` from a run directory or HF folder.
+
+    For a run of several seeds (`run.seeds > 1`, one stacked checkpoint) `run_seed` picks
+    the seed (default the run's first, `run.seed`); the config returned is that seed's
+    (`run.seed=run_seed`, `run.seeds=1`)."""
     source = pathlib.Path(source)
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is neither a run directory nor a model folder")
     if is_run_dir(source):
-        return _policy_from_run(source, step)
-    if step is not None:
-        raise ValueError(f"step={step} applies to run directories; {source} is a model folder")
+        return _policy_from_run(source, step, run_seed)
+    for name, value in (("step", step), ("seed", run_seed)):
+        if value is not None:
+            raise ValueError(f"{name}={value} applies to run directories; {source} is a "
+                             "model folder")
     return from_pretrained(source), load_tokenizer(source), None
 
 
@@ -167,7 +197,7 @@ def _write_folder(out: epath.Path, write) -> None:
 
 def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
               step: int | None = None, dtype: str = "float32",
-              max_shard_bytes: int | None = None) -> epath.Path:
+              max_shard_bytes: int | None = None, run_seed: int | None = None) -> epath.Path:
     """Write the policy of `source` as a Hugging Face folder (weights, config, tokenizer).
 
     `source` is a run directory (local or an `etils.epath` URL such as gs://bucket/run) or
@@ -175,18 +205,18 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
     copied). Bucket paths go through `etils.epath` and were not tried against a real bucket. `dtype` "float32" or
     "bfloat16"; `max_shard_bytes` splits the weights into files with an index. On several
     processes every process must call this (each takes part in every tensor's gather);
-    process 0 alone writes.
+    process 0 alone writes. `run_seed` picks the seed of a several-seed run (`load_policy`).
     """
     out = _as_path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"export: {out} exists and is not empty; choose a new folder")
     if not is_run_dir(source):
-        model, tokenizer, _ = load_policy(source, step=step)
+        model, tokenizer, _ = load_policy(source, step=step, run_seed=run_seed)
         flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
         config, get = model.config, lambda spath: jax.device_get(flat[spath].get_value())
     else:
         mesh = make_mesh(MeshConfig()) if jax.device_count() > 1 else None
-        cfg, config, policy, _ = _restore_policy(_as_path(source), step, mesh)
+        cfg, config, policy, _ = _restore_policy(_as_path(source), step, mesh, run_seed)
         tokenizer = _run_tokenizer(_as_path(source), cfg)
         get = lambda spath: multihost_utils.process_allgather(  # noqa: E731
             _leaf(policy, *state_location(config, spath)), tiled=True)
@@ -222,16 +252,23 @@ def _sampling_defaults(run_cfg, max_new_tokens, temperature) -> dict:
 
 def sample_texts(source: str | pathlib.Path, prompts: Sequence[str], *, num_samples: int = 1,
                  max_new_tokens: int | None = None, temperature: float | None = None,
-                 seed: int = 0, step: int | None = None) -> list[list[str]]:
+                 seed: int = 0, step: int | None = None, run_seed: int | None = None,
+                 raw: bool = False) -> list[list[str]]:
     """`num_samples` completions (text, up to EOS) of each prompt from the policy of `source`.
 
     `max_new_tokens` / `temperature` None take the run's `sampling` config (and its top-k /
     top-p); a model folder defaults to 64 tokens at temperature 1. `temperature=0` decodes
-    greedily. Prompts are used as given (no chat template).
+    greedily; `seed` seeds the sampling. A run directory's prompts are built as its
+    training prompts were (`rljax.run.builders.model_prompt`: the chat template when
+    `task.chat_template`, the system prompt, `task.assistant_prefix`) unless `raw`; a model
+    folder's are used as given. `run_seed` picks a seed of a several-seed run
+    (`load_policy`).
     """
     if isinstance(prompts, str) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings")
-    model, tokenizer, run_cfg = load_policy(source, step=step)
+    model, tokenizer, run_cfg = load_policy(source, step=step, run_seed=run_seed)
+    if run_cfg is not None and not raw:
+        prompts = [model_prompt(run_cfg, tokenizer, p) for p in prompts]
     eos = tokenizer.eos_token_id
     stops = () if eos is None else stop_token_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -263,18 +300,20 @@ def _decode(tokenizer, res, stops: tuple) -> list[str]:
 
 def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None,
                     overrides: Sequence[str] = (), num_prompts: int | None = None, k: int = 1,
-                    step: int | None = None, batch_size: int = 64) -> dict[str, Any]:
+                    step: int | None = None, batch_size: int = 64,
+                    run_seed: int | None = None) -> dict[str, Any]:
     """Held-out greedy accuracy and pass@k of the policy of `source` on its task.
 
     The task and verifier come from the run's config (or `experiment`, required for a
     model folder), with `overrides`. Greedy accuracy: one temperature-0 completion per
     prompt. pass@k: k completions per prompt at `sampling.temperature`; a prompt passes
     when any is verified correct (Chen et al. 2021's estimator with n = k samples), and
-    `sample_accuracy` is the mean over all k x prompts samples.
+    `sample_accuracy` is the mean over all k x prompts samples. `run_seed` picks a seed of
+    a several-seed run (default its first, `run.seed`): its own held-out prompts.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
-    model, tokenizer, run_cfg = load_policy(source, step=step)
+    model, tokenizer, run_cfg = load_policy(source, step=step, run_seed=run_seed)
     cfg = _experiment_for(run_cfg, experiment, overrides)
     task = build_task(cfg, tokenizer)
     n = len(task.eval_prompts) if num_prompts is None else num_prompts
@@ -301,7 +340,7 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
         ok = ok.reshape(len(prompts), k)
         passed.append(ok.any(axis=1))
         sampled.append(ok.mean(axis=1))
-    return {"n": n, "k": k, "accuracy": float(np.concatenate(greedy).mean()),
+    return {"n": n, "k": k, "seed": cfg.run.seed, "accuracy": float(np.concatenate(greedy).mean()),
             f"pass@{k}": float(np.concatenate(passed).mean()),
             "sample_accuracy": float(np.concatenate(sampled).mean()),
             "temperature": opts["temperature"]}

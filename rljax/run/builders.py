@@ -47,7 +47,8 @@ from rljax.train.reward_model import RewardModelScorer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_reward", "build_task", "build_tokenizer"]
+__all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_reward",
+           "build_task", "build_tokenizer", "model_prompt"]
 
 _SFT_STREAM, _RL_STREAM = 0, 1  # SFT and RL draw different problems
 _EVAL_STREAM = 1_000_003  # seeds the held-out stream apart from the training streams
@@ -68,7 +69,14 @@ def build_tokenizer(cfg: ExperimentConfig):
 
 
 def build_mesh(cfg: ExperimentConfig):
-    """The device mesh of `cfg.mesh`, or None when it is a single device."""
+    """The device mesh of `cfg.mesh`, or None when it is a single device. Sizes that do
+    not multiply to the device count are a ValueError naming them (never ignored)."""
+    try:
+        cfg.mesh.resolve(jax.device_count())
+    except ValueError as e:
+        raise ValueError(f"mesh: {e} (mesh.data={cfg.mesh.data}, mesh.fsdp={cfg.mesh.fsdp}, "
+                         f"mesh.tensor={cfg.mesh.tensor}; {jax.device_count()} "
+                         f"{jax.default_backend()} device(s))") from None
     if jax.device_count() == 1:
         return None
     return make_mesh(cfg.mesh)
@@ -104,6 +112,7 @@ class TaskData:
     sft: `(start, n) -> (prompt texts, target texts)` for the SFT warm-up.
     val_prompts, val_metadata: the warm-up's validation prompts (empty unless
       `sft.stop_accuracy` is set), disjoint from the held-out ones.
+    train_size: the training split's prompts (None: a procedural task, unlimited).
     """
 
     train: Callable[[int, int], tuple[list[str], list[dict]]]
@@ -112,6 +121,7 @@ class TaskData:
     sft: Callable[[int, int], tuple[list[str], list[str]]]
     val_prompts: list[str] = dataclasses.field(default_factory=list)
     val_metadata: list[dict] = dataclasses.field(default_factory=list)
+    train_size: int | None = None
 
 
 def _fill(template: str, record: dict, field: str) -> str:
@@ -123,8 +133,15 @@ def _fill(template: str, record: dict, field: str) -> str:
 
 
 def _prompt_text(cfg: ExperimentConfig, tokenizer, record: dict) -> str:
+    return model_prompt(cfg, tokenizer, _fill(cfg.task.prompt_template, record,
+                                              "task.prompt_template"))
+
+
+def model_prompt(cfg: ExperimentConfig, tokenizer, text: str) -> str:
+    """The model's input for the user text `text`, as the run's prompts are built: the
+    tokenizer's chat template with `task.system_prompt` when `task.chat_template`, else
+    the system prompt as a first line; then `task.assistant_prefix`."""
     t = cfg.task
-    text = _fill(t.prompt_template, record, "task.prompt_template")
     if t.chat_template:
         return build_chat_prompt(tokenizer, text, system=t.system_prompt,
                                  assistant_prefix=t.assistant_prefix)
@@ -245,7 +262,8 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         return texts(recs), [_fill(t.sft_template, r, "task.sft_template") for r in recs]
 
     return TaskData(rl_source, texts(eval_records), list(eval_records), sft_source,
-                    texts(val_records), list(val_records))
+                    texts(val_records), list(val_records),
+                    train_size=None if t.name in ("arithmetic", "countdown") else len(train))
 
 
 def _import(path: str, field: str) -> Callable:

@@ -193,8 +193,12 @@ class RunConfig:
         32 bits of it, so a larger one would repeat a smaller run).
       save_every: checkpoint every N steps (0 = only at the end).
       keep: checkpoints kept.
-      resume: continue the run in `dir` from its latest checkpoint.
-      overwrite: delete the run in `dir` and start afresh.
+      resume: True: continue the run in `dir` from its latest checkpoint (an error when
+        `dir` holds no run, e.g. a misspelt path); "auto": continue it if there is one,
+        else start one there (a preemptible job's setting); False: start a run (a `dir`
+        holding another run is refused).
+      overwrite: delete the run in `dir` and start afresh (no experiment sets it: a run is
+        only replaced when asked for).
       log_every: print a progress line every N steps.
       tensorboard: write tensorboardX event files.
       wandb_project: also log to Weights & Biases (needs `wandb` installed).
@@ -213,7 +217,7 @@ class RunConfig:
     seed: int = 0
     save_every: int = 0
     keep: int = 3
-    resume: bool = False
+    resume: bool | str = False
     overwrite: bool = False
     log_every: int = 1
     tensorboard: bool = True
@@ -232,8 +236,10 @@ class RunConfig:
         _check_int(c, "keep", self.keep, 1)
         _check_int(c, "log_every", self.log_every, 1)
         _check_int(c, "seeds", self.seeds, 1)
-        for f in ("resume", "overwrite", "tensorboard", "plots"):
+        for f in ("overwrite", "tensorboard", "plots"):
             _check_bool(c, f, getattr(self, f))
+        if not (isinstance(self.resume, bool) or self.resume == "auto"):
+            _fail(c, "resume", self.resume, "True, False or 'auto'")
         if self.resume and self.overwrite:
             _fail(c, "overwrite", self.overwrite, "False when resume=True (choose one)")
         _check_str(c, "wandb_project", self.wandb_project, optional=True)

@@ -1,14 +1,18 @@
 """PNG plots of a run's metrics (matplotlib, Agg backend: no display needed).
 
 `plot_metrics(records, out_dir)` takes the per-step dicts of `metrics.jsonl` and draws one
-PNG per family of metrics that is present — reward, accuracy, KL, entropy, response length,
-zero-variance group fraction, throughput — plus `overview.png` with all of them. A metric
-belongs to a family by its name (e.g. `reward_mean`, `eval/accuracy`, `kl_ref`,
-`response_length_mean`, `zero_variance_fraction`, `rollout_tokens_per_s`); timings
-(`time_*`) belong to none. Metrics that appear on only some steps (evaluations) are drawn
-at the steps where they exist. Records of a phase that counts its own steps (the SFT
-warm-up, `phase: "sft"`) get panels of their own (`sft_accuracy.png`, ...), so its steps
-never share an axis with the RL steps.
+PNG per family of metrics that is present — reward, accuracy, loss, gradient norm,
+learning rate, clip fraction, KL, entropy, response length, zero-variance group fraction,
+throughput — plus `overview.png` with all of them. A metric belongs to a family by its name
+(e.g. `reward_mean`, `eval/accuracy`, `loss`, `grad_norm`, `lr`, `clip_frac_high`,
+`kl_ref`, `response_length_mean`, `zero_variance_fraction`, `rollout_tokens_per_s`);
+timings (`time_*`) belong to none. Metrics that appear on only some steps (evaluations)
+are drawn at the steps where they exist. Records of a phase that counts its own steps (the
+SFT warm-up, `phase: "sft"`) get panels of their own (`sft_accuracy.png`, ...), so its
+steps never share an axis with the RL steps. Records with a `seed` field (a several-seed
+run, `rljax.run.seed_runs`) give one curve per seed (`reward_mean [seed 1]`). A curve
+equal to another in its panel at every step (`reward/accuracy` and `reward_mean` with one
+reward term) is drawn once, labelled with both names.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 from etils import epath
 
-__all__ = ["OWN_STEP_PHASES", "PANELS", "metric_series", "plot_metrics"]
+__all__ = ["OWN_STEP_PHASES", "PANELS", "SEED_KEY", "metric_series", "plot_metrics"]
 
 
 def _has(*words: str) -> Callable[[str], bool]:
@@ -33,6 +37,10 @@ def _has(*words: str) -> Callable[[str], bool]:
 PANELS: tuple[tuple[str, str, Callable[[str], bool]], ...] = (
     ("reward", "Reward", _has("reward", "score")),
     ("accuracy", "Accuracy", _has("acc", "pass")),
+    ("loss", "Loss", _has("loss")),
+    ("grad_norm", "Gradient norm", _has("grad_norm")),
+    ("lr", "Learning rate", _has("lr")),
+    ("clip_fraction", "Clip fraction", _has("clip_frac")),
     ("kl", "KL", _has("kl")),
     ("entropy", "Entropy", _has("entropy")),
     ("response_length", "Response length (tokens)", _has("response_len", "resp_len", "length", "len_")),
@@ -50,15 +58,20 @@ def _finite_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+SEED_KEY = "seed"  # a several-seed run's records name their seed (not a metric)
+
+
 def metric_series(records: Iterable[dict[str, Any]], step_key: str = "step") -> dict[str, tuple[list, list]]:
-    """`{metric: (steps, values)}` for every finite numeric metric in `records`."""
+    """`{metric: (steps, values)}` for every finite numeric metric in `records`; a record
+    with a `seed` field gives the series `"<metric> [seed <seed>]"`."""
     series: dict[str, tuple[list, list]] = {}
     for i, rec in enumerate(records):
         step = rec.get(step_key, i)
+        tag = f" [seed {rec[SEED_KEY]}]" if SEED_KEY in rec else ""
         for key, value in rec.items():
-            if key == step_key or not _finite_number(value):
+            if key in (step_key, SEED_KEY) or not _finite_number(value):
                 continue
-            xs, ys = series.setdefault(key, ([], []))
+            xs, ys = series.setdefault(key + tag, ([], []))
             xs.append(step)
             ys.append(float(value))
     return series
@@ -68,15 +81,32 @@ def _is_timing(key: str) -> bool:
     return key.rsplit("/", 1)[-1].startswith("time_")
 
 
+def _zero_variance(key: str) -> bool:
+    return next(b for s, _, b in PANELS if s == "zero_variance")(key)
+
+
 def _panel_keys(series: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
     out = []
     for stem, title, belongs in PANELS:
         keys = sorted(k for k in series if belongs(k) and not _is_timing(k))
         if stem != "zero_variance":  # the zero-variance fraction gets its own panel only
-            keys = [k for k in keys if not PANELS[5][2](k)]
+            keys = [k for k in keys if not _zero_variance(k)]
         if keys:
             out.append((stem, title, keys))
     return out
+
+
+def _distinct(keys: Sequence[str], series) -> list[tuple[str, str]]:
+    """`(key, label)` of the panel's curves, a curve equal to an earlier one dropped and
+    its name added to that one's label (duplicates would hide each other)."""
+    kept: list[tuple[str, list[str]]] = []
+    for key in keys:
+        same = next((names for k, names in kept if series[k] == series[key]), None)
+        if same is None:
+            kept.append((key, [key]))
+        else:
+            same.append(key)
+    return [(k, " = ".join(names)) for k, names in kept]
 
 
 def _panels(records: Sequence[dict[str, Any]], step_key: str):
@@ -95,9 +125,9 @@ def _panels(records: Sequence[dict[str, Any]], step_key: str):
 
 
 def _draw(ax, title: str, keys: Sequence[str], series, xlabel: str) -> None:
-    for key in keys:
+    for key, label in _distinct(keys, series):
         xs, ys = series[key]
-        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.grid(True, alpha=0.3)

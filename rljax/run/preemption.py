@@ -15,10 +15,15 @@ same step, or the checkpoint's collective save would hang or mix steps.
   evaluation) stops the run after its first step; only one during the start of the
   process (imports, `jax.distributed.initialize`) is lost, and the run goes on.
 - One process: a Python SIGTERM handler sets a flag, read at the next step boundary
-  (installed only from the main thread, the previous handler restored on exit).
+  (installed only from the main thread, the previous handler restored on exit), and says
+  at once, once, that the run will stop there. The flag is read at SFT warm-up steps too
+  (`StopSignal.requested`), so a SIGTERM there stops the warm-up at its next step with a
+  checkpoint; on several processes the warm-up is not cut (the agreed stop counts RL steps)
+  and the run stops after its first RL step.
 
 `Preempted` is what `run_experiment` raises once the state of that step is saved
-(`stop_saved`). Ctrl-C (SIGINT) on one process, during an RL step, is held until the step
+(`stop_saved`); its message is printed once, by `rljax train`. Ctrl-C (SIGINT) on one
+process, during an RL or SFT step, is held until the step
 ends (`DeferredInterrupt`, from `StopSignal.guard()`): a step donates the state's buffers to
 its program, so a KeyboardInterrupt raised inside it would leave no state to save.
 `save_interrupted` then saves the step reached; a second Ctrl-C stops at once.
@@ -49,11 +54,13 @@ class Preempted(Exception):
     """The run stopped on SIGTERM at `step` with its checkpoint saved in `checkpoint_dir`
     (complete on disk); `rljax train` reports it and exits 0. `cause` names the signal in
     the message ("SIGTERM", or `StopSignal.cause` on the process where Ctrl-C was
-    forwarded)."""
+    forwarded). `phase` "sft": `step` counts SFT warm-up steps."""
 
-    def __init__(self, step: int, checkpoint_dir: str, cause: str = "SIGTERM"):
-        self.step, self.checkpoint_dir = step, checkpoint_dir
-        super().__init__(f"stopped by {cause} at step {step}; checkpoint saved in "
+    def __init__(self, step: int, checkpoint_dir: str, cause: str = "SIGTERM",
+                 phase: str = "rl"):
+        self.step, self.checkpoint_dir, self.phase = step, checkpoint_dir, phase
+        where = "SFT warm-up step" if phase == "sft" else "step"
+        super().__init__(f"stopped by {cause} at {where} {step}; checkpoint saved in "
                          f"{checkpoint_dir}; continue with --set run.resume=true")
 
 
@@ -73,7 +80,15 @@ class StopSignal:
         self.cause = "SIGTERM"
 
     def _handle(self, signum, frame) -> None:
+        if not self._flag:  # acknowledged when received, once
+            print("\n[rljax] SIGTERM received: the run stops after the current step and "
+                  "saves it", file=sys.stderr, flush=True)
         self._flag = True
+
+    def requested(self) -> bool:
+        """True once this process (one-process runs) was told to stop; False on several
+        processes, where only `reached` (RL steps) makes the processes agree."""
+        return self._flag and not self.distributed
 
     def _forward_ctrl_c(self, signum, frame) -> None:
         """Several processes: the first Ctrl-C asks for an agreed stop (module docstring)."""
@@ -158,15 +173,15 @@ class DeferredInterrupt:
             self._installed = False
 
 
-def stop_saved(ck, step: int, state, meta: dict, out, cause: str = "SIGTERM") -> None:
+def stop_saved(ck, step: int, state, meta: dict, out, cause: str = "SIGTERM",
+               phase: str = "rl") -> None:
     """Save `state` as checkpoint `step` of the `rljax.train.checkpoint.Checkpointer` `ck`
-    (forced), wait until it is on disk, report to `out` and raise `Preempted` (its message
-    names `cause`: pass `StopSignal.cause`)."""
+    (forced), wait until it is on disk and raise `Preempted` (its message names `cause`:
+    pass `StopSignal.cause`; `rljax train` prints it). `out` is kept for callers."""
+    del out
     ck.save(step, state, meta, force=True)
     ck.wait_until_finished()
-    err = Preempted(step, str(ck.directory), cause)
-    print(f"\n[rljax] {err}", file=out, flush=True)
-    raise err
+    raise Preempted(step, str(ck.directory), cause, phase)
 
 
 def save_interrupted(ck, step: int, state, meta: dict, out) -> None:

@@ -29,33 +29,44 @@ class Progress:
     """A plain-text progress line: `[ 12/100  12%] reward=0.41 accuracy=0.38 | 1.2s/step eta 1m45s`.
 
     On a terminal the line is redrawn in place; otherwise one line is printed every
-    `min_interval_s` seconds (and for the last step), so logs stay short.
+    `min_interval_s` seconds (and for the last step), so logs stay short. The time per step
+    and the ETA count from the first update on: the first step after `start` (the steps a
+    resumed run had done) compiles the programs, and its time would inflate the ETA many
+    times over; until a second step has ended the ETA reads `--` (compiling).
     """
 
     def __init__(self, total: int, keys: tuple[str, ...] = (), *, stream: TextIO | None = None,
-                 min_interval_s: float = 5.0, desc: str = ""):
+                 min_interval_s: float = 5.0, desc: str = "", start: int = 0):
         if not isinstance(total, int) or total < 1:
             raise ValueError(f"total must be an int >= 1, got {total!r}")
         self.total, self.keys, self.desc = total, tuple(keys), desc
         self.stream = stream if stream is not None else sys.stderr
         self.min_interval_s = min_interval_s
         self._t0 = time.perf_counter()
+        self._first: tuple[int, float] | None = None  # (steps, time) at the first update
+        self._start = start
         self._last_print = -math.inf
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
 
     def line(self, done: int, metrics: dict[str, Any]) -> str:
         """The progress text after `done` of `total` steps."""
-        elapsed = time.perf_counter() - self._t0
-        per = elapsed / done if done else 0.0
+        now = time.perf_counter()
+        if self._first is not None and done > self._first[0]:
+            per = (now - self._first[1]) / (done - self._first[0])
+            rate = f"{per:.2f}s/step eta {_fmt_time(per * (self.total - done))}"
+        else:  # the first step (compiling) alone says nothing about the others
+            rate = f"{now - self._t0:.2f}s first step (compiling) eta --"
         shown = " ".join(f"{k}={_fmt(metrics[k])}" for k in self.keys if k in metrics)
         width = len(str(self.total))
         head = f"{self.desc} " if self.desc else ""
         return (f"{head}[{done:>{width}}/{self.total} {100 * done // self.total:>3}%] {shown}"
-                f" | {per:.2f}s/step eta {_fmt_time(per * (self.total - done))}")
+                f" | {rate}")
 
     def update(self, done: int, metrics: dict[str, Any]) -> None:
         """Show progress after `done` steps with the chosen `keys` of `metrics`."""
         now = time.perf_counter()
+        if self._first is None and done > self._start:
+            self._first = (done, now)
         last = done >= self.total
         if self._tty:
             end = "\n" if last else ""

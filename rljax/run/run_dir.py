@@ -10,9 +10,18 @@ Layout of `RunDir(path, config)`:
     path/<name>.json        evaluation results and other records (`write_json`)
 
 A directory that already holds a run is refused unless `resume=True` (continue it; the
-config may differ, e.g. more steps, and the difference is reported) or `overwrite=True`
-(delete it and start afresh). A non-empty directory that is not a run directory is never
-deleted. The hash ignores the run-control fields `run.dir`, `run.resume`, `run.overwrite`.
+config may differ, e.g. more steps, and the fields that differ are named) or
+`overwrite=True` (delete it and start afresh). `resume=True` on a directory that holds no
+run is refused too (a misspelt path would silently start a new run); `resume="auto"`
+continues a run if there is one and starts one otherwise (what a preemptible job wants). A
+non-empty directory that is not a run directory is never deleted. The hash ignores the
+run-control fields `run.dir`, `run.resume`, `run.overwrite`, `run.profile_steps`.
+
+A resumed directory is not written until `begin()` (the runner calls it once the
+checkpoint has been restored into this config's state): a resume that fails, e.g. on a
+changed model size, leaves the run as it was. A local run directory is locked for the
+process that uses it (`rljax.run.run_lock`: a second process is refused with the owner's
+pid and host; a lock left by a killed process is taken over); `close()` releases it.
 
 Paths go through `etils.epath` (orbax's path library), so `path` may be a bucket
 (`gs://...`). On several processes only process 0 (`primary=True`) owns these files;
@@ -37,9 +46,13 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from rljax.run import plots as _plots
+from rljax.run.run_lock import LOCK_FILE, RunLock, RunLockedError
+from rljax.run.run_writers import BucketLines, TensorBoardRuns
+from rljax.run.run_writers import write_atomic as _write_atomic
 from rljax.train.config_io import config_to_dict, jsonable
 
-__all__ = ["RunDir", "RunDirError", "config_to_dict", "config_hash", "read_metrics"]
+__all__ = ["RunDir", "RunDirError", "config_diff", "config_to_dict", "config_hash",
+           "read_metrics"]
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -57,6 +70,23 @@ def _drop(d: dict[str, Any], dotted: str) -> None:
         if not isinstance(d, dict):
             return
     d.pop(last, None)
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any],
+                exclude: tuple[str, ...] = DEFAULT_HASH_EXCLUDE, prefix: str = "") -> list[str]:
+    """The fields in which two config dicts (`config_to_dict`) differ, as
+    `"a.b: old -> new"` lines (dotted paths; `exclude` keys left out)."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        name = f"{prefix}{key}"
+        if name in exclude:
+            continue
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, exclude, name + ".")
+        elif a != b:
+            out.append(f"{name}: {a!r} -> {b!r}")
+    return out
 
 
 def config_hash(config: Any, exclude: tuple[str, ...] = DEFAULT_HASH_EXCLUDE) -> str:
@@ -77,12 +107,6 @@ def run_path(path: str | os.PathLike) -> epath.Path:
 def is_local(path: epath.Path) -> bool:
     """True for a path on this machine's file system (not a bucket URI)."""
     return "://" not in os.fspath(path)
-
-
-def _write_atomic(path: epath.Path, text: str) -> None:
-    tmp = path.parent / (path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)  # readers see the old file or the new one, never half of one
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
@@ -116,7 +140,8 @@ class RunDir:
     Args:
       path: the directory (created if absent).
       config: the resolved config (dataclass or dict), written to `config.json`.
-      resume: continue the run already in `path` (its metrics are kept).
+      resume: True: continue the run already in `path` (its metrics are kept; an error
+        when there is none); "auto": continue it if there is one, else start one.
       overwrite: delete the run already in `path` first.
       tensorboard: write tensorboardX event files under `tb/`.
       wandb_project: also log to Weights & Biases under this project (needs `wandb`).
@@ -128,19 +153,25 @@ class RunDir:
         any process goes on, and a refusal stops every process.
     """
 
-    def __init__(self, path: str | pathlib.Path, config: Any, *, resume: bool = False,
+    def __init__(self, path: str | pathlib.Path, config: Any, *, resume: bool | str = False,
                  overwrite: bool = False, tensorboard: bool = True,
                  wandb_project: str | None = None,
                  hash_exclude: tuple[str, ...] = DEFAULT_HASH_EXCLUDE, primary: bool = True):
+        if resume not in (True, False, "auto"):
+            raise RunDirError(f"resume={resume!r} is invalid; allowed: True, False, 'auto'")
         if resume and overwrite:
             raise RunDirError("resume and overwrite are exclusive: choose one")
         self.path = run_path(path)
         self.config = config_to_dict(config)
         self.config_hash = config_hash(config, hash_exclude)
         self.primary = primary
+        self.changed: list[str] = []  # the config fields a resume changes
         self._lines: list[str] | None = None  # a bucket's metrics (no appends there)
+        self._lock: RunLock | None = None
+        self._tb = self._wandb = self._metrics = None
+        self._writers = (tensorboard, wandb_project)
         if not primary:
-            self.resumed, self._tb, self._wandb = resume, None, None
+            self.resumed = bool(resume)
             self._metrics = open(os.devnull, "a", encoding="utf-8")
             if not _primary_verdict(True):
                 raise RunDirError(f"process 0 refused the run directory {self.path} "
@@ -149,40 +180,85 @@ class RunDir:
         try:
             self.resumed = self._prepare(resume, overwrite)
         except BaseException:
+            self._unlock()
             _primary_verdict(False)  # the other processes stop too, instead of hanging
             raise
         _primary_verdict(True)  # after any overwrite: the directory is clear for all
+        if not self.resumed:
+            self.begin()
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _entries(self) -> list[epath.Path]:
+        if not self.path.exists():
+            return []
+        return [p for p in self.path.iterdir() if p.name != LOCK_FILE]
+
+    def _prepare(self, resume: bool | str, overwrite: bool) -> bool:
+        """Lock the directory and apply the refusal rules (writing nothing but the lock);
+        returns whether an existing run is being continued."""
+        cfg_file = self.path / CONFIG_FILE
+        if self._entries() and not cfg_file.exists():
+            raise RunDirError(
+                f"{self.path} is not empty and holds no run ({CONFIG_FILE} missing); "
+                "choose another run directory (run.dir=PATH)")
+        if resume is True and not cfg_file.exists():
+            raise RunDirError(
+                f"run.resume=true: {self.path} holds no run to continue (no {CONFIG_FILE}); "
+                "check run.dir, or set run.resume=auto to start a run there when there is "
+                "none")
+        if is_local(self.path):
+            self.path.mkdir(parents=True, exist_ok=True)
+            try:
+                self._lock = RunLock(self.path)
+            except RunLockedError as e:
+                raise RunDirError(str(e)) from None
+        if not cfg_file.exists():  # empty, or only a stale lock: a new run
+            return False
+        old = json.loads(cfg_file.read_text())
+        if overwrite:
+            for entry in self._entries():
+                entry.rmtree() if entry.is_dir() else entry.unlink()
+            return False
+        self.changed = config_diff(old.get("config", {}), self.config)
+        if resume:
+            if self.changed:
+                print(f"[rljax] resuming {self.path} with a changed config: "
+                      + "; ".join(self.changed), file=sys.stderr)
+            return True
+        what = "this run" if old.get("config_hash") == self.config_hash else (
+            "a different run (" + "; ".join(self.changed or ["config hash differs"]) + ")")
+        raise RunDirError(
+            f"{self.path} already holds {what}; set run.resume=true to continue it, "
+            "run.overwrite=true to replace it, or choose another run.dir")
+
+    def begin(self) -> None:
+        """Write `config.json` and open the metric writers (idempotent). A new run begins at
+        construction; a resumed one when the caller has checked that its checkpoint fits
+        this config (the first write does it otherwise), so a failed resume changes
+        nothing."""
+        if self._metrics is not None:
+            return
+        tensorboard, wandb_project = self._writers
         self.path.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.path / CONFIG_FILE, json.dumps(
             {"config_hash": self.config_hash, "config": self.config}, indent=2, sort_keys=True))
         self._metrics = self._open_metrics()
-        self._tb = self._open_tensorboard() if tensorboard else None
+        self._tb = TensorBoardRuns(self.path / "tb") if tensorboard else None
         self._wandb = self._open_wandb(wandb_project) if wandb_project else None
 
-    # -- set-up ---------------------------------------------------------------------------
-    def _prepare(self, resume: bool, overwrite: bool) -> bool:
-        """Apply the refusal rules; returns whether an existing run is being continued."""
-        if not self.path.exists() or not any(self.path.iterdir()):
-            return False
-        cfg_file = self.path / CONFIG_FILE
-        if not cfg_file.exists():
-            raise RunDirError(
-                f"{self.path} is not empty and holds no run ({CONFIG_FILE} missing); "
-                "choose another run directory (run.dir=PATH)")
-        old_hash = json.loads(cfg_file.read_text()).get("config_hash")
-        if overwrite:
-            self.path.rmtree()
-            return False
-        if resume:
-            if old_hash != self.config_hash:
-                print(f"[rljax] resuming {self.path} with a changed config "
-                      f"(hash {old_hash} -> {self.config_hash})", file=sys.stderr)
-            return True
-        what = "this run" if old_hash == self.config_hash else (
-            f"a different run (config hash {old_hash}, this config {self.config_hash})")
-        raise RunDirError(
-            f"{self.path} already holds {what}; set run.resume=true to continue it, "
-            "run.overwrite=true to replace it, or choose another run.dir")
+    def mismatch(self, err: BaseException) -> RunDirError:
+        """The error of a resume whose checkpoint does not fit this config (`err`, e.g.
+        orbax's shape error), naming the config fields that differ."""
+        fields = "; ".join(self.changed) if self.changed else "no config field differs"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return RunDirError(f"run.resume: the checkpoint in {self.checkpoint_dir} does not fit "
+                           f"this config (changed: {fields}): {first}. Nothing was written; "
+                           "undo the change, or start a new run.dir")
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _open_metrics(self):
         """The metrics file opened for appending; on a bucket (no appends) its lines are
@@ -191,13 +267,7 @@ class RunDir:
         if is_local(path):
             return open(path, "a", encoding="utf-8")
         self._lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-        return _Lines(self._lines, path)
-
-    def _open_tensorboard(self):
-        # Imported here: tensorboardX imports torch when torch is installed (~1.1 s).
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter(logdir=str(self.path / "tb"), flush_secs=10)
+        return BucketLines(self._lines, path)
 
     def _open_wandb(self, project: str):
         try:
@@ -226,29 +296,34 @@ class RunDir:
 
         `phase` ("sft", "rl", "eval", ...) is stored in the line, so phases that count
         steps separately stay apart (and `truncate_metrics` cuts only one phase).
+        TensorBoard / wandb tags are `<phase>/<name>` for a name without a `/` of its own
+        (`rl/loss`, as the warm-up's `sft/loss`; `eval/accuracy` stays), and a `seed`
+        in `metrics` (a several-seed run) sends the line to that seed's TensorBoard run
+        (`tb/seed_<seed>/`; wandb tags `seed_<seed>/...`), one curve per seed.
         """
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {step!r}")
+        self.begin()
         record = {"step": step, "phase": phase,
                   **{str(k): jsonable(v) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(record, sort_keys=False) + "\n")
         self._metrics.flush()
-        scalars = {k: v for k, v in record.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if phase in _plots.OWN_STEP_PHASES:  # counts its own steps: keep its curves apart
-            pre = f"{phase}/"
-            scalars = {(k if k.startswith(pre) else pre + k): v for k, v in scalars.items()}
+        seed = record.get(_plots.SEED_KEY)
+        scalars = {(k if "/" in k else f"{phase}/{k}"): v for k, v in record.items()
+                   if k not in ("step", _plots.SEED_KEY)
+                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
-            for key, value in scalars.items():
-                self._tb.add_scalar(key, value, step)
+            self._tb.log(scalars, step, seed)
         if self._wandb is not None:
-            self._wandb.log(scalars, step=step)
+            pre = "" if seed is None else f"seed_{seed}/"
+            self._wandb.log({pre + k: v for k, v in scalars.items()}, step=step)
 
     def truncate_metrics(self, after_step: int, phase: str | None = "rl") -> None:
         """Drop `phase`'s metric lines (every phase's when None) with step > `after_step`
         (resuming from that checkpoint), so the file reads as one uninterrupted run."""
         if not self.primary:
             return
+        self.begin()
         self._metrics.close()
         path = self.path / METRICS_FILE
         keep = [r for r in read_metrics(path)
@@ -264,6 +339,7 @@ class RunDir:
         out = self.path / f"{name}.json"
         if not self.primary:
             return out
+        self.begin()
         _write_atomic(out, json.dumps(jsonable(obj), indent=2))
         return out
 
@@ -271,6 +347,7 @@ class RunDir:
         """All records logged so far (including before a resume)."""
         if not self.primary:
             return []
+        self.begin()
         if not self._metrics.closed:
             self._metrics.flush()
         return read_metrics(self.path)
@@ -282,8 +359,8 @@ class RunDir:
         return _plots.plot_metrics(self.metrics(), self.plots_dir)
 
     def close(self) -> None:
-        """Flush and close the metric writers (idempotent)."""
-        if not self._metrics.closed:
+        """Flush and close the metric writers and release the lock (idempotent)."""
+        if self._metrics is not None and not self._metrics.closed:
             self._metrics.close()
         if self._tb is not None:
             self._tb.close()
@@ -291,6 +368,7 @@ class RunDir:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        self._unlock()
 
     def __enter__(self) -> RunDir:
         return self
@@ -306,21 +384,3 @@ def _primary_verdict(ok: bool) -> bool:
         return ok
     multihost_utils.sync_global_devices("rljax.run_dir.prepared")
     return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
-
-
-class _Lines:
-    """A write-only text sink for `metrics.jsonl` on a bucket: each write adds to the
-    kept lines and `flush` rewrites the file (buckets have no appends)."""
-
-    def __init__(self, lines: list[str], path: epath.Path):
-        self.lines, self.path, self.closed = lines, path, False
-
-    def write(self, text: str) -> int:
-        self.lines.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        _write_atomic(self.path, "".join(self.lines))
-
-    def close(self) -> None:
-        self.closed = True

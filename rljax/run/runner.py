@@ -12,10 +12,16 @@ ending in the `RESULT` line.
 With `run.resume=true` the latest checkpoint of the run directory is restored (the whole
 `TrainState`: parameters, optimiser moments, step, PRNG key, data position, KL
 coefficient) and the loop continues from its step; metric lines after that step are
-dropped first, so `metrics.jsonl` reads as one uninterrupted run. Ctrl-C saves the
+dropped first, so `metrics.jsonl` reads as one uninterrupted run. The restore is checked
+against this config's state before the run directory is written (`RunDir.begin`); one
+that does not fit raises `RunDirError` naming the changed fields. Ctrl-C saves the
 current state (waiting for the write) before the KeyboardInterrupt propagates. SIGTERM
 (a TPU maintenance event or spot reclaim) stops every process after the same step
 (`rljax.run.preemption`), saves that step, waits for the write and raises `Preempted`.
+During the SFT warm-up both stop at the next warm-up step with a checkpoint of their own,
+which a resume continues (`rljax.run.warmup_stop`). Before the first step the run prints
+its start-up summary (`rljax.run.startup`); a mesh that does not fit the devices is an
+error before the run directory is made.
 
 On several processes (`jax.distributed`) every process runs this same function: all of
 them save and restore checkpoints (each writes its own shards), and only process 0 writes
@@ -43,7 +49,9 @@ from rljax.run.profiling import StepProfiler, parse_profile_steps
 from rljax.run.report import Progress, format_summary
 from rljax.run.run_dir import RunDir, is_local
 from rljax.run.seed_runs import SeedsResult, run_seeds
+from rljax.run.startup import startup_summary
 from rljax.run.teacher import load_teacher
+from rljax.run.warmup_stop import WarmupStop
 from rljax.sharding import shard_params
 from rljax.train.batching import encode_pairs
 from rljax.train.checkpoint import Checkpointer
@@ -95,34 +103,53 @@ def _save_tokenizer(tokenizer, dest: epath.Path) -> None:
             f.copy(dest / f.name, overwrite=True)
 
 
-def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: TextIO):
-    """SFT steps until `sft.steps`, or until a `stop_loss` / `stop_accuracy` target."""
+def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: TextIO,
+                warm: WarmupStop):
+    """SFT steps until `sft.steps`, or until a `stop_loss` / `stop_accuracy` target; a
+    SIGTERM or Ctrl-C stops it at a step boundary with a checkpoint a resume continues
+    (`rljax.run.warmup_stop`)."""
     c = cfg.sft
     sft = SFTTrainer(graphdef, c, mesh=mesh)
-    state = sft.init_state(params, seed=cfg.run.seed)
-    bar = Progress(c.steps, ("loss", "val_accuracy"), stream=out, desc="sft")
-    bs, recent = c.batch_size, []
-    for i in range(c.steps):
-        prompts, targets = task.sft(i * bs, bs)
-        batch = encode_pairs(tokenizer, prompts, targets, cfg.task.max_prompt_tokens,
-                             cfg.sampling.max_new_tokens)
-        state, m = sft.step(state, batch)
-        stop = None
-        if c.stop_accuracy > 0 and (i + 1) % c.stop_every == 0:
-            val = trainer.evaluate(state.params["policy"], task.val_prompts, task.val_metadata)
-            m = {**m, "val_accuracy": val["accuracy"]}  # built-in tasks always verify
-            if m["val_accuracy"] >= c.stop_accuracy:
-                stop = (f"validation accuracy {m['val_accuracy']:.3f} >= "
-                        f"sft.stop_accuracy={c.stop_accuracy}")
-        recent = (recent + [float(m["loss"])])[-20:]
-        if len(recent) == 20 and sum(recent) / 20 < c.stop_loss:
-            stop = f"mean loss of the last 20 steps {sum(recent) / 20:.3f} < sft.stop_loss={c.stop_loss}"
-        rd.log(i + 1, {f"sft/{k}": v for k, v in m.items()}, phase="sft")
-        bar.update(i + 1, m)
-        if stop:
-            print(f"sft: {stop}; warm-up stops at step {i + 1}", file=out)
-            break
+    state, first, loop = warm.restore(sft.init_state(params, seed=cfg.run.seed))
+    bar = Progress(c.steps, ("loss", "val_accuracy"), stream=out, desc="sft", start=first)
+    recent, done = list(loop.get("recent", [])), first
+    try:
+        for i in range(first, 0 if loop.get("done") else c.steps):
+            with warm.guard() as held:  # an update donates the state: never cut one
+                state, stop = _sft_step(cfg, sft, state, task, tokenizer, trainer, rd, bar,
+                                        i, recent)
+            done = i + 1
+            warm.after(done, state, {"recent": recent, "done": bool(stop)}, held)
+            if stop:
+                print(f"sft: {stop}; warm-up stops at step {i + 1}", file=out)
+                break
+    except KeyboardInterrupt:
+        warm.interrupted(done, state, {"recent": recent})
+        raise
     return state.params["policy"]
+
+
+def _sft_step(cfg, sft, state, task, tokenizer, trainer, rd, bar, i, recent):
+    """Warm-up step `i + 1`: update, optional validation, log; returns `(state, why the
+    warm-up stops or None)`. `recent` (the last 20 losses) is updated in place."""
+    c, bs = cfg.sft, cfg.sft.batch_size
+    prompts, targets = task.sft(i * bs, bs)
+    batch = encode_pairs(tokenizer, prompts, targets, cfg.task.max_prompt_tokens,
+                         cfg.sampling.max_new_tokens)
+    state, m = sft.step(state, batch)
+    stop = None
+    if c.stop_accuracy > 0 and (i + 1) % c.stop_every == 0:
+        val = trainer.evaluate(state.params["policy"], task.val_prompts, task.val_metadata)
+        m = {**m, "val_accuracy": val["accuracy"]}  # built-in tasks always verify
+        if m["val_accuracy"] >= c.stop_accuracy:
+            stop = (f"validation accuracy {m['val_accuracy']:.3f} >= "
+                    f"sft.stop_accuracy={c.stop_accuracy}")
+    recent[:] = (recent + [float(m["loss"])])[-20:]
+    if len(recent) == 20 and sum(recent) / 20 < c.stop_loss:
+        stop = f"mean loss of the last 20 steps {sum(recent) / 20:.3f} < sft.stop_loss={c.stop_loss}"
+    rd.log(i + 1, {f"sft/{k}": v for k, v in m.items()}, phase="sft")
+    bar.update(i + 1, m)
+    return state, stop
 
 
 def _value_model(cfg, model, mesh):
@@ -169,6 +196,7 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
     if not primary:
         out = _Silent()
     progress_out = out if out is not None else sys.stderr
+    mesh = builders.build_mesh(cfg)  # a mesh that does not fit the devices: before any write
     rd = RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
                 tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project,
                 primary=primary)
@@ -179,7 +207,11 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
             # Every process reports its first RL step to JAX now, so that a SIGTERM during
             # the setup below stops the run after that step (JAX ignores earlier notices).
             stop.reached(_first_step(cfg, ck))
-            acc_before, after = _train(cfg, rd, ck, stop, progress_out)
+            warm = WarmupStop(rd, stop, cfg.run.resume, progress_out)
+            try:
+                acc_before, after = _train(cfg, rd, ck, mesh, warm, stop, progress_out)
+            finally:
+                warm.close()
         if cfg.run.plots:
             rd.plot()
     finally:
@@ -193,12 +225,11 @@ def _first_step(cfg, ck) -> int:
     return 0 if latest is None else latest
 
 
-def _train(cfg, rd, ck, stop, out):
+def _train(cfg, rd, ck, mesh, warm, stop, out):
     """Build everything, RL-train, evaluate, save the final state; `(acc_before, after)`."""
     tokenizer = builders.build_tokenizer(cfg)
     if rd.primary and not (rd.path / "tokenizer").exists():
         _save_tokenizer(tokenizer, rd.path / "tokenizer")
-    mesh = builders.build_mesh(cfg)
     model = builders.build_model(cfg, tokenizer, mesh)
     graphdef, params = nnx.split(model)
     value_gd, value_params = _value_model(cfg, model, mesh)
@@ -213,8 +244,11 @@ def _train(cfg, rd, ck, stop, out):
                         reward_pool=(builders.shared_reward_pool(cfg.reward.workers)
                                      if cfg.reward.workers else None),
                         reward_timeout_s=cfg.reward.timeout_s)
+    for line in startup_summary(cfg, mesh=mesh, params=params, task=task,
+                                reward_fns=reward_fns):
+        print(f"[rljax] {line}", file=out)
     state, acc_before = _start(cfg, rd, ck, trainer, graphdef, params, value_params,
-                               task, tokenizer, mesh, out)
+                               task, tokenizer, mesh, out, warm)
     state = _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop)
     after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
     rd.log(int(state.step), {f"eval/{k}": v for k, v in after.items()}, phase="eval")
@@ -223,18 +257,27 @@ def _train(cfg, rd, ck, stop, out):
     return acc_before, after
 
 
-def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer, mesh, out):
-    """Restore the latest checkpoint (resume) or warm up, evaluate and build a fresh state."""
+def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer, mesh, out,
+           warm):
+    """Restore the latest checkpoint (resume) or warm up, evaluate and build a fresh state.
+    A restore that does not fit this config raises before the run directory is written."""
     if cfg.run.resume and ck.latest_step() is not None:
         fresh = trainer.init_state(params, seed=cfg.run.seed, value_params=value_params)
-        state, meta = ck.restore(fresh)
+        try:
+            state, meta = ck.restore(fresh)
+        except (ValueError, KeyError, TypeError) as e:
+            raise rd.mismatch(e) from e
+        rd.begin()
         rd.truncate_metrics(int(meta["step"]))
         print(f"[rljax] resumed {rd.path} at step {meta['step']}", file=out)
         return state, float(meta["accuracy_before"])
-    if rd.resumed:  # resume asked, but no checkpoint yet: start over, from a clean record
-        rd.truncate_metrics(-1, phase=None)
-    if cfg.sft is not None and cfg.sft.steps > 0:
-        params = _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out)
+    sft = cfg.sft is not None and cfg.sft.steps > 0
+    saved = warm.saved_step() if sft else None  # on every process alike
+    if rd.resumed and saved is None:
+        rd.truncate_metrics(-1, phase=None)  # no checkpoint yet: start over, clean record
+    if sft:
+        params = _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out,
+                             warm)
         if value_params is not None:  # the critic starts from the warmed-up backbone
             _, value_params = _value_model(cfg, nnx.merge(graphdef, params), mesh)
     before = _evaluate(trainer, params, task, rd, "eval_before")
@@ -244,7 +287,8 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
 
 
 def _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop):
-    bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=out, desc="rl")
+    bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=out, desc="rl",
+                   start=int(state.step))
     prof = StepProfiler(parse_profile_steps(cfg.run.profile_steps), rd.path / "profile",
                         last=cfg.rl.steps)
     try:

@@ -35,6 +35,8 @@ from rljax.run.experiment import ExperimentConfig
 from rljax.run.preemption import StopSignal, save_interrupted, stop_saved
 from rljax.run.report import Progress, format_summary, result_line
 from rljax.run.run_dir import RunDir
+from rljax.run.startup import startup_summary
+from rljax.run.warmup_stop import WarmupStop
 from rljax.train.batching import encode_pairs
 from rljax.train.checkpoint import Checkpointer
 from rljax.train.rl import RLTrainer
@@ -81,39 +83,57 @@ def seed_configs(cfg: ExperimentConfig) -> list[ExperimentConfig]:
 
 
 def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out,
-            compiled: dict) -> tuple[list, Any]:
-    """The vmapped SFT warm-up; each seed stops at its own validation target. Returns each
-    seed's policy params and the warm-up's last (stacked) state."""
+            compiled: dict, warm: WarmupStop) -> tuple[list, Any]:
+    """The vmapped SFT warm-up; each seed stops at its own validation target; SIGTERM or
+    Ctrl-C stop it at a step boundary with a checkpoint a resume continues
+    (`rljax.run.warmup_stop`). Returns each seed's policy params and the warm-up's last
+    (stacked) state."""
     c = cfg.sft
     sft = SeedSFT(graphdef, c)
     seeds = [x.run.seed for x in seed_configs(cfg)]
-    state = sft.init_state(params, seeds)
-    active = [True] * len(params)
-    bar = Progress(c.steps, ("loss",), stream=out, desc="sft")
-    bs = c.batch_size
-    for i in range(c.steps):
-        batches = [encode_pairs(tok, *t.sft(i * bs, bs), cfg.task.max_prompt_tokens,
-                                cfg.sampling.max_new_tokens) for t in tasks]
-        state, ms = sft.step(state, batches, active)
-        if c.stop_accuracy > 0 and (i + 1) % c.stop_every == 0:
-            val = rl.evaluate(state.params["policy"], [t.val_prompts for t in tasks],
-                              [t.val_metadata for t in tasks])
-            for k, v in enumerate(val):
-                ms[k]["val_accuracy"] = v["accuracy"]
-                if active[k] and v["accuracy"] >= c.stop_accuracy:
-                    active[k] = False
-                    print(f"sft: seed {seeds[k]}: validation accuracy {v['accuracy']:.3f} >= "
-                          f"sft.stop_accuracy={c.stop_accuracy}; its warm-up stops at step "
-                          f"{i + 1}", file=out)
-        for k, m in enumerate(ms):
-            rd.log(i + 1, {**{f"sft/{n}": x for n, x in m.items()}, "seed": seeds[k]},
-                   phase="sft")
-        bar.update(i + 1, {"loss": float(np.mean([m["loss"] for m in ms]))})
-        if not any(active):
-            break
+    state, first, loop = warm.restore(sft.init_state(params, seeds))
+    active = list(loop.get("active", [True] * len(params)))
+    bar = Progress(c.steps, ("loss",), stream=out, desc="sft", start=first)
+    done = first
+    try:
+        for i in range(first, c.steps if any(active) else first):
+            with warm.guard() as held:  # an update donates the state: never cut one
+                state = _warmup_step(cfg, sft, state, tasks, tok, rl, rd, out, active, seeds,
+                                     bar, i)
+            done = i + 1
+            warm.after(done, state, {"active": active}, held)
+            if not any(active):
+                break
+    except KeyboardInterrupt:
+        warm.interrupted(done, state, {"active": active})
+        raise
     compiled["sft_update"] = sft.compiled()
     return [jax.tree.map(lambda x, k=k: x[k], state.params["policy"])
             for k in range(len(params))], state
+
+
+def _warmup_step(cfg, sft, state, tasks, tok, rl, rd, out, active, seeds, bar, i):
+    """Warm-up step `i + 1` of every active seed, validation, logs; `active` is updated in
+    place (a seed at its validation target stops)."""
+    c, bs = cfg.sft, cfg.sft.batch_size
+    batches = [encode_pairs(tok, *t.sft(i * bs, bs), cfg.task.max_prompt_tokens,
+                            cfg.sampling.max_new_tokens) for t in tasks]
+    state, ms = sft.step(state, batches, active)
+    if c.stop_accuracy > 0 and (i + 1) % c.stop_every == 0:
+        val = rl.evaluate(state.params["policy"], [t.val_prompts for t in tasks],
+                          [t.val_metadata for t in tasks])
+        for k, v in enumerate(val):
+            ms[k]["val_accuracy"] = v["accuracy"]
+            if active[k] and v["accuracy"] >= c.stop_accuracy:
+                active[k] = False
+                print(f"sft: seed {seeds[k]}: validation accuracy {v['accuracy']:.3f} >= "
+                      f"sft.stop_accuracy={c.stop_accuracy}; its warm-up stops at step "
+                      f"{i + 1}", file=out)
+    for k, m in enumerate(ms):
+        rd.log(i + 1, {**{f"sft/{n}": x for n, x in m.items()}, "seed": seeds[k]},
+               phase="sft")
+    bar.update(i + 1, {"loss": float(np.mean([m["loss"] for m in ms]))})
+    return state
 
 
 def _held_out(rl: SeedRL, params_S, tasks) -> list[dict]:
@@ -141,6 +161,7 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
     t0 = time.perf_counter()
     progress_out = out if out is not None else sys.stderr
     seeds = [c.run.seed for c in seed_configs(cfg)]
+    builders.build_mesh(cfg)  # mesh sizes that do not fit the devices: an error, not ignored
     rd = RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
                 tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project)
     try:
@@ -149,7 +170,11 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
                 StopSignal() as stop:
             run = _SeedRun(cfg, rd, ck, seeds, progress_out)
             run.phases["setup"] = time.perf_counter() - t0
-            state, before, warm_state = run.start()
+            warm = WarmupStop(rd, stop, cfg.run.resume, progress_out)
+            try:
+                state, before, warm_state = run.start(warm)
+            finally:
+                warm.close()
             state, rl_s = run.rl_loop(state, before, stop)
             t1 = time.perf_counter()
             after = _evaluate(run.rl, state.params["policy"], run.tasks, seeds, rd, "eval_after")
@@ -178,34 +203,45 @@ class _SeedRun:
                             rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens)
         self.rl, self.compiled = SeedRL(trainer), {}
         self.phases = {"setup": 0.0, "warm-up": 0.0, "evaluations": 0.0}
+        for line in startup_summary(cfg, mesh=None, params=self.params[0], task=self.tasks[0],
+                                    reward_fns=trainer.device_reward, seeds=len(seeds)):
+            print(f"[rljax] {line}", file=out)
 
     def meta(self, phase: str, before: list[dict]) -> dict:
         """A checkpoint's metadata: what a resumed run needs besides the state."""
         return {"phase": phase, "config_hash": self.rd.config_hash, "seeds": self.seeds,
                 "eval_before": before}
 
-    def start(self) -> tuple[TrainState, list[dict], Any]:
+    def start(self, warm: WarmupStop) -> tuple[TrainState, list[dict], Any]:
         """The latest checkpoint's state and held-out results (``run.resume`` with one), or
-        the warm-up, the held-out evaluation and fresh states; returns ``(state, eval
-        before RL per seed, the warm-up's last state or None)``."""
+        the warm-up (continued from its own checkpoint when one was stopped), the held-out
+        evaluation and fresh states; returns ``(state, eval before RL per seed, the
+        warm-up's last state or None)``. A checkpoint that does not fit this config raises
+        before the run directory is written."""
         cfg, rd, ck = self.cfg, self.rd, self.ck
         if cfg.run.resume and ck.latest_step() is not None:
-            state, meta = ck.restore(self.rl.init_state(self.params, self.seeds))
+            try:
+                state, meta = ck.restore(self.rl.init_state(self.params, self.seeds))
+            except (ValueError, KeyError, TypeError) as e:
+                raise rd.mismatch(e) from e
             if meta.get("seeds") != self.seeds:
-                raise ValueError(f"run.resume: the checkpoint in {ck.directory} holds seeds "
-                                 f"{meta.get('seeds')}, this config runs {self.seeds}")
+                raise rd.mismatch(ValueError(
+                    f"it holds seeds {meta.get('seeds')}, this config runs {self.seeds}"))
+            rd.begin()
             step = int(np.asarray(state.step)[0])
             rd.truncate_metrics(step)
             print(f"[rljax] resumed {rd.path} at step {step} ({len(self.seeds)} seeds)",
                   file=self.out)
             return state, meta["eval_before"], None
-        if rd.resumed:  # resume asked, but no checkpoint yet: start over, from a clean record
-            rd.truncate_metrics(-1, phase=None)
+        sft = cfg.sft is not None and cfg.sft.steps > 0
+        saved = warm.saved_step() if sft else None  # on every process alike
+        if rd.resumed and saved is None:
+            rd.truncate_metrics(-1, phase=None)  # no checkpoint yet: start over, clean record
         t1 = time.perf_counter()
         params, warm_state = self.params, None
-        if cfg.sft is not None and cfg.sft.steps > 0:
+        if sft:
             params, warm_state = _warmup(cfg, self.graphdef, params, self.tasks, self.tok,
-                                         self.rl, rd, self.out, self.compiled)
+                                         self.rl, rd, self.out, self.compiled, warm)
         self.phases["warm-up"] = time.perf_counter() - t1
         state = self.rl.init_state(params, self.seeds)
         t1 = time.perf_counter()
@@ -220,9 +256,10 @@ class _SeedRun:
         raises ``Preempted``, Ctrl-C saves and re-raises. Returns the state and the steps'
         device time."""
         cfg, ck = self.cfg, self.ck
-        bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=self.out, desc="rl")
-        rl_s, t1, ev0 = 0.0, time.perf_counter(), self.phases["evaluations"]
         done = int(np.asarray(state.step)[0])
+        bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=self.out, desc="rl",
+                       start=done)
+        rl_s, t1, ev0 = 0.0, time.perf_counter(), self.phases["evaluations"]
         try:
             while done < cfg.rl.steps:
                 with stop.guard() as held:  # a step donates the state: never cut one

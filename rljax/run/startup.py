@@ -1,0 +1,83 @@
+"""The start-up summary a run prints before its first step: where it runs (backend,
+devices, processes, mesh), what it trains (parameter count), on what (prompts per split)
+and what scores it (the reward, and the verifier behind the accuracy shown).
+
+`startup_summary(cfg, ...)` returns the lines; `run_experiment` and `run_seeds` print them
+once (process 0), before the first step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+
+from rljax.run.experiment import ExperimentConfig
+
+__all__ = ["parameter_count", "startup_summary"]
+
+
+def parameter_count(params: Any) -> int:
+    """Number of scalars in a parameter pytree (arrays or `jax.ShapeDtypeStruct`s)."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params) if hasattr(x, "shape"))
+
+
+def _where(mesh, seeds: int) -> str:
+    n, procs = jax.device_count(), jax.process_count()
+    head = (f"{jax.default_backend()}: {n} device{'s' if n > 1 else ''} "
+            f"({jax.devices()[0].device_kind}), {procs} process{'es' if procs > 1 else ''}")
+    if seeds > 1:
+        return head + f"; the {seeds} seeds' program runs on device 0 (no mesh)"
+    if mesh is None:
+        return head + "; no mesh (one device)"
+    axes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    return head + f"; mesh {axes}"
+
+
+def _verifier(cfg: ExperimentConfig) -> str:
+    """The function behind the accuracy metric (`rljax.run.builders.build_reward`)."""
+    t, r = cfg.task, cfg.reward
+    if t.name == "arithmetic":
+        return f"rljax.run.tasks.ArithmeticReward(style={t.style!r})"
+    if t.name == "countdown":
+        return "rljax.run.tasks.CountdownReward"
+    return f"rljax.rewards.MathAccuracy(mode={r.answer_mode!r})"
+
+
+def _reward(cfg: ExperimentConfig, reward_fns: Any) -> str:
+    r = cfg.reward
+    if r.kind == "custom":
+        return f"{r.function} (reward.kind='custom')"
+    if r.kind == "reward_model":
+        return f"reward model {r.model_path}"
+    terms = getattr(reward_fns, "terms", None)
+    if terms:
+        return " + ".join(f"{w:g} x {getattr(fn, 'name', type(fn).__name__)}"
+                          for w, fn in terms) + f" (reward.kind={r.kind!r})"
+    return f"{type(reward_fns).__name__} (reward.kind={r.kind!r})"
+
+
+def _sizes(cfg: ExperimentConfig, task: Any) -> str:
+    t = cfg.task
+    train = getattr(task, "train_size", None)
+    parts = [f"train ({t.split}) " + ("procedural, unlimited" if train is None
+                                      else f"{train} prompts"),
+             f"held-out ({t.eval_split}) {len(task.eval_prompts)}"]
+    if task.val_prompts:
+        parts.append(f"validation {len(task.val_prompts)}")
+    return ", ".join(parts)
+
+
+def startup_summary(cfg: ExperimentConfig, *, mesh, params: Any, task: Any,
+                    reward_fns: Any, seeds: int = 1) -> list[str]:
+    """The summary's lines (see the module docstring); `task` is a
+    `rljax.run.builders.TaskData` (a several-seed run: seed 0's), `params` the policy's."""
+    n = parameter_count(params)
+    per = f" per seed, {seeds} seeds in one program" if seeds > 1 else ""
+    origin = f"from {cfg.hf_path}" if cfg.hf_path else "random init"
+    return [f"backend {_where(mesh, seeds)}",
+            f"policy: {n:,} parameters{per} ({origin})",
+            f"prompts: {_sizes(cfg, task)}",
+            f"reward: {_reward(cfg, reward_fns)}",
+            f"accuracy shown: {_verifier(cfg)} (task {cfg.task.name!r})"]
