@@ -34,7 +34,8 @@ from jax.sharding import SingleDeviceSharding
 
 from rljax.models import Decoder
 from rljax.models.hf_config import config_from_hf
-from rljax.models.hf_io import from_pretrained, state_location, weight_map, write_pretrained
+from rljax.models.hf_io import (from_pretrained, special_token_ids, state_location, weight_map,
+                                write_pretrained)
 from rljax.models.tokenizer import build_char_tokenizer, encode_prompts, load_tokenizer
 from rljax.run.builders import build_reward, build_task
 from rljax.run.experiment import ExperimentConfig, config_from_dict
@@ -169,6 +170,10 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
               max_shard_bytes: int | None = None) -> epath.Path:
     """Write the policy of `source` as a Hugging Face folder (weights, config, tokenizer).
 
+    The folder is what transformers' `generate` needs: config.json and
+    generation_config.json carry the tokenizer's bos / eos / pad ids, the tokenizer keeps
+    its chat template, and the folder's mode follows the umask.
+
     `source` is a run directory (local or an `etils.epath` URL such as gs://bucket/run) or
     a local HF folder. `out_dir` is a local folder or a URL (written locally first, then
     copied). Bucket paths go through `etils.epath` and were not tried against a real bucket. `dtype` "float32" or
@@ -193,7 +198,8 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
 
     def write(folder: pathlib.Path) -> None:
         write_pretrained(config, get, folder if primary else None, dtype=dtype,
-                         max_shard_bytes=max_shard_bytes)
+                         max_shard_bytes=max_shard_bytes,
+                         special_ids=special_token_ids(tokenizer))
         if primary:
             tokenizer.save_pretrained(str(folder))
 
