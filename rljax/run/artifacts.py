@@ -287,7 +287,12 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(task.eval_prompts):
         raise ValueError(f"num_prompts must be in 1..{len(task.eval_prompts)} "
                          f"(rl.eval_prompts), got {num_prompts!r}")
-    _, accuracy_fn = build_reward(cfg)
+    _, accuracy_fn = build_reward(cfg, task)
+    if accuracy_fn is None:
+        raise ValueError(f"{source}: its reward ({cfg.reward.function}) has no verifier (the "
+                         "prompts have no reference answer), so there is no accuracy to "
+                         "measure; the run's held-out reward means are in eval_before.json "
+                         "and eval_after.json")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     opts = _sampling_defaults(cfg, None, None)

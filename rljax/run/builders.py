@@ -18,10 +18,8 @@ the held-out slice: the warm-up's stop never looks at the prompts that measure i
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
-import importlib
 import logging
 import pathlib
 from collections.abc import Callable, Sequence
@@ -35,18 +33,22 @@ from rljax import rewards as rw
 from rljax.data import (ArithmeticTask, CountdownTask, LengthPolicy, ShuffledIterator,
                         TfdsPromptSource, build_chat_prompt, filter_by_length, gsm8k_transform,
                         load_prompts)
+from rljax.data.files import PROMPT_SUFFIXES
 from rljax.models import Decoder
 from rljax.models.hf_io import from_pretrained
 from rljax.models.tokenizer import build_char_tokenizer, check_vocab, load_tokenizer
 from rljax.rewards.device import is_device_reward
+from rljax.rewards.imported import load_function
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.tasks import ArithmeticDeviceReward, ArithmeticReward, CountdownReward
+from rljax.run.user_reward import Verifier, check_reward, custom_reward, shared_reward_pool
 from rljax.sharding import make_mesh, mesh_context
 from rljax.train.reward_model import RewardModelScorer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_reward", "build_task", "build_tokenizer"]
+__all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_reward",
+           "build_task", "build_tokenizer", "check_inputs", "shared_reward_pool"]
 
 _SFT_STREAM, _RL_STREAM = 0, 1  # SFT and RL draw different problems
 _EVAL_STREAM = 1_000_003  # seeds the held-out stream apart from the training streams
@@ -98,6 +100,11 @@ class TaskData:
     sft: `(start, n) -> (prompt texts, target texts)` for the SFT warm-up.
     val_prompts, val_metadata: the warm-up's validation prompts (empty unless
       `sft.stop_accuracy` is set), disjoint from the held-out ones.
+    splits: file tasks: per split name, where its records came from and what the length
+      filter did (`records`, `kept`, `dropped`, `longest`, `limit`, `file`); a run
+      records it in `data.json` and prints it at start-up.
+    has_answers: every record has a reference `answer` (procedural tasks always do); a
+      custom reward's run has a verifier only then.
     """
 
     train: Callable[[int, int], tuple[list[str], list[dict]]]
@@ -106,6 +113,14 @@ class TaskData:
     sft: Callable[[int, int], tuple[list[str], list[str]]]
     val_prompts: list[str] = dataclasses.field(default_factory=list)
     val_metadata: list[dict] = dataclasses.field(default_factory=list)
+    splits: dict[str, dict] = dataclasses.field(default_factory=dict)
+    has_answers: bool = True
+
+    def describe(self) -> list[str]:
+        """One line per split: records read, dropped by the length filter, kept."""
+        return [f"data: split {name!r} ({d['file']}): {d['records']} records, {d['dropped']} "
+                f"dropped as longer than task.max_prompt_tokens={d['limit']} (longest "
+                f"{d['longest']} tokens), {d['kept']} kept" for name, d in self.splits.items()]
 
 
 def _fill(template: str, record: dict, field: str) -> str:
@@ -165,30 +180,81 @@ class _Mapped:
         return self.fn(self.seq[i])
 
 
-def _records(cfg: ExperimentConfig, split: str) -> Sequence[dict]:
+def needs_answer(cfg: ExperimentConfig) -> bool:
+    """Whether the reward checks a reference answer (then every record must have one)."""
+    return cfg.reward.kind in ("accuracy", "accuracy+format") or cfg.task.name == "gsm8k"
+
+
+def split_file(cfg: ExperimentConfig, role: str) -> pathlib.Path:
+    """The file of `task.<role>` ("split" or "eval_split") of a file task: a file path as
+    given; `<split>.jsonl` / `.parquet` in a folder `path`; `path` itself when `path` is
+    one file (for "eval_split" only if it equals `split`: evaluating on the training
+    prompts is said explicitly, never assumed). ValueError / FileNotFoundError naming the
+    setting otherwise."""
+    t = cfg.task
+    split = getattr(t, role)
+    if split.endswith(PROMPT_SUFFIXES):
+        given = pathlib.Path(split)
+        if given.is_file() or not (t.path and pathlib.Path(t.path).is_dir()):
+            return given
+        return pathlib.Path(t.path) / split
+    path = pathlib.Path(t.path)
+    if not path.exists():
+        raise FileNotFoundError(f"task.path={t.path!r} does not exist (a JSONL / Parquet "
+                                "file, or a folder of <split>.jsonl files)")
+    if path.is_dir():
+        file = path / f"{split}{'.parquet' if t.name == 'parquet' else '.jsonl'}"
+        if not file.is_file():
+            there = sorted(p.name for p in path.iterdir())[:20]
+            raise FileNotFoundError(f"task.{role}={split!r}: no file {file} (the folder "
+                                    f"{path} holds {there}); set task.{role} to one of its "
+                                    "splits or to a file path")
+        return file
+    if role == "split" or split == t.split:
+        return path
+    raise ValueError(
+        f"task.path={t.path!r} is one file, so task.eval_split={split!r} names no split of "
+        f"it: set task.eval_split to a file of held-out prompts (e.g. "
+        f"task.eval_split=data/test.jsonl), or to task.split ({t.split!r}) to evaluate on "
+        "the training prompts")
+
+
+def _records(cfg: ExperimentConfig, split: str, role: str = "split") -> Sequence[dict]:
     t = cfg.task
     mapping = {"prompt": t.prompt_field, "answer": t.answer_field}
     if t.name == "tfds":
         src = TfdsPromptSource(split=split, name=t.dataset, data_dir=t.path, mapping=mapping)
         # GSM8K keeps "#### answer" at the end of its solution field, on TFDS too.
         return _Mapped(src, gsm8k_transform) if t.dataset == "gsm8k" else src
-    path = pathlib.Path(t.path)
-    if path.is_dir():
-        suffix = ".parquet" if t.name == "parquet" else ".jsonl"
-        path = path / f"{split}{suffix}"
     transform = gsm8k_transform if t.name == "gsm8k" else None
-    return load_prompts(path, mapping, transform=transform)
+    recs = load_prompts(split_file(cfg, role), mapping, transform=transform,
+                        optional=() if needs_answer(cfg) else ("answer",))
+    return recs
 
 
 def _filter_length(cfg: ExperimentConfig, tokenizer, records: Sequence[dict], where: str):
     kept, report = filter_by_length(
         [dict(r) for r in records], LengthPolicy(cfg.task.max_prompt_tokens, action="drop"),
         length_fn=lambda r: len(tokenizer.encode(_prompt_text(cfg, tokenizer, r),
-                                                 add_special_tokens=False)))
+                                                 add_special_tokens=False)), name=where)
     if not kept:
         raise ValueError(f"{where}: every prompt is longer than task.max_prompt_tokens="
                          f"{cfg.task.max_prompt_tokens} ({report})")
     return kept, report
+
+
+def _file_split(cfg: ExperimentConfig, tokenizer, role: str, done: dict) -> list[dict]:
+    """The length-filtered records of `task.<role>`, read and filtered once per file."""
+    t = cfg.task
+    name = getattr(t, role)
+    file = str(split_file(cfg, role)) if t.name != "tfds" else f"tfds:{t.dataset}/{name}"
+    if file not in done:
+        kept, rep = _filter_length(cfg, tokenizer, _records(cfg, name, role), f"split {name!r}")
+        done[file] = kept
+        done.setdefault("_splits", {})[name] = dict(
+            file=file, records=rep.total, kept=rep.kept, dropped=len(rep.dropped),
+            longest=rep.max_length, limit=rep.limit)
+    return done[file]
 
 
 def _epoch_order(records: Sequence[dict], permutation: Callable[[int], np.ndarray]):
@@ -211,8 +277,10 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         sft_records = lambda start, n: draw(_SFT_STREAM, start, n, held)
         val_records = draw(_VAL_STREAM, 0, n_val, held)
     else:
-        train, _ = _filter_length(cfg, tokenizer, _records(cfg, t.split), f"split {t.split!r}")
-        held, _ = _filter_length(cfg, tokenizer, _records(cfg, t.eval_split), f"split {t.eval_split!r}")
+        done: dict = {}
+        train = _file_split(cfg, tokenizer, "split", done)
+        held = _file_split(cfg, tokenizer, "eval_split", done)
+        _require_answers(cfg, train + held)
         eval_records = held[: cfg.rl.eval_prompts]
         val_records = held[len(eval_records): len(eval_records) + n_val]
         if len(val_records) < n_val:
@@ -238,21 +306,41 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         recs = sft_records(start, n)
         return texts(recs), [_fill(t.sft_template, r, "task.sft_template") for r in recs]
 
+    splits = done.get("_splits", {}) if t.name not in ("arithmetic", "countdown") else {}
+    answers = t.name in ("arithmetic", "countdown") or all(
+        "answer" in r for r in (*train, *held))
     return TaskData(rl_source, texts(eval_records), list(eval_records), sft_source,
-                    texts(val_records), list(val_records))
+                    texts(val_records), list(val_records), splits, answers)
 
 
-def _import(path: str, field: str) -> Callable:
-    mod, _, name = path.partition(":")
-    fn = getattr(importlib.import_module(mod), name, None)
-    if not callable(fn):
-        raise ValueError(f"{field}={path!r}: module {mod!r} has no callable {name!r}")
-    return fn
+def _require_answers(cfg: ExperimentConfig, records: Sequence[dict]) -> None:
+    if not needs_answer(cfg):
+        return
+    for r in records:
+        if "answer" not in r:
+            raise ValueError(
+                f"{r.get('source', 'a record')}: no field {cfg.task.answer_field!r} "
+                f"(task.answer_field), the reference answer reward.kind={cfg.reward.kind!r} "
+                f"checks completions against; fields present: "
+                f"{sorted(k for k in r if k != 'source')}. Set task.answer_field, or use a "
+                "reward that needs no answer (reward.function)")
 
 
-def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
+def check_inputs(cfg: ExperimentConfig) -> None:
+    """What can be checked before a run writes anything: the custom reward imports, and a
+    file task's split files exist (errors name the setting)."""
+    check_reward(cfg)
+    if cfg.task.name in ("jsonl", "parquet", "gsm8k"):
+        for role in ("split", "eval_split"):
+            split_file(cfg, role)
+
+
+def build_reward(cfg: ExperimentConfig, task: TaskData | None = None
+                 ) -> tuple[Any, Verifier | None]:
     """`(reward_fns, accuracy_fn)` for `RLTrainer`: item rewards (a list) or a batch
-    reward function, and the verifier `(completion, meta) -> bool` for the accuracy metric."""
+    reward function, and the verifier (a `Verifier`, `(completion, meta) -> bool`, whose
+    `name` labels the accuracy) or None: a custom reward has a verifier only when every
+    record of `task` has a reference answer."""
     r, t = cfg.reward, cfg.task
     prefix = t.assistant_prefix.strip()
     fmt = rw.TagFormat(think_open=f"<{r.think_tag}>", think_close=f"</{r.think_tag}>",
@@ -261,15 +349,21 @@ def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
     tagged = r.kind in ("format", "accuracy+format")
     if t.name == "arithmetic":
         acc = ArithmeticReward(style=t.style)
+        label = f"rljax.run.tasks.check_arithmetic(style={t.style!r})"
     elif t.name == "countdown":
         acc = CountdownReward(fmt=fmt, correct=1.0, format_score=0.0)
+        label = "rljax.data.check_countdown"
     else:
         acc = rw.MathAccuracy(mode=r.answer_mode, answer_tags=fmt if tagged else None)
-    accuracy_fn = lambda c, m: acc(c, m) > 0.5
+        label = (f"rljax.rewards.MathAccuracy(mode={r.answer_mode!r}) against "
+                 f"task.answer_field={t.answer_field!r}")
+    accuracy_fn = Verifier(lambda c, m: acc(c, m) > 0.5, label)
+    if task is not None and not task.has_answers:
+        accuracy_fn = None  # nothing to verify against: the reward is the headline
     if r.kind == "reward_model":
         return RewardModelScorer.from_pretrained(r.model_path), accuracy_fn
     if r.kind == "custom":
-        return _import(r.function, "reward.function"), accuracy_fn
+        return custom_reward(cfg, ComponentReward), accuracy_fn
     terms = []
     if r.kind in ("accuracy", "accuracy+format"):
         terms.append((r.accuracy_weight * r.correct_reward, dataclasses.replace(acc, name="accuracy")))
@@ -286,7 +380,7 @@ def build_device_reward(cfg: ExperimentConfig, tokenizer):
     `DeviceReward` instance. Other tasks and reward kinds: ValueError."""
     r, t = cfg.reward, cfg.task
     if r.kind == "custom":
-        fn = _import(r.function, "reward.function")
+        fn = load_function(r.function, "reward.function")
         if not is_device_reward(fn):
             raise ValueError(f"reward.function={r.function!r} is a host reward "
                              f"({type(fn).__name__}); run.seeds > 1 needs a "
@@ -304,26 +398,14 @@ def build_device_reward(cfg: ExperimentConfig, tokenizer):
                                   scale=r.accuracy_weight * r.correct_reward)
 
 
-_POOLS: dict[int, rw.RewardPool] = {}  # workers -> the process's reward pool
-
-
-def shared_reward_pool(workers: int) -> rw.RewardPool:
-    """One `rljax.rewards.RewardPool` per size for the whole process, started on first use
-    and closed at exit: runs in one process (tests, sweeps) share its warm workers."""
-    if workers not in _POOLS:
-        _POOLS[workers] = rw.RewardPool(workers)
-        atexit.register(_POOLS[workers].close)
-    return _POOLS[workers]
-
-
 class ComponentReward:
     """Batch reward `sum_j w_j f_j` over item rewards that keeps each term's batch mean.
 
     `last` holds `{"reward/<name>": mean}` of the latest call, so the run logs the
     accuracy and format terms separately (R1-Zero's two rewards). With `workers > 0` the
     item calls run in the process's shared `RewardPool` (`shared_reward_pool`) and each is
-    cut at `timeout_s`: a call past it scores 0 and is logged with its row and the prompt
-    id from its metadata, and the run goes on.
+    cut at `timeout_s`: a call past it scores 0 and is logged with its row and its
+    prompt's file and line (the metadata's `source`), and the run goes on.
     """
 
     is_batch_reward = True
@@ -340,7 +422,8 @@ class ComponentReward:
                              weights=[w for w, _ in self.terms], pool=pool,
                              timeout_s=self.timeout_s if pool is not None else None)
         for t in out.timeouts:
-            log.warning("reward %r timed out after %.1f s on row %d (prompt %s); scored 0",
-                        t.fn, t.seconds, t.index, metadata[t.index].get("index", "?"))
+            log.warning("reward %r timed out after %.1f s (reward.timeout_s=%g) on row %d "
+                        "(the prompt at %s); scored 0", t.fn, t.seconds, self.timeout_s,
+                        t.index, t.source or metadata[t.index].get("index", "?"))
         self.last = {f"reward/{k}": float(np.mean(v)) for k, v in out.components.items()}
         return out.rewards
