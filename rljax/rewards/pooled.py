@@ -27,7 +27,12 @@ __all__ = ["PooledBatchReward", "RemoteRewardError"]
 
 
 class RemoteRewardError(RuntimeError):
-    """A reward function raised in a worker process; the message holds its traceback."""
+    """A reward function raised in a worker process: the message is its exception
+    ("ZeroDivisionError: ..."), `traceback` its traceback there."""
+
+    def __init__(self, message: str, traceback: str = ""):
+        super().__init__(message)
+        self.traceback = traceback
 
 
 def sources_text(metadata: Sequence[Mapping[str, Any]], limit: int = 8) -> str:
@@ -64,7 +69,7 @@ class PooledBatchReward:
         if res[0] == "ok":
             return res[1]
         if res[0] == "error":
-            raise RemoteRewardError(f"{res[1]}\n{res[2]}")
+            raise RemoteRewardError(res[1], res[2])
         self.timeouts += 1
         log.warning("reward function %r timed out after %.1f s (reward.timeout_s=%g) on a "
                     "batch of %d completions of the prompts at %s; they score %g",

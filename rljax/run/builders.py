@@ -227,9 +227,10 @@ def _records(cfg: ExperimentConfig, split: str, role: str = "split") -> Sequence
         # GSM8K keeps "#### answer" at the end of its solution field, on TFDS too.
         return _Mapped(src, gsm8k_transform) if t.dataset == "gsm8k" else src
     transform = gsm8k_transform if t.name == "gsm8k" else None
-    recs = load_prompts(split_file(cfg, role), mapping, transform=transform,
-                        optional=() if needs_answer(cfg) else ("answer",))
-    return recs
+    # The answer is read when present; `_require_answers` names a missing one if the
+    # reward checks it (GSM8K's transform splits it, so it must be there).
+    return load_prompts(split_file(cfg, role), mapping, transform=transform,
+                        optional=() if t.name == "gsm8k" else ("answer",))
 
 
 def _filter_length(cfg: ExperimentConfig, tokenizer, records: Sequence[dict], where: str):

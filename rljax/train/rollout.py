@@ -318,11 +318,16 @@ def _sum_over_processes(x: np.ndarray, mesh) -> np.ndarray:
     return hosts.gather_rows(x[None]).sum(axis=0)
 
 
+def _described(e: BaseException) -> str:
+    """"KeyError: 'x'": the exception, as raised in a reward worker process too."""
+    return str(e) if isinstance(e, RemoteRewardError) else f"{type(e).__name__}: {e}"
+
+
 def _user_traceback(e: BaseException) -> str:
-    """The reward function's traceback for an error message ("" when the error already
-    carries one from a reward worker process)."""
+    """The reward function's traceback for an error message (from the reward worker
+    process where it ran there)."""
     if isinstance(e, RemoteRewardError):
-        return ""
+        return "\n" + e.traceback
     return "\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
 
 
@@ -351,11 +356,10 @@ def score_batch_fn(fn, completions: list, metadata: list, group_size: int,
             try:
                 fn([c], [m])
             except Exception as e1:
-                raise RewardError(f"reward function {name!r} raised {type(e1).__name__}: {e1} "
-                                  f"at {where(i)}{_user_traceback(e1)}", index=i, fn=name) from e1
-        raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} on the "
-                          f"batch (but on no single completion){_user_traceback(e)}",
-                          index=-1, fn=name) from e
+                raise RewardError(f"reward function {name!r} raised {_described(e1)} at "
+                                  f"{where(i)}{_user_traceback(e1)}", index=i, fn=name) from e1
+        raise RewardError(f"reward function {name!r} raised {_described(e)} on the batch (but "
+                          f"on no single completion){_user_traceback(e)}", index=-1, fn=name) from e
     if out.shape != (len(completions),):
         raise RewardError(f"reward function {name!r} returned shape {out.shape}; expected "
                           f"({len(completions)},), one reward per completion", index=-1, fn=name)
