@@ -88,7 +88,8 @@ class ImportedFunction:
     """`load_function(path, search_dir=..., file=...)` as a picklable value that calls it.
 
     Built with `ImportedFunction.of(path)` in the trainer, which checks it loads; a
-    worker process loads it on first use and keeps it."""
+    worker process imports it when it unpickles the call (before the call's time limit
+    starts) and keeps it."""
 
     path: str
     search_dir: str | None = None
@@ -116,3 +117,14 @@ class ImportedFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.resolve()(*args, **kwargs)
+
+    def __reduce__(self):
+        # Unpickling imports the function: a reward worker loads it before it starts the
+        # call's clock (importing a module may take seconds; the limit is for the call).
+        return _loaded, (self.path, self.search_dir, self.file)
+
+
+def _loaded(path: str, search_dir: str | None, file: str | None) -> ImportedFunction:
+    fn = ImportedFunction(path, search_dir, file)
+    fn.resolve()
+    return fn

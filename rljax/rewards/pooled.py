@@ -39,7 +39,7 @@ def sources_text(metadata: Sequence[Mapping[str, Any]], limit: int = 8) -> str:
     """The rows' prompt sources ("file:line"), in order without repeats, `limit` at most."""
     seen = list(dict.fromkeys(s for s in map(source_of, metadata) if s))
     if not seen:
-        return "prompts without a source"
+        return "generated, no file lines"
     more = f" and {len(seen) - limit} more" if len(seen) > limit else ""
     return ", ".join(seen[:limit]) + more
 
@@ -72,7 +72,7 @@ class PooledBatchReward:
             raise RemoteRewardError(res[1], res[2])
         self.timeouts += 1
         log.warning("reward function %r timed out after %.1f s (reward.timeout_s=%g) on a "
-                    "batch of %d completions of the prompts at %s; they score %g",
+                    "batch of %d completions (their prompts: %s); they score %g",
                     self.name, res[1], self.timeout_s, len(completions),
                     sources_text(metadata), self.timeout_reward)
         return np.full(len(completions), self.timeout_reward, np.float32)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,16 +29,14 @@ import numpy as np
 from flax import nnx
 
 from rljax import rewards as rw
-from rljax.data import (ArithmeticTask, CountdownTask, LengthPolicy, ShuffledIterator,
-                        TfdsPromptSource, build_chat_prompt, filter_by_length, gsm8k_transform,
-                        load_prompts)
-from rljax.data.files import PROMPT_SUFFIXES
+from rljax.data import ArithmeticTask, CountdownTask, ShuffledIterator, build_chat_prompt
 from rljax.models import Decoder
 from rljax.models.hf_io import from_pretrained
 from rljax.models.tokenizer import build_char_tokenizer, check_vocab, load_tokenizer
 from rljax.rewards.device import is_device_reward
 from rljax.rewards.imported import load_function
 from rljax.run.experiment import ExperimentConfig
+from rljax.run.task_files import check_data_files, filtered_split, require_answers
 from rljax.run.tasks import ArithmeticDeviceReward, ArithmeticReward, CountdownReward
 from rljax.run.user_reward import Verifier, check_reward, custom_reward, shared_reward_pool
 from rljax.sharding import make_mesh, mesh_context
@@ -167,97 +164,6 @@ def _procedural(cfg: ExperimentConfig) -> Callable[..., list[dict]]:
                                                  for i in range(n)]
 
 
-class _Mapped:
-    """A random-access sequence seen through `fn` (records transformed when read)."""
-
-    def __init__(self, seq, fn):
-        self.seq, self.fn = seq, fn
-
-    def __len__(self) -> int:
-        return len(self.seq)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.fn(self.seq[i])
-
-
-def needs_answer(cfg: ExperimentConfig) -> bool:
-    """Whether the reward checks a reference answer (then every record must have one)."""
-    return cfg.reward.kind in ("accuracy", "accuracy+format") or cfg.task.name == "gsm8k"
-
-
-def split_file(cfg: ExperimentConfig, role: str) -> pathlib.Path:
-    """The file of `task.<role>` ("split" or "eval_split") of a file task: a file path as
-    given; `<split>.jsonl` / `.parquet` in a folder `path`; `path` itself when `path` is
-    one file (for "eval_split" only if it equals `split`: evaluating on the training
-    prompts is said explicitly, never assumed). ValueError / FileNotFoundError naming the
-    setting otherwise."""
-    t = cfg.task
-    split = getattr(t, role)
-    if split.endswith(PROMPT_SUFFIXES):
-        given = pathlib.Path(split)
-        if given.is_file() or not (t.path and pathlib.Path(t.path).is_dir()):
-            return given
-        return pathlib.Path(t.path) / split
-    path = pathlib.Path(t.path)
-    if not path.exists():
-        raise FileNotFoundError(f"task.path={t.path!r} does not exist (a JSONL / Parquet "
-                                "file, or a folder of <split>.jsonl files)")
-    if path.is_dir():
-        file = path / f"{split}{'.parquet' if t.name == 'parquet' else '.jsonl'}"
-        if not file.is_file():
-            there = sorted(p.name for p in path.iterdir())[:20]
-            raise FileNotFoundError(f"task.{role}={split!r}: no file {file} (the folder "
-                                    f"{path} holds {there}); set task.{role} to one of its "
-                                    "splits or to a file path")
-        return file
-    if role == "split" or split == t.split:
-        return path
-    raise ValueError(
-        f"task.path={t.path!r} is one file, so task.eval_split={split!r} names no split of "
-        f"it: set task.eval_split to a file of held-out prompts (e.g. "
-        f"task.eval_split=data/test.jsonl), or to task.split ({t.split!r}) to evaluate on "
-        "the training prompts")
-
-
-def _records(cfg: ExperimentConfig, split: str, role: str = "split") -> Sequence[dict]:
-    t = cfg.task
-    mapping = {"prompt": t.prompt_field, "answer": t.answer_field}
-    if t.name == "tfds":
-        src = TfdsPromptSource(split=split, name=t.dataset, data_dir=t.path, mapping=mapping)
-        # GSM8K keeps "#### answer" at the end of its solution field, on TFDS too.
-        return _Mapped(src, gsm8k_transform) if t.dataset == "gsm8k" else src
-    transform = gsm8k_transform if t.name == "gsm8k" else None
-    # The answer is read when present; `_require_answers` names a missing one if the
-    # reward checks it (GSM8K's transform splits it, so it must be there).
-    return load_prompts(split_file(cfg, role), mapping, transform=transform,
-                        optional=() if t.name == "gsm8k" else ("answer",))
-
-
-def _filter_length(cfg: ExperimentConfig, tokenizer, records: Sequence[dict], where: str):
-    kept, report = filter_by_length(
-        [dict(r) for r in records], LengthPolicy(cfg.task.max_prompt_tokens, action="drop"),
-        length_fn=lambda r: len(tokenizer.encode(_prompt_text(cfg, tokenizer, r),
-                                                 add_special_tokens=False)), name=where)
-    if not kept:
-        raise ValueError(f"{where}: every prompt is longer than task.max_prompt_tokens="
-                         f"{cfg.task.max_prompt_tokens} ({report})")
-    return kept, report
-
-
-def _file_split(cfg: ExperimentConfig, tokenizer, role: str, done: dict) -> list[dict]:
-    """The length-filtered records of `task.<role>`, read and filtered once per file."""
-    t = cfg.task
-    name = getattr(t, role)
-    file = str(split_file(cfg, role)) if t.name != "tfds" else f"tfds:{t.dataset}/{name}"
-    if file not in done:
-        kept, rep = _filter_length(cfg, tokenizer, _records(cfg, name, role), f"split {name!r}")
-        done[file] = kept
-        done.setdefault("_splits", {})[name] = dict(
-            file=file, records=rep.total, kept=rep.kept, dropped=len(rep.dropped),
-            longest=rep.max_length, limit=rep.limit)
-    return done[file]
-
-
 def _epoch_order(records: Sequence[dict], permutation: Callable[[int], np.ndarray]):
     """`(start, n) -> records` visiting `records` in `permutation(epoch)` order per epoch."""
     n_rec = len(records)
@@ -279,9 +185,11 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         val_records = draw(_VAL_STREAM, 0, n_val, held)
     else:
         done: dict = {}
-        train = _file_split(cfg, tokenizer, "split", done)
-        held = _file_split(cfg, tokenizer, "eval_split", done)
-        _require_answers(cfg, train + held)
+        length = lambda r: len(tokenizer.encode(_prompt_text(cfg, tokenizer, r),  # noqa: E731
+                                                add_special_tokens=False))
+        train = filtered_split(cfg, length, "split", done)
+        held = filtered_split(cfg, length, "eval_split", done)
+        require_answers(cfg, train + held)
         eval_records = held[: cfg.rl.eval_prompts]
         val_records = held[len(eval_records): len(eval_records) + n_val]
         if len(val_records) < n_val:
@@ -314,26 +222,11 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
                     texts(val_records), list(val_records), splits, answers)
 
 
-def _require_answers(cfg: ExperimentConfig, records: Sequence[dict]) -> None:
-    if not needs_answer(cfg):
-        return
-    for r in records:
-        if "answer" not in r:
-            raise ValueError(
-                f"{r.get('source', 'a record')}: no field {cfg.task.answer_field!r} "
-                f"(task.answer_field), the reference answer reward.kind={cfg.reward.kind!r} "
-                f"checks completions against; fields present: "
-                f"{sorted(k for k in r if k != 'source')}. Set task.answer_field, or use a "
-                "reward that needs no answer (reward.function)")
-
-
 def check_inputs(cfg: ExperimentConfig) -> None:
     """What can be checked before a run writes anything: the custom reward imports, and a
     file task's split files exist (errors name the setting)."""
     check_reward(cfg)
-    if cfg.task.name in ("jsonl", "parquet", "gsm8k"):
-        for role in ("split", "eval_split"):
-            split_file(cfg, role)
+    check_data_files(cfg)
 
 
 def build_reward(cfg: ExperimentConfig, task: TaskData | None = None

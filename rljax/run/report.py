@@ -96,8 +96,9 @@ def format_summary(*, accuracy_before: float, accuracy_after: float, wall_s: flo
     lines = [rule, title, rule]
     if measured_by:
         lines.append(f"  {metric + ' by':<16}: {measured_by}")
+    gain = accuracy_after - accuracy_before
     lines += [f"  {metric + ' before':<16}: {accuracy_before:.4f}",
-              f"  {metric + ' after':<16}: {accuracy_after:.4f}  ({accuracy_after - accuracy_before:+.4f})",
+              f"  {metric + ' after':<16}: {accuracy_after:.4f}  ({gain:+.4f})",
               f"  wall time       : {wall_s:.1f} s ({_fmt_time(wall_s)})"]
     for key, value in (details or {}).items():
         lines.append(f"  {key:<16}: {_fmt(value)}")

@@ -25,6 +25,8 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from rljax.objectives.batch import DIFFERENTIABLE_FIELDS, OPTIONAL_FIELDS, Coef, ObjectiveBatch
+from rljax.testing._compare import (F32_EPS, _compare_grads, _compare_outputs, _fail,
+                                    _scalars, float32_rtol)
 
 __all__ = ["F32_EPS", "check_objective", "default_batch", "float32_rtol"]
 
@@ -40,10 +42,6 @@ _TRACING_ERRORS = (
     jax.errors.TracerIntegerConversionError,
     jax.errors.UnexpectedTracerError,
 )
-
-
-def _fail(check: str, msg: str) -> AssertionError:
-    return AssertionError(f"check_objective [{check}]: {msg}")
 
 
 def default_batch(seed: int = 0, *, B: int = 16, T: int = 12, values: bool = True,
@@ -124,28 +122,6 @@ def _check_structure(out: Any) -> None:
             raise _fail("contract", f"metric {k!r} must be a (sum, count) pair of scalars")
 
 
-#: float32's machine epsilon: rounding tolerances are multiples of it.
-F32_EPS = float(np.finfo(np.float32).eps)
-
-
-def float32_rtol(batch: ObjectiveBatch) -> float:
-    """The default tolerance: float32's worst-case relative rounding of a sum of the batch's
-    B*T terms, (B*T) * eps (Higham, "Accuracy and Stability of Numerical Algorithms", §4.2),
-    about 2.3e-5 for the default 16 x 12 batch. Outputs are compared relative to their
-    magnitude (`_magnitudes`), gradients relative to the gradient's norm."""
-    B, T = batch.logp_BxT.shape
-    return F32_EPS * B * T
-
-
-def _scalars(out) -> dict[str, float]:
-    """Loss sum, count and each metric's sum and count of one harness output, by name."""
-    loss_sum, count, metrics, _ = out
-    d = {"loss_sum": loss_sum, "count": count}
-    for k, (m_sum, m_count) in metrics.items():
-        d[f"metric {k!r} sum"], d[f"metric {k!r} count"] = m_sum, m_count
-    return d
-
-
 def _magnitudes(h: _Harness, batch: ObjectiveBatch, coef, ref) -> dict[str, float]:
     """Each output's scale for the tolerance: the sum over rows of |the row's output|
     (each row alone through the objective), at least |the full batch's output|. A loss
@@ -161,27 +137,6 @@ def _magnitudes(h: _Harness, batch: ObjectiveBatch, coef, ref) -> dict[str, floa
         per_row = [_scalars(h(_rows(batch, i, i + 1), coef)) for i in range(B)]
         rows = {k: sum(abs(float(r[k])) for r in per_row) for k in per_row[0]}
     return {k: max(abs(float(v)), float(rows.get(k, 0.0))) for k, v in _scalars(ref).items()}
-
-
-def _compare_outputs(check: str, ref, got, rtol: float, scale: dict[str, float]) -> None:
-    """Loss sum, count and every metric pair must agree to rtol times their magnitude."""
-    a, b = _scalars(ref), _scalars(got)
-    if set(ref[2]) != set(got[2]):
-        raise _fail(check, f"metric names differ: {sorted(ref[2])} vs {sorted(got[2])}")
-    for name in a:
-        size = max(scale.get(name, 0.0), abs(float(a[name])), abs(float(b[name])))
-        if not abs(a[name] - b[name]) <= rtol * size:
-            raise _fail(check, f"{name} is {b[name]!r}, expected {a[name]!r} (allowed "
-                        f"{rtol:.3g} x magnitude {size:.4g})")
-
-
-def _compare_grads(check: str, g_ref: dict, g: dict, rtol: float) -> None:
-    """Gradients must agree to rtol times the reference gradient's global norm."""
-    norm = np.sqrt(sum(np.sum(np.square(x)) for x in g_ref.values()))
-    for k in g_ref:
-        err = np.max(np.abs(g_ref[k] - g[k]))
-        if not err <= rtol * norm:
-            raise _fail(check, f"gradient w.r.t. {k} differs by {err:.3g}; allowed {rtol} x |grad| = {rtol * norm:.3g}")
 
 
 def _check_grads(out, batch: ObjectiveBatch, require_logp_grad: bool) -> None:
@@ -329,7 +284,8 @@ def _check_batch(h: _Harness, batch, coef, mesh, *, micro_batches, pad, rtol, se
     try:
         ref = h(batch, coef)
     except _TRACING_ERRORS as e:
-        raise _fail("jit", f"the objective fails under jax.jit/jax.grad: {type(e).__name__}: {e}") from e
+        raise _fail("jit", "the objective fails under jax.jit/jax.grad: "
+                    f"{type(e).__name__}: {e}") from e
     _check_grads(ref, batch, require_logp_grad)
     if recompile:
         _check_no_recompile(h, batch, coef)
