@@ -209,8 +209,9 @@ def _pooled(pool, item, completions, metadata, comps, group_size, timeout_s,
             if timeout_reward is None:
                 raise RewardError(f"reward function {n!r} exceeded {timeout_s}s at "
                                   f"{_where(i, group_size, m)}", index=i, fn=n)
-            log.warning("reward function %r abandoned after %.1fs at %s", n, res[1],
-                        _where(i, group_size, m))
+            log.warning("reward function %r abandoned after %.1f s (time limit %g s) at %s; "
+                        "it scores %g", n, res[1], timeout_s, _where(i, group_size, m),
+                        timeout_reward)
             timeouts.append(RewardTimeout(i, i // group_size, n, float(res[1]), source_of(m)))
             comps[n][i] = timeout_reward
     return timeouts

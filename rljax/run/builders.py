@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,8 +40,6 @@ from rljax.run.tasks import ArithmeticDeviceReward, ArithmeticReward, CountdownR
 from rljax.run.user_reward import Verifier, check_reward, custom_reward, shared_reward_pool
 from rljax.sharding import make_mesh, mesh_context
 from rljax.train.reward_model import RewardModelScorer
-
-log = logging.getLogger(__name__)
 
 __all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_reward",
            "build_task", "build_tokenizer", "check_inputs", "shared_reward_pool"]
@@ -298,8 +295,8 @@ class ComponentReward:
     `last` holds `{"reward/<name>": mean}` of the latest call, so the run logs the
     accuracy and format terms separately (R1-Zero's two rewards). With `workers > 0` the
     item calls run in the process's shared `RewardPool` (`shared_reward_pool`) and each is
-    cut at `timeout_s`: a call past it scores 0 and is logged with its row and its
-    prompt's file and line (the metadata's `source`), and the run goes on.
+    cut at `timeout_s`: a call past it scores 0 and is logged (by `score_batch`) with its
+    row and its prompt's file and line (the metadata's `source`), and the run goes on.
     """
 
     is_batch_reward = True
@@ -315,9 +312,5 @@ class ComponentReward:
         out = rw.score_batch([f for _, f in self.terms], completions, metadata,
                              weights=[w for w, _ in self.terms], pool=pool,
                              timeout_s=self.timeout_s if pool is not None else None)
-        for t in out.timeouts:
-            log.warning("reward %r timed out after %.1f s (reward.timeout_s=%g) on row %d "
-                        "(the prompt at %s); scored 0", t.fn, t.seconds, self.timeout_s,
-                        t.index, t.source or metadata[t.index].get("index", "?"))
         self.last = {f"reward/{k}": float(np.mean(v)) for k, v in out.components.items()}
         return out.rewards
