@@ -161,6 +161,7 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
     if not isinstance(cfg, ExperimentConfig):
         raise TypeError(f"run_experiment: cfg must be an ExperimentConfig, got {type(cfg).__name__}")
     cfg = cfg.resolved()  # the algorithm's preset filled in: what runs is what is saved
+    builders.check_inputs(cfg)  # the reward imports, the data files exist: before any write
     if cfg.run.seeds > 1:  # several seeds in one program: rljax.run.seed_runs
         res = run_seeds(cfg, out=out)
         return RunResult(res.result["accuracy_before"], res.result["accuracy_after"],
@@ -170,7 +171,6 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
     if not primary:
         out = _Silent()
     progress_out = out if out is not None else sys.stderr
-    builders.check_inputs(cfg)  # the reward imports, the data files exist: before any write
     rd = RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
                 tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project,
                 primary=primary)

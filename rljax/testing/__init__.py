@@ -99,12 +99,6 @@ class _Harness:
 
         self.jitted = jax.jit(jax.grad(loss_sum, has_aux=True))
 
-        def one_row(row, coef):  # row: a batch's fields at one index, [T]
-            return fn(jax.tree.map(lambda x: x[None], row), coef)
-
-        # Every row alone, in one program (the outputs' magnitudes, `_magnitudes`).
-        self.rows = jax.jit(jax.vmap(one_row, in_axes=(0, None)))
-
     def __call__(self, batch: ObjectiveBatch, coef: Any):
         grads, (loss_sum, count, metrics) = self.jitted(_split(batch), batch, coef)
         to_np = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
@@ -122,21 +116,14 @@ def _check_structure(out: Any) -> None:
             raise _fail("contract", f"metric {k!r} must be a (sum, count) pair of scalars")
 
 
-def _magnitudes(h: _Harness, batch: ObjectiveBatch, coef, ref) -> dict[str, float]:
-    """Each output's scale for the tolerance: the sum over rows of |the row's output|
-    (each row alone through the objective), at least |the full batch's output|. A loss
-    sum whose rows cancel is then compared at the size of its terms, where float32
-    rounds, not at the size of its small total."""
-    try:
-        loss_B, count_B, metrics = h.rows(batch, coef)
-        rows = _scalars((np.abs(loss_B).sum(), np.abs(count_B).sum(),
-                         {k: (np.abs(a).sum(), np.abs(b).sum()) for k, (a, b) in metrics.items()},
-                         None))
-    except Exception:  # noqa: BLE001 - an objective jax.vmap cannot batch: row by row
-        B = batch.logp_BxT.shape[0]
-        per_row = [_scalars(h(_rows(batch, i, i + 1), coef)) for i in range(B)]
-        rows = {k: sum(abs(float(r[k])) for r in per_row) for k in per_row[0]}
-    return {k: max(abs(float(v)), float(rows.get(k, 0.0))) for k, v in _scalars(ref).items()}
+def _magnitudes(parts: list, ref) -> dict[str, float]:
+    """Each output's scale for the tolerance: the sum over the micro-batch `parts` of
+    |the part's output|, at least |the full batch's output|. A loss sum whose parts cancel
+    is then compared at the size of its terms, where float32 rounds, not at the size of
+    its small total."""
+    sums = [_scalars(p) for p in parts]
+    return {k: max(abs(float(v)), sum(abs(float(p[k])) for p in sums))
+            for k, v in _scalars(ref).items()}
 
 
 def _check_grads(out, batch: ObjectiveBatch, require_logp_grad: bool) -> None:
@@ -185,10 +172,16 @@ def _check_padding(h: _Harness, batch, coef, ref, pad: int, seed: int, rtol: flo
         raise _fail("padding", "padded (masked) columns get nonzero gradient")
 
 
-def _check_micro_batches(h: _Harness, batch, coef, ref, n_micro: int, rtol: float,
-                         scale: dict) -> None:
+def _micro_outputs(h: _Harness, batch, coef, n_micro: int) -> list:
     B = batch.logp_BxT.shape[0]
-    outs = [h(_rows(batch, i * B // n_micro, (i + 1) * B // n_micro), coef) for i in range(n_micro)]
+    if B % n_micro:
+        raise ValueError(f"micro_batches entry {n_micro} does not divide B={B}")
+    return [h(_rows(batch, i * B // n_micro, (i + 1) * B // n_micro), coef)
+            for i in range(n_micro)]
+
+
+def _check_micro_batches(ref, outs: list, rtol: float, scale: dict) -> None:
+    n_micro = len(outs)
     total = (
         sum(o[0] for o in outs),
         sum(o[1] for o in outs),
@@ -290,12 +283,11 @@ def _check_batch(h: _Harness, batch, coef, mesh, *, micro_batches, pad, rtol, se
     if recompile:
         _check_no_recompile(h, batch, coef)
     tol = float32_rtol(batch) if rtol is None else rtol
-    scale = _magnitudes(h, batch, coef, ref)
+    parts = {n: _micro_outputs(h, batch, coef, n) for n in micro_batches}
+    scale = _magnitudes(parts[max(parts)] if parts else [], ref)  # the finest split
     _check_padding(h, batch, coef, ref, pad, seed, tol, scale)
     for n in micro_batches:
-        if batch.logp_BxT.shape[0] % n:
-            raise ValueError(f"micro_batches entry {n} does not divide B={batch.logp_BxT.shape[0]}")
-        _check_micro_batches(h, batch, coef, ref, n, tol, scale)
+        _check_micro_batches(ref, parts[n], tol, scale)
     if mesh is not None:
         _check_mesh(h, batch, coef, ref, mesh, tol, scale)
     return ref
@@ -353,8 +345,9 @@ def check_objective(
     them: no `ref_logp_BxT` in a run without a KL term, where `Coef.kl` is 0 as well, no
     values without a value model, no sampler log-probs without the importance
     correction, no entropy unless declared). A failure there is `[batch without FIELD]`.
-    Outputs compare to `rtol` times their magnitude (the sum over rows of each row's
-    |output|, so a total whose rows cancel is judged at the size of its terms), gradients
+    Outputs compare to `rtol` times their magnitude (the sum over the finest micro-batch
+    split of each part's |output|, so a total whose parts cancel is judged at the size of
+    its terms), gradients
     to `rtol` times the gradient's global norm. `rtol=None` is `float32_rtol(batch)`:
     (B*T) * float32 eps, the worst-case rounding of a float32 sum of the batch's terms.
 
