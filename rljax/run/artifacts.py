@@ -270,7 +270,8 @@ def _decode(tokenizer, res, eos) -> list[str]:
 def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None,
                     overrides: Sequence[str] = (), num_prompts: int | None = None, k: int = 1,
                     step: int | None = None, batch_size: int = 64) -> dict[str, Any]:
-    """Held-out greedy accuracy and pass@k of the policy of `source` on its task.
+    """Held-out greedy accuracy and pass@k of the policy of `source` on its task, and
+    "verifier": the name of the check that computed them.
 
     The task and verifier come from the run's config (or `experiment`, required for a
     model folder), with `overrides`. Greedy accuracy: one temperature-0 completion per
@@ -311,7 +312,8 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
         ok = _correct(accuracy_fn, _decode(tokenizer, res, eos), rep_meta).reshape(len(prompts), k)
         passed.append(ok.any(axis=1))
         sampled.append(ok.mean(axis=1))
-    return {"n": n, "k": k, "accuracy": float(np.concatenate(greedy).mean()),
+    return {"n": n, "k": k, "verifier": getattr(accuracy_fn, "name", None),
+            "accuracy": float(np.concatenate(greedy).mean()),
             f"pass@{k}": float(np.concatenate(passed).mean()),
             "sample_accuracy": float(np.concatenate(sampled).mean()),
             "temperature": opts["temperature"]}

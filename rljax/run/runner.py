@@ -212,6 +212,8 @@ def _train(cfg, rd, ck, stop, out):
         for line in task.describe():
             print(f"[rljax] {line}", file=out)
     reward_fns, accuracy_fn = builders.build_reward(cfg, task)
+    verifier = getattr(accuracy_fn, "name", None) or "none (the reward mean is the headline)"
+    print(f"[rljax] reward: {_reward_text(cfg)}; accuracy by: {verifier}", file=out)
     teacher = None if cfg.teacher is None else load_teacher(cfg.teacher, tokenizer, mesh,
                                                             dtype=cfg.compute_dtype)
     trainer = RLTrainer(graphdef, tokenizer, reward_fns, algorithm=cfg.algorithm,
@@ -226,6 +228,16 @@ def _train(cfg, rd, ck, stop, out):
     _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
           force=True)  # a no-op after the loop's last step; saves step 0 when rl.steps is 0
     return acc_before, after, getattr(accuracy_fn, "name", None)
+
+
+def _reward_text(cfg) -> str:
+    """The reward as the start-up line names it: what is called, where, under what limit."""
+    r = cfg.reward
+    if r.kind != "custom":
+        return f"reward.kind={r.kind!r}"
+    where = (f"in {r.workers} reward worker processes, {r.timeout_s:g} s a call"
+             if r.workers else "in the training process, no time limit")
+    return f"{r.function} ({r.function_form} form, {where})"
 
 
 def _headline(res: dict) -> float:
