@@ -141,3 +141,100 @@ def test_parse_value_unions():
     assert parse_value(float, "inf") == float("inf")
     with pytest.raises(TypeError):
         apply_overrides(Top(), "optim.lr=1")
+
+
+# --- `none` and `preset` on the real experiment config --------------------------------
+
+def _leaf_keys(obj, prefix=""):
+    """Every settable leaf `section.field` of a config tree (None sections built)."""
+    from rljax.run.overrides import _field_types
+    for name, tp in _field_types(obj).items():
+        value = getattr(obj, name)
+        cls = value if dataclasses.is_dataclass(value) else None
+        if cls is None and value is None:
+            from rljax.train.config_io import dataclass_in
+            sec = dataclass_in(tp)
+            cls = sec() if sec is not None else None
+        if cls is not None:
+            yield from _leaf_keys(cls, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
+
+
+def _experiment():
+    from rljax.models import ModelConfig
+    from rljax.run.experiment import ExperimentConfig
+    return ExperimentConfig(model=ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                              num_layers=1, num_heads=2, num_kv_heads=1))
+
+
+def _get(cfg, key):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def test_none_means_none_on_every_field_that_allows_it():
+    """`X=none` (and `X="none"`) gives None or "none" on every field that takes it, never
+    the preset; fields that do not take it are refused, preset fields naming `preset`."""
+    cfg = _experiment()
+    took = set()
+    for key in _leaf_keys(cfg):
+        for text in ("none", '"none"'):
+            try:
+                out = apply_overrides(cfg, [f"{key}={text}"])
+            except OverrideError as e:
+                if key.startswith("algorithm.") and key.split(".")[1] in cfg.algorithm.PRESET_FIELDS:
+                    assert "preset" in str(e), (key, str(e))
+                continue
+            value = _get(out, key)
+            if key.startswith("algorithm."):
+                value = out.algorithm.resolved(key.split(".")[1])
+            parent, _, field = key.rpartition(".")
+            section = _get(cfg, parent) if parent else cfg
+            if section is None:
+                section = _get(out, parent)
+            # What the section's own constructor makes of None (ModelConfig.head_dim
+            # derives it): none means None, then the config's meaning of None.
+            derived = getattr(dataclasses.replace(section, **{field: None}), field) \
+                if value not in (None, "none") else value
+            assert value in (None, "none", derived) and not (
+                parent == "algorithm" and field in cfg.algorithm.PRESET_FIELDS
+                and value is None), (key, text, value)
+            took.add((key, text))
+    # The fields whose legal values include "none": both spellings reach "none".
+    for key in ("algorithm.kl_in", "algorithm.adv_std", "remat", "model.remat"):
+        assert {(key, "none"), (key, '"none"')} <= took, key
+        assert _get(apply_overrides(cfg, [f"{key}=none"]), key) == "none"
+    # Optional fields: unquoted none is None, quoted "none" is the string where it is one.
+    assert apply_overrides(cfg, ["task.system_prompt=none"]).task.system_prompt is None
+    assert apply_overrides(cfg, ['task.system_prompt="none"']).task.system_prompt == "none"
+
+
+def test_kl_in_none_is_not_the_preset_and_preset_returns_to_it():
+    cfg = _experiment()  # grpo: kl_in "loss" by preset
+    out = apply_overrides(cfg, ["algorithm.kl_coef=0.1", "algorithm.kl_in=none"])
+    assert out.algorithm.resolve().kl_in == "none" and out.algorithm.resolve().kl_coef == 0.1
+    back = apply_overrides(out, ["algorithm.kl_in=preset", "algorithm.kl_coef=preset"])
+    assert back.algorithm.kl_in is None and back.algorithm.resolve().kl_in == "loss"
+    assert back.algorithm.resolve().kl_coef == 0.04
+    for key in cfg.algorithm.PRESET_FIELDS:  # every preset field returns to its preset
+        assert _get(apply_overrides(cfg, [f"algorithm.{key}=preset"]), f"algorithm.{key}") is None
+
+
+@pytest.mark.parametrize("text, pieces", [
+    ("algorithm.kl_in=off", ["'loss', 'reward', 'none'", "algorithm.kl_in=preset"]),
+    ("algorithm.kl_coef=none", ["'none' is not one of its values", "algorithm.kl_coef=preset"]),
+    ("algorithm.group_size=many", ["int, or 'preset'", "'many'"]),
+])
+def test_bad_preset_field_values_name_preset(text, pieces):
+    with pytest.raises(OverrideError) as info:
+        apply_overrides(_experiment(), [text])
+    for piece in pieces:
+        assert piece in str(info.value), str(info.value)
+
+
+def test_quoted_values():
+    assert parse_value(str, '"none"') == "none" and parse_value(Optional[str], "'x y'") == "x y"
+    assert parse_value(Optional[float], '"none"') is None and parse_value(int, "'3'") == 3
+    assert parse_value(Literal["none", "full"], '"none"') == "none"

@@ -41,10 +41,33 @@ def test_jsonl_bad_lines_name_file_and_line(tmp_path):
         D.load_jsonl(p)
     with pytest.raises(ValueError, match="mapping must be a non-empty dict"):
         D.load_jsonl(p, {"prompt": 3})
+    (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match="cannot tell the format"):
         D.load_prompts(tmp_path / "x.csv")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"no prompt file at .*y\.csv \(the folder"):
+        D.load_prompts(tmp_path / "y.csv")  # missing: said so, not "cannot tell the format"
+    with pytest.raises(FileNotFoundError, match="no JSONL file at .*nope.jsonl"):
         D.load_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_empty_files_folders_bom_and_extra_fields(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"empty.jsonl: no records \(the file is empty\)"):
+        D.load_prompts(tmp_path / "empty.jsonl")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    with pytest.raises(ValueError, match=r"no records \(its 2 lines are blank\)"):
+        D.load_jsonl(tmp_path / "blank.jsonl")
+    (tmp_path / "d.jsonl").mkdir()
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        D.load_jsonl(tmp_path / "d.jsonl")
+    p = tmp_path / "bom.jsonl"  # as Windows editors save UTF-8: a byte-order mark first
+    p.write_bytes(b"\xef\xbb\xbf" + (json.dumps(GSM[0]) + "\n").encode())
+    rec, = D.load_jsonl(p, {"prompt": "question", "ref": "final"}, optional=("ref",))
+    # Every source field is kept beside the mapped ones; a missing optional one is absent.
+    assert rec["prompt"] == rec["question"] == GSM[0]["question"] and "ref" not in rec
+    assert rec["meta"] == {"level": 0} and rec["answer"] == GSM[0]["answer"]
+    with pytest.raises(ValueError, match="missing field 'final'"):
+        D.load_jsonl(p, {"prompt": "question", "ref": "final"})
 
 
 def test_parquet(tmp_path):

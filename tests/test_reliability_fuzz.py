@@ -225,7 +225,8 @@ def test_fuzz_parquet_loader(tmp_path_factory, rows, damage, where, mapping):
 
 def test_empty_and_missing_files(tmp_path):
     (tmp_path / "e.jsonl").write_bytes(b"")
-    assert load_prompts(tmp_path / "e.jsonl") == []
+    with pytest.raises(ValueError, match=r"e\.jsonl: no records \(the file is empty\)"):
+        load_prompts(tmp_path / "e.jsonl")
     with pytest.raises(FileNotFoundError):
         load_prompts(tmp_path / "missing.jsonl")
     with pytest.raises(FileNotFoundError):

@@ -1,17 +1,21 @@
 """Local prompt sets: JSONL and Parquet files read through a field mapping.
 
-A mapping `{"prompt": "question", "answer": "solution.final"}` renames source fields
-(dotted names reach into nested objects) to the fields rljax uses. Every record gets
-`source` (`"path:line"` for JSONL, `"path:row"` for Parquet) so errors and metrics can
-point at the file. Bad input names the file and line: a line that is not JSON, a line
-that is not an object, a mapped field that is missing.
+A mapping `{"prompt": "question", "answer": "solution.final"}` adds the fields rljax uses
+under their names, read from the source fields (dotted names reach into nested objects);
+every field of the source record is kept too, so a reward's metadata and a prompt
+template see all of them. Every record gets `source` (`"path:line"` for JSONL,
+`"path:row N"` for Parquet) so errors and metrics can point at the file. Bad input names
+the file and line: a line that is not JSON, a line that is not an object, a mapped field
+that is missing (unless it is `optional`). A missing file, a folder where a file is
+expected and a file with no records are errors that say so; a UTF-8 byte-order mark at
+the start of a JSONL file is skipped (RFC 8259 §8.1 lets a parser ignore it).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 Mapping_ = Mapping[str, str]
 
@@ -35,39 +39,60 @@ def _get(record: Mapping[str, Any], dotted: str) -> Any:
     return cur
 
 
-def map_record(record: Any, mapping: Mapping_ | None, where: str) -> dict[str, Any]:
-    """Apply `mapping` to one source record; `where` ("file:line") goes into errors and
-    into the result's `source` field."""
+def map_record(record: Any, mapping: Mapping_ | None, where: str, *,
+               optional: Sequence[str] = ()) -> dict[str, Any]:
+    """The record's fields plus `mapping`'s targets read from their source fields; `where`
+    ("file:line") goes into errors and into the result's `source` field. A target in
+    `optional` whose source field is missing is left out; any other is an error."""
     if not isinstance(record, Mapping):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if mapping is None:
-        out = dict(record)
-    else:
-        out = {}
-        for target, src in mapping.items():
-            try:
-                out[target] = _get(record, src)
-            except KeyError:
-                raise ValueError(f"{where}: missing field {src!r} (mapped to {target!r}); "
-                                 f"fields present: {sorted(record)}") from None
+    out = dict(record)
+    for target, src in (mapping or {}).items():
+        try:
+            out[target] = _get(record, src)
+        except KeyError:
+            if target in optional:
+                continue
+            raise ValueError(f"{where}: missing field {src!r} (mapped to {target!r}); "
+                             f"fields present: {sorted(record)}") from None
     out["source"] = where
     return out
 
 
+def _existing_file(path: str, kind: str) -> None:
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a folder, not a {kind} file")
+    if not os.path.exists(path):
+        folder = os.path.dirname(path) or "."
+        there = sorted(os.listdir(folder))[:20] if os.path.isdir(folder) else None
+        raise FileNotFoundError(f"no {kind} file at {path}" + (
+            f" (the folder {folder} holds {there})" if there is not None
+            else f" (the folder {folder} does not exist either)"))
+
+
+def _no_records(path: str, lines: int) -> ValueError:
+    what = "the file is empty" if lines == 0 else f"its {lines} lines are blank"
+    return ValueError(f"{path}: no records ({what})")
+
+
 def load_jsonl(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
-               transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-               ) -> list[dict[str, Any]]:
+               transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+               optional: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Records of a JSONL file (blank lines skipped), mapped and optionally transformed.
 
     Raises ValueError naming `path:line` for a line that is not UTF-8 or not valid JSON,
-    is not an object, or lacks a mapped field; FileNotFoundError if the file is missing.
+    is not an object, or lacks a mapped field not in `optional`, and for a file with no
+    records; FileNotFoundError if the file is missing.
     """
     mapping = _validate_mapping(mapping)
     path = os.fspath(path)
-    out = []
+    _existing_file(path, "JSONL")
+    out, lineno = [], 0
     with open(path, "rb") as fh:
         for lineno, raw_line in enumerate(fh, start=1):
             where = f"{path}:{lineno}"
+            if lineno == 1 and raw_line.startswith(b"\xef\xbb\xbf"):  # UTF-8 BOM
+                raw_line = raw_line[3:]
             try:
                 line = raw_line.decode("utf-8")
             except UnicodeDecodeError as e:  # name the line, not only the byte offset
@@ -79,8 +104,10 @@ def load_jsonl(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") \
                     from None
-            rec = map_record(raw, mapping, where)
+            rec = map_record(raw, mapping, where, optional=optional)
             out.append(transform(rec) if transform else rec)
+    if not out:
+        raise _no_records(path, lineno)
     return out
 
 
@@ -89,8 +116,8 @@ def _unreadable_parquet(path: str, e: Exception) -> ValueError:
 
 
 def load_parquet(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
-                 transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-                 ) -> list[dict[str, Any]]:
+                 transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                 optional: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Records of a Parquet file (needs `pyarrow`), mapped like `load_jsonl`; a missing
     mapped column raises ValueError naming the file, the column and the columns present,
     and so does a file pyarrow cannot read (truncated, not Parquet, strings that are not
@@ -101,14 +128,13 @@ def load_parquet(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
         raise ImportError("load_parquet needs pyarrow: pip install pyarrow") from e
     mapping = _validate_mapping(mapping)
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no Parquet file at {path}")
+    _existing_file(path, "Parquet")
     try:
         table = pq.read_table(path)
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid / ArrowIOError: name the file
         raise _unreadable_parquet(path, e) from None
     if mapping is not None:
-        top = {src.split(".")[0] for src in mapping.values()}
+        top = {src.split(".")[0] for t, src in mapping.items() if t not in optional}
         missing = sorted(top - set(table.column_names))
         if missing:
             raise ValueError(f"{path}: missing column(s) {missing} named in mapping; "
@@ -119,8 +145,10 @@ def load_parquet(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
         raise _unreadable_parquet(path, e) from None
     out = []
     for row, raw in enumerate(rows):
-        rec = map_record(raw, mapping, f"{path}:row {row}")
+        rec = map_record(raw, mapping, f"{path}:row {row}", optional=optional)
         out.append(transform(rec) if transform else rec)
+    if not out:
+        raise ValueError(f"{path}: no records (the table has no rows)")
     return out
 
 
@@ -128,12 +156,17 @@ def load_prompts(path: str | os.PathLike, mapping: Mapping_ | None = None, **kw
                  ) -> list[dict[str, Any]]:
     """`load_jsonl` for .jsonl/.json lines files, `load_parquet` for .parquet."""
     p = os.fspath(path)
-    if p.endswith((".jsonl", ".json", ".jsonl.txt")):
+    if p.endswith(PROMPT_SUFFIXES[:3]):
         return load_jsonl(p, mapping, **kw)
     if p.endswith(".parquet"):
         return load_parquet(p, mapping, **kw)
+    _existing_file(p, "prompt")  # a missing path says so before its suffix is judged
     raise ValueError(f"load_prompts: cannot tell the format of {p!r}; "
-                     "allowed suffixes: .jsonl, .json, .parquet")
+                     f"allowed suffixes: {', '.join(PROMPT_SUFFIXES)}")
+
+
+#: The file suffixes `load_prompts` reads (JSON lines, then Parquet).
+PROMPT_SUFFIXES = (".jsonl", ".json", ".jsonl.txt", ".parquet")
 
 
 def gsm8k_transform(record: dict[str, Any], field: str = "answer") -> dict[str, Any]:

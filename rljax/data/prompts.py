@@ -93,11 +93,13 @@ class LengthReport:
 
 
 def filter_by_length(records: Sequence[Mapping[str, Any]], policy: LengthPolicy, *,
-                     length_fn: Callable[[Mapping[str, Any]], int] | None = None
+                     length_fn: Callable[[Mapping[str, Any]], int] | None = None,
+                     name: str = "filter_by_length"
                      ) -> tuple[list[dict[str, Any]], LengthReport]:
     """Apply `policy` to each record's length: `length_fn(record)` if given, else
     `len(record[policy.token_field])`. Returns the kept records and a report (also
-    logged as a warning when anything was over the limit)."""
+    logged as one warning, starting with `name`, e.g. the split's, when anything was
+    over the limit)."""
     kept, dropped, truncated, longest = [], [], [], 0
     for i, r in enumerate(records):
         n = _length(r, i, policy, length_fn)
@@ -119,7 +121,7 @@ def filter_by_length(records: Sequence[Mapping[str, Any]], policy: LengthPolicy,
     rep = LengthReport(len(records), len(kept), len(dropped) + len(truncated), tuple(dropped),
                        tuple(truncated), longest, policy.max_tokens)
     if rep.over_limit:
-        log.warning("filter_by_length: %s", rep)
+        log.warning("%s: %s", name, rep)
     return kept, rep
 
 

@@ -220,12 +220,26 @@ def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
 _WRITE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
+#: The token ids `special_token_ids` reads from a tokenizer.
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """`{"bos_token_id", "eos_token_id", "pad_token_id"}` of `tokenizer` (those it has),
+    for `write_pretrained(special_ids=...)`."""
+    ids = {k: getattr(tokenizer, k, None) for k in SPECIAL_IDS}
+    return {k: int(v) for k, v in ids.items() if isinstance(v, (int, np.integer))}
+
+
 def save_pretrained(model: Decoder, path: str | os.PathLike, *,
-                    max_shard_bytes: int | None = None, dtype: str = "float32") -> None:
+                    max_shard_bytes: int | None = None, dtype: str = "float32",
+                    special_ids: dict[str, int] | None = None) -> None:
     """Write `model` as an HF checkpoint (config.json + safetensors) to `path`.
 
     max_shard_bytes: split the weights over several files with model.safetensors.index.json.
     dtype: "float32" (default) or "bfloat16" for the written weights.
+    special_ids: token ids (`special_token_ids(tokenizer)`) for config.json and
+      generation_config.json, so transformers' `generate` stops at EOS and pads.
     Atomic: everything is written to a temporary folder first (see `atomic_dir`).
     """
     if not isinstance(model, Decoder):
@@ -237,18 +251,21 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *,
         value = flat[path].get_value()
         return jax.device_get(value if i is None else value[i])
 
-    write_pretrained(model.config, get, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    write_pretrained(model.config, get, path, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                     special_ids=special_ids)
 
 
 def write_pretrained(config: ModelConfig, get_tensor, path: str | os.PathLike | None, *,
-                     max_shard_bytes: int | None = None, dtype: str = "float32") -> None:
+                     max_shard_bytes: int | None = None, dtype: str = "float32",
+                     special_ids: dict[str, int] | None = None) -> None:
     """Write an HF checkpoint of `config` whose tensors come one at a time, in
     `weight_map` order, from `get_tensor(state_path)` (an array in rljax's layout); only
     one converted tensor is alive at a time.
 
     path=None writes nothing but calls `get_tensor` in the same order: what the other
     processes of a multi-process export do, taking part in each tensor's gather while
-    process 0 writes. Sharding into files and atomicity as in `save_pretrained`.
+    process 0 writes. Sharding into files, `special_ids` and atomicity as in
+    `save_pretrained`.
     """
     if dtype not in _WRITE_DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed: {sorted(_WRITE_DTYPES)}")
@@ -261,10 +278,14 @@ def write_pretrained(config: ModelConfig, get_tensor, path: str | os.PathLike | 
         for _, _, _, produce in specs:
             produce()
         return
-    hf_config = {**config_to_hf(config), "dtype": dtype}
+    ids = _checked_special_ids(special_ids, config.vocab_size)
+    hf_config = {**config_to_hf(config), "dtype": dtype, **ids}
     with atomic_dir(path) as tmp:
         with open(tmp / "config.json", "w") as fh:
             json.dump(hf_config, fh, indent=2)
+        if ids:  # transformers' generate reads its stop and pad ids from this file
+            with open(tmp / "generation_config.json", "w") as fh:
+                json.dump(ids, fh, indent=2)
         if len(groups) == 1:
             write_safetensors(tmp / "model.safetensors", groups[0])
             return
@@ -276,6 +297,15 @@ def write_pretrained(config: ModelConfig, get_tensor, path: str | os.PathLike | 
         total = sum(_nbytes(spec) for spec in specs)
         with open(tmp / "model.safetensors.index.json", "w") as fh:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_names}, fh, indent=2)
+
+
+def _checked_special_ids(ids: dict[str, int] | None, vocab_size: int) -> dict[str, int]:
+    ids = dict(ids or {})
+    for k, v in ids.items():
+        if k not in SPECIAL_IDS or not isinstance(v, int) or not 0 <= v < vocab_size:
+            raise ValueError(f"special_ids[{k!r}]={v!r}: keys are {SPECIAL_IDS}, values "
+                             f"token ids in [0, vocab_size={vocab_size})")
+    return ids
 
 
 def _finite_in(x: np.ndarray, name: str, dtype: str) -> np.ndarray:

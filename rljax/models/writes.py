@@ -23,6 +23,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[pathlib.Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
+        # mkdtemp makes the folder 0700; the finished folder gets a new folder's mode.
+        os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
         if not path.exists():
             os.rename(tmp, path)
@@ -37,3 +39,10 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[pathlib.Path]:
             os.replace(f, path / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -30,6 +30,8 @@ _OPTIONAL = (
     "cov_select_BxT",
     "teacher_logp_BxT",
 )
+#: The fields that may be None (the trainer fills each only when the run uses it).
+OPTIONAL_FIELDS = _OPTIONAL
 #: Fields an objective may differentiate (the others are data from the rollout).
 DIFFERENTIABLE_FIELDS = ("logp_BxT", "values_BxT", "entropy_BxT")
 

@@ -2,7 +2,9 @@
 
 Math answers (`extract_answer`, `math_equal`), the R1-Zero format reward, IFEval-style
 constraints, composition (weighted sums, Tülu 3's 10/0), and `score_batch`, the batch
-interface the trainer calls (in process, or in a worker pool with per-call time limits).
+interface the trainer calls (in process, or in a worker pool with per-call time limits),
+a user's function by import path (`load_function`, `ImportedFunction`) and a batch
+reward run in the pool (`PooledBatchReward`).
 Host-side plain Python + numpy; imports nothing from rljax above `rljax.objectives`.
 """
 
@@ -19,6 +21,8 @@ from rljax.rewards.constraints import (CONSTRAINT_TYPES, AllLowercase, AllOf, An
 from rljax.rewards.extract import MODES as EXTRACT_MODES
 from rljax.rewards.extract import extract_answer
 from rljax.rewards.format import TagFormat, follows_format, format_reward, tagged_answer
+from rljax.rewards.imported import ImportedFunction, load_function
+from rljax.rewards.pooled import PooledBatchReward, RemoteRewardError
 from rljax.rewards import limits
 
 __all__ = [
@@ -30,4 +34,5 @@ __all__ = [
     "ItemReward", "RewardFn", "MathAccuracy", "FormatReward", "ConstraintReward",
     "WeightedSum", "Verified", "BatchReward", "accuracy_plus_format", "Batched", "batched", "reward_name",
     "score_batch", "BatchScores", "RewardError", "RewardPool", "RewardTimeout",
+    "ImportedFunction", "load_function", "PooledBatchReward", "RemoteRewardError",
 ]

@@ -39,8 +39,9 @@ def main() -> None:
         wr.send(("started",))  # the time limit runs from here, not from interpreter start
         try:
             wr.send(("ok", fn(completion, meta)))
-        except Exception as e:
-            wr.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc(limit=5)))
+        except Exception as e:  # the reward's own frames (this loop's frame left out)
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+            wr.send(("error", f"{type(e).__name__}: {e}", tb))
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@ Runs item rewards `(completion, meta) -> float` over a batch and returns float32
 - In process (`workers=0`, no pool): cheap checks, no start-up cost, no time limit.
 - In a `RewardPool` of worker processes: each (completion, function) call runs under a
   per-call time limit; a call that overruns is abandoned (its worker is killed and
-  replaced), reported as a `RewardTimeout` naming the batch and prompt index, and given
-  `timeout_reward` -- the run does not stall.
+  replaced), reported as a `RewardTimeout` naming the batch and prompt index (and the
+  prompt's file and line, from its metadata's `source`), and given `timeout_reward` --
+  the run does not stall.
 Either way, a reward function that raises, or returns something that is not a finite
-number, raises `RewardError` naming the function and the batch/prompt index.
+number, raises `RewardError` naming the function, the prompt's `source` (file:line) when
+its metadata has one, the batch/prompt index, and the function's own traceback.
 
 Functions marked with `is_batch_reward = True` (e.g. a learned reward model scoring the
 whole batch on device) are called once with the full lists, in process.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import traceback
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -38,12 +41,14 @@ class RewardError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RewardTimeout:
-    """One abandoned call: batch `index`, `prompt_index` (index // group_size), `fn` name."""
+    """One abandoned call: batch `index`, `prompt_index` (index // group_size), `fn` name,
+    `source`: the prompt's "file:line" (its metadata's `source`), if it has one."""
 
     index: int
     prompt_index: int
     fn: str
     seconds: float
+    source: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,29 +61,42 @@ class BatchScores:
     timeouts: tuple[RewardTimeout, ...] = ()
 
 
-def _where(i: int, group_size: int) -> str:
-    return f"batch index {i} (prompt index {i // group_size})"
+def source_of(meta: Any) -> str | None:
+    """The prompt's "file:line" from its metadata (`source`), or None."""
+    src = meta.get("source") if isinstance(meta, Mapping) else None
+    return src if isinstance(src, str) and src else None
 
 
-def _finite(value: Any, i: int, name: str, group_size: int) -> float:
+def _where(i: int, group_size: int, meta: Any = None) -> str:
+    at = f"batch index {i} (prompt index {i // group_size})"
+    src = source_of(meta)
+    return f"the prompt at {src}, {at}" if src else at
+
+
+def _finite(value: Any, i: int, name: str, group_size: int, meta: Any = None) -> float:
     try:
         v = float(value)
     except (TypeError, ValueError) as e:
         raise RewardError(f"reward function {name!r} returned {value!r} (not a number) at "
-                          f"{_where(i, group_size)}", index=i, fn=name) from e
+                          f"{_where(i, group_size, meta)}", index=i, fn=name) from e
     if not math.isfinite(v):
         raise RewardError(f"reward function {name!r} returned non-finite {v} at "
-                          f"{_where(i, group_size)}", index=i, fn=name)
+                          f"{_where(i, group_size, meta)}", index=i, fn=name)
     return v
+
+
+def _traceback(e: BaseException) -> str:
+    """`e`'s traceback from the reward function's frame down (not this module's)."""
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
 
 
 def _call(fn, c, m, i, name, group_size) -> float:
     try:
         value = fn(c, m)
-    except Exception as e:  # reported with the index and function, then re-raised
+    except Exception as e:  # reported with the prompt, the function and its traceback
         raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} at "
-                          f"{_where(i, group_size)}", index=i, fn=name) from e
-    return _finite(value, i, name, group_size)
+                          f"{_where(i, group_size, m)}\n{_traceback(e)}", index=i, fn=name) from e
+    return _finite(value, i, name, group_size, m)
 
 
 def _names(fns: Sequence[Any]) -> list[str]:
@@ -168,7 +186,7 @@ def _batch_call(f, n, completions, metadata, group_size) -> np.ndarray:
     if bad.size:
         i = int(bad[0])
         raise RewardError(f"batch reward function {n!r} returned non-finite {out[i]} at "
-                          f"{_where(i, group_size)}", index=i, fn=n)
+                          f"{_where(i, group_size, metadata[i])}", index=i, fn=n)
     return out
 
 
@@ -181,18 +199,20 @@ def _pooled(pool, item, completions, metadata, comps, group_size, timeout_s,
             where.append((i, n))
     timeouts = []
     for (i, n), res in zip(where, pool.run(tasks, timeout_s)):
+        m = metadata[i]
         if res[0] == "ok":
-            comps[n][i] = _finite(res[1], i, n, group_size)
+            comps[n][i] = _finite(res[1], i, n, group_size, m)
         elif res[0] == "error":
             raise RewardError(f"reward function {n!r} raised {res[1]} at "
-                              f"{_where(i, group_size)}\n{res[2]}", index=i, fn=n)
+                              f"{_where(i, group_size, m)}\n{res[2]}", index=i, fn=n)
         else:
             if timeout_reward is None:
                 raise RewardError(f"reward function {n!r} exceeded {timeout_s}s at "
-                                  f"{_where(i, group_size)}", index=i, fn=n)
-            log.warning("reward function %r abandoned after %.1fs at %s", n, res[1],
-                        _where(i, group_size))
-            timeouts.append(RewardTimeout(i, i // group_size, n, float(res[1])))
+                                  f"{_where(i, group_size, m)}", index=i, fn=n)
+            log.warning("reward function %r abandoned after %.1f s (time limit %g s) at %s; "
+                        "it scores %g", n, res[1], timeout_s, _where(i, group_size, m),
+                        timeout_reward)
+            timeouts.append(RewardTimeout(i, i // group_size, n, float(res[1]), source_of(m)))
             comps[n][i] = timeout_reward
     return timeouts
 

@@ -14,7 +14,11 @@ Everything the command line does is one Python call here:
 - `Preempted`: what `run_experiment` raises after a SIGTERM, once the step every process
   stopped at is saved (`rljax.run.preemption`);
 - the procedural tasks' verifiers, composed from `rljax.data` and `rljax.rewards`
-  (`rljax.run.tasks`): `check_arithmetic`, `ArithmeticReward`, `CountdownReward`.
+  (`rljax.run.tasks`): `check_arithmetic`, `ArithmeticReward`, `CountdownReward`;
+- your data and your reward (guide: docs/your-task.md): `rljax.run.task_files` (which file
+  each split reads, every record field kept, the length filter's counts per split) and
+  `rljax.run.user_reward` (`reward.function` in the reward worker pool under
+  `reward.timeout_s`; `Verifier`, the named check behind the reported accuracy).
 """
 
 import importlib

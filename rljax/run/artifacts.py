@@ -34,7 +34,8 @@ from jax.sharding import SingleDeviceSharding
 
 from rljax.models import Decoder
 from rljax.models.hf_config import config_from_hf
-from rljax.models.hf_io import from_pretrained, state_location, weight_map, write_pretrained
+from rljax.models.hf_io import (from_pretrained, special_token_ids, state_location, weight_map,
+                                write_pretrained)
 from rljax.models.tokenizer import (build_char_tokenizer, encode_prompts, load_tokenizer,
                                     stop_token_ids)
 from rljax.run.builders import build_reward, build_task, model_prompt
@@ -200,6 +201,10 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
               max_shard_bytes: int | None = None, run_seed: int | None = None) -> epath.Path:
     """Write the policy of `source` as a Hugging Face folder (weights, config, tokenizer).
 
+    The folder is what transformers' `generate` needs: config.json and
+    generation_config.json carry the tokenizer's bos / eos / pad ids, the tokenizer keeps
+    its chat template, and the folder's mode follows the umask.
+
     `source` is a run directory (local or an `etils.epath` URL such as gs://bucket/run) or
     a local HF folder. `out_dir` is a local folder or a URL (written locally first, then
     copied). Bucket paths go through `etils.epath` and were not tried against a real bucket. `dtype` "float32" or
@@ -224,7 +229,8 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
 
     def write(folder: pathlib.Path) -> None:
         write_pretrained(config, get, folder if primary else None, dtype=dtype,
-                         max_shard_bytes=max_shard_bytes)
+                         max_shard_bytes=max_shard_bytes,
+                         special_ids=special_token_ids(tokenizer))
         if primary:
             tokenizer.save_pretrained(str(folder))
 
@@ -302,7 +308,8 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
                     overrides: Sequence[str] = (), num_prompts: int | None = None, k: int = 1,
                     step: int | None = None, batch_size: int = 64,
                     run_seed: int | None = None) -> dict[str, Any]:
-    """Held-out greedy accuracy and pass@k of the policy of `source` on its task.
+    """Held-out greedy accuracy and pass@k of the policy of `source` on its task, and
+    "verifier": the name of the check that computed them.
 
     The task and verifier come from the run's config (or `experiment`, required for a
     model folder), with `overrides`. Greedy accuracy: one temperature-0 completion per
@@ -320,7 +327,12 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(task.eval_prompts):
         raise ValueError(f"num_prompts must be in 1..{len(task.eval_prompts)} "
                          f"(rl.eval_prompts), got {num_prompts!r}")
-    _, accuracy_fn = build_reward(cfg)
+    _, accuracy_fn = build_reward(cfg, task)
+    if accuracy_fn is None:
+        raise ValueError(f"{source}: its reward ({cfg.reward.function}) has no verifier (the "
+                         "prompts have no reference answer), so there is no accuracy to "
+                         "measure; the run's held-out reward means are in eval_before.json "
+                         "and eval_after.json")
     stops = stop_token_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     opts = _sampling_defaults(cfg, None, None)
@@ -340,7 +352,8 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
         ok = ok.reshape(len(prompts), k)
         passed.append(ok.any(axis=1))
         sampled.append(ok.mean(axis=1))
-    return {"n": n, "k": k, "seed": cfg.run.seed, "accuracy": float(np.concatenate(greedy).mean()),
+    return {"n": n, "k": k, "seed": cfg.run.seed, "verifier": getattr(accuracy_fn, "name", None),
+            "accuracy": float(np.concatenate(greedy).mean()),
             f"pass@{k}": float(np.concatenate(passed).mean()),
             "sample_accuracy": float(np.concatenate(sampled).mean()),
             "temperature": opts["temperature"]}

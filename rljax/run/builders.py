@@ -18,12 +18,8 @@ the held-out slice: the warm-up's stop never looks at the prompts that measure i
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
-import importlib
-import logging
-import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,23 +28,23 @@ import numpy as np
 from flax import nnx
 
 from rljax import rewards as rw
-from rljax.data import (ArithmeticTask, CountdownTask, LengthPolicy, ShuffledIterator,
-                        TfdsPromptSource, build_chat_prompt, filter_by_length, gsm8k_transform,
-                        load_prompts)
+from rljax.data import ArithmeticTask, CountdownTask, ShuffledIterator, build_chat_prompt
 from rljax.models import Decoder
 from rljax.models.hf_io import from_pretrained
 from rljax.models.tokenizer import (add_stop_ids, build_char_tokenizer, check_vocab,
                                     generation_eos_ids, load_tokenizer)
 from rljax.rewards.device import is_device_reward
+from rljax.rewards.imported import load_function
 from rljax.run.experiment import ExperimentConfig
+from rljax.run.task_files import check_data_files, filtered_split, require_answers
 from rljax.run.tasks import ArithmeticDeviceReward, ArithmeticReward, CountdownReward
+from rljax.run.user_reward import Verifier, check_reward, custom_reward, shared_reward_pool
 from rljax.sharding import make_mesh, mesh_context
 from rljax.train.reward_model import RewardModelScorer
 
-log = logging.getLogger(__name__)
-
 __all__ = ["ComponentReward", "TaskData", "build_mesh", "build_model", "build_reward",
-           "build_task", "build_tokenizer", "model_prompt"]
+           "build_task", "build_tokenizer", "check_inputs", "model_prompt",
+           "shared_reward_pool"]
 
 _SFT_STREAM, _RL_STREAM = 0, 1  # SFT and RL draw different problems
 _EVAL_STREAM = 1_000_003  # seeds the held-out stream apart from the training streams
@@ -113,6 +109,11 @@ class TaskData:
     val_prompts, val_metadata: the warm-up's validation prompts (empty unless
       `sft.stop_accuracy` is set), disjoint from the held-out ones.
     train_size: the training split's prompts (None: a procedural task, unlimited).
+    splits: file tasks: per split name, where its records came from and what the length
+      filter did (`records`, `kept`, `dropped`, `longest`, `limit`, `file`); a run
+      records it in `data.json` and prints it at start-up.
+    has_answers: every record has a reference `answer` (procedural tasks always do); a
+      custom reward's run has a verifier only then.
     """
 
     train: Callable[[int, int], tuple[list[str], list[dict]]]
@@ -122,6 +123,14 @@ class TaskData:
     val_prompts: list[str] = dataclasses.field(default_factory=list)
     val_metadata: list[dict] = dataclasses.field(default_factory=list)
     train_size: int | None = None
+    splits: dict[str, dict] = dataclasses.field(default_factory=dict)
+    has_answers: bool = True
+
+    def describe(self) -> list[str]:
+        """One line per split: records read, dropped by the length filter, kept."""
+        return [f"data: split {name!r} ({d['file']}): {d['records']} records, {d['dropped']} "
+                f"dropped as longer than task.max_prompt_tokens={d['limit']} (longest "
+                f"{d['longest']} tokens), {d['kept']} kept" for name, d in self.splits.items()]
 
 
 def _fill(template: str, record: dict, field: str) -> str:
@@ -175,45 +184,6 @@ def _procedural(cfg: ExperimentConfig) -> Callable[..., list[dict]]:
                                                  for i in range(n)]
 
 
-class _Mapped:
-    """A random-access sequence seen through `fn` (records transformed when read)."""
-
-    def __init__(self, seq, fn):
-        self.seq, self.fn = seq, fn
-
-    def __len__(self) -> int:
-        return len(self.seq)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.fn(self.seq[i])
-
-
-def _records(cfg: ExperimentConfig, split: str) -> Sequence[dict]:
-    t = cfg.task
-    mapping = {"prompt": t.prompt_field, "answer": t.answer_field}
-    if t.name == "tfds":
-        src = TfdsPromptSource(split=split, name=t.dataset, data_dir=t.path, mapping=mapping)
-        # GSM8K keeps "#### answer" at the end of its solution field, on TFDS too.
-        return _Mapped(src, gsm8k_transform) if t.dataset == "gsm8k" else src
-    path = pathlib.Path(t.path)
-    if path.is_dir():
-        suffix = ".parquet" if t.name == "parquet" else ".jsonl"
-        path = path / f"{split}{suffix}"
-    transform = gsm8k_transform if t.name == "gsm8k" else None
-    return load_prompts(path, mapping, transform=transform)
-
-
-def _filter_length(cfg: ExperimentConfig, tokenizer, records: Sequence[dict], where: str):
-    kept, report = filter_by_length(
-        [dict(r) for r in records], LengthPolicy(cfg.task.max_prompt_tokens, action="drop"),
-        length_fn=lambda r: len(tokenizer.encode(_prompt_text(cfg, tokenizer, r),
-                                                 add_special_tokens=False)))
-    if not kept:
-        raise ValueError(f"{where}: every prompt is longer than task.max_prompt_tokens="
-                         f"{cfg.task.max_prompt_tokens} ({report})")
-    return kept, report
-
-
 def _epoch_order(records: Sequence[dict], permutation: Callable[[int], np.ndarray]):
     """`(start, n) -> records` visiting `records` in `permutation(epoch)` order per epoch."""
     n_rec = len(records)
@@ -234,8 +204,12 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         sft_records = lambda start, n: draw(_SFT_STREAM, start, n, held)
         val_records = draw(_VAL_STREAM, 0, n_val, held)
     else:
-        train, _ = _filter_length(cfg, tokenizer, _records(cfg, t.split), f"split {t.split!r}")
-        held, _ = _filter_length(cfg, tokenizer, _records(cfg, t.eval_split), f"split {t.eval_split!r}")
+        done: dict = {}
+        length = lambda r: len(tokenizer.encode(_prompt_text(cfg, tokenizer, r),  # noqa: E731
+                                                add_special_tokens=False))
+        train = filtered_split(cfg, length, "split", done)
+        held = filtered_split(cfg, length, "eval_split", done)
+        require_answers(cfg, train + held)
         eval_records = held[: cfg.rl.eval_prompts]
         val_records = held[len(eval_records): len(eval_records) + n_val]
         if len(val_records) < n_val:
@@ -261,23 +235,29 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         recs = sft_records(start, n)
         return texts(recs), [_fill(t.sft_template, r, "task.sft_template") for r in recs]
 
+    splits = done.get("_splits", {}) if t.name not in ("arithmetic", "countdown") else {}
+    answers = t.name in ("arithmetic", "countdown") or all(
+        "answer" in r for r in (*train, *held))
     return TaskData(rl_source, texts(eval_records), list(eval_records), sft_source,
                     texts(val_records), list(val_records),
-                    train_size=None if t.name in ("arithmetic", "countdown") else len(train))
+                    train_size=None if t.name in ("arithmetic", "countdown") else len(train),
+                    splits=splits, has_answers=answers)
 
 
-def _import(path: str, field: str) -> Callable:
-    mod, _, name = path.partition(":")
-    fn = getattr(importlib.import_module(mod), name, None)
-    if not callable(fn):
-        raise ValueError(f"{field}={path!r}: module {mod!r} has no callable {name!r}")
-    return fn
+def check_inputs(cfg: ExperimentConfig) -> None:
+    """What can be checked before a run writes anything: the custom reward imports, and a
+    file task's split files exist (errors name the setting)."""
+    check_reward(cfg)
+    check_data_files(cfg)
 
 
-def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
+def build_reward(cfg: ExperimentConfig, task: TaskData | None = None
+                 ) -> tuple[Any, Verifier | None]:
     """`(reward_fns, accuracy_fn)` for `RLTrainer`: item rewards (a list) or a batch
-    reward function, and the verifier `(completion, meta) -> bool` for the accuracy metric
-    (a frozen dataclass: it pickles, so it runs in the reward pool under the time limit)."""
+    reward function, and the verifier (a `Verifier`, `(completion, meta) -> bool`, whose
+    `name` labels the accuracy; it pickles, so it runs in the reward pool under the time
+    limit) or None: a custom reward has a verifier only when every record of `task` has a
+    reference answer."""
     r, t = cfg.reward, cfg.task
     prefix = t.assistant_prefix.strip()
     fmt = rw.TagFormat(think_open=f"<{r.think_tag}>", think_close=f"</{r.think_tag}>",
@@ -286,15 +266,22 @@ def build_reward(cfg: ExperimentConfig) -> tuple[Any, Callable | None]:
     tagged = r.kind in ("format", "accuracy+format")
     if t.name == "arithmetic":
         acc = ArithmeticReward(style=t.style)
+        label = f"rljax.run.tasks.check_arithmetic(style={t.style!r})"
     elif t.name == "countdown":
         acc = CountdownReward(fmt=fmt, correct=1.0, format_score=0.0)
+        label = "rljax.data.check_countdown"
     else:
         acc = rw.MathAccuracy(mode=r.answer_mode, answer_tags=fmt if tagged else None)
-    accuracy_fn = rw.Verified(acc, correct=1.0, incorrect=0.0, name="accuracy")
+        label = (f"rljax.rewards.MathAccuracy(mode={r.answer_mode!r}) against "
+                 f"task.answer_field={t.answer_field!r}")
+    accuracy_fn = Verifier(rw.Verified(acc, correct=1.0, incorrect=0.0, name="accuracy"),
+                           label)
+    if task is not None and not task.has_answers:
+        accuracy_fn = None  # nothing to verify against: the reward is the headline
     if r.kind == "reward_model":
         return RewardModelScorer.from_pretrained(r.model_path), accuracy_fn
     if r.kind == "custom":
-        return _import(r.function, "reward.function"), accuracy_fn
+        return custom_reward(cfg, ComponentReward), accuracy_fn
     terms = []
     if r.kind in ("accuracy", "accuracy+format"):
         terms.append((r.accuracy_weight * r.correct_reward, dataclasses.replace(acc, name="accuracy")))
@@ -311,7 +298,7 @@ def build_device_reward(cfg: ExperimentConfig, tokenizer):
     `DeviceReward` instance. Other tasks and reward kinds: ValueError."""
     r, t = cfg.reward, cfg.task
     if r.kind == "custom":
-        fn = _import(r.function, "reward.function")
+        fn = load_function(r.function, "reward.function")
         if not is_device_reward(fn):
             raise ValueError(f"reward.function={r.function!r} is a host reward "
                              f"({type(fn).__name__}); run.seeds > 1 needs a "
@@ -329,18 +316,6 @@ def build_device_reward(cfg: ExperimentConfig, tokenizer):
                                   scale=r.accuracy_weight * r.correct_reward)
 
 
-_POOLS: dict[int, rw.RewardPool] = {}  # workers -> the process's reward pool
-
-
-def shared_reward_pool(workers: int) -> rw.RewardPool:
-    """One `rljax.rewards.RewardPool` per size for the whole process, started on first use
-    and closed at exit: runs in one process (tests, sweeps) share its warm workers."""
-    if workers not in _POOLS:
-        _POOLS[workers] = rw.RewardPool(workers)
-        atexit.register(_POOLS[workers].close)
-    return _POOLS[workers]
-
-
 class ComponentReward:
     """Batch reward `sum_j w_j f_j` over item rewards that keeps each term's batch mean.
 
@@ -349,8 +324,8 @@ class ComponentReward:
     the whole step (`rljax.train.rollout.Rollouts.term_means`): the accuracy and format
     terms separately (R1-Zero's two rewards). With `workers > 0` the
     item calls run in the process's shared `RewardPool` (`shared_reward_pool`) and each is
-    cut at `timeout_s`: a call past it scores 0 and is logged with its row and the prompt
-    id from its metadata, and the run goes on.
+    cut at `timeout_s`: a call past it scores 0 and is logged (by `score_batch`) with its
+    row and its prompt's file and line (the metadata's `source`), and the run goes on.
     """
 
     is_batch_reward = True
@@ -366,9 +341,6 @@ class ComponentReward:
         out = rw.score_batch([f for _, f in self.terms], completions, metadata,
                              weights=[w for w, _ in self.terms], pool=pool,
                              timeout_s=self.timeout_s if pool is not None else None)
-        for t in out.timeouts:
-            log.warning("reward %r timed out after %.1f s on row %d (prompt %s); scored 0",
-                        t.fn, t.seconds, t.index, metadata[t.index].get("index", "?"))
         self.last = {f"reward/{k}": float(np.mean(v)) for k, v in out.components.items()}
         self.last_components = out.components
         return out.rewards

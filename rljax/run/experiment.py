@@ -58,8 +58,14 @@ class TaskConfig:
         `dataset` in `path` as TFDS data_dir, read without TensorFlow).
       path: local file, folder or TFDS data directory (None for procedural tasks).
       dataset: TFDS dataset name (e.g. "gsm8k") when name="tfds".
-      split, eval_split: training and held-out splits.
-      prompt_field, answer_field: field mapping for file/TFDS records.
+      split, eval_split: training and held-out splits: with a folder `path`, the files
+        `<split>.jsonl` / `.parquet` in it; either may also be a file path. With a
+        single-file `path` there is no held-out split to find: `eval_split` must be a
+        file of held-out prompts, or equal `split` to evaluate on the training prompts.
+      prompt_field, answer_field: the record fields read as the prompt and the reference
+        answer (file/TFDS records; every other field is kept too, for the reward's
+        metadata and `prompt_template`). The answer is optional unless the reward checks
+        it (`reward.kind` "accuracy" or "accuracy+format").
       difficulty: procedural difficulty: arithmetic operand digits; Countdown numbers given.
       max_number: Countdown's largest given number.
       ops: arithmetic operators drawn ("+", "-", "*", "/").
@@ -118,6 +124,7 @@ class TaskConfig:
 
 
 REWARD_KINDS = ("accuracy", "format", "accuracy+format", "reward_model", "custom")
+FUNCTION_FORMS = ("batch", "item")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +136,8 @@ class RewardConfig:
         or a procedural task's own checker such as Countdown's), "format" (R1-Zero tags),
         "accuracy+format"
         (weighted sum), "reward_model" (`rljax.train.reward_model`, from `model_path`) or
-        "custom" (`function`, an import path "pkg.mod:fn" with the reward-function contract
-        `(completions, metadata) -> rewards`).
+        "custom" (`function`, an import path "pkg.mod:fn"; setting `function` implies
+        "custom", and refuses the other kinds).
       accuracy_weight, format_weight: weights of the two terms.
       correct_reward: reward of a verified answer (Tülu 3's RLVR uses 10; default 1).
       answer_mode: `rljax.rewards.extract_answer` mode ("auto" = last boxed, else GSM8K's
@@ -138,9 +145,15 @@ class RewardConfig:
       think_tag, answer_tag: R1-Zero format tag names (`<think>...</think>` etc.).
       think_in_prompt: the prompt already opens the think tag (TinyZero's template).
       model_path: saved reward model directory (kind="reward_model").
-      function: import path of a custom reward function (kind="custom").
-      timeout_s: per-call time limit of a check (item rewards run in `workers` worker
-        processes; a call past the limit scores 0 and is logged, and the run goes on).
+      function: import path "module:name" of a custom reward, found as `python -m` finds
+        modules (the current directory first: ./my_reward.py is "my_reward:score").
+      function_form: "batch": `function(completions, metadata) -> rewards` is called once
+        per batch of this process's completions; "item": `function(completion, meta) ->
+        float` once per completion. `metadata` are the prompts' records: every field of
+        a file's record, and `source` ("file:line").
+      timeout_s: per-call time limit (one item, or one batch for a batch reward; the
+        calls run in `workers` worker processes; a call past the limit scores 0, is logged
+        with its prompts' file lines, and the run goes on).
       workers: reward worker processes (0 = score in the training process, where a call
         cannot be cut, so `timeout_s` does not apply).
     """
@@ -155,11 +168,20 @@ class RewardConfig:
     think_in_prompt: bool = False
     model_path: str | None = None
     function: str | None = None
+    function_form: str = "batch"
     timeout_s: float = 5.0
     workers: int = 2
 
     def __post_init__(self):
         c = "RewardConfig"
+        if self.function is not None and self.kind == "accuracy":  # the default kind
+            object.__setattr__(self, "kind", "custom")  # reward.function implies custom
+        if self.function is not None and self.kind != "custom":
+            _fail(c, "kind", self.kind, f"'custom' when function is set (function="
+                  f"{self.function!r} implies kind='custom'; unset one of them)")
+        if self.function_form not in FUNCTION_FORMS:
+            _fail(c, "function_form", self.function_form,
+                  "one of " + ", ".join(map(repr, FUNCTION_FORMS)))
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
             _fail(c, "workers", self.workers, "an int >= 0")
         if self.kind not in REWARD_KINDS:

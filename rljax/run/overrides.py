@@ -9,6 +9,14 @@ type and the text given. Unknown keys fail with the list of valid keys at that l
 All overrides aimed at one dataclass are applied with a single `dataclasses.replace`, so its
 `__post_init__` validation sees the final combination (setting two fields that must agree
 never trips over an intermediate state).
+
+`none` (or `null`) means None, except in a *preset field*: a field of a dataclass that
+lists it in its class attribute `PRESET_FIELDS` (``AlgorithmConfig``), where None means
+"the preset of `name`". There `X=none` sets the value "none" where that is a legal value
+(`algorithm.kl_in=none` turns the KL term off) and is an error where it is not, and
+`X=preset` returns the field to its preset. A value in matching quotes (`X="none"`,
+`X='3'`) is taken as that string where the field accepts strings, else parsed without
+its quotes.
 """
 
 from __future__ import annotations
@@ -20,9 +28,11 @@ from typing import Any
 
 from rljax.train.config_io import dataclass_in, is_union
 
-__all__ = ["OverrideError", "apply_overrides", "parse_value", "parse_override"]
+__all__ = ["OverrideError", "PRESET_WORD", "apply_overrides", "parse_value", "parse_override"]
 
 _NONE_WORDS = ("none", "null")
+#: The override value that returns a preset field to the preset of its config's `name`.
+PRESET_WORD = "preset"
 _TRUE_WORDS = ("true", "1", "yes", "on")
 _FALSE_WORDS = ("false", "0", "no", "off")
 
@@ -95,8 +105,29 @@ def _parse_any(text: str) -> Any:
     return text
 
 
+def _unquote(text: str) -> str | None:
+    """The text inside matching single or double quotes, or None when not quoted."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return None
+
+
+def _admits_str(tp: Any) -> bool:
+    if tp is str or tp is Any or tp is object:
+        return True
+    return is_union(tp) and any(_admits_str(a) for a in typing.get_args(tp))
+
+
 def parse_value(tp: Any, text: str) -> Any:
-    """Parse `text` as a value of annotated type `tp`; raise ValueError/TypeError if it is not one."""
+    """Parse `text` as a value of annotated type `tp`; raise ValueError/TypeError if it is not one.
+
+    Quoted text (`"none"`, `'3'`) is that string where `tp` accepts strings; otherwise it is
+    parsed without its quotes."""
+    inner = _unquote(text)
+    if inner is not None and typing.get_origin(tp) is not tuple and tp is not tuple:
+        if _admits_str(tp):
+            return inner
+        text = inner
     origin = typing.get_origin(tp)
     if is_union(tp):
         args = typing.get_args(tp)
@@ -176,6 +207,9 @@ def _apply_tree(obj: Any, tree: dict[str, Any], prefix: str) -> Any:
             section = _section_value(obj, name, tp, where)
             changes[name] = _apply_tree(section, sub, where + ".")
             continue
+        if name in _preset_fields(obj):
+            changes[name] = _parse_preset_field(tp, sub, where)
+            continue
         try:
             changes[name] = parse_value(tp, sub)
         except (ValueError, TypeError) as e:
@@ -186,7 +220,39 @@ def _apply_tree(obj: Any, tree: dict[str, Any], prefix: str) -> Any:
         return dataclasses.replace(obj, **changes)
     except (ValueError, TypeError) as e:
         keys = ", ".join(f"{prefix}{k}" for k in changes)
-        raise OverrideError(f"overrides of {keys} give an invalid config: {e}") from e
+        presets = [f"{prefix}{k}" for k in changes if k in _preset_fields(obj)]
+        hint = (f"; {presets[0]}={PRESET_WORD} returns a field to the preset of "
+                f"{prefix}name" if presets else "")
+        raise OverrideError(f"overrides of {keys} give an invalid config: {e}{hint}") from e
+
+
+def _preset_fields(obj: Any) -> frozenset[str]:
+    """The fields of `obj` whose None means "the preset" (its class's `PRESET_FIELDS`)."""
+    return frozenset(getattr(type(obj), "PRESET_FIELDS", ()))
+
+
+def _parse_preset_field(tp: Any, text: str, where: str) -> Any:
+    """A preset field's value: `preset` -> None (the preset), `none` -> the string
+    "none" where the field takes strings (its config's validation decides whether "none"
+    is legal), else the value parsed as the field's type without None."""
+    if text.lower() == PRESET_WORD:
+        return None
+    args = typing.get_args(tp) if is_union(tp) else (tp,)
+    value_tp = typing.Union[tuple(a for a in args if a is not type(None))]  # noqa: UP007
+    section = where.rsplit(".", 1)[0] + "." if "." in where else ""
+    allowed = (f"{_type_name(value_tp)}, or {PRESET_WORD!r} for the preset of "
+               f"{section}name")
+    word = _unquote(text) or text
+    if word.lower() in _NONE_WORDS:
+        if _admits_str(value_tp):
+            return "none"
+        raise OverrideError(f"cannot set {where}: 'none' is not one of its values (expected "
+                            f"{allowed}); {where}={PRESET_WORD} returns it to the preset")
+    try:
+        return parse_value(value_tp, text)
+    except (ValueError, TypeError) as e:
+        raise OverrideError(f"cannot set {where}: expected {allowed}, got {text!r} ({e})") \
+            from None
 
 
 def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:

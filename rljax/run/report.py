@@ -84,27 +84,38 @@ def result_line(values: dict[str, float]) -> str:
 
 def format_summary(*, accuracy_before: float, accuracy_after: float, wall_s: float,
                    run_dir: str | pathlib.Path | None = None, title: str = "rljax run",
-                   details: dict[str, Any] | None = None) -> str:
+                   details: dict[str, Any] | None = None, metric: str = "accuracy",
+                   measured_by: str | None = None) -> str:
     """The end-of-run screen; its last line is `RESULT accuracy_before=.. accuracy_after=.. wall_s=..`.
 
     Accuracies are fractions in [0, 1] (ValueError otherwise). `details` are extra lines
-    (e.g. tokens/s, steps) shown above the RESULT line.
+    (e.g. tokens/s, steps) shown above the RESULT line. `metric="reward"`: the two values
+    are held-out reward means (a run whose reward has no verifier), any finite numbers,
+    and the last line is `RESULT reward_before=.. reward_after=.. wall_s=..`.
+    `measured_by` names the function that computed them (shown beside them).
     """
-    for name, value in (("accuracy_before", accuracy_before), ("accuracy_after", accuracy_after)):
-        if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must be a fraction in [0, 1], got {value!r}")
+    if metric not in ("accuracy", "reward"):
+        raise ValueError(f"metric must be 'accuracy' or 'reward', got {metric!r}")
+    allowed = "a fraction in [0, 1]" if metric == "accuracy" else "a finite number"
+    for name, value in ((f"{metric}_before", accuracy_before), (f"{metric}_after", accuracy_after)):
+        if not isinstance(value, (int, float)) or not (
+                0.0 <= value <= 1.0 if metric == "accuracy" else math.isfinite(value)):
+            raise ValueError(f"{name} must be {allowed}, got {value!r}")
     if not isinstance(wall_s, (int, float)) or not wall_s >= 0:
         raise ValueError(f"wall_s must be a number >= 0, got {wall_s!r}")
     rule = "=" * 60
-    lines = [rule, title, rule,
-             f"  accuracy before : {accuracy_before:.4f}",
-             f"  accuracy after  : {accuracy_after:.4f}  ({accuracy_after - accuracy_before:+.4f})",
-             f"  wall time       : {wall_s:.1f} s ({_fmt_time(wall_s)})"]
+    lines = [rule, title, rule]
+    if measured_by:
+        lines.append(f"  {metric + ' by':<16}: {measured_by}")
+    gain = accuracy_after - accuracy_before
+    lines += [f"  {metric + ' before':<16}: {accuracy_before:.4f}",
+              f"  {metric + ' after':<16}: {accuracy_after:.4f}  ({gain:+.4f})",
+              f"  wall time       : {wall_s:.1f} s ({_fmt_time(wall_s)})"]
     for key, value in (details or {}).items():
         lines.append(f"  {key:<16}: {_fmt(value)}")
     if run_dir is not None:
         lines.append(f"  run directory   : {run_dir}")
     lines.append(rule)
-    lines.append(f"RESULT accuracy_before={accuracy_before:.4f} "
-                 f"accuracy_after={accuracy_after:.4f} wall_s={wall_s:.1f}")
+    lines.append(f"RESULT {metric}_before={accuracy_before:.4f} "
+                 f"{metric}_after={accuracy_after:.4f} wall_s={wall_s:.1f}")
     return "\n".join(lines)

@@ -65,7 +65,8 @@ _PROGRESS_KEYS = ("reward_mean", "accuracy", "kl_ref", "entropy", "response_len_
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
-    """What a run reports: held-out accuracy before/after RL, wall time, where it lives."""
+    """What a run reports: held-out accuracy before/after RL (the held-out reward mean when
+    the reward has no verifier), wall time, where it lives."""
 
     accuracy_before: float
     accuracy_after: float
@@ -187,6 +188,7 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
     if not isinstance(cfg, ExperimentConfig):
         raise TypeError(f"run_experiment: cfg must be an ExperimentConfig, got {type(cfg).__name__}")
     cfg = cfg.resolved()  # the algorithm's preset filled in: what runs is what is saved
+    builders.check_inputs(cfg)  # the reward imports, the data files exist: before any write
     if cfg.run.seeds > 1:  # several seeds in one program: rljax.run.seed_runs
         res = run_seeds(cfg, out=out)
         return RunResult(res.result["accuracy_before"], res.result["accuracy_after"],
@@ -209,14 +211,15 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
             stop.reached(_first_step(cfg, ck))
             warm = WarmupStop(rd, stop, cfg.run.resume, progress_out)
             try:
-                acc_before, after = _train(cfg, rd, ck, mesh, warm, stop, progress_out)
+                acc_before, after, verifier = _train(cfg, rd, ck, mesh, warm, stop,
+                                                     progress_out)
             finally:
                 warm.close()
         if cfg.run.plots:
             rd.plot()
     finally:
         rd.close()
-    return _finish(cfg, rd, acc_before, after, t0, out)
+    return _finish(cfg, rd, acc_before, after, t0, out, verifier)
 
 
 def _first_step(cfg, ck) -> int:
@@ -226,7 +229,9 @@ def _first_step(cfg, ck) -> int:
 
 
 def _train(cfg, rd, ck, mesh, warm, stop, out):
-    """Build everything, RL-train, evaluate, save the final state; `(acc_before, after)`."""
+    """Build everything, RL-train, evaluate, save the final state; `(acc_before, after,
+    verifier)`: the headline before RL, the final evaluation, and the verifier's name
+    (None when the reward has no verifier: the headline is then the reward mean)."""
     tokenizer = builders.build_tokenizer(cfg)
     if rd.primary and not (rd.path / "tokenizer").exists():
         _save_tokenizer(tokenizer, rd.path / "tokenizer")
@@ -234,7 +239,7 @@ def _train(cfg, rd, ck, mesh, warm, stop, out):
     graphdef, params = nnx.split(model)
     value_gd, value_params = _value_model(cfg, model, mesh)
     task = builders.build_task(cfg, tokenizer)
-    reward_fns, accuracy_fn = builders.build_reward(cfg)
+    reward_fns, accuracy_fn = builders.build_reward(cfg, task)
     teacher = None if cfg.teacher is None else load_teacher(cfg.teacher, tokenizer, mesh,
                                                             dtype=cfg.compute_dtype)
     trainer = RLTrainer(graphdef, tokenizer, reward_fns, algorithm=cfg.algorithm,
@@ -245,16 +250,23 @@ def _train(cfg, rd, ck, mesh, warm, stop, out):
                                      if cfg.reward.workers else None),
                         reward_timeout_s=cfg.reward.timeout_s)
     for line in startup_summary(cfg, mesh=mesh, params=params, task=task,
-                                reward_fns=reward_fns):
+                                reward_fns=reward_fns, accuracy_fn=accuracy_fn):
         print(f"[rljax] {line}", file=out)
     state, acc_before = _start(cfg, rd, ck, trainer, graphdef, params, value_params,
                                task, tokenizer, mesh, out, warm)
+    if task.splits and rd.primary:  # per split: records read, dropped by length, kept
+        rd.write_json("data", task.splits)  # after a resume's restore has been checked
     state = _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop)
     after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
     rd.log(int(state.step), {f"eval/{k}": v for k, v in after.items()}, phase="eval")
     _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
           force=True)  # a no-op after the loop's last step; saves step 0 when rl.steps is 0
-    return acc_before, after
+    return acc_before, after, getattr(accuracy_fn, "name", None)
+
+
+def _headline(res: dict) -> float:
+    """An evaluation's headline: accuracy when there is a verifier, else the reward mean."""
+    return float(res.get("accuracy", res.get("reward_mean", 0.0)))
 
 
 def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer, mesh, out,
@@ -283,7 +295,7 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
     before = _evaluate(trainer, params, task, rd, "eval_before")
     rd.log(0, {f"eval/{k}": v for k, v in before.items()}, phase="eval")
     return trainer.init_state(params, seed=cfg.run.seed, value_params=value_params), \
-        float(before.get("accuracy", 0.0))
+        _headline(before)
 
 
 def _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop):
@@ -317,16 +329,20 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop):
     return state
 
 
-def _finish(cfg, rd, acc_before, after: dict, t0: float, out) -> RunResult:
+def _finish(cfg, rd, acc_before, after: dict, t0: float, out, verifier=None) -> RunResult:
     wall = time.perf_counter() - t0
-    acc_after = float(after.get("accuracy", 0.0))
+    acc_after = _headline(after)
+    metric = "accuracy" if "accuracy" in after else "reward"
+    by = verifier if metric == "accuracy" else (
+        f"{cfg.reward.function or cfg.reward.kind} (held-out mean; no verifier)")
     rows = [r for r in rd.metrics() if r.get("phase") == "rl" and "rollout_tok_s" in r]
     details = {"experiment": cfg.name, "algorithm": cfg.algorithm.name,
                "RL steps": cfg.rl.steps, "reward after": after.get("reward_mean", float("nan"))}
     if rows:
         details["rollout tok/s"] = sum(r["rollout_tok_s"] for r in rows) / len(rows)
     text = format_summary(accuracy_before=acc_before, accuracy_after=acc_after, wall_s=wall,
-                          run_dir=rd.path, title=f"rljax: {cfg.name}", details=details)
+                          run_dir=rd.path, title=f"rljax: {cfg.name}", details=details,
+                          metric=metric, measured_by=by)
     print(text, file=out if out is not None else sys.stdout, flush=True)
     return RunResult(acc_before, acc_after, wall, str(rd.path), cfg.rl.steps, text)
 

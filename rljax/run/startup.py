@@ -46,9 +46,12 @@ def _verifier(cfg: ExperimentConfig) -> str:
 
 
 def _reward(cfg: ExperimentConfig, reward_fns: Any) -> str:
+    """The reward as called: what, where, under what time limit."""
     r = cfg.reward
     if r.kind == "custom":
-        return f"{r.function} (reward.kind='custom')"
+        where = (f"in {r.workers} reward worker processes, {r.timeout_s:g} s a call"
+                 if r.workers else "in the training process, no time limit")
+        return f"{r.function} (reward.kind='custom', {r.function_form} form, {where})"
     if r.kind == "reward_model":
         return f"reward model {r.model_path}"
     terms = getattr(reward_fns, "terms", None)
@@ -69,10 +72,26 @@ def _sizes(cfg: ExperimentConfig, task: Any) -> str:
     return ", ".join(parts)
 
 
+_FROM_CONFIG = object()
+
+
+def _accuracy(cfg: ExperimentConfig, accuracy_fn: Any) -> str:
+    if accuracy_fn is _FROM_CONFIG:
+        return f"{_verifier(cfg)} (task {cfg.task.name!r})"
+    if accuracy_fn is None:
+        return "none: the reward has no verifier (no reference answers); the held-out " \
+               "reward mean is the headline"
+    return f"{getattr(accuracy_fn, 'name', accuracy_fn)} (task {cfg.task.name!r})"
+
+
 def startup_summary(cfg: ExperimentConfig, *, mesh, params: Any, task: Any,
-                    reward_fns: Any, seeds: int = 1) -> list[str]:
+                    reward_fns: Any, seeds: int = 1,
+                    accuracy_fn: Any = _FROM_CONFIG) -> list[str]:
     """The summary's lines (see the module docstring); `task` is a
-    `rljax.run.builders.TaskData` (a several-seed run: seed 0's), `params` the policy's."""
+    `rljax.run.builders.TaskData` (a several-seed run: seed 0's), `params` the policy's,
+    `accuracy_fn` the run's verifier (its `name` is shown; None: no verifier; left out:
+    the task's built-in check), then the length filter's counts per split of a file
+    task."""
     n = parameter_count(params)
     per = f" per seed, {seeds} seeds in one program" if seeds > 1 else ""
     origin = f"from {cfg.hf_path}" if cfg.hf_path else "random init"
@@ -80,4 +99,5 @@ def startup_summary(cfg: ExperimentConfig, *, mesh, params: Any, task: Any,
             f"policy: {n:,} parameters{per} ({origin})",
             f"prompts: {_sizes(cfg, task)}",
             f"reward: {_reward(cfg, reward_fns)}",
-            f"accuracy shown: {_verifier(cfg)} (task {cfg.task.name!r})"]
+            f"accuracy shown: {_accuracy(cfg, accuracy_fn)}",
+            *getattr(task, "describe", lambda: [])()]

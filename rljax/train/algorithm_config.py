@@ -95,6 +95,10 @@ class AlgorithmConfig:
         ``(rewards_B, group_size) -> adv_B`` replacing the default.
     """
 
+    #: The fields whose None means "the preset of name" (not a field: a class attribute,
+    #: read by ``rljax.run.overrides`` so that ``--set X=preset`` returns X to it).
+    PRESET_FIELDS = PRESET_FIELDS
+
     name: str = "grpo"
     group_size: int | None = None
     kl_coef: float | None = None

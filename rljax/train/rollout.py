@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import time
+import traceback
 from typing import Any, Callable, Sequence
 
 import jax
@@ -21,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.rewards import RewardError, reward_name, score_batch
+from rljax.rewards.batch import source_of
 from rljax.rewards.device import is_device_reward
+from rljax.rewards.pooled import RemoteRewardError
 from rljax.sampling import generate
 from rljax.sampling.generate import config_of, prepare
 from rljax.sharding import logical_sharding
@@ -360,6 +363,19 @@ def _sum_over_processes(x: np.ndarray, mesh) -> np.ndarray:
     return hosts.gather_rows(x[None]).sum(axis=0)
 
 
+def _described(e: BaseException) -> str:
+    """"KeyError: 'x'": the exception, as raised in a reward worker process too."""
+    return str(e) if isinstance(e, RemoteRewardError) else f"{type(e).__name__}: {e}"
+
+
+def _user_traceback(e: BaseException) -> str:
+    """The reward function's traceback for an error message (from the reward worker
+    process where it ran there)."""
+    if isinstance(e, RemoteRewardError):
+        return "\n" + e.traceback
+    return "\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+
+
 def score_batch_fn(fn, completions: list, metadata: list, group_size: int,
                    first_prompt: int = 0) -> np.ndarray:
     """Call a batch reward ``fn(completions, metadata) -> float[B]`` and check it.
@@ -370,18 +386,25 @@ def score_batch_fn(fn, completions: list, metadata: list, group_size: int,
     ``rljax.rewards.RewardError`` naming the function and the prompt index.
     """
     name = reward_name(fn)
-    where = lambda i: f"batch index {i} (prompt index {first_prompt + i // group_size})"
+
+    def where(i):  # the prompt's file:line when its metadata has a source
+        at = f"batch index {i} (prompt index {first_prompt + i // group_size})"
+        src = source_of(metadata[i]) if i < len(metadata) else None
+        return f"the prompt at {src}, {at}" if src else at
+
     try:
         out = np.asarray(fn(list(completions), list(metadata)), np.float64)
+    except RewardError:  # already names its prompt and function
+        raise
     except Exception as e:  # find which prompt made it fail
         for i, (c, m) in enumerate(zip(completions, metadata)):
             try:
                 fn([c], [m])
             except Exception as e1:
-                raise RewardError(f"reward function {name!r} raised {type(e1).__name__}: {e1} "
-                                  f"at {where(i)}", index=i, fn=name) from e1
-        raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} on the "
-                          "batch (but on no single completion)", index=-1, fn=name) from e
+                raise RewardError(f"reward function {name!r} raised {_described(e1)} at "
+                                  f"{where(i)}{_user_traceback(e1)}", index=i, fn=name) from e1
+        raise RewardError(f"reward function {name!r} raised {_described(e)} on the batch (but "
+                          f"on no single completion){_user_traceback(e)}", index=-1, fn=name) from e
     if out.shape != (len(completions),):
         raise RewardError(f"reward function {name!r} returned shape {out.shape}; expected "
                           f"({len(completions)},), one reward per completion", index=-1, fn=name)

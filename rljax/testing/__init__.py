@@ -3,7 +3,10 @@
 An objective (see `rljax.objectives`) must behave well under everything the trainer does
 to it: jit, grad, masking, padding, micro-batch accumulation, coefficient schedules and
 sharding over a mesh. `check_objective` runs each of those and raises AssertionError with
-a message naming the failed property. Typical use, in a user's test file:
+a message naming the failed property. It checks the objective under each batch the
+trainer can give it: with every field, and with only the fields it declares it needs
+(`requires`): a run without a KL term passes `ref_logp_BxT=None`, one without a value
+model no values, and so on. Typical use, in a user's test file:
 
     from rljax.testing import check_objective
     def test_my_objective():
@@ -13,16 +16,19 @@ a message naming the failed property. Typical use, in a user's test file:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from rljax.objectives.batch import DIFFERENTIABLE_FIELDS, Coef, ObjectiveBatch
+from rljax.objectives.batch import DIFFERENTIABLE_FIELDS, OPTIONAL_FIELDS, Coef, ObjectiveBatch
+from rljax.testing._compare import (F32_EPS, _compare_grads, _compare_outputs, _fail,
+                                    _scalars, float32_rtol)
 
-__all__ = ["check_objective", "default_batch"]
+__all__ = ["F32_EPS", "check_objective", "default_batch", "float32_rtol"]
 
 Objective = Callable[[ObjectiveBatch, Any], tuple[Any, Any, dict]]
 
@@ -36,10 +42,6 @@ _TRACING_ERRORS = (
     jax.errors.TracerIntegerConversionError,
     jax.errors.UnexpectedTracerError,
 )
-
-
-def _fail(check: str, msg: str) -> AssertionError:
-    return AssertionError(f"check_objective [{check}]: {msg}")
 
 
 def default_batch(seed: int = 0, *, B: int = 16, T: int = 12, values: bool = True,
@@ -114,30 +116,14 @@ def _check_structure(out: Any) -> None:
             raise _fail("contract", f"metric {k!r} must be a (sum, count) pair of scalars")
 
 
-def _close(a: np.ndarray, b: np.ndarray, rtol: float) -> bool:
-    return bool(np.all(np.abs(a - b) <= rtol * np.maximum(np.abs(a), np.abs(b))))
-
-
-def _compare_outputs(check: str, ref, got, rtol: float) -> None:
-    """Loss sum, count and every metric pair must agree to rtol."""
-    (l0, c0, m0, _), (l1, c1, m1, _) = ref, got
-    pairs = [("loss_sum", l0, l1), ("count", c0, c1)]
-    if set(m0) != set(m1):
-        raise _fail(check, f"metric names differ: {sorted(m0)} vs {sorted(m1)}")
-    for k in m0:
-        pairs += [(f"metric {k!r} sum", m0[k][0], m1[k][0]), (f"metric {k!r} count", m0[k][1], m1[k][1])]
-    for name, a, b in pairs:
-        if not _close(a, b, rtol):
-            raise _fail(check, f"{name} is {b!r}, expected {a!r} (rtol {rtol})")
-
-
-def _compare_grads(check: str, g_ref: dict, g: dict, rtol: float) -> None:
-    """Gradients must agree to rtol times the reference gradient's global norm."""
-    norm = np.sqrt(sum(np.sum(np.square(x)) for x in g_ref.values()))
-    for k in g_ref:
-        err = np.max(np.abs(g_ref[k] - g[k]))
-        if not err <= rtol * norm:
-            raise _fail(check, f"gradient w.r.t. {k} differs by {err:.3g}; allowed {rtol} x |grad| = {rtol * norm:.3g}")
+def _magnitudes(parts: list, ref) -> dict[str, float]:
+    """Each output's scale for the tolerance: the sum over the micro-batch `parts` of
+    |the part's output|, at least |the full batch's output|. A loss sum whose parts cancel
+    is then compared at the size of its terms, where float32 rounds, not at the size of
+    its small total."""
+    sums = [_scalars(p) for p in parts]
+    return {k: max(abs(float(v)), sum(abs(float(p[k])) for p in sums))
+            for k, v in _scalars(ref).items()}
 
 
 def _check_grads(out, batch: ObjectiveBatch, require_logp_grad: bool) -> None:
@@ -176,18 +162,26 @@ def _rows(batch: ObjectiveBatch, lo: int, hi: int) -> ObjectiveBatch:
     return jax.tree.map(lambda x: x[lo:hi], batch)
 
 
-def _check_padding(h: _Harness, batch, coef, ref, pad: int, seed: int, rtol: float) -> None:
+def _check_padding(h: _Harness, batch, coef, ref, pad: int, seed: int, rtol: float,
+                   scale: dict) -> None:
     T = batch.logp_BxT.shape[1]
     got = h(_pad(batch, pad, seed), coef)
-    _compare_outputs("padding", ref, got, rtol)
+    _compare_outputs("padding", ref, got, rtol, scale)
     _compare_grads("padding", ref[3], {k: g[:, :T] for k, g in got[3].items()}, rtol)
     if any(np.any(g[:, T:] != 0) for g in got[3].values()):
         raise _fail("padding", "padded (masked) columns get nonzero gradient")
 
 
-def _check_micro_batches(h: _Harness, batch, coef, ref, n_micro: int, rtol: float) -> None:
+def _micro_outputs(h: _Harness, batch, coef, n_micro: int) -> list:
     B = batch.logp_BxT.shape[0]
-    outs = [h(_rows(batch, i * B // n_micro, (i + 1) * B // n_micro), coef) for i in range(n_micro)]
+    if B % n_micro:
+        raise ValueError(f"micro_batches entry {n_micro} does not divide B={B}")
+    return [h(_rows(batch, i * B // n_micro, (i + 1) * B // n_micro), coef)
+            for i in range(n_micro)]
+
+
+def _check_micro_batches(ref, outs: list, rtol: float, scale: dict) -> None:
+    n_micro = len(outs)
     total = (
         sum(o[0] for o in outs),
         sum(o[1] for o in outs),
@@ -195,7 +189,7 @@ def _check_micro_batches(h: _Harness, batch, coef, ref, n_micro: int, rtol: floa
         {k: np.concatenate([o[3][k] for o in outs], axis=0) for k in ref[3]},
     )
     check = f"micro-batch x{n_micro}"
-    _compare_outputs(check, ref, total, rtol)
+    _compare_outputs(check, ref, total, rtol, scale)
     _compare_grads(check, ref[3], total[3], rtol)
 
 
@@ -242,7 +236,7 @@ def _default_mesh():
     return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
 
 
-def _check_mesh(h: _Harness, batch, coef, ref, mesh, rtol: float) -> None:
+def _check_mesh(h: _Harness, batch, coef, ref, mesh, rtol: float, scale: dict) -> None:
     """`ref` is the unsharded run (one device); the sharded run must match it."""
     B = batch.logp_BxT.shape[0]
     if B % mesh.size:
@@ -251,8 +245,67 @@ def _check_mesh(h: _Harness, batch, coef, ref, mesh, rtol: float) -> None:
     sharded = (jax.device_put(batch, rows), jax.device_put(coef, NamedSharding(mesh, P())))
     got = h(*sharded)
     check = f"mesh ({mesh.size} devices)"
-    _compare_outputs(check, ref, got, rtol)
+    _compare_outputs(check, ref, got, rtol, scale)
     _compare_grads(check, ref[3], got[3], rtol)
+
+
+#: Why the trainer leaves each optional field None (the message of a failed variant).
+_ABSENT_WHEN = {
+    "ref_logp_BxT": "a run without a KL term (kl_coef=0 or kl_in='none')",
+    "sampler_logp_BxT": "a run without the sampler importance correction",
+    "values_BxT": "a run without a value model (every algorithm but PPO)",
+    "old_values_BxT": "a run without a value model", "returns_BxT": "a run without a value model",
+    "entropy_BxT": "an objective that does not declare it",
+    "cov_select_BxT": "algorithms other than clip_cov / kl_cov",
+    "teacher_logp_BxT": "a run without a teacher (every algorithm but distill)",
+}
+
+
+def _without(batch: ObjectiveBatch, names: Sequence[str]) -> ObjectiveBatch:
+    return dataclasses.replace(batch, **{n: None for n in names})
+
+
+def _no_kl(coef: Any) -> Any:
+    """`coef` as a run without a KL term passes it (`Coef.kl` = 0)."""
+    return dataclasses.replace(coef, kl=0.0) if isinstance(coef, Coef) else coef
+
+
+def _check_batch(h: _Harness, batch, coef, mesh, *, micro_batches, pad, rtol, seed,
+                 require_logp_grad, recompile: bool = True) -> tuple:
+    """Every check on one batch (the mesh check unless `mesh` is None, the recompile
+    check if `recompile`); returns the full batch's outputs."""
+    try:
+        ref = h(batch, coef)
+    except _TRACING_ERRORS as e:
+        raise _fail("jit", "the objective fails under jax.jit/jax.grad: "
+                    f"{type(e).__name__}: {e}") from e
+    _check_grads(ref, batch, require_logp_grad)
+    if recompile:
+        _check_no_recompile(h, batch, coef)
+    tol = float32_rtol(batch) if rtol is None else rtol
+    parts = {n: _micro_outputs(h, batch, coef, n) for n in micro_batches}
+    scale = _magnitudes(parts[max(parts)] if parts else [], ref)  # the finest split
+    _check_padding(h, batch, coef, ref, pad, seed, tol, scale)
+    for n in micro_batches:
+        _check_micro_batches(ref, parts[n], tol, scale)
+    if mesh is not None:
+        _check_mesh(h, batch, coef, ref, mesh, tol, scale)
+    return ref
+
+
+def _minimal_fails(h: _Harness, batch, coef, absent: Sequence[str], e: Exception) -> AssertionError:
+    """The failure of the batch without `absent`, naming the fields whose absence breaks it."""
+    culprits = []
+    for name in absent:
+        try:
+            h(_without(batch, [name]), _no_kl(coef) if name == "ref_logp_BxT" else coef)
+        except Exception:  # noqa: BLE001 - any failure names the field
+            culprits.append(name)
+    why = "; ".join(f"{n}=None in {_ABSENT_WHEN[n]}" for n in culprits or absent)
+    return _fail(f"batch without {', '.join(culprits or absent)}",
+                 f"{type(e).__name__}: {e}. The trainer passes {why}: handle None, or "
+                 f"declare the fields the objective needs, requires={tuple(culprits or absent)} "
+                 "(a run must then provide them)")
 
 
 def check_objective(
@@ -263,10 +316,11 @@ def check_objective(
     mesh: Any = None,
     micro_batches: tuple[int, ...] = (4,),
     pad: int = 5,
-    rtol: float = 1e-6,
-    seed: int = 0,
+    rtol: float | None = None,
+    seed: int | Sequence[int] = 0,
     require_logp_grad: bool = True,
-) -> dict[str, float]:
+    requires: Sequence[str] = (),
+) -> dict[str, Any]:
     """Check that `fn(batch, coef) -> (loss_sum, count, metrics)` honours the contract.
 
     Checks, in order (each failure is an AssertionError naming the check):
@@ -276,38 +330,74 @@ def check_objective(
         entropy_BxT when present) are finite;
       mask: masked tokens get exactly zero gradient; gradient: logp_BxT gets some
         (unless require_logp_grad=False);
+      recompile: calling with every coefficient changed does not retrace;
       padding: appending `pad` masked columns of junk changes neither the outputs nor
-        the gradients (rtol);
+        the gradients;
       micro-batch xN: splitting the batch into N parts along B (N in `micro_batches`,
         default 4) and summing loss sums, counts and metric pairs equals the full batch,
-        gradients included (rtol);
-      recompile: calling with every coefficient changed does not retrace;
+        gradients included;
       mesh: the batch sharded along B over every device of `mesh` (default: all devices
         on one "data" axis) gives the unsharded (one-device) outputs and gradients.
-    Outputs compare with relative tolerance `rtol`; gradients to `rtol` times the
-    gradient's global norm.
+        With one device there is nothing to compare: the check is skipped, with a
+        warning, and the result's "skipped" says so.
+    They run on `batch`, and all but mesh and recompile again on `batch` without the
+    optional fields the objective does not declare in `requires` (as the trainer passes
+    them: no `ref_logp_BxT` in a run without a KL term, where `Coef.kl` is 0 as well, no
+    values without a value model, no sampler log-probs without the importance
+    correction, no entropy unless declared). A failure there is `[batch without FIELD]`.
+    Outputs compare to `rtol` times their magnitude (the sum over the finest micro-batch
+    split of each part's |output|, so a total whose parts cancel is judged at the size of
+    its terms), gradients
+    to `rtol` times the gradient's global norm. `rtol=None` is `float32_rtol(batch)`:
+    (B*T) * float32 eps, the worst-case rounding of a float32 sum of the batch's terms.
 
     Args:
       fn: the objective, static options already bound (functools.partial).
       coef: its coefficients (default `Coef()`); any pytree of numeric leaves.
       batch: an `ObjectiveBatch` (default `default_batch(seed)`: B=16, T=12, all fields).
         B must be divisible by every `micro_batches` entry and by the mesh size.
+      seed: the default batch's seed, or several seeds: each batch is checked, sharing
+        the compiled programs.
+      requires: the optional `ObjectiveBatch` fields the objective needs (e.g.
+        ("ref_logp_BxT",) for a KL term it always takes; a run must then provide them).
     Returns:
-      {"loss": loss_sum / count, "count": count} of the full batch, for information.
+      {"loss": loss_sum / count, "count": count} of the (first) full batch, "batches":
+      the batches checked, "skipped": {check: why} for checks not run.
     """
     coef = Coef() if coef is None else coef
-    batch = default_batch(seed) if batch is None else batch
+    unknown = sorted(set(requires) - set(OPTIONAL_FIELDS))
+    if unknown:
+        raise ValueError(f"requires={tuple(requires)}: {unknown} are not optional "
+                         f"ObjectiveBatch fields; they are {OPTIONAL_FIELDS}")
+    seeds = [seed] if isinstance(seed, (int, np.integer)) else list(seed)
+    batches = [default_batch(s) for s in seeds] if batch is None else [batch]
+    mesh = _default_mesh() if mesh is None else mesh
+    skipped = {}
+    if mesh.size == 1:
+        skipped["mesh"] = ("one device: nothing to compare the unsharded run with (set "
+                           "XLA_FLAGS=--xla_force_host_platform_device_count=8 before "
+                           "importing jax to emulate 8)")
+        warnings.warn(f"check_objective: mesh check skipped: {skipped['mesh']}", stacklevel=2)
+    opts = dict(micro_batches=micro_batches, pad=pad, rtol=rtol,
+                require_logp_grad=require_logp_grad)
     h = _Harness(fn)
-    try:
-        ref = h(batch, coef)
-    except _TRACING_ERRORS as e:
-        raise _fail("jit", f"the objective fails under jax.jit/jax.grad: {type(e).__name__}: {e}") from e
-    _check_grads(ref, batch, require_logp_grad)
-    _check_no_recompile(h, batch, coef)
-    _check_padding(h, batch, coef, ref, pad, seed, rtol)
-    for n in micro_batches:
-        if batch.logp_BxT.shape[0] % n:
-            raise ValueError(f"micro_batches entry {n} does not divide B={batch.logp_BxT.shape[0]}")
-        _check_micro_batches(h, batch, coef, ref, n, rtol)
-    _check_mesh(h, batch, coef, ref, _default_mesh() if mesh is None else mesh, rtol)
-    return {"loss": float(ref[0] / ref[1]), "count": float(ref[1])}
+    names, first = [], None
+    for s, b in zip(seeds, batches):
+        ref = _check_batch(h, b, coef, None if skipped else mesh, seed=s, **opts)
+        first = ref if first is None else first
+        absent = [n for n in OPTIONAL_FIELDS if getattr(b, n) is not None and n not in requires]
+        if not absent:
+            continue
+        small, small_coef = _without(b, absent), _no_kl(coef) if "ref_logp_BxT" in absent else coef
+        try:
+            h(small, small_coef)
+        except AssertionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - named below, with the field that broke it
+            raise _minimal_fails(h, b, coef, absent, e) from e
+        # The fields present change neither the sharding nor how coefficients are
+        # traced: the mesh and recompile checks of the full batch stand for this one.
+        _check_batch(h, small, small_coef, None, seed=s, recompile=False, **opts)
+        names.append(f"without {', '.join(absent)}")
+    return {"loss": float(first[0] / first[1]), "count": float(first[1]),
+            "batches": ["as given"] + sorted(set(names)), "skipped": skipped}

@@ -1,0 +1,78 @@
+"""`PooledBatchReward`: a batch reward `(completions, metadata) -> rewards` run in a
+`RewardPool` worker under a time limit, so that a reward that hangs cannot hang the run.
+
+One call scores the whole batch in one worker (a batch reward may compare completions with
+each other, so the batch is never split). A call past `timeout_s` is abandoned (its worker
+is killed and replaced): every row of it scores `timeout_reward`, the rows' prompts are
+logged by file and line (their metadata's `source`), and `timeouts` counts it. A call that
+raises raises `RemoteRewardError` carrying the function's own traceback from the worker;
+`rljax.train.rollout.score_batch_fn` then re-calls it on single completions to name the
+prompt that fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from rljax.rewards._pool import RewardPool
+from rljax.rewards.batch import source_of
+from rljax.rewards.compose import reward_name
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PooledBatchReward", "RemoteRewardError"]
+
+
+class RemoteRewardError(RuntimeError):
+    """A reward function raised in a worker process: the message is its exception
+    ("ZeroDivisionError: ..."), `traceback` its traceback there."""
+
+    def __init__(self, message: str, traceback: str = ""):
+        super().__init__(message)
+        self.traceback = traceback
+
+
+def sources_text(metadata: Sequence[Mapping[str, Any]], limit: int = 8) -> str:
+    """The rows' prompt sources ("file:line"), in order without repeats, `limit` at most."""
+    seen = list(dict.fromkeys(s for s in map(source_of, metadata) if s))
+    if not seen:
+        return "generated, no file lines"
+    more = f" and {len(seen) - limit} more" if len(seen) > limit else ""
+    return ", ".join(seen[:limit]) + more
+
+
+class PooledBatchReward:
+    """`fn(completions, metadata)` in a worker of `get_pool()`, cut at `timeout_s`.
+
+    `fn` must pickle (`rljax.rewards.imported.ImportedFunction` does: a worker imports it
+    again by path). `get_pool` returns the pool at call time, so the process's shared pool
+    starts only when a reward is first scored."""
+
+    is_batch_reward = True
+
+    def __init__(self, fn: Callable, get_pool: Callable[[], RewardPool], *,
+                 timeout_s: float, timeout_reward: float = 0.0):
+        if not timeout_s > 0:
+            raise ValueError(f"PooledBatchReward: timeout_s must be > 0, got {timeout_s!r}")
+        self.fn, self.get_pool = fn, get_pool
+        self.timeout_s, self.timeout_reward = float(timeout_s), float(timeout_reward)
+        self.name = reward_name(fn)
+        self.timeouts = 0
+
+    def __call__(self, completions: Sequence[str],
+                 metadata: Sequence[Mapping[str, Any]]) -> np.ndarray:
+        res = self.get_pool().run([(self.fn, list(completions), list(metadata))],
+                                  self.timeout_s)[0]
+        if res[0] == "ok":
+            return res[1]
+        if res[0] == "error":
+            raise RemoteRewardError(res[1], res[2])
+        self.timeouts += 1
+        log.warning("reward function %r timed out after %.1f s (reward.timeout_s=%g) on a "
+                    "batch of %d completions (their prompts: %s); they score %g",
+                    self.name, res[1], self.timeout_s, len(completions),
+                    sources_text(metadata), self.timeout_reward)
+        return np.full(len(completions), self.timeout_reward, np.float32)
