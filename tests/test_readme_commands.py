@@ -1,9 +1,11 @@
 """Every command in the README and docs/*.md runs as written (shrunk).
 
 Each fenced shell block (```bash / sh / shell / console) of README.md and of every
-docs/*.md that calls `rljax` is one test: its lines run in order in a fresh temporary
-directory, and any non-zero exit fails the test. `rljax ...` lines (with optional
-`NAME=value` prefixes) run in this process through `rljax.cli.main`, shrunk: `rljax
+docs/*.md that calls `rljax` is one test: its lines run in order, and any non-zero exit
+fails the test. The blocks of one file run in order in one temporary directory (a guide's
+later steps use the files its earlier steps wrote). `rljax ...` lines (with optional
+`NAME=value` prefixes, and an optional `> FILE` for the output) run in this process
+through `rljax.cli.main`, shrunk: `rljax
 train` gets `--set smoke=true` and caps on its steps and held-out prompts appended
 (`SHRINK`; the last `--set` wins); other lines (files written with heredocs, `python`,
 `cd`...) run with bash. A block that cannot run here (it needs a TPU pod, a download,
@@ -65,17 +67,20 @@ def shell_blocks(text: str) -> list[tuple[int, str, str | None]]:
     return out
 
 
-def _rljax_argv(command: str) -> tuple[dict, list[str]] | None:
-    """`(env assignments, argv after "rljax")` when `command` calls rljax, else None."""
+def _rljax_argv(command: str) -> tuple[dict, list[str], str | None] | None:
+    """`(env assignments, argv after "rljax", file its stdout goes to or None)` when
+    `command` calls rljax, else None."""
     words = shlex.split(command, comments=True)
-    env = {}
+    env, target = {}, None
     while words and ASSIGN.match(words[0]):
         name, _, value = words.pop(0).partition("=")
         env[name] = value
+    if len(words) > 2 and words[-2] == ">":
+        words, target = words[:-2], words[-1]
     if words[:1] == ["rljax"]:
-        return env, words[1:]
+        return env, words[1:], target
     if words[:3] in (["python", "-m", "rljax"], ["python3", "-m", "rljax"]):
-        return env, words[3:]
+        return env, words[3:], target
     return None
 
 
@@ -139,17 +144,19 @@ def shrink(argv: list[str]) -> list[str]:
     return argv
 
 
-def _run_rljax(env: dict, argv: list[str]) -> tuple[int, str]:
-    buf = io.StringIO()
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(buf), \
-            contextlib.redirect_stderr(buf):
+def _run_rljax(env: dict, argv: list[str], target: str | None) -> tuple[int, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
         for k, v in env.items():
             mp.setenv(k, v)
         try:
             rc = main(shrink(argv))
         except SystemExit as e:  # argparse's usage errors
             rc = e.code if isinstance(e.code, int) else 1
-    return rc, buf.getvalue()
+    if target is not None:
+        pathlib.Path(target).write_text(out.getvalue())
+    return rc, out.getvalue() + err.getvalue()
 
 
 def _run_shell(script: str, cwd: pathlib.Path) -> tuple[int, str]:
@@ -161,15 +168,32 @@ def _run_shell(script: str, cwd: pathlib.Path) -> tuple[int, str]:
 
 
 def _cases():
+    """Every shell block of each doc file that calls `rljax` somewhere (the other blocks
+    set up what those calls read: files written with heredocs)."""
     for path in doc_files():
-        for line, body, skip in shell_blocks(path.read_text()):
-            if calls_rljax(body):
+        blocks = shell_blocks(path.read_text())
+        if any(calls_rljax(body) for _, body, _ in blocks):
+            for line, body, skip in blocks:
                 marks = [pytest.mark.skip(reason=f"doc-test: skip {skip}")] if skip else []
-                yield pytest.param(body, id=f"{path.relative_to(ROOT)}:{line}", marks=marks)
+                yield pytest.param(path.name, body, id=f"{path.relative_to(ROOT)}:{line}",
+                                   marks=marks)
 
 
-@pytest.mark.parametrize("body", list(_cases()))
-def test_doc_block_runs(body, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def doc_dirs(tmp_path_factory):
+    """One working directory per doc file, shared by its blocks (run in file order)."""
+    dirs = {}
+
+    def get(name: str) -> pathlib.Path:
+        if name not in dirs:
+            dirs[name] = tmp_path_factory.mktemp(name.replace(".", "_"))
+        return dirs[name]
+    return get
+
+
+@pytest.mark.parametrize("doc, body", list(_cases()))
+def test_doc_block_runs(doc, body, doc_dirs, monkeypatch):
+    tmp_path = doc_dirs(doc)
     monkeypatch.chdir(tmp_path)
     for kind, what in steps(body):
         if kind == "rljax":
@@ -192,11 +216,13 @@ def test_parser_finds_commands_markers_and_heredocs():
     assert [(line, skip) for line, _, skip in blocks] == [(1, None), (6, "needs a TPU pod"),
                                                           (12, None)]
     assert steps(blocks[0][1]) == [("rljax", ({}, ["train", "x", "--set", "a.b=1", "--set",
-                                                   "c=2"]))]
+                                                   "c=2"], None))]
     kinds = steps(blocks[2][1])
     assert [k for k, _ in kinds] == ["shell", "rljax", "shell"]
     assert kinds[0][1].endswith("EOF") and kinds[1][1] == ({"PYTHONPATH": "."},
-                                                           ["eval", "runs/x", "--k", "2"])
+                                                           ["eval", "runs/x", "--k", "2"], None)
+    assert steps("rljax train x --dry-run > r.json") == [
+        ("rljax", ({}, ["train", "x", "--dry-run"], "r.json"))]
     assert not calls_rljax("bash scripts/demo.sh   # installs rljax")
     assert shrink(["train", "arithmetic_grpo", "--set", "rl.steps=100"]) == [
         "train", "arithmetic_grpo", "--set", "rl.steps=2", "--set", "smoke=true", "--set",

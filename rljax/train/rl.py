@@ -348,12 +348,13 @@ class RLTrainer:
                          "dyn_sampled_tokens": float(sampled[0]),
                          "dyn_sampled_prompt_tokens": float(sampled[1])}
 
-    def _add_throughput(self, m: dict, ph: _Phase, params: dict) -> None:
+    def _add_throughput(self, m: dict, ph: _Phase, params: dict | None = None) -> None:
         """Tokens/s (whole mesh and per chip), phase times, model FLOP/s and MFU
         (``rljax.train.throughput``; ``rl.peak_flops`` overrides the chip's table peak).
         The FLOPs count every pass of the step once (``step_model_flops``), each group's
         prompt once where the forwards (and the sampler's prefill) share it; the token
-        rates count every row's prompt."""
+        rates count every row's prompt. ``params``: the step's parameters (the value
+        model's count in PPO); None for a step without a value model."""
         gen, seq = m["completion_tokens"], m["completion_tokens"] + m["prompt_tokens"]
         # DAPO samples rounds it drops: the sampler's FLOPs and rate count all of them.
         gen = m.get("dyn_sampled_tokens", gen)
@@ -367,7 +368,7 @@ class RLTrainer:
             self.rollouts.num_params, gen_tokens=gen, seq_tokens=computed, extra_forwards=fwd,
             epochs=self.alg.num_epochs, teacher_params=size(self.teacher_params),
             prefill_tokens=prefill,
-            value_params=size(params.get("value")))
+            value_params=size(None if params is None else params.get("value")))
         chips, kind = throughput.chips_and_kind(self.mesh)
         m.update(throughput.step_throughput(
             gen_tokens=gen, seq_tokens=seq, epochs=self.alg.num_epochs, times=ph.times,
