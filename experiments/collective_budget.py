@@ -18,7 +18,7 @@ partitioner, but the figures are labelled CPU. `--tiny` shrinks the model (same 
 micro-batches and loops) for a quick look on CPU. Run by hand (minutes per 8B program):
 
     python experiments/collective_budget.py [--recipes gsm8k_qwen25_grpo/0.5b-v5e8 ...]
-        [--all] (list expected collectives too) [--tiny]
+        [--all] (list expected collectives too) [--tiny] [--dump DIR | --hlo DIR]
 
 The last line: RESULT programs=<n> unexpected=<k> worst=<recipe>/<program>
 collective_gib_per_step=<x> (worst: the program with the most bytes per step in
@@ -112,10 +112,15 @@ def _shape_text(shapes) -> str:
         f",+{len(shapes) - 3}" if len(shapes) > 3 else "")
 
 
+PROGRAMS = ("prefill", "decode", "logprob", "learn")
+
+
 def audit_recipe(label, cfg, rec, *, tiny: bool = False, dump: str | None = None,
-                 log=print) -> tuple[list[Row], int]:
+                 hlo: str | None = None, log=print) -> tuple[list[Row], int]:
     """Compile one recipe's programs (`memory_budget.compile_recipe`) and classify every
-    collective of each; returns the rows and the number of programs compiled."""
+    collective of each; returns the rows and the number of programs compiled. `dump`:
+    write each program's HLO text there; `hlo`: read them from there instead of
+    compiling (a re-audit of saved programs)."""
     devices = mb.tpu_devices(rec.tpu.topology)
     model_cfg = rec.model_config(cfg.compute_dtype)
     if devices is None:  # CPU: XLA attention (interpret-mode splash is not a kernel)
@@ -131,7 +136,7 @@ def audit_recipe(label, cfg, rec, *, tiny: bool = False, dump: str | None = None
     programs: list[str] = []
 
     def inspect(name, compiled):
-        text = compiled.as_text()
+        text = compiled if isinstance(compiled, str) else compiled.as_text()
         if dump:
             os.makedirs(dump, exist_ok=True)
             with open(os.path.join(dump, f"{label.replace('/', '_')}_{name}.hlo"), "w") as f:
@@ -146,8 +151,15 @@ def audit_recipe(label, cfg, rec, *, tiny: bool = False, dump: str | None = None
 
     log(f"[{label}] {rec.model}{' (tiny)' if tiny else ''} on {rec.slice} "
         f"({len(devices)} x {devices[0].device_kind}), mesh {dict(mesh.shape)}")
-    mb.compile_recipe(cfg, model_cfg, devices, label=label, hbm_gib=rec.tpu.hbm_gib, log=log,
-                      inspect=inspect)
+    if hlo:
+        for name in PROGRAMS:
+            path = os.path.join(hlo, f"{label.replace('/', '_')}_{name}.hlo")
+            if os.path.exists(path):
+                with open(path) as f:
+                    inspect(name, f.read())
+    else:
+        mb.compile_recipe(cfg, model_cfg, devices, label=label, hbm_gib=rec.tpu.hbm_gib,
+                          log=log, inspect=inspect)
     return rows, len(programs)
 
 
@@ -200,11 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="list expected collectives too")
     ap.add_argument("--tiny", action="store_true", help="a tiny model, same mesh and loops")
     ap.add_argument("--dump", help="write each program's HLO text into this folder")
+    ap.add_argument("--hlo", help="audit the HLO texts saved in this folder (--dump)")
     args = ap.parse_args(argv)
     rows, programs = [], 0
     for label, cfg, rec in mb.recipes(args.recipes):
         try:
-            got, n = audit_recipe(label, cfg, rec, tiny=args.tiny, dump=args.dump)
+            got, n = audit_recipe(label, cfg, rec, tiny=args.tiny, dump=args.dump,
+                                   hlo=args.hlo)
         except Exception as e:  # noqa: BLE001 - report a recipe that does not compile, go on
             print(f"[{label}] did not compile: {type(e).__name__}: {e}", flush=True)
             continue
@@ -214,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("no recipe compiled")
         return 2
-    target = "TPU (libtpu AOT)" if mb.HAVE_LIBTPU and not args.tiny else "CPU"
-    print(f"\nCollectives per program, compiled for {target}:")
+    target = (f"the programs saved in {args.hlo}" if args.hlo else
+              "TPU (libtpu AOT)" if mb.HAVE_LIBTPU and not args.tiny else "CPU")
+    print(f"\nCollectives per program ({target}):")
     print(summary(rows))
     print(result_line(rows, programs))
     return 0

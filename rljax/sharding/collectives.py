@@ -11,7 +11,9 @@ loops multiply (``Collective.executions``).
 
 :func:`classify` applies the audit's rules. A collective is *expected* only if it is
 
-  (a) an all-gather of a parameter shard over fsdp (the FSDP weight gather of a pass);
+  (a) an all-gather of a parameter shard over fsdp (the FSDP weight gather of a pass),
+      or XLA:TPU's collective-matmul form of it: parameter shards passed around the
+      fsdp ring by collective-permutes;
   (b) a gradient reduce-scatter or all-reduce over the batch axes, executed at most once
       per micro-batch (per layer, for a stacked layer's slice);
   (c) an activation collective over the tensor axis only, no larger than one layer's
@@ -406,6 +408,11 @@ def classify(coll: Collective, exp: Expectation) -> tuple[bool, str]:
     if coll.kind == "all-gather" and axes == {"fsdp"} and all(
             n in exp.param_sizes for n in _elems(coll.result_shapes)):
         return True, "a weight gather"
+    # XLA:TPU's collective matmul (windowed einsum) passes parameter shards (or their
+    # gradients' partial sums) around the fsdp ring instead of gathering them whole.
+    if coll.kind == "collective-permute" and axes == {"fsdp"} and all(
+            n in exp.param_sizes for n in _elems(coll.operand_shapes)):
+        return True, "a weight gather (collective matmul)"
     if coll.kind in ("all-reduce", "reduce-scatter") and axes and axes <= {"data", "fsdp"}:
         # XLA combines reductions: parameter-shaped operands, plus at most 1 KiB of others.
         per = [exp.param_sizes.get(n) for n in _elems(coll.operand_shapes)]
