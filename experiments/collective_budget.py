@@ -126,10 +126,10 @@ def audit_recipe(label, cfg, rec, *, tiny: bool = False, dump: str | None = None
     if devices is None:  # CPU: XLA attention (interpret-mode splash is not a kernel)
         devices = jax.devices("cpu")[: rec.tpu.chips]
         model_cfg = dataclasses.replace(model_cfg, attention="xla")
-    if tiny:
-        model_cfg = dataclasses.replace(model_cfg, vocab_size=1024, hidden_size=128,
-                                        intermediate_size=256, num_layers=2, head_dim=None,
-                                        num_heads=8, num_kv_heads=2)
+    if tiny:  # the recipe's head counts (they decide the tensor split), 16-wide heads
+        model_cfg = dataclasses.replace(
+            model_cfg, vocab_size=1024, hidden_size=16 * model_cfg.num_heads,
+            intermediate_size=32 * model_cfg.num_heads, num_layers=2, head_dim=16)
     mesh = mb.make_mesh(cfg.mesh, devices=devices)
     exp = expectations(cfg, model_cfg, mesh)
     rows: list[Row] = []
