@@ -26,10 +26,11 @@ from rljax.train.logprobs import linear_logprobs, policy_logprobs
 from rljax.train.onepass import one_pass_head, policy_one_pass
 from rljax.train.step import accumulate, batch_constrainer
 
-P_LEN, T_LEN, CHUNK, BATCH, MICRO = 10, 14, 4, 64, 2  # 2 micro-batches of 32 rows
+P_LEN, T_LEN, CHUNK, BATCH, MICRO = 10, 14, 4, 96, 3  # 3 micro-batches of 32 rows
 HIDDEN, MLP = 48, 80  # widths no other dimension has: activation_rows reads them
-CFG = tiny_config(hidden_size=HIDDEN, intermediate_size=MLP, num_heads=4, num_kv_heads=2,
-                  scan_layers=True)
+# A vocabulary that splits over tensor, as the recipes' do.
+CFG = tiny_config(vocab_size=32, hidden_size=HIDDEN, intermediate_size=MLP, num_heads=4,
+                  num_kv_heads=2, scan_layers=True)
 
 
 def _mesh(data, fsdp, tensor):
