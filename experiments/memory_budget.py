@@ -206,9 +206,11 @@ def _rollout(trainer, mesh, b, p, t):
 
 
 def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
-                   log=print) -> list[ProgramMemory]:
+                   log=print, inspect=None) -> list[ProgramMemory]:
     """Compile `cfg`'s prefill, decode, logprob and learn programs for `devices` (a mesh
-    of `cfg.mesh` over them) with the model shapes `model_cfg`; their per-chip memory."""
+    of `cfg.mesh` over them) with the model shapes `model_cfg`; their per-chip memory.
+    `inspect(name, compiled)`, when given, sees each compiled program (the collective
+    audit, `experiments/collective_budget.py`, reads its HLO)."""
     mesh = make_mesh(cfg.mesh, devices=devices)
     graphdef, policy = abstract_params(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)), mesh)
     value_gd, value = None, None
@@ -235,6 +237,8 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
         log(f"[{label}] {name}: peak {row.peak / GIB:.2f} + resident {resident / GIB:.2f} "
             f"GiB ({row.compile_s:.0f} s to compile)")
         out.append(row)
+        if inspect is not None:
+            inspect(name, compiled)
         return compiled
 
     # Sampler: the policy's inference copy (and the head built from it) are arguments;

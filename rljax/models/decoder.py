@@ -15,6 +15,20 @@ from rljax.models.kv_cache import KVCache, init_kv_cache
 from rljax.models.layers import MLP, RMSNorm, compute_dtype, normal_param, rope_cos_sin
 from rljax.models.scanned import (effective_remat, remat_policy, scan_apply, scan_apply_indexed,
                                   stacked)
+from rljax.sharding import constrain_logical
+
+# The residual stream's logical axes: rows over the batch axes, positions and the hidden
+# dimension whole on a chip. Without this constraint the partitioner followed the
+# embedding table (hidden split over fsdp) inside micro-batch loops, so every chip held
+# every row of a micro-batch and each projection moved an activation-sized collective
+# (docs/pods.md, "Collective audit").
+RESIDUAL_AXES = ("batch", "length", "act_embed")
+
+
+def constrain_residual(x_BxTxD: jax.Array) -> jax.Array:
+    """The residual stream constrained to `RESIDUAL_AXES` on the mesh set by
+    `jax.set_mesh` (rows split over data x fsdp where they divide); unchanged off a mesh."""
+    return constrain_logical(x_BxTxD, RESIDUAL_AXES)
 
 
 class Block(nnx.Module):
@@ -35,8 +49,8 @@ class Block(nnx.Module):
         """(new residual stream, this layer's (keys, values)); see :class:`Attention`."""
         a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot, prefix_kv,
                           group_prefix)
-        x = x + a
-        return x + self.mlp(self.mlp_norm(x)), kv
+        x = constrain_residual(x + a)
+        return constrain_residual(x + self.mlp(self.mlp_norm(x))), kv
 
 
 def _check_ids(input_ids_BxT, positions_BxT, mask_BxT):
@@ -99,7 +113,7 @@ class Decoder(nnx.Module):
             self.lm_head = normal_param(rngs, (d, v), ("embed", "vocab"))
 
     def _embed(self, ids_BxT):
-        return jnp.take(self.embed[...], ids_BxT, axis=0)
+        return constrain_residual(jnp.take(self.embed[...], ids_BxT, axis=0))
 
     def hidden_states(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike | None = None,
                       mask_BxT: ArrayLike | None = None, *, remat: bool = False) -> jax.Array:
@@ -144,7 +158,7 @@ class Decoder(nnx.Module):
         g = grouped.check_groups(pids, prompt_mask_NxP, ids, mask_BxT)
         k = grouped.prompt_copies(pids.shape[0], g)  # each prompt's copies (1 off a mesh)
         pids = grouped.on_batch_shards(grouped.repeat_rows(pids, k))
-        pm = grouped.repeat_rows(jnp.asarray(prompt_mask_NxP, bool), k)
+        pm = grouped.on_batch_shards(grouped.repeat_rows(jnp.asarray(prompt_mask_NxP, bool), k))
         cm = jnp.asarray(mask_BxT, bool)
         pm_B = grouped.repeat_rows(pm, g // k)
         c = self.config

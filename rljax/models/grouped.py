@@ -101,8 +101,15 @@ def on_batch_shards(x_Cx):
 
 
 def repeat_rows(x_Nx, g: int):
-    """Each row G times, consecutively: ``[N, ...] -> [N G, ...]`` (its transpose sums)."""
-    return jnp.repeat(x_Nx, g, axis=0, total_repeat_length=x_Nx.shape[0] * g)
+    """Each row G times, consecutively: ``[N, ...] -> [N G, ...]`` (its transpose sums).
+
+    A broadcast and a reshape, not ``jnp.repeat`` (a gather): with the rows split over the
+    batch shards, copies of a row land on the shard that holds it, so the partitioner
+    keeps it local; the gather all-gathered the prompt keys and values over fsdp in every
+    layer (docs/pods.md, "Collective audit")."""
+    n = x_Nx.shape[0]
+    return jnp.broadcast_to(x_Nx[:, None], (n, g, *x_Nx.shape[1:])).reshape(n * g,
+                                                                          *x_Nx.shape[1:])
 
 
 def can_share_prompts(graphdef) -> bool:

@@ -8,6 +8,7 @@ models (e.g. one kv head) still place on any mesh.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import jax
@@ -92,11 +93,33 @@ def logical_sharding(names, shape, mesh: Mesh, drop: tuple[str, ...] = ()) -> Na
     return NamedSharding(mesh, fitted_spec(names, shape, mesh, drop))
 
 
+_CONSTRAINTS = [True]
+
+
+@contextlib.contextmanager
+def logical_constraints(enabled: bool):
+    """Within this context, programs traced get (``True``) or lack (``False``) the
+    constraints of :func:`constrain_logical` and the layouts that ask
+    :func:`constraints_enabled`: the collective audit's control compiles a program as it
+    was before them (``tests/test_collectives.py``)."""
+    _CONSTRAINTS.append(bool(enabled))
+    try:
+        yield
+    finally:
+        _CONSTRAINTS.pop()
+
+
+def constraints_enabled() -> bool:
+    """Whether :func:`constrain_logical` constrains (see :func:`logical_constraints`)."""
+    return _CONSTRAINTS[-1]
+
+
 def constrain_logical(value, names: Sequence[str | None]):
     """``value`` constrained to the sharding of its logical axis ``names`` on the mesh set
-    by ``jax.set_mesh`` (inside jit: a sharding constraint); ``value`` itself without one."""
+    by ``jax.set_mesh`` (inside jit: a sharding constraint); ``value`` itself without one
+    (or inside ``logical_constraints(False)``)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or not constraints_enabled():
         return value
     return jax.lax.with_sharding_constraint(
         value, NamedSharding(mesh, fitted_spec(names, value.shape, mesh)))

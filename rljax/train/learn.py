@@ -200,7 +200,9 @@ def _updates(spec: LearnSpec, update, params, opt_state, counters, batch, coef, 
     def one(carry, xs):
         rows_N, sel_key = xs
         p, o, c = carry
-        mb = jax.tree.map(lambda x: x[rows_N], batch)
+        # One minibatch is the batch in order: no gather (a gather by traced row indices
+        # all-reduced every batch array over the batch shards).
+        mb = dict(batch) if a.num_minibatches == 1 else jax.tree.map(lambda x: x[rows_N], batch)
         if select is not None:
             mb["cov_select_BxT"] = select(p, mb, sel_key)
         p, o, c, m = update(p, o, c, mb, coef)

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
 from rljax.models.layers import compute_dtype as _compute_dtype
+from rljax.sharding import BATCH_AXES, constrain_logical, constraints_enabled
 
 Array = Any
 
@@ -139,6 +140,49 @@ def _linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
     return z, e, s, logz, logp, ent
 
 
+# ---------------------------------------------------------------------------------------
+# The head weight's gradient across chunks, reduced once.
+#
+# A chunk's dW = h^T . g contracts the batch rows, which are split over data x fsdp, so
+# every chunk's product is a partial sum per batch shard. Summed into a [D, V] accumulator
+# inside the chunk loop, the partitioner reduces it in the loop: once per chunk, 64 x
+# 545 MB a step on 0.5b-v5e8 (docs/pods.md, "Collective audit"). Keeping the partial sums
+# apart, as [S, D, V] with S = the batch shards split like the rows, makes each chunk's
+# product local; one sum over S after the loop is the one reduce-scatter per micro-batch.
+# The cost: a chip holds D x V / tensor float32 (0.5B: 545 MB) instead of its 1 / fsdp
+# share of it for the length of the loop.
+
+#: Logical axes of the partial accumulator ``[S, D, V]``: S split as the rows are.
+PARTIAL_DW_AXES = ("batch", None, "vocab")
+#: Logical axes of a linear head's ``dW`` in the ``[D, V]`` layout (tied or not).
+DW_DXV_AXES = ("embed", "vocab")
+
+
+def batch_shards(b: int) -> int:
+    """The number of batch shards (data x fsdp of the mesh set by ``jax.set_mesh``) that
+    the ``[S, D, V]`` partial sums keep apart: 1 off a mesh, when ``b`` rows do not split
+    evenly, or inside ``rljax.sharding.logical_constraints(False)``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not constraints_enabled():
+        return 1
+    s = math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.shape)
+    return s if b % s == 0 else 1
+
+
+def partial_dw(h_BxCxD, g_BxCxV, cd, s: int):
+    """``h^T . g`` per batch shard: ``[S, D, V]`` float32 (``S = s`` groups of rows)."""
+    b, c, d = h_BxCxD.shape
+    h = h_BxCxD.astype(cd).reshape(s, b // s, c, d)
+    g = g_BxCxV.reshape(s, b // s, c, g_BxCxV.shape[-1])
+    dw = jnp.einsum("sbcd,sbcv->sdv", h, g, preferred_element_type=jnp.float32)
+    return constrain_logical(dw, PARTIAL_DW_AXES)
+
+
+def reduce_partial_dw(dw_SxDxV, names_DxV=DW_DXV_AXES):
+    """The partial sums added over the batch shards, placed as the head weight is."""
+    return constrain_logical(jnp.sum(dw_SxDxV, axis=0), names_DxV)
+
+
 def _linear_chunk_fwd(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
     _, _, _, logz, logp, ent = _linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd,
                                                    inv_temp)
@@ -218,10 +262,11 @@ def _linear_bwd(vocab_major, cd, inv_temp, c, res, cts):
                         preferred_element_type=jnp.float32)
         # dW as [D, V] = h^T . g, g's rows contracted in place: asked for as [V, D]
         # (g^T . h), XLA:CPU wrote a transposed copy of g; a tied W's [V, D] is the
-        # transpose of this small result instead.
-        dw_DxV = jnp.einsum("bcd,bcv->dv", h.astype(cd), g, preferred_element_type=jnp.float32)
-        return dh.astype(h_BxTxD.dtype), dw_DxV
+        # transpose of this small result instead. Partial sums per batch shard, reduced
+        # once after the loop (`partial_dw`).
+        return dh.astype(h_BxTxD.dtype), partial_dw(h, g, cd, s)
 
+    s = batch_shards(b)
     xs = (_chunks(h_BxTxD, n, c), _chunks(tgt_BxT, n, c), _chunks(logz_BxT, n, c),
           _chunks(ent_BxT, n, c), _chunks(a_BxT, n, c), _chunks(e_BxT, n, c))
     if n == 1:
@@ -232,8 +277,10 @@ def _linear_bwd(vocab_major, cd, inv_temp, c, res, cts):
             dh, dw = chunk(x)
             return acc + dw, dh
 
-        dw, dh_NxBxCxD = jax.lax.scan(step, jnp.zeros((w.shape[1], w.shape[0]) if vocab_major
-                                                      else w.shape, jnp.float32), xs)
+        d, v = (w.shape[1], w.shape[0]) if vocab_major else w.shape
+        zeros = constrain_logical(jnp.zeros((s, d, v), jnp.float32), PARTIAL_DW_AXES)
+        dw, dh_NxBxCxD = jax.lax.scan(step, zeros, xs)
+    dw = reduce_partial_dw(dw)
     if vocab_major:
         dw = dw.T
     return dw.astype(w.dtype), _unchunk(dh_NxBxCxD, t), None

@@ -33,8 +33,9 @@ from flax import nnx
 
 from rljax.models.layers import compute_dtype
 from rljax.sharding import constrain_logical, logical_axes
-from rljax.train.logprobs import (_check_linear_args, _chunks, _linear_chunk_stats,
-                                  _unchunk, completion_hidden, head_weight)
+from rljax.train.logprobs import (DW_DXV_AXES, PARTIAL_DW_AXES, _check_linear_args, _chunks,
+                                  _linear_chunk_stats, _unchunk, batch_shards, completion_hidden,
+                                  head_weight, partial_dw, reduce_partial_dw)
 
 Array = Any
 #: ``token_grads(aux, logp_BxC, entropy_BxC, start) -> (a_BxC, e_BxC)``: the loss's
@@ -53,7 +54,7 @@ def padded_width(t: int, chunk: int) -> int:
 
 
 def _chunk_pass(w, h_BxCxD, tgt_BxC, aux, start, token_grads, vocab_major, cd, inv_temp,
-                with_ent):
+                with_ent, shards):
     z, e, s, logz, logp, ent = _linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd,
                                                    inv_temp)
     a, eg = token_grads(aux, logp, ent, start)
@@ -67,8 +68,7 @@ def _chunk_pass(w, h_BxCxD, tgt_BxC, aux, start, token_grads, vocab_major, cd, i
     g = (g * inv_temp).astype(cd)
     dh = jnp.einsum("bcv,vd->bcd" if vocab_major else "bcv,dv->bcd", g, w.astype(cd),
                     preferred_element_type=jnp.float32)
-    dw_DxV = jnp.einsum("bcd,bcv->dv", h_BxCxD.astype(cd), g, preferred_element_type=jnp.float32)
-    return logp, ent, dh, dw_DxV
+    return logp, ent, dh, partial_dw(h_BxCxD, g, cd, shards)
 
 
 def _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c, with_ent,
@@ -76,21 +76,23 @@ def _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c, wi
     b, t, d = h_BxTxD.shape
     n = math.ceil(t / c)
     wc = w.astype(cd)
-    # The [D, V] accumulator lives from the first chunk to the backward pass: split it as
-    # W is (a reduce-scatter per chunk), not replicated, on a mesh.
-    names_DxV = None if w_names is None else (w_names[::-1] if vocab_major else w_names)
-    place = (lambda x: x) if names_DxV is None else (lambda x: constrain_logical(x, names_DxV))
+    # The chunks' dW stay partial sums per batch shard, [S, D, V], through the loop and
+    # are reduced once after it, to W's own split (rljax.train.logprobs, `partial_dw`).
+    names_DxV = DW_DXV_AXES if w_names is None else (w_names[::-1] if vocab_major else w_names)
+    s = batch_shards(b)
 
-    def step(dw_DxV, xs):
+    def step(dw_SxDxV, xs):
         h, tgt, start = xs
         logp, ent, dh, dw = _chunk_pass(wc, h, tgt, aux, start, token_grads, vocab_major, cd,
-                                        inv_temp, with_ent)
-        return place(dw_DxV + dw), (logp, ent, dh)
+                                        inv_temp, with_ent, s)
+        return dw_SxDxV + dw, (logp, ent, dh)
 
     starts = jnp.arange(n, dtype=jnp.int32) * c
-    dw_DxV, (logp, ent, dh) = jax.lax.scan(
-        step, place(jnp.zeros((d, w.shape[0] if vocab_major else w.shape[1]), jnp.float32)),
+    v = w.shape[0] if vocab_major else w.shape[1]
+    dw_SxDxV, (logp, ent, dh) = jax.lax.scan(
+        step, constrain_logical(jnp.zeros((s, d, v), jnp.float32), PARTIAL_DW_AXES),
         (_chunks(h_BxTxD, n, c), _chunks(tgt_BxT, n, c), starts))
+    dw_DxV = reduce_partial_dw(dw_SxDxV, names_DxV)
     dw = dw_DxV.T if vocab_major else dw_DxV
     return _unchunk(logp, t), _unchunk(ent, t), _unchunk(dh, t), dw
 
@@ -140,7 +142,8 @@ def one_pass_head(
     token-separable loss (module docstring), evaluated on the chunk's values. ``aux``
     (arrays) is passed to it and gets no gradient. ``with_entropy``: the loss depends on
     the entropies (otherwise ``e`` is ignored). ``weight_names``: ``w``'s logical axis
-    names (``rljax.sharding``), to keep the gradient accumulator split as ``w`` is on a mesh.
+    names (``rljax.sharding``; default a decoder head's), to place its gradient, reduced
+    once over the batch shards after the chunk loop, as ``w`` is on a mesh.
 
     Returns ``(surrogate, logp_BxT, entropy_BxT)``: the two float32 arrays under
     ``stop_gradient``, and ``surrogate``, a float32 zero whose gradient with respect to
