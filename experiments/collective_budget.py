@@ -121,7 +121,7 @@ def audit_recipe(label, cfg, rec, *, tiny: bool = False, dump: str | None = None
     collective of each; returns the rows and the number of programs compiled. `dump`:
     write each program's HLO text there; `hlo`: read them from there instead of
     compiling (a re-audit of saved programs)."""
-    devices = mb.tpu_devices(rec.tpu.topology)
+    devices = mb.tpu_devices(rec.tpu)
     model_cfg = rec.model_config(cfg.compute_dtype)
     if devices is None:  # CPU: XLA attention (interpret-mode splash is not a kernel)
         devices = jax.devices("cpu")[: rec.tpu.chips]

@@ -278,14 +278,15 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     return out
 
 
-def tpu_devices(topology: str):
-    """The devices of a TPU topology (libtpu's compiler on this host), or None without
-    libtpu."""
+def tpu_devices(tpu):
+    """The devices of a TPU slice (`rljax.run.recipes.TpuSlice`) as a run sees them, hosts
+    included (libtpu's compiler on this host), or None without libtpu."""
     if not HAVE_LIBTPU:
         return None
     from jax.experimental import topologies
 
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=tpu.topology,
+                                             **tpu.topology_kwargs()).devices)
 
 
 def recipes(selected: list[str] | None = None):
@@ -302,7 +303,7 @@ def recipes(selected: list[str] | None = None):
 
 def budget_recipe(label, cfg, rec, log=print) -> tuple[list[ProgramMemory], str]:
     """Compile one recipe for its TPU slice (or CPU devices without libtpu)."""
-    devices = tpu_devices(rec.tpu.topology)
+    devices = tpu_devices(rec.tpu)
     model_cfg = rec.model_config(cfg.compute_dtype)
     if devices is None:  # CPU estimate: XLA attention (interpret-mode splash is not a kernel)
         devices = jax.devices("cpu")[: rec.tpu.chips]
