@@ -48,6 +48,16 @@ REWARD = textwrap.dedent('''
 
     def helper(meta):
         return 1.0 / (meta["weight"] - 3)  # ZeroDivisionError on weight 3
+
+    class Terms:
+        """A batch reward that reports two terms (logged as reward/<term>)."""
+
+        def __call__(self, completions, metadata):
+            self.last_components = {"weight": [m["weight"] for m in metadata],
+                                    "length": [len(c) for c in completions]}
+            return [0.0] * len(completions)
+
+    terms = Terms()
 ''')
 ROWS = [{"q": f"{i}+1", "weight": i, "level": "ok" if i < 3 else "hard"} for i in range(1, 6)]
 
@@ -149,6 +159,11 @@ def test_custom_rewards_in_the_pool_time_out_and_name_the_prompt(work, caplog):
     fn = ImportedFunction.of("my_reward:score")
     ok = PooledBatchReward(fn, pool, timeout_s=5.0)
     np.testing.assert_allclose(score_batch_fn(ok, texts, meta, 1), [2, 4, 6, 8, 10])
+    assert ok.last_components == {}
+    terms = PooledBatchReward(ImportedFunction.of("my_reward:terms"), pool, timeout_s=5.0)
+    score_batch_fn(terms, texts, meta, 1)  # the worker's term values come back with it
+    np.testing.assert_array_equal(terms.last_components["weight"], [1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(terms.last_components["length"], [2] * 5)
     hang = PooledBatchReward(ImportedFunction.of("my_reward:slow"), pool, timeout_s=0.5)
     with caplog.at_level(logging.WARNING):
         np.testing.assert_array_equal(score_batch_fn(hang, texts[:2], meta[:2], 1), [0, 0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -30,13 +31,30 @@ def _user_traceback(e: BaseException) -> str:
     return "".join(ln for ln in lines if "<frozen importlib" not in ln)
 
 
+def _same_file(module, file: str | None) -> bool:
+    where = getattr(module, "__file__", None)
+    return file is None or (where is not None
+                            and os.path.realpath(where) == os.path.realpath(file))
+
+
 def _module(name: str, search_dir: str | None, file: str | None):
-    if name in sys.modules:
-        return sys.modules[name]
+    if file is None and search_dir is not None and "." not in name:
+        found = importlib.machinery.PathFinder.find_spec(name, [search_dir])
+        file = found.origin if found is not None else None  # the file `python -m` finds
+    cached = sys.modules.get(name)
+    if cached is not None and _same_file(cached, file):
+        return cached
+    if cached is not None:  # a module of that name from elsewhere (a long-lived reward
+        del sys.modules[name]  # worker serving another run): import this one
+        if search_dir is not None and search_dir in sys.path:
+            sys.path.remove(search_dir)  # put it first again below
     if search_dir is not None and search_dir not in sys.path:
         sys.path.insert(0, search_dir)  # what `python -m` does with the current directory
     try:
-        return importlib.import_module(name)
+        module = importlib.import_module(name)
+        if _same_file(module, file):
+            return module
+        del sys.modules[name]  # the search found another file of that name: load `file`
     except ModuleNotFoundError as e:
         if file is None or e.name != name.split(".")[0] and e.name != name:
             raise

@@ -12,6 +12,7 @@ prompt that fails.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
@@ -44,12 +45,29 @@ def sources_text(metadata: Sequence[Mapping[str, Any]], limit: int = 8) -> str:
     return ", ".join(seen[:limit]) + more
 
 
+@dataclasses.dataclass(frozen=True)
+class _WithComponents:
+    """`fn`'s rewards and, when its function object sets `last_components` (a dict of
+    per-row term values, as `ComponentReward` does), those too: the worker's copy of the
+    object holds them, so they travel back with the rewards."""
+
+    fn: Callable
+
+    def __call__(self, completions, metadata):
+        values = self.fn(completions, metadata)
+        target = self.fn.resolve() if hasattr(self.fn, "resolve") else self.fn
+        comps = getattr(target, "last_components", None) or {}
+        return values, {k: np.asarray(v, np.float32) for k, v in comps.items()}
+
+
 class PooledBatchReward:
     """`fn(completions, metadata)` in a worker of `get_pool()`, cut at `timeout_s`.
 
     `fn` must pickle (`rljax.rewards.imported.ImportedFunction` does: a worker imports it
     again by path). `get_pool` returns the pool at call time, so the process's shared pool
-    starts only when a reward is first scored."""
+    starts only when a reward is first scored. `last_components`: the per-row term values
+    the function set in the worker on the latest call (empty after a time-out), from
+    which the trainer logs `reward/<term>` means."""
 
     is_batch_reward = True
 
@@ -61,13 +79,16 @@ class PooledBatchReward:
         self.timeout_s, self.timeout_reward = float(timeout_s), float(timeout_reward)
         self.name = reward_name(fn)
         self.timeouts = 0
+        self.last_components: dict[str, np.ndarray] = {}
 
     def __call__(self, completions: Sequence[str],
                  metadata: Sequence[Mapping[str, Any]]) -> np.ndarray:
-        res = self.get_pool().run([(self.fn, list(completions), list(metadata))],
-                                  self.timeout_s)[0]
+        self.last_components = {}
+        res = self.get_pool().run([(_WithComponents(self.fn), list(completions),
+                                    list(metadata))], self.timeout_s)[0]
         if res[0] == "ok":
-            return res[1]
+            values, self.last_components = res[1]
+            return values
         if res[0] == "error":
             raise RemoteRewardError(res[1], res[2])
         self.timeouts += 1
