@@ -43,6 +43,8 @@ from rljax.run.experiment import ExperimentConfig, config_from_dict
 from rljax.run.experiment_files import load_experiment
 from rljax.run.overrides import apply_overrides
 from rljax.run.run_dir import is_local
+from rljax.run.user_reward import shared_reward_pool
+from rljax.rewards import score_batch
 from rljax.sampling import generate
 from rljax.sharding import MeshConfig, make_mesh, state_shardings
 from rljax.train.checkpoint import Checkpointer, pure_params
@@ -294,8 +296,16 @@ def _experiment_for(source_cfg, experiment, overrides):
     return apply_overrides(source_cfg, overrides)
 
 
-def _correct(accuracy_fn, texts, metadata) -> np.ndarray:
-    return np.asarray([bool(accuracy_fn(t, m)) for t, m in zip(texts, metadata)], np.float64)
+def _correct(accuracy_fn, texts, metadata, reward) -> np.ndarray:
+    """The verifier's outcomes (0/1): in the reward pool under `reward.timeout_s` when the
+    run's reward uses workers (a call past the limit counts wrong, and is logged), else
+    in this process."""
+    if not reward.workers:
+        return np.asarray([bool(accuracy_fn(t, m)) for t, m in zip(texts, metadata)],
+                          np.float64)
+    out = score_batch([accuracy_fn], list(texts), list(metadata), group_size=1,
+                      timeout_s=reward.timeout_s, pool=shared_reward_pool(reward.workers))
+    return (out.rewards != 0).astype(np.float64)
 
 
 def _decode(tokenizer, res, stops: tuple) -> list[str]:
@@ -344,11 +354,11 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
         common = dict(stop_ids=stops, pad_id=pad)
         res = generate(model, ids, key=jax.random.key(0), temperature=0.0,
                        max_new_tokens=opts["max_new_tokens"], **common)
-        greedy.append(_correct(accuracy_fn, _decode(tokenizer, res, stops), meta))
+        greedy.append(_correct(accuracy_fn, _decode(tokenizer, res, stops), meta, cfg.reward))
         res = generate(model, ids, key=jax.random.key(cfg.run.seed + 1 + i), num_samples=k,
                        **opts, **common)
         rep_meta = [m for m in meta for _ in range(k)]
-        ok = _correct(accuracy_fn, _decode(tokenizer, res, stops), rep_meta)
+        ok = _correct(accuracy_fn, _decode(tokenizer, res, stops), rep_meta, cfg.reward)
         ok = ok.reshape(len(prompts), k)
         passed.append(ok.any(axis=1))
         sampled.append(ok.mean(axis=1))
