@@ -68,6 +68,12 @@ def test_empty_files_folders_bom_and_extra_fields(tmp_path):
     assert rec["meta"] == {"level": 0} and rec["answer"] == GSM[0]["answer"]
     with pytest.raises(ValueError, match="missing field 'final'"):
         D.load_jsonl(p, {"prompt": "question", "ref": "final"})
+    for encoding, name in (("utf-16", "UTF-16-LE"), ("utf-16-be", None), ("utf-32", "UTF-32-LE")):
+        text = json.dumps(GSM[0]) + "\n"
+        p.write_bytes(text.encode(encoding) if name else b"\xfe\xff" + text.encode(encoding))
+        with pytest.raises(ValueError, match=f"bom.jsonl: the file is {name or 'UTF-16-BE'} "
+                                             "\\(it starts with that byte-order mark\\)"):
+            D.load_jsonl(p)
 
 
 def test_parquet(tmp_path):

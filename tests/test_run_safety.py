@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -94,9 +97,20 @@ def test_resume_true_needs_a_run_and_auto_starts_one(tmp_path):
 
 
 EXPERIMENT = textwrap.dedent('''
+    import os, pathlib, signal, time
+    import numpy as np
     from rljax.models import ModelConfig
     from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig
     from rljax.run.experiment import ExperimentConfig, RunConfig, TaskConfig
+
+    def hangs_when_marked(completions, metadata):
+        """The share of digits; once a file `hang` lies beside this one, it sends SIGTERM
+        to the process whose pid the file holds (the run), then hangs."""
+        marker = pathlib.Path(__file__).with_name("hang")
+        if marker.exists():
+            os.kill(int(marker.read_text()), signal.SIGTERM)
+            time.sleep(600)
+        return np.array([sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions])
 
     def config():
         return ExperimentConfig(
@@ -165,6 +179,42 @@ def test_sigterm_and_ctrl_c_in_the_warm_up_save_and_resume_continues(exp, capsys
     ref_steps, ref_losses = _sft_losses(exp / "ref")
     assert steps == ref_steps == [1, 2, 3, 4]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)  # continued, not restarted
+
+
+def test_sigterm_while_a_reward_hangs_stops_within_its_time_limit(exp, capsys, caplog):
+    """SIGTERM arrives while a pooled reward call hangs (the reward sends it, then sleeps
+    600 s): the call is cut at `reward.timeout_s`, its step ends, is saved, and the run
+    stops there."""
+    marker, run = exp / "hang", exp / "hang_run"
+    cfg = _cfg(exp, "hang_run", "sft.steps=0", "rl.steps=4", "reward.kind=custom",
+               "reward.function=rljax_experiment_tiny_sft:hangs_when_marked",
+               "reward.workers=1", "reward.timeout_s=2")
+
+    def mark_after_step_1():
+        while not (run / "metrics.jsonl").exists() or not any(
+                r["phase"] == "rl" for r in read_metrics(run)):
+            time.sleep(0.05)
+        marker.write_text(str(os.getpid()))
+        marked.append(time.monotonic())
+
+    marked: list = []
+    threading.Thread(target=mark_after_step_1, daemon=True).start()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # a late signal is harmless
+    try:
+        with caplog.at_level(logging.WARNING), pytest.raises(Preempted) as stopped:
+            run_experiment(cfg, out=io.StringIO())
+        took = time.monotonic() - marked[0]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        marker.unlink(missing_ok=True)
+    step = stopped.value.step
+    assert stopped.value.phase == "rl" and 2 <= step < 4, str(stopped.value)
+    assert took < 60, took  # a hang guard: the reward sleeps 600 s
+    assert "timed out" in caplog.text
+    assert capsys.readouterr().err.count("SIGTERM received") == 1
+    with Checkpointer(run / "checkpoints") as ck:
+        assert ck.latest_step() == step
+    assert [r["step"] for r in read_metrics(run) if r["phase"] == "rl"] == list(range(1, step + 1))
 
 
 def test_a_resume_that_does_not_fit_changes_nothing_and_names_the_fields(exp, capsys):

@@ -8,7 +8,8 @@ template see all of them. Every record gets `source` (`"path:line"` for JSONL,
 the file and line: a line that is not JSON, a line that is not an object, a mapped field
 that is missing (unless it is `optional`). A missing file, a folder where a file is
 expected and a file with no records are errors that say so; a UTF-8 byte-order mark at
-the start of a JSONL file is skipped (RFC 8259 §8.1 lets a parser ignore it).
+the start of a JSONL file is skipped (RFC 8259 §8.1 lets a parser ignore it), and a
+UTF-16 or UTF-32 one (a Windows editor's "Unicode" save) is an error naming the encoding.
 """
 
 from __future__ import annotations
@@ -70,6 +71,23 @@ def _existing_file(path: str, kind: str) -> None:
             else f" (the folder {folder} does not exist either)"))
 
 
+# Byte-order marks of encodings JSON files may not use (RFC 8259 §8.1: UTF-8 only);
+# UTF-32's come first: UTF-32-LE's starts with UTF-16-LE's.
+_OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32-LE"), (b"\x00\x00\xfe\xff", "UTF-32-BE"),
+               (b"\xff\xfe", "UTF-16-LE"), (b"\xfe\xff", "UTF-16-BE"))
+
+
+def _check_bom(first_line: bytes, path: str) -> bytes:
+    """The first line without a UTF-8 byte-order mark; a UTF-16 / UTF-32 one is an error."""
+    if first_line.startswith(b"\xef\xbb\xbf"):
+        return first_line[3:]
+    for bom, name in _OTHER_BOMS:
+        if first_line.startswith(bom):
+            raise ValueError(f"{path}: the file is {name} (it starts with that byte-order "
+                             "mark); JSONL must be UTF-8: save it as UTF-8")
+    return first_line
+
+
 def _no_records(path: str, lines: int) -> ValueError:
     what = "the file is empty" if lines == 0 else f"its {lines} lines are blank"
     return ValueError(f"{path}: no records ({what})")
@@ -91,8 +109,8 @@ def load_jsonl(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
     with open(path, "rb") as fh:
         for lineno, raw_line in enumerate(fh, start=1):
             where = f"{path}:{lineno}"
-            if lineno == 1 and raw_line.startswith(b"\xef\xbb\xbf"):  # UTF-8 BOM
-                raw_line = raw_line[3:]
+            if lineno == 1:
+                raw_line = _check_bom(raw_line, path)
             try:
                 line = raw_line.decode("utf-8")
             except UnicodeDecodeError as e:  # name the line, not only the byte offset

@@ -6,20 +6,21 @@ same step, or the checkpoint's collective save would hang or mix steps.
 
 - Several processes (`jax.distributed` initialised): JAX's preemption sync manager (created
   by `jax.distributed.initialize`; it catches SIGTERM in C++) propagates the notice
-  through the coordination service, and `multihost_utils.reached_preemption_sync_point(step)`
-  returns True on every process at the same step (the largest step any process had reported
-  plus one). It must be called at every step boundary, in order, by every process; checked
-  here on CPU processes with gloo collectives. JAX ignores a notice that comes before a
-  process's first call (checked here), so `run_experiment` reports the first RL step as soon
-  as its checkpoint directory is open: a SIGTERM during the setup (model, compilation, first
-  evaluation) stops the run after its first step; only one during the start of the
-  process (imports, `jax.distributed.initialize`) is lost, and the run goes on.
+  through the coordination service, and `multihost_utils.reached_preemption_sync_point(n)`
+  returns True on every process at the same boundary (the largest `n` any process had
+  reported plus one). Every process must call it at every step boundary, in the same order:
+  `StopSignal.reached` numbers the boundaries itself (one counter per process, SFT warm-up
+  and RL steps alike), so the warm-up stops at an agreed SFT step as RL does at an agreed
+  RL step. Checked here on CPU processes with gloo collectives. JAX ignores a notice that
+  comes before a process's first call (checked here), so `run_experiment` reports a
+  boundary as soon as its checkpoint directory is open: a SIGTERM during the setup (model,
+  compilation, first evaluation) stops the run at its first step; only one during the
+  start of the process (imports, `jax.distributed.initialize`) is lost, and the run goes on.
 - One process: a Python SIGTERM handler sets a flag, read at the next step boundary
   (installed only from the main thread, the previous handler restored on exit), and says
-  at once, once, that the run will stop there. The flag is read at SFT warm-up steps too
-  (`StopSignal.requested`), so a SIGTERM there stops the warm-up at its next step with a
-  checkpoint; on several processes the warm-up is not cut (the agreed stop counts RL steps)
-  and the run stops after its first RL step.
+  at once, once, that the run will stop there. The warm-up's boundaries read it too, so a
+  SIGTERM there stops the warm-up at its next step with a checkpoint
+  (`rljax.run.warmup_stop`).
 
 `Preempted` is what `run_experiment` raises once the state of that step is saved
 (`stop_saved`); its message is printed once, by `rljax train`. Ctrl-C (SIGINT) on one
@@ -39,6 +40,7 @@ that the latest checkpoint is intact.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -48,6 +50,10 @@ import jax
 from jax.experimental import multihost_utils
 
 __all__ = ["DeferredInterrupt", "Preempted", "StopSignal", "save_interrupted", "stop_saved"]
+
+# The boundaries this process has reported to JAX's sync manager: increasing over the
+# process's life (a process may run several runs, each with its own `StopSignal`).
+_BOUNDARIES = itertools.count(1)
 
 
 class Preempted(Exception):
@@ -85,11 +91,6 @@ class StopSignal:
                   "saves it", file=sys.stderr, flush=True)
         self._flag = True
 
-    def requested(self) -> bool:
-        """True once this process (one-process runs) was told to stop; False on several
-        processes, where only `reached` (RL steps) makes the processes agree."""
-        return self._flag and not self.distributed
-
     def _forward_ctrl_c(self, signum, frame) -> None:
         """Several processes: the first Ctrl-C asks for an agreed stop (module docstring)."""
         signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))  # a second: at once
@@ -122,9 +123,12 @@ class StopSignal:
         return _Unguarded() if self.distributed else DeferredInterrupt()
 
     def reached(self, step: int) -> bool:
-        """Call after every step (and once with the starting step), on every process."""
+        """True at the boundary after `step` where every process stops. Call it at every
+        step boundary (SFT warm-up and RL; once before the first step), on every process,
+        in the same order: on several processes the boundaries are numbered here, not by
+        `step`, so that warm-up and RL steps form one increasing sequence."""
         if self._agreed:
-            return bool(multihost_utils.reached_preemption_sync_point(int(step)))
+            return bool(multihost_utils.reached_preemption_sync_point(next(_BOUNDARIES)))
         return self._flag
 
 

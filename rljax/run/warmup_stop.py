@@ -3,12 +3,11 @@
 The warm-up counts its own steps, so its checkpoints live apart from the RL ones, in
 `RUN_DIR/sft_checkpoints/` (the latest only). Each warm-up step runs inside
 `StopSignal.guard()` (Ctrl-C is held until the step's update is done, as in RL); after the
-step a Ctrl-C or a SIGTERM (`StopSignal.requested`, one process) saves the warm-up state
-and its loop variables and stops the run (KeyboardInterrupt, or `Preempted` naming the
-SFT step). `run.resume` with no RL checkpoint yet restores that state, and the warm-up
-continues from the step after it, with the same data and the same stopping rule, as if it
-had not stopped. On several processes only RL steps are agreed stop points: a SIGTERM
-during the warm-up stops the run after its first RL step (`rljax.run.preemption`).
+step a Ctrl-C or a SIGTERM (`StopSignal.reached`: on several processes, at a warm-up step
+every process agrees on) saves the warm-up state and its loop variables and stops the run
+(KeyboardInterrupt, or `Preempted` naming the SFT step). `run.resume` with no RL
+checkpoint yet restores that state, and the warm-up continues from the step after it, with
+the same data and the same stopping rule, as if it had not stopped.
 """
 
 from __future__ import annotations
@@ -70,7 +69,7 @@ class WarmupStop:
         SIGTERM, save `state` with `loop` (JSON: what the loop needs to go on) and stop."""
         if held.hit:
             raise KeyboardInterrupt
-        if self.stop.requested():
+        if self.stop.reached(step):  # every process alike
             ck = self._checkpointer()
             ck.save(step, state, {"phase": "sft", "loop": loop}, force=True)
             ck.wait_until_finished()
