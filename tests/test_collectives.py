@@ -244,7 +244,7 @@ def test_rules():
         return dataclasses.replace(
             parse_collectives(_HLO.replace("GROUPS", "{{0,1}}"))[0], kind=kind,
             groups=groups, operand_shapes=(("f32", (n,)),), result_shapes=(("f32", (n,)),),
-            loops=tuple(Loop(f"w{i}", t) for i, t in enumerate(loops)))
+            unpadded_shapes=(("f32", (n,)),), loops=tuple(Loop(f"w{i}", t) for i, t in enumerate(loops)))
 
     over_fsdp = ((0, 2, 4, 6), (1, 3, 5, 7))  # device i = (data, fsdp, tensor) unravelled
     over_tensor = ((0, 1), (2, 3), (4, 5), (6, 7))
@@ -255,3 +255,19 @@ def test_rules():
     assert classify(coll("all-reduce", over_tensor, 4096), exp) == (True, "c tensor activation")
     assert classify(coll("all-reduce", over_tensor, 8192), exp)[0] is False
     assert classify(coll("all-to-all", over_fsdp, 256), exp) == (True, "d small")
+
+
+def test_a_reduce_scatter_lowered_as_an_all_reduce_of_a_padded_gradient_is_a_reduction():
+    """XLA:TPU's form on gsm8k_llama3_grpo/8b-v5p64 (fsdp 8): the gradient [4096, 3584] is
+    padded to [4480, 3584] and all-reduced over fsdp, each chip keeping its slice."""
+    hlo = _HLO.replace("%r = f32[8]{0} all-reduce(%x)", "%q = f32[400]{0} pad(%x, %zero), "
+                       "padding=0_392\n  %r = f32[400]{0} all-reduce(%q)").replace(
+        "%x = f32[8]{0} get-tuple-element(%p), index=1",
+        "%x = f32[8]{0} get-tuple-element(%p), index=1\n  %zero = f32[] constant(0)").replace(
+        "GROUPS", "{{0,2,4,6},{1,3,5,7}}")
+    (c,) = parse_collectives(hlo)
+    assert c.operand_shapes == (("f32", (400,)),) and c.unpadded_shapes == (("f32", (8,)),)
+    shape = {"data": 1, "fsdp": 4, "tensor": 2}
+    grads = Expectation(shape, {8: 1}, micro_batches=4, activation_elems=4096)
+    assert classify(c, grads) == (True, "b gradient reduction")
+    assert classify(c, dataclasses.replace(grads, param_sizes={400: 1}))[0] is False  # control

@@ -15,7 +15,9 @@ loops multiply (``Collective.executions``).
       or XLA:TPU's collective-matmul form of it: parameter shards passed around the
       fsdp ring by collective-permutes;
   (b) a gradient reduce-scatter or all-reduce over the batch axes, executed at most once
-      per micro-batch (per layer, for a stacked layer's slice);
+      per micro-batch (per layer, for a stacked layer's slice); its operands are
+      parameter-shaped before XLA's padding (XLA:TPU reduce-scatters a dimension it
+      cannot split evenly as an all-reduce of a zero-padded operand);
   (c) an activation collective over the tensor axis only, no larger than one layer's
       activation at the ideal rows per device (micro-batch / (data x fsdp));
   (d) at most 1 KiB on a chip.
@@ -71,7 +73,9 @@ class Collective:
     shapes are ``(dtype, dims)`` pairs; bytes are per chip (one device's buffers).
     groups: the replica groups as tuples of device ids (positions in the program's device
     assignment); ``((),)`` when every device is in one group. loops: enclosing while
-    loops, outermost first.
+    loops, outermost first. unpadded_shapes: the operands before XLA's padding (XLA:TPU
+    lowers a reduce-scatter of a dimension it cannot split evenly as an all-reduce of
+    the zero-padded operand, then a slice); the operand shapes where nothing was padded.
     """
 
     kind: str
@@ -81,6 +85,7 @@ class Collective:
     groups: tuple
     loops: tuple[Loop, ...]
     op_name: str = ""
+    unpadded_shapes: tuple = ()
 
     @property
     def operand_bytes(self) -> int:
@@ -254,6 +259,13 @@ def _op_name(line: str) -> str:
     return m.group(1) if m else ""
 
 
+def _unpad(name: str, defs: dict) -> str:
+    """The instruction a ``pad`` pads (its first operand); ``name`` itself otherwise."""
+    op, rest = defs.get(name, ("", ""))
+    args = re.findall(r"%([\w.\-]+)", rest.split(")")[0]) if op == "pad" else []
+    return args[0] if args else name
+
+
 def parse_collectives(hlo: str) -> list[Collective]:
     """Every collective of an HLO module's text (``compiled.as_text()``), with its loops.
 
@@ -287,13 +299,13 @@ def parse_collectives(hlo: str) -> list[Collective]:
             name, rtype, op, rest = m.groups()
             base = op[:-6] if op.endswith("-start") else op
             if base in KINDS and not op.endswith("-done"):
-                args = rest.split(")")[0]
-                operands = tuple(s for a in re.findall(r"%([\w.\-]+)", args)
-                                 for s in _shapes(shapes.get(a, "")))
+                args = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+                operands = tuple(s for a in args for s in _shapes(shapes.get(a, "")))
+                unpadded = tuple(s for a in args for s in _shapes(shapes.get(_unpad(a, defs), "")))
                 result = _shapes(done_of.get(name, rtype)) if op.endswith("-start") else (
                     _shapes(rtype))
                 out.append(Collective(base, name, operands, result, _groups(rest), loops,
-                                      _op_name(line)))
+                                      _op_name(line), unpadded))
             if op == "while":
                 trip = _TRIP.search(line)
                 body = re.search(r"body=%?([\w.\-]+)", line).group(1)
@@ -414,9 +426,11 @@ def classify(coll: Collective, exp: Expectation) -> tuple[bool, str]:
             n in exp.param_sizes for n in _elems(coll.operand_shapes)):
         return True, "a weight gather (collective matmul)"
     if coll.kind in ("all-reduce", "reduce-scatter") and axes and axes <= {"data", "fsdp"}:
-        # XLA combines reductions: parameter-shaped operands, plus at most 1 KiB of others.
-        per = [exp.param_sizes.get(n) for n in _elems(coll.operand_shapes)]
-        rest = sum(_bytes([sh]) for sh, k in zip(coll.operand_shapes, per) if k is None)
+        # XLA combines reductions: parameter-shaped operands (before any padding), plus at
+        # most 1 KiB of others.
+        shapes = coll.unpadded_shapes or coll.operand_shapes
+        per = [exp.param_sizes.get(n) for n in _elems(shapes)]
+        rest = sum(_bytes([sh]) for sh, k in zip(shapes, per) if k is None)
         layers = max((k for k in per if k), default=0)
         if layers and rest <= SMALL_BYTES:
             if coll.executions <= exp.micro_batches * layers:
