@@ -6,11 +6,11 @@ same step, or the checkpoint's collective save would hang or mix steps.
 
 - Several processes (`jax.distributed` initialised): JAX's preemption sync manager (created
   by `jax.distributed.initialize`; it catches SIGTERM in C++) propagates the notice
-  through the coordination service, and `multihost_utils.reached_preemption_sync_point(n)`
-  returns True on every process at the same boundary (the largest `n` any process had
-  reported plus one). Every process must call it at every step boundary, in the same order:
-  `StopSignal.reached` numbers the boundaries itself (one counter per process, SFT warm-up
-  and RL steps alike), so the warm-up stops at an agreed SFT step as RL does at an agreed
+  through the coordination service, and `multihost_utils.reached_preemption_sync_point(step)`
+  returns True on every process at the same step (one past the largest step any process
+  had reported last). Every process must call it at every step boundary, in the same
+  order: the SFT warm-up reports its own steps (`WarmupStop.after`), so it stops at an
+  agreed warm-up step as RL does at an agreed
   RL step. Checked here on CPU processes with gloo collectives. JAX ignores a notice that
   comes before a process's first call (checked here), so `run_experiment` reports a
   boundary as soon as its checkpoint directory is open: a SIGTERM during the setup (model,
@@ -40,7 +40,6 @@ that the latest checkpoint is intact.
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import sys
@@ -50,10 +49,6 @@ import jax
 from jax.experimental import multihost_utils
 
 __all__ = ["DeferredInterrupt", "Preempted", "StopSignal", "save_interrupted", "stop_saved"]
-
-# The boundaries this process has reported to JAX's sync manager: increasing over the
-# process's life (a process may run several runs, each with its own `StopSignal`).
-_BOUNDARIES = itertools.count(1)
 
 
 class Preempted(Exception):
@@ -124,11 +119,13 @@ class StopSignal:
 
     def reached(self, step: int) -> bool:
         """True at the boundary after `step` where every process stops. Call it at every
-        step boundary (SFT warm-up and RL; once before the first step), on every process,
-        in the same order: on several processes the boundaries are numbered here, not by
-        `step`, so that warm-up and RL steps form one increasing sequence."""
+        step boundary (SFT warm-up steps numbered by the warm-up, RL steps by RL, and
+        once with the starting RL step before either), on every process, in the same
+        order. JAX's sync manager keeps each process's latest `step` only: the agreed stop
+        is one past the largest of them, so warm-up steps can be followed by RL steps
+        counted from 0 again; orbax's own checks report RL steps too."""
         if self._agreed:
-            return bool(multihost_utils.reached_preemption_sync_point(next(_BOUNDARIES)))
+            return bool(multihost_utils.reached_preemption_sync_point(int(step)))
         return self._flag
 
 
