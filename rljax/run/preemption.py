@@ -10,8 +10,8 @@ same step, or the checkpoint's collective save would hang or mix steps.
   returns True on every process at the same step (one past the largest step any process
   had reported last). Every process must call it at every step boundary, in the same
   order: the SFT warm-up reports its own steps (`WarmupStop.after`), so it stops at an
-  agreed warm-up step as RL does at an agreed
-  RL step. Checked here on CPU processes with gloo collectives. JAX ignores a notice that
+  agreed warm-up step as RL does at an agreed RL step. Checked here on CPU processes with
+  gloo collectives. JAX ignores a notice that
   comes before a process's first call (checked here), so `run_experiment` reports a
   boundary as soon as its checkpoint directory is open: a SIGTERM during the setup (model,
   compilation, first evaluation) stops the run at its first step; only one during the
@@ -123,7 +123,9 @@ class StopSignal:
         once with the starting RL step before either), on every process, in the same
         order. JAX's sync manager keeps each process's latest `step` only: the agreed stop
         is one past the largest of them, so warm-up steps can be followed by RL steps
-        counted from 0 again; orbax's own checks report RL steps too."""
+        counted from 1 again (orbax's own checks report RL steps too). A notice that
+        comes while one process is past the warm-up's last step S and another is not
+        stops RL at step S + 1 (or the run ends first)."""
         if self._agreed:
             return bool(multihost_utils.reached_preemption_sync_point(int(step)))
         return self._flag
