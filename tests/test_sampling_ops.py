@@ -245,3 +245,19 @@ def test_vocab_major_layout_matches_softmax():
     fn = jax.jit(lambda k, xt: ops.sample_tokens_VxR(k, xt, ops.SamplingParams()))
     tok, _, _ = fn(jax.random.key(17), jnp.broadcast_to(jnp.asarray(x)[:, None], (V, N_DRAWS)))
     _check_fit(np.asarray(tok), _softmax64(x))
+
+
+def test_sampling_config_makes_the_samplers_arguments():
+    """`SamplingConfig.sampler_args`: the one place a run's sampling config becomes the
+    sampler's arguments (rollouts, the one-program step, the evaluators, `rljax sample`)."""
+    from rljax.train.config import SamplingConfig
+
+    plain = SamplingConfig(max_new_tokens=7, temperature=0.7)
+    assert plain.sampler_args() == dict(max_new_tokens=7, temperature=0.7, top_k=None,
+                                        top_p=None)
+    filt = SamplingConfig(max_new_tokens=7, temperature=0.7, top_k=5, top_p=0.9)
+    assert filt.sampler_args() == dict(max_new_tokens=7, temperature=0.7, top_k=5, top_p=0.9)
+    # Greedy drops the filters: both always keep the most likely token.
+    assert filt.sampler_args(greedy=True) == plain.sampler_args(greedy=True) == dict(
+        max_new_tokens=7, temperature=0.0, top_k=None, top_p=None)
+    ops.SamplingParams(**{k: v for k, v in filt.sampler_args().items() if k != "max_new_tokens"})

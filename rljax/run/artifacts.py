@@ -253,9 +253,12 @@ def _sampling_defaults(run_cfg, max_new_tokens, temperature) -> dict:
     """`generate`'s sampling options: those given, else the run's `sampling` config (the
     distribution it was trained with, top-k / top-p included), else 64 tokens at T = 1."""
     s = run_cfg.sampling if run_cfg is not None else SamplingConfig()
-    return dict(max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                temperature=s.temperature if temperature is None else temperature,
-                top_k=s.top_k or None, top_p=s.top_p if s.top_p < 1 else None)
+    args = s.sampler_args()
+    if max_new_tokens is not None:
+        args["max_new_tokens"] = max_new_tokens
+    if temperature is not None:
+        args["temperature"] = temperature
+    return args
 
 
 def sample_texts(source: str | pathlib.Path, prompts: Sequence[str], *, num_samples: int = 1,
@@ -352,8 +355,8 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
         meta = task.eval_metadata[i:min(i + batch_size, n)]
         ids = encode_prompts(tokenizer, prompts)
         common = dict(stop_ids=stops, pad_id=pad)
-        res = generate(model, ids, key=jax.random.key(0), temperature=0.0,
-                       max_new_tokens=opts["max_new_tokens"], **common)
+        res = generate(model, ids, key=jax.random.key(0), **cfg.sampling.sampler_args(greedy=True),
+                       **common)
         greedy.append(_correct(accuracy_fn, _decode(tokenizer, res, stops), meta, cfg.reward))
         res = generate(model, ids, key=jax.random.key(cfg.run.seed + 1 + i), num_samples=k,
                        **opts, **common)

@@ -96,6 +96,18 @@ class SamplingConfig:
         """True when top-k or top-p removes tokens from the draw."""
         return self.top_k > 0 or self.top_p < 1.0
 
+    def sampler_args(self, *, greedy: bool = False) -> dict:
+        """The sampler's sampling arguments (``rljax.sampling.generate`` / ``prepare``):
+        ``max_new_tokens``, ``temperature`` and ``top_k`` / ``top_p`` (None when off).
+        ``greedy``: temperature 0 and no filters (top-k and top-p always keep the most
+        likely token, so the argmax is the same; one greedy program whatever the filters).
+        Every caller that samples from a run's config makes them here."""
+        if greedy:
+            return dict(max_new_tokens=self.max_new_tokens, temperature=0.0, top_k=None,
+                        top_p=None)
+        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                    top_k=self.top_k or None, top_p=self.top_p if self.top_p < 1.0 else None)
+
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:

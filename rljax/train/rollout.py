@@ -174,9 +174,7 @@ class Rollouts:
         with jax.transfer_guard("allow"):
             return generate(
                 (self.gd, params), tok_NxW, prompt_mask=mask_NxW > 0, key=key,
-                max_new_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
-                top_k=s.top_k or None, top_p=None if s.top_p >= 1.0 else s.top_p,
-                stop_ids=self.stop_ids, num_samples=num_samples, pad_id=self.pad_id,
+                **s.sampler_args(greedy=greedy), stop_ids=self.stop_ids, num_samples=num_samples, pad_id=self.pad_id,
                 length_multiple=self.prompt_multiple, mesh=self.mesh,
                 # Buckets never exceed prompt_len: the last one is prompt_len itself.
                 max_len=self.prompt_len + s.max_new_tokens - 1)
@@ -197,9 +195,8 @@ class Rollouts:
         if not self.num_params:
             self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
         batch, spec = prepare(
-            config_of(self.gd, params), tok, prompt_mask=mask > 0, max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature, top_k=s.top_k or None,
-            top_p=None if s.top_p >= 1.0 else s.top_p, stop_ids=self.stop_ids,
+            config_of(self.gd, params), tok, prompt_mask=mask > 0, **s.sampler_args(),
+            stop_ids=self.stop_ids,
             num_samples=g, pad_id=self.pad_id, length_multiple=self.prompt_multiple,
             max_len=self.prompt_len + s.max_new_tokens - 1)
         arrays = (batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP)

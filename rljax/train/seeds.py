@@ -181,8 +181,7 @@ class SeedRL:
                                      ro.prompt_len, ro.pad_id)
                 batch, spec = prepare(
                     self._config(params_S), tok, prompt_mask=mask > 0,
-                    max_new_tokens=ro.sampling.max_new_tokens, temperature=0.0,
-                    stop_ids=ro.stop_ids, pad_id=ro.pad_id, length_multiple=ro.prompt_multiple,
+                    **ro.sampling.sampler_args(greedy=True), stop_ids=ro.stop_ids, pad_id=ro.pad_id, length_multiple=ro.prompt_multiple,
                     max_len=ro.prompt_len + ro.sampling.max_new_tokens - 1)
                 packed.append((batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP, spec))
                 tasks.append(self.tr.device_reward.task_arrays(ms[lo:lo + batch_size]))
