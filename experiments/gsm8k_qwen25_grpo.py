@@ -19,8 +19,9 @@ release (`train.jsonl`, `test.jsonl`) at `task.path`; see tpu_setup/README.md.
     rljax train gsm8k_qwen25_grpo --set smoke=true      # 2 steps on CPU, tiny random Qwen2
 
 TPU recipes (`RECIPES`; per-chip memory of each program checked by compiling it for the
-slice ahead of time: `experiments/memory_budget.py`, figures in the README). Common to all:
-bfloat16 matmuls (float32 master weights, Adam moments and log-probs), splash attention,
+slice ahead of time: `experiments/memory_budget.py`, figures in docs/performance.md).
+Common to all: bfloat16 matmuls (float32 master weights, Adam moments and log-probs),
+splash attention,
 scanned layers (`scan_layers=True`: the 24 / 28 layers are one `[L, ...]` stack run as one
 `lax.scan`, so the programs compile in the time of one layer, not of 24-28 unrolled ones;
 the config and its checkpoints use that layout, HF folders load and export unchanged),
