@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts in experiments/ (not a benchmark itself).
 
-- the reference benchmark model of DESIGN.md (random Qwen2: hidden 256, 4 layers, 8 heads,
+- the reference benchmark model of docs/design.md (random Qwen2: hidden 256, 4 layers, 8 heads,
   4 kv heads, intermediate 704, vocab 32000, float32) and the larger one of issue 19
   (hidden 512, intermediate 1408, 8 layers), as size dicts and as rljax ``ModelConfig``s;
 - an HF checkpoint of such a model (transformers' initialisation, numpy seed 0, written

@@ -11,7 +11,7 @@ against a frozen reference model (k3 in the loss), one AdamW step at lr 1e-6, a 
 host reward (``_bench.vowel_fraction``) on both sides.
 
 Each side is used as a user would: rljax's ``from_pretrained`` + ``load_tokenizer`` +
-``RLTrainer.step``; TRL 1.16 ``GRPOTrainer`` (CPU, no vLLM, the settings of DESIGN.md)
+``RLTrainer.step``; TRL 1.16 ``GRPOTrainer`` (CPU, no vLLM, the settings in docs/design.md)
 on the same folder. Both sides warm up first (``--warmup`` steps: compilation, lazy
 init), then run interleaved: each TRL step is followed by one rljax step, the
 reference forward timed apart and the matmul peak, all inside a TRL callback, so the

@@ -1,6 +1,6 @@
 """Sampler speed: rljax.sampling.generate vs transformers' generate on the reference model.
 
-The reference benchmark model (DESIGN.md): a random Qwen2 (hidden 256, 4 layers, 8 heads,
+The reference benchmark model (docs/design.md): a random Qwen2 (hidden 256, 4 layers, 8 heads,
 4 kv heads, intermediate 704, vocab 32000, float32) with transformers' initialisation,
 written as an HF checkpoint to a temporary folder (``_bench.build_checkpoint``) and
 loaded by both sides.

@@ -9,7 +9,7 @@ over the 8-way FSDP axis instead of all of them over 32 chips, while the float32
 chip. The 512 completions split over the 8 fsdp groups; micro-batches of 64 completions
 (8 rows per group), 32 layers scanned (`scan_layers=True`, one compiled layer body) and
 each rematerialised, bfloat16 matmuls, splash attention.
-Per-chip memory: `experiments/memory_budget.py` (README).
+Per-chip memory: `experiments/memory_budget.py` (docs/performance.md).
 
     rljax train gsm8k_llama3_grpo --set hf_path=$HOME/models/Meta-Llama-3-8B-Instruct
     rljax train gsm8k_llama3_grpo --set smoke=true      # 2 steps on CPU, tiny random Llama

@@ -19,8 +19,9 @@ release (`train.jsonl`, `test.jsonl`) at `task.path`; see tpu_setup/README.md.
     rljax train gsm8k_qwen25_grpo --set smoke=true      # 2 steps on CPU, tiny random Qwen2
 
 TPU recipes (`RECIPES`; per-chip memory of each program checked by compiling it for the
-slice ahead of time: `experiments/memory_budget.py`, figures in the README). Common to all:
-bfloat16 matmuls (float32 master weights, Adam moments and log-probs), splash attention,
+slice ahead of time: `experiments/memory_budget.py`, figures in docs/performance.md).
+Common to all: bfloat16 matmuls (float32 master weights, Adam moments and log-probs),
+splash attention,
 scanned layers (`scan_layers=True`: the 24 / 28 layers are one `[L, ...]` stack run as one
 `lax.scan`, so the programs compile in the time of one layer, not of 24-28 unrolled ones;
 the config and its checkpoints use that layout, HF folders load and export unchanged),
@@ -81,15 +82,14 @@ RECIPES = {
     # 128 7.09 GiB a chip; 32 kept until the larger ones are timed on a TPU.
     "0.5b-v5e8": Recipe("Qwen2.5-0.5B-Instruct", "v5e-8", MeshConfig(1, 8, 1), 32,
                         why="pure FSDP: state 1 GB/chip; micro 32 = 4 rows/chip"),
-    # Pure FSDP (1, 8, 1) compiled to a decode program of 13.89 GiB + 2.88 GiB resident
-    # = 16.77 GiB on 16 GiB chips (2026-12-04): the sampler's float32 inference copy is
-    # replicated over fsdp (5.75 GiB/chip). Tensor 2 splits it (and the head) in two.
-    # Since the sampler's bfloat16 copy and shared prompt cache (2026-12-06) (1, 8, 1)
-    # compiles to 6.18 + 2.88 GiB; tensor 2 kept (half the weight bytes a decode step
-    # reads per chip) until the two are timed on a TPU.
+    # The sampler's inference copy is replicated over fsdp: 3.31 GiB/chip with pure FSDP
+    # (1, 8, 1), its matmul weights in bfloat16 (docs/recipes.md). Tensor 2 splits it
+    # (and the head) in two: 1.66 GiB/chip, and half the weight bytes a decode step reads
+    # per chip. (1, 8, 1) fits too (decode 6.18 + 2.88 GiB resident); tensor 2 kept until
+    # the two are timed on a TPU.
     "1.5b-v5e8": Recipe("Qwen2.5-1.5B-Instruct", "v5e-8", MeshConfig(1, 4, 2), 32,
                         why="fsdp 4 x tensor 2: the sampler's inference copy is split over "
-                            "tensor (2.9 GiB/chip, not 5.75); micro 32 = 8 rows per fsdp "
+                            "tensor (1.66 GiB/chip, not 3.31); micro 32 = 8 rows per fsdp "
                             "group"),
     "0.5b-v5e16": Recipe("Qwen2.5-0.5B-Instruct", "v5e-16", MeshConfig(1, 16, 1), 64,
                          why="pure FSDP over 16 chips; micro 64 = 4 rows/chip"),

@@ -299,7 +299,7 @@ def rl_rows(run_dir: pathlib.Path) -> dict[int, dict]:
 
 def rel_diff(got: dict, want: dict, key: str) -> float:
     """|got - want| relative to want; a loss relative to the larger of itself and the
-    gradient norm (DESIGN.md: a GRPO loss is ~0 by construction, its gradient is not)."""
+    gradient norm (docs/design.md: a GRPO loss is ~0 by construction, its gradient is not)."""
     scale = abs(want[key])
     if key == "loss":
         scale = max(scale, want["grad_norm"])

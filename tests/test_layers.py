@@ -48,7 +48,7 @@ def test_unmodified_copy_keeps_every_contract(tmp_path, lint_available):
 
 @pytest.mark.parametrize("module, line, contract, edge", [
     # The example: the lowest layer reaching up to the trainer.
-    ("rljax/objectives/kl.py", "import rljax.train  # noqa", "Layers of DESIGN.md",
+    ("rljax/objectives/kl.py", "import rljax.train  # noqa", "Layers of docs/design.md",
      "rljax.objectives.kl -> rljax.train"),
     # A leaf importing the other leaf: rewards and data are independent.
     ("rljax/data/arithmetic.py", "from rljax.rewards import math_equal  # noqa",

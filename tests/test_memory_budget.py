@@ -1,6 +1,6 @@
 """experiments/memory_budget.py's machinery on a tiny model with the CPU compiler: every
 program of a GRPO recipe compiles ahead of time over a 4 x 2 CPU mesh from abstract
-shapes, and the per-chip figures add up (the TPU run itself is by hand, see the README)."""
+shapes, and the per-chip figures add up (the TPU run itself is by hand, see docs/recipes.md)."""
 
 import dataclasses
 import importlib.util

@@ -8,7 +8,7 @@ only: never an empty row (an empty softmax row would be 0/0 = NaN, and a NaN rea
 the gradients even where the row's output is unused), and no real row sees padding.
 
 Neither kernel materialises the [B, N, T, S] scores that `rljax.models.attention.attend`
-does; see the README's "Attention implementations" paragraph for when each is used.
+does; see docs/design.md, "Forward paths", for when each is used.
 """
 
 from __future__ import annotations

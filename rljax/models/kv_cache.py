@@ -3,7 +3,7 @@
 Layout (per layer): keys `[B, K, H, S]` and values `[B, K, S, H]` -- the sequence axis
 last for keys and second-to-last for values, so both attention dots (q.k over H, p.v over
 S) contract without transposing the cache; with `[B, S, K, H]` XLA:CPU spent most of a
-decode step on transposes (measured, see DESIGN.md). A scanned decoder
+decode step on transposes (measured, see docs/design.md). A scanned decoder
 (`ModelConfig.scan_layers`) keeps one stacked array each, `[L, B, K, H, S]` and
 `[L, B, K, S, H]`, instead of a tuple over layers.
 """

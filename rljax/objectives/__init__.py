@@ -1,6 +1,6 @@
 """rljax.objectives: pure, jit-able RL post-training math (layer 1: no model, no I/O).
 
-The objective contract (DESIGN.md): `objective(batch: ObjectiveBatch, coef: Coef) ->
+The objective contract (docs/design.md): `objective(batch: ObjectiveBatch, coef: Coef) ->
 (loss_sum, count, metrics)`, metrics a dict `name -> (sum, count)`; static choices are
 bound with `functools.partial`. Building blocks: advantages, KL estimators, surrogates,
 value loss, aggregation, the sampler-gap correction, truncation masking, Clip-Cov /

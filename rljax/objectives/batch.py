@@ -1,6 +1,6 @@
 """The objective contract's inputs: `ObjectiveBatch` (arrays) and `Coef` (traced scalars).
 
-An objective is `objective(batch, coef) -> (loss_sum, count, metrics)` (see DESIGN.md).
+An objective is `objective(batch, coef) -> (loss_sum, count, metrics)` (see docs/design.md).
 Both dataclasses are pytrees, so they pass straight through `jax.jit`, `jax.grad` and
 sharding. Optional fields hold None when absent; None is an empty pytree, so absence is
 static structure and an objective may branch on it in Python.

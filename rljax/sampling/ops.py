@@ -5,7 +5,7 @@ sampling settings are static (a frozen :class:`SamplingParams`), so each combina
 compiles once and unused filters cost nothing.
 
 Why inverse-CDF instead of Gumbel-max: on XLA:CPU a ``[B, V]`` argmax and drawing ``B*V``
-random numbers dominate a decode step (DESIGN.md: 16.5 ms and 3.8 ms per step at
+random numbers dominate a decode step (docs/design.md: 16.5 ms and 3.8 ms per step at
 B=32, V=32000). Inverse-CDF sampling needs one ``exp`` pass, block sums over about
 ``sqrt(V)`` blocks, a small cumsum, then the same inside the chosen block, and two
 uniforms per row (0.4 ms). It is exact: block ``j`` is chosen with probability

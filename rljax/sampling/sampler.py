@@ -17,9 +17,10 @@ Shared prompt cache: the G rows of a prompt read one copy of the prompt's keys a
 and each row's own cache holds only its completion. Against a cache with the prompt
 copied into every row this divides the prompt's share of the KV memory and of the decode
 attention's reads by G (on the GSM8K Qwen2.5 recipes, prompts of 320 and 512 new tokens,
-the decode program's peak per chip is ~21% lower; docs/performance.md). On a mesh with
-more batch shards than prompts each prompt's cache is kept once per shard holding its
-rows (``rljax.models.grouped.prompt_copies``), so no keys cross chips.
+the decode program's peak per chip is ~21% lower; docs/performance.md, "Per-chip
+memory"). On a mesh with more batch shards than prompts each prompt's cache is kept once
+per shard holding its rows (``rljax.models.grouped.prompt_copies``), so no keys cross
+chips.
 
 Decode phases: attention reads every slot of the cache, and on a CPU reading the cache
 costs about as much as the lm head at the end of a long completion. So the steps are

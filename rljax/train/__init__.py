@@ -4,8 +4,10 @@ The trainer core (Python API first):
 - configs: `OptimConfig`, `AlgorithmConfig` (+ `algorithm_preset(name)` for each paper's
   defaults), `SamplingConfig`, `RLConfig`, `SFTConfig`;
 - `RLTrainer(policy_graphdef, tokenizer, reward_fns, ...)`: `init_state`, `step(state,
-  source) -> (state, metrics)`, `evaluate`; one loop for reinforce, rloo, grpo, dr_grpo,
-  dapo, gspo and ppo (value model, GAE, KL in the reward, adaptive controller);
+  source) -> (state, metrics)`, `evaluate`; one loop for all 13 algorithms of
+  `ALGORITHMS` (grpo, dr_grpo, dapo, gspo, rloo, reinforce, ppo with its value model and
+  KL in the reward, cispo, sapo, gmpo, clip_cov, kl_cov, distill; each one's settings in
+  docs/reference.md);
 - `SFTTrainer`: masked next-token loss on completions;
 - `TrainState` (everything a checkpoint holds) and `Learner`, the jitted, sharded, donated
   update with exact micro-batch accumulation and non-finite skipping;

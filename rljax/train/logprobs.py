@@ -35,7 +35,9 @@ def _chunk_logprobs(logits_fn, head_params, h_BxCxD, tgt_BxC, inv_temp):
     """log p(target) and entropy of softmax(logits * inv_temp) for one chunk, float32."""
     logits_BxCxV = logits_fn(head_params, h_BxCxD).astype(jnp.float32) * inv_temp
     logz_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
-    # A one-hot contraction rather than a gather keeps a vocab-sharded axis sharded.
+    # The target's logit as a one-hot contraction (the general path, plain autodiff). A
+    # gather gives the same value and also keeps a vocab-sharded axis sharded (see
+    # _linear_chunk_stats, which the linear heads use).
     onehot = jax.nn.one_hot(tgt_BxC, logits_BxCxV.shape[-1], dtype=jnp.float32)
     logp_BxC = jnp.sum(logits_BxCxV * onehot, axis=-1) - logz_BxC
     p_BxCxV = jnp.exp(logits_BxCxV - logz_BxC[..., None])
