@@ -49,8 +49,9 @@ ROOT = pathlib.Path("runs/arithmetic_distill")
 
 
 def _demo() -> ExperimentConfig:
-    """The GRPO demo's config as this comparison was measured (2026-12-04): before the demo
-    moved to a 512-wide MLP and 50 RL steps with a cosine decay on 2026-12-05."""
+    """The GRPO demo's config as this comparison was measured: a 1024-wide MLP and a
+    constant learning rate after the warm-up (the demo now has a 512-wide MLP and a
+    cosine decay)."""
     d = load_experiment("arithmetic_grpo")
     return dataclasses.replace(d, model=dataclasses.replace(d.model, intermediate_size=1024),
                                optim=OptimConfig(lr=2e-4, warmup_steps=10, schedule="constant"))

@@ -19,10 +19,7 @@ budget, so a short SFT warm-up on worked examples gives it partial ability first
     rljax train countdown_r1zero                 # or: python experiments/countdown_r1zero.py
     rljax train countdown_r1zero --set smoke=true
 
-Last measured (2026-12-02, seed 0, 4 min 13 s): greedy accuracy 0.32 after the warm-up ->
-0.36 after 60 GRPO steps (within noise on 128 prompts); the sampled accuracy reward rose
-from ~0.07 to 0.10-0.14 and the format reward from ~0.80 to 0.85-0.89. A starting point,
-not a tuned result: docs/countdown_r1zero.md.
+A starting point, not a tuned result; measured figures: docs/countdown_r1zero.md.
 """
 
 from __future__ import annotations

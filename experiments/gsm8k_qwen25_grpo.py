@@ -77,9 +77,9 @@ def config() -> ExperimentConfig:
 # chip on 8 chips, and tensor parallelism would only add collectives.
 RECIPES = {
     # Micro 64 (8 rows/chip) compiled to a 15.79 GiB learning program on 16 GiB chips with
-    # unrolled layers (memory_budget.py, TPU AOT, 2026-12-04), hence 32. With today's
-    # scanned, shared-prompt program (2026-12-06, same compiler): micro 32 3.29, 64 4.47,
-    # 128 7.09 GiB a chip; 32 kept until the larger ones are timed on a TPU.
+    # unrolled layers, hence 32. The scanned, shared-prompt program (memory_budget.py, TPU
+    # AOT): micro 32 3.29, 64 4.47, 128 7.09 GiB a chip; 32 kept until the larger ones
+    # are timed on a TPU.
     "0.5b-v5e8": Recipe("Qwen2.5-0.5B-Instruct", "v5e-8", MeshConfig(1, 8, 1), 32,
                         why="pure FSDP: state 1 GB/chip; micro 32 = 4 rows/chip"),
     # The sampler's inference copy is replicated over fsdp: 3.31 GiB/chip with pure FSDP

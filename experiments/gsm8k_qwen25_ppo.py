@@ -54,7 +54,7 @@ def config() -> ExperimentConfig:
 
 
 # The 1.5B on v5e-8 at micro 32 compiled to a 14.40 GiB learning program on 16 GiB chips
-# (memory_budget.py, TPU AOT, 2026-12-04; policy + value state): micro 16 for headroom.
+# (memory_budget.py, TPU AOT; policy + value state): micro 16 for headroom.
 _MICRO = {"1.5b-v5e8": 16}
 
 
