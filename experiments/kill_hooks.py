@@ -11,7 +11,7 @@ this module wraps three rljax entry points (only in this process; rljax is uncha
 - `RLTrainer.step` (and `SeedRL.step`, several seeds): the phase is "rollout" from the
   start of step K (prompts, sampling, rewards) until the learning program starts, and
   "host" after it (metrics, logging);
-- the step's timer for "learn" (`rljax.train.rl._Phase.timed`), or for "step" where the
+- the step's timer for "learn" (`rljax.train.rl.PhaseTimes.timed`), or for "step" where the
   whole step is one program (a device reward): the phase is "update" while the jitted
   program runs (its compilation included on a first step);
 - `Checkpointer.save`: once the asynchronous save of step K has started ("save"), its
@@ -97,7 +97,7 @@ def install(plan: dict[str, Any]) -> None:
     if plan.get("phase") not in PHASES or not isinstance(plan.get("step"), int):
         raise ValueError(f"{PLAN_ENV}: phase must be one of {PHASES} and step an int, got {plan}")
     _plan.update(plan)
-    step_fn, timed_fn, save_fn = rl.RLTrainer.step, rl._Phase.timed, Checkpointer.save
+    step_fn, timed_fn, save_fn = rl.RLTrainer.step, rl.PhaseTimes.timed, Checkpointer.save
     seed_step_fn = seeds.SeedRL.step
 
     def wrap(fn):
@@ -126,7 +126,7 @@ def install(plan: dict[str, Any]) -> None:
         return started
 
     rl.RLTrainer.step, seeds.SeedRL.step = wrap(step_fn), wrap(seed_step_fn)
-    rl._Phase.timed, Checkpointer.save = timed, save
+    rl.PhaseTimes.timed, Checkpointer.save = timed, save
 
 
 def install_from_env() -> None:

@@ -1,6 +1,7 @@
 """The layering contracts of pyproject.toml (run by `lint-imports` in scripts/test.sh) catch
 an upward import: checked on a temporary copy of the package, with one import added. And
-importing the package loads neither torch nor matplotlib (start-up time of every process)."""
+importing the package loads neither torch nor matplotlib (start-up time of every process).
+No module reaches into another's private names."""
 
 import os
 import pathlib
@@ -89,3 +90,41 @@ def test_importing_rljax_loads_no_torch_or_plotting():
     after_rljax, after_control = out.stdout.strip().splitlines()[-2:]
     assert after_rljax == "[]", after_rljax
     assert "torch" in after_control, after_control  # torch is installed: the check is live
+
+
+def private_uses(source: str) -> list[str]:
+    """Where `source` reaches into another rljax module's private names: `from rljax.x
+    import _name`, `mod._name` on an imported rljax module, and `obj.attr._name` (another
+    object's private attribute). JAX's `_cache_size` (jitted functions count their
+    executables only there) is allowed."""
+    import ast
+
+    tree, modules, found = ast.parse(source), set(), []
+    private = lambda n: n.startswith("_") and not n.startswith("__") and n != "_cache_size"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rljax"):
+            found += [f"{node.lineno}: from {node.module} import {a.name}"
+                      for a in node.names if private(a.name)]
+            modules.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname or a.name for a in node.names if a.name.startswith("rljax"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            v = node.value
+            if isinstance(v, ast.Attribute) or (isinstance(v, ast.Name) and v.id in modules):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    """Issue 41: what one module needs of another is public (documented) in it."""
+    root = pathlib.Path(__file__).resolve().parents[1] / "rljax"
+    found = {str(p.relative_to(root)): hits for p in sorted(root.rglob("*.py"))
+             if (hits := private_uses(p.read_text()))}
+    assert not found, found
+    # Controls: each form is caught.
+    assert private_uses("from rljax.train.rl import _Phase") == [
+        "1: from rljax.train.rl import _Phase"]
+    assert private_uses("from rljax.train import rl\nrl._Phase()") == ["2: rl._Phase"]
+    assert private_uses("self.tr._learn_program()") == ["1: self.tr._learn_program"]
+    assert private_uses("self._own()\nf._cache_size()") == []

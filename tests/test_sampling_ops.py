@@ -219,7 +219,7 @@ def test_top_p_mask_matches_sorted_cumsum_definition(p):
 
 @pytest.mark.parametrize("v", [50, 1000, 32000, 151936, 128256])
 def test_block_size_is_near_sqrt_v(v):
-    bs = ops._block_size(v)
+    bs = ops.vocab_block_size(v)
     assert np.sqrt(v) / 2 <= bs <= 2 * np.sqrt(v) or v < 64
 
 

@@ -193,14 +193,14 @@ def test_group_micro_batches_and_minibatches_keep_groups_whole():
 def test_model_flops_count_each_shared_prompt_once():
     """The step's FLOP rate counts the prompt tokens the forwards compute (once per group);
     the token rates count every row's."""
-    from rljax.train.rl import _Phase
+    from rljax.train.rl import PhaseTimes
 
     gd, _ = tiny_model()
     m = {}
     for share in (True, False):
         tr = _trainer(gd, share, group_size=4)
         row = {"completion_tokens": 100.0, "prompt_tokens": 400.0}
-        tr._add_throughput(row, _Phase({"rollout": 1.0, "learn": 1.0}))
+        tr.add_throughput(row, PhaseTimes({"rollout": 1.0, "learn": 1.0}))
         m[share] = row
     assert m[True]["train_tok_s"] == m[False]["train_tok_s"] == 500.0
     n = _trainer(gd, True, group_size=4).rollouts.num_params

@@ -24,7 +24,7 @@ from rljax.run.builders import build_tokenizer
 from rljax.train.batching import (completion_mask_from_tokens, decode_completions,
                                   encode_text, pad_left, stop_ids)
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
-from rljax.train.rl import RLTrainer, _Phase
+from rljax.train.rl import RLTrainer, PhaseTimes
 from rljax.train.rollout import Rollouts
 
 
@@ -114,7 +114,7 @@ def _flops(name, value=False, **alg):
     tr.rollouts.num_params = n = sum(x.size for x in jax.tree.leaves(p))
     nv = sum(x.size for x in jax.tree.leaves(params.get("value", {})))
     m = {"completion_tokens": 100.0, "prompt_tokens": 40.0}
-    tr._add_throughput(m, _Phase({"rollout": 1.5, "learn": 0.5}), params)
+    tr.add_throughput(m, PhaseTimes({"rollout": 1.5, "learn": 0.5}), params)
     return m["model_flops_s"] * 2.0, n, nv
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 Mapping_ = Mapping[str, str]
 
 
-def _validate_mapping(mapping: Mapping_ | None) -> dict[str, str] | None:
+def validate_mapping(mapping: Mapping_ | None) -> dict[str, str] | None:
     if mapping is None:
         return None
     if not isinstance(mapping, Mapping) or not mapping or not all(
@@ -102,7 +102,7 @@ def load_jsonl(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
     is not an object, or lacks a mapped field not in `optional`, and for a file with no
     records; FileNotFoundError if the file is missing.
     """
-    mapping = _validate_mapping(mapping)
+    mapping = validate_mapping(mapping)
     path = os.fspath(path)
     _existing_file(path, "JSONL")
     out, lineno = [], 0
@@ -144,7 +144,7 @@ def load_parquet(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
         import pyarrow.parquet as pq
     except ImportError as e:  # optional dependency
         raise ImportError("load_parquet needs pyarrow: pip install pyarrow") from e
-    mapping = _validate_mapping(mapping)
+    mapping = validate_mapping(mapping)
     path = os.fspath(path)
     _existing_file(path, "Parquet")
     try:

@@ -18,7 +18,7 @@ import functools
 import os
 from typing import Any, Mapping, Sequence
 
-from rljax.data.files import _validate_mapping, load_jsonl, map_record
+from rljax.data.files import validate_mapping, load_jsonl, map_record
 
 
 def _tfds():
@@ -89,7 +89,7 @@ def prepare_tfds_prompts(split_files: Mapping[str, str | os.PathLike], *, name: 
     for s, p in split_files.items():
         if not os.path.isfile(p):
             raise FileNotFoundError(f"split {s!r}: no such file {os.fspath(p)!r}")
-    _validate_mapping(mapping)
+    validate_mapping(mapping)
     config_cls, builder_cls = _builder_class()
     cfg = config_cls(name=name, split_files=tuple((s, os.fspath(p)) for s, p in
                                                   split_files.items()),
@@ -112,7 +112,7 @@ class TfdsPromptSource:
         if (builder_dir is None) == (name is None):
             raise ValueError("TfdsPromptSource: give exactly one of builder_dir or name")
         tfds = _tfds()
-        self.mapping = _validate_mapping(mapping)
+        self.mapping = validate_mapping(mapping)
         if builder_dir is not None:
             builder = tfds.builder_from_directory(os.fspath(builder_dir))
             self._src = builder.as_data_source(split=split)

@@ -99,7 +99,7 @@ def _common_terms(t: _Terms, b: ObjectiveBatch, coef: Coef, kl_kind: str | None,
     t.metrics["zero_adv_seq_frac"] = (zero_adv_B.sum().astype(jnp.float32), t.m.any(axis=1).sum().astype(jnp.float32))
 
 
-def _tis(t: _Terms, b: ObjectiveBatch, coef: Coef, obj: Array) -> Array:
+def tis_weighted(t: _Terms, b: ObjectiveBatch, coef: Coef, obj: Array) -> Array:
     """Weight a per-token objective by the sampler-gap correction (`sampler_correction`,
     level and mode from ``t.correction``) when sampler log-probs exist."""
     if b.sampler_logp_BxT is None:
@@ -112,7 +112,7 @@ def _tis(t: _Terms, b: ObjectiveBatch, coef: Coef, obj: Array) -> Array:
     return obj * w
 
 
-def _clipped(t: _Terms, b: ObjectiveBatch, coef: Coef, ratio: Array) -> Array:
+def clipped_surrogate(t: _Terms, b: ObjectiveBatch, coef: Coef, ratio: Array) -> Array:
     """PPO clipped surrogate with Coef's clip range and dual clip, plus clip metrics."""
     opts = dict(eps_low=coef.clip_low, eps_high=coef.clip_high, dual_clip=coef.dual_clip)
     obj = ppo_clip_objective(ratio, b.adv_BxT, **opts)
@@ -124,7 +124,7 @@ def _clipped(t: _Terms, b: ObjectiveBatch, coef: Coef, ratio: Array) -> Array:
     return obj
 
 
-def _objective(batch, coef, surrogate, options, extra=None,
+def objective_frame(batch, coef, surrogate, options, extra=None,
                correction=("token", "truncate")) -> tuple[Array, Array, Metrics]:
     """The shared frame of every library objective.
 
@@ -146,7 +146,7 @@ def _objective(batch, coef, surrogate, options, extra=None,
 
 def _ratio_clipped(coef: Coef):
     """Surrogate of GRPO / PPO: the clipped token ratio pi / pi_old (TIS-weighted)."""
-    return lambda t, b: _tis(t, b, coef, _clipped(t, b, coef, jnp.exp(b.logp_BxT - b.old_logp_BxT)))
+    return lambda t, b: tis_weighted(t, b, coef, clipped_surrogate(t, b, coef, jnp.exp(b.logp_BxT - b.old_logp_BxT)))
 
 
 def reinforce(
@@ -168,11 +168,11 @@ def reinforce(
     truncated IS weights pi_old / pi_sampler.
     """
     def surrogate(t, b):
-        obj = _tis(t, b, coef, policy_gradient_objective(b.logp_BxT, b.adv_BxT))
+        obj = tis_weighted(t, b, coef, policy_gradient_objective(b.logp_BxT, b.adv_BxT))
         t.metric("pg_objective", obj)
         return obj
 
-    return _objective(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const),
+    return objective_frame(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const),
                       correction=(is_level, is_mode))
 
 
@@ -200,7 +200,7 @@ def grpo(
     ("seq-mean-token-sum-norm" with `norm_const` and group_advantages(std="none");
     arXiv:2503.20783), dual clip via `coef.dual_clip`, TIS via `sampler_logp_BxT`.
     """
-    return _objective(batch, coef, _ratio_clipped(coef),
+    return objective_frame(batch, coef, _ratio_clipped(coef),
                       (aggregation, kl_kind, kl_clamp, norm_const),
                       correction=(is_level, is_mode))
 
@@ -227,9 +227,9 @@ def gspo(
     """
     def surrogate(t, b):
         ratio = gspo_token_ratio(b.logp_BxT, b.old_logp_BxT, b.mask_BxT)
-        return _tis(t, b, coef, _clipped(t, b, coef, ratio))
+        return tis_weighted(t, b, coef, clipped_surrogate(t, b, coef, ratio))
 
-    return _objective(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const),
+    return objective_frame(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const),
                       correction=(is_level, is_mode))
 
 
@@ -267,7 +267,7 @@ def ppo(
     is only reported; `kl_kind` adds it as a loss term too. Metrics include the pieces
     of the value model's explained variance (`explained_variance_from_sums`).
     """
-    return _objective(batch, coef, _ratio_clipped(coef),
+    return objective_frame(batch, coef, _ratio_clipped(coef),
                       (aggregation, kl_kind, kl_clamp, norm_const),
                       extra=lambda t, b: _value_terms(t, b, coef),
                       correction=(is_level, is_mode))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from rljax.objectives._validate import check_same_shape
 from rljax.objectives.batch import Coef, ObjectiveBatch
-from rljax.objectives.library import _clipped, _objective, _tis
+from rljax.objectives.library import clipped_surrogate, objective_frame, tis_weighted
 
 Array = Any
 Metrics = dict[str, tuple[Array, Array]]
@@ -91,7 +91,7 @@ def _ratio(b: ObjectiveBatch) -> Array:
 
 
 def _run(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const, is_level, is_mode):
-    return _objective(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const),
+    return objective_frame(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const),
                       correction=(is_level, is_mode))
 
 
@@ -113,7 +113,7 @@ def cispo(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "token-mean",
         t.metric("is_weight_clip_frac", (r < 1.0 - coef.clip_low) | (r > 1.0 + coef.clip_high))
         obj = cispo_objective(b.logp_BxT, r, b.adv_BxT, eps_low=coef.clip_low,
                               eps_high=coef.clip_high)
-        return _tis(t, b, coef, obj)
+        return tis_weighted(t, b, coef, obj)
 
     return _run(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const, is_level,
                 is_mode)
@@ -138,7 +138,7 @@ def sapo(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "seq-mean-toke
         s = jax.nn.sigmoid(tau * (r - 1.0))
         t.metric("gate_slope", 4.0 * s * (1.0 - s))
         obj = sapo_objective(r, b.adv_BxT, tau_pos=coef.sapo_tau_pos, tau_neg=coef.sapo_tau_neg)
-        return _tis(t, b, coef, obj)
+        return tis_weighted(t, b, coef, obj)
 
     return _run(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const, is_level,
                 is_mode)
@@ -162,7 +162,7 @@ def gmpo(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "seq-mean-toke
                                       eps_low=coef.clip_low, eps_high=coef.clip_high)
         t.metric("ratio", s)
         t.metric("clip_frac", clipped)
-        return _tis(t, b, coef, s * sg(b.adv_BxT))
+        return tis_weighted(t, b, coef, s * sg(b.adv_BxT))
 
     return _run(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const, is_level,
                 is_mode)
@@ -187,7 +187,7 @@ def clip_cov(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "token-mea
     """
     def surrogate(t, b):
         sel = _selected(t, b, "clip_cov")
-        obj = _tis(t, b, coef, _clipped(t, b, coef, _ratio(b)))
+        obj = tis_weighted(t, b, coef, clipped_surrogate(t, b, coef, _ratio(b)))
         return jnp.where(sel, 0.0, obj)
 
     return _run(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const, is_level,
@@ -219,7 +219,7 @@ def kl_cov(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "token-mean"
         log_r = b.logp_BxT - b.old_logp_BxT
         penalty = jnp.where(sel, log_r * jnp.sign(sg(log_r)), 0.0)
         t.metric("kl_cov_penalty", penalty)
-        return _tis(t, b, coef, r * sg(b.adv_BxT)) - coef.kl_cov * penalty
+        return tis_weighted(t, b, coef, r * sg(b.adv_BxT)) - coef.kl_cov * penalty
 
     return _run(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const, is_level,
                 is_mode)

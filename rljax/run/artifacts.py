@@ -53,7 +53,7 @@ from rljax.train.config import SamplingConfig
 __all__ = ["evaluate_source", "export_hf", "is_run_dir", "load_policy", "sample_texts"]
 
 
-def _as_path(path: str | os.PathLike) -> epath.Path:
+def as_path(path: str | os.PathLike) -> epath.Path:
     """A local path (made absolute) or a bucket URL such as gs://b/x, as an `epath.Path`."""
     text = os.fspath(path)
     return epath.Path(text if "://" in text else os.path.abspath(text))
@@ -62,7 +62,7 @@ def _as_path(path: str | os.PathLike) -> epath.Path:
 def is_run_dir(path: str | os.PathLike) -> bool:
     """True when `path` (local or gs://) is an rljax run directory (its config.json
     carries a config hash)."""
-    cfg = _as_path(path) / "config.json"
+    cfg = as_path(path) / "config.json"
     if not cfg.is_file():
         return False
     try:
@@ -71,7 +71,7 @@ def is_run_dir(path: str | os.PathLike) -> bool:
         return False
 
 
-def _run_tokenizer(run_dir, cfg) -> Any:
+def run_tokenizer(run_dir, cfg) -> Any:
     tok = run_dir / "tokenizer"
     if tok.is_dir() and not is_local(tok):  # tokenizers load from local folders only
         with tempfile.TemporaryDirectory() as tmp:
@@ -131,7 +131,7 @@ def seed_config(cfg: ExperimentConfig, run_seed: int | None) -> ExperimentConfig
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=seed, seeds=1))
 
 
-def _restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = None):
+def restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = None):
     """`(run config of the chosen seed, model config, policy as pure nested dicts,
     checkpoint meta)` of a run directory (local or gs://). A several-seed run's stacked
     checkpoint is read on one device and seed `run_seed` (default `run.seed`) taken."""
@@ -158,12 +158,12 @@ def _restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None =
 
 
 def _policy_from_run(run_dir: pathlib.Path, step: int | None, run_seed: int | None):
-    cfg, config, policy, _ = _restore_policy(run_dir, step, run_seed=run_seed)
+    cfg, config, policy, _ = restore_policy(run_dir, step, run_seed=run_seed)
     model = Decoder(config, rngs=nnx.Rngs(0))
     state = nnx.state(model)
     nnx.replace_by_pure_dict(state, policy)
     nnx.update(model, state)
-    return model, _run_tokenizer(run_dir, cfg), cfg
+    return model, run_tokenizer(run_dir, cfg), cfg
 
 
 def load_policy(source: str | pathlib.Path, *, step: int | None = None,
@@ -214,7 +214,7 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
     processes every process must call this (each takes part in every tensor's gather);
     process 0 alone writes. `run_seed` picks the seed of a several-seed run (`load_policy`).
     """
-    out = _as_path(out_dir)
+    out = as_path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"export: {out} exists and is not empty; choose a new folder")
     if not is_run_dir(source):
@@ -223,8 +223,8 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
         config, get = model.config, lambda spath: jax.device_get(flat[spath].get_value())
     else:
         mesh = make_mesh(MeshConfig()) if jax.device_count() > 1 else None
-        cfg, config, policy, _ = _restore_policy(_as_path(source), step, mesh, run_seed)
-        tokenizer = _run_tokenizer(_as_path(source), cfg)
+        cfg, config, policy, _ = restore_policy(as_path(source), step, mesh, run_seed)
+        tokenizer = run_tokenizer(as_path(source), cfg)
         get = lambda spath: multihost_utils.process_allgather(  # noqa: E731
             _leaf(policy, *state_location(config, spath)), tiled=True)
     primary = jax.process_index() == 0

@@ -21,15 +21,15 @@ from flax import nnx
 from rljax.models import Decoder, from_pretrained
 from rljax.models.hf_config import config_from_hf
 from rljax.models.tokenizer import check_same_tokenizer, check_vocab, load_tokenizer
-from rljax.run.artifacts import _as_path, _restore_policy, _run_tokenizer, is_run_dir
+from rljax.run.artifacts import as_path, restore_policy, run_tokenizer, is_run_dir
 
 __all__ = ["load_teacher"]
 
 
 def _from_run(path, mesh):
     """`(graphdef, params, tokenizer, model config)` of a run directory's latest policy."""
-    run_dir = _as_path(path)
-    cfg, config, policy, _ = _restore_policy(run_dir, None, mesh)
+    run_dir = as_path(path)
+    cfg, config, policy, _ = restore_policy(run_dir, None, mesh)
     if mesh is None:
         # One device, one process: orbax restores onto device 0 *committed*, which would
         # commit the learning program's outputs and recompile the next step's sampler and
@@ -37,7 +37,7 @@ def _from_run(path, mesh):
         policy = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), policy)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
     nnx.replace_by_pure_dict(state, policy)
-    return graphdef, state, _run_tokenizer(run_dir, cfg), config
+    return graphdef, state, run_tokenizer(run_dir, cfg), config
 
 
 def load_teacher(path: str | os.PathLike, tokenizer, mesh=None, *,

@@ -97,14 +97,14 @@ def greedy(logits_BxV: jax.Array) -> jax.Array:
     return _first_index_of_max(logits_BxV).astype(jnp.int32)
 
 
-def _ordered_key(x: jax.Array) -> jax.Array:
+def ordered_key(x: jax.Array) -> jax.Array:
     """uint32 keys that sort like the float32 values (``-inf`` lowest, no NaN)."""
     u = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
     sign = jnp.uint32(0x80000000)
     return jnp.where(u >= sign, ~u, u | sign)
 
 
-def _largest_key_where(pred, lo_B: jax.Array, hi_B: jax.Array) -> jax.Array:
+def largest_key_where(pred, lo_B: jax.Array, hi_B: jax.Array) -> jax.Array:
     """Per row, the largest uint32 ``t`` in ``[lo, hi]`` with ``pred(t)`` true.
 
     ``pred(t_Bx1) -> bool [B]`` must be monotone (true up to some point, then false) and
@@ -125,13 +125,13 @@ def _top_k_mask(x_BxV: jax.Array, k: int) -> jax.Array:
     """True where ``x`` is >= the k-th largest value of its row (ties kept)."""
     if k >= x_BxV.shape[-1]:
         return jnp.ones(x_BxV.shape, bool)
-    key_BxV = _ordered_key(x_BxV)
+    key_BxV = ordered_key(x_BxV)
     b = x_BxV.shape[0]
 
     def at_least_k(t_Bx1):
         return jnp.sum(key_BxV >= t_Bx1, axis=-1) >= k
 
-    kth_B = _largest_key_where(
+    kth_B = largest_key_where(
         at_least_k, jnp.zeros((b,), jnp.uint32), jnp.full((b,), 0xFFFFFFFF, jnp.uint32)
     )
     return key_BxV >= kth_B[:, None]
@@ -157,7 +157,7 @@ def _top_p_mask(x_BxV: jax.Array, keep_BxV: jax.Array, p: float) -> jax.Array:
         return jnp.sum(jnp.where(bits_BxV > t_Bx1, probs_BxV, 0.0), axis=-1) >= p
 
     top_B = jnp.max(bits_BxV, axis=-1)
-    last_B = _largest_key_where(
+    last_B = largest_key_where(
         lambda t: mass_above_reaches_p(t) | (t[:, 0] == 0),
         jnp.zeros((b,), jnp.uint32),
         top_B,
@@ -191,7 +191,7 @@ def filter_logits(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(keep_BxV, x_BxV, -jnp.inf)
 
 
-def _block_size(v: int) -> int:
+def vocab_block_size(v: int) -> int:
     """A power of two near ``sqrt(V)``, preferring one that divides V (no padding copy)."""
     cands = [2**i for i in range(3, 16)]
     near = [c for c in cands if math.sqrt(v) / 2 <= c <= 2 * math.sqrt(v)] or [8]
@@ -199,7 +199,7 @@ def _block_size(v: int) -> int:
     return min(dividing or near, key=lambda c: abs(math.log(c / math.sqrt(v))))
 
 
-def _inverse_cdf(w: jax.Array, u: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+def inverse_cdf(w: jax.Array, u: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     """Per row, index ``i`` along ``axis`` with ``c_{i-1} <= u * c_last < c_i`` for
     ``c = cumsum(w)``, and ``c_last`` (``w`` is 2-D; ``u`` has one entry per row).
 
@@ -212,7 +212,7 @@ def _inverse_cdf(w: jax.Array, u: jax.Array, axis: int) -> tuple[jax.Array, jax.
     return jnp.sum(c <= target, axis=axis).astype(jnp.int32), jnp.squeeze(total, axis)
 
 
-def _pick(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+def pick_along(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
     """``x[index]`` along ``axis``, one index per row of the other axes."""
     return jnp.squeeze(jnp.take_along_axis(x, jnp.expand_dims(index, axis), axis=axis), axis)
 
@@ -230,7 +230,7 @@ def _sample_with_logp(key: jax.Array, x: jax.Array, axis: int = 1,
     use the same uniforms and blocks, so they draw the same tokens.
     """
     v, rows = x.shape[axis], x.shape[1 - axis]
-    bs = _block_size(v)
+    bs = vocab_block_size(v)
     nb = -(-v // bs)
     widths = [(0, 0), (0, 0)]
     widths[axis] = (0, nb * bs - v)
@@ -238,11 +238,11 @@ def _sample_with_logp(key: jax.Array, x: jax.Array, axis: int = 1,
     w = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
     w3 = jnp.pad(w, widths).reshape(shape3)
     u_Rx2 = jax.random.uniform(key, (rows, 2), jnp.float32)
-    blk, total = _inverse_cdf(jnp.sum(w3, axis=axis + 1), u_Rx2[:, 0], axis)
+    blk, total = inverse_cdf(jnp.sum(w3, axis=axis + 1), u_Rx2[:, 0], axis)
     w_block = jnp.squeeze(
         jnp.take_along_axis(w3, jnp.expand_dims(blk, (axis, axis + 1)), axis=axis), axis)
-    within, _ = _inverse_cdf(w_block, u_Rx2[:, 1], axis)
-    return blk * bs + within, jnp.log(_pick(w_block, within, axis)) - jnp.log(total)
+    within, _ = inverse_cdf(w_block, u_Rx2[:, 1], axis)
+    return blk * bs + within, jnp.log(pick_along(w_block, within, axis)) - jnp.log(total)
 
 
 def inverse_cdf_sample(key: jax.Array, x_BxV: jax.Array) -> jax.Array:
@@ -258,7 +258,7 @@ def inverse_cdf_sample(key: jax.Array, x_BxV: jax.Array) -> jax.Array:
 def token_logprobs(x_BxV: jax.Array, tokens_B: jax.Array, axis: int = 1) -> jax.Array:
     """``log softmax(x)[token]`` per row, float32 ``[B]`` (``axis=0``: vocab-major ``[V, R]``)."""
     x = x_BxV.astype(jnp.float32)
-    return _pick(x, tokens_B, axis) - jax.nn.logsumexp(x, axis=axis)
+    return pick_along(x, tokens_B, axis) - jax.nn.logsumexp(x, axis=axis)
 
 
 def sample_tokens(

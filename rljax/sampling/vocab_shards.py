@@ -31,7 +31,7 @@ float32 rounding and a token could differ only when a cumulative weight lies wit
 rounding of its target (tests/test_sampling_sharded.py: equal on 10,240 draws per mode).
 
 Vocabularies not divisible by ``tensor`` are padded with ``-inf`` (never drawn) to a
-multiple of it; the block size is the one-device one, ``ops._block_size(V)``.
+multiple of it; the block size is the one-device one, ``ops.vocab_block_size(V)``.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from jax.sharding import Mesh, PartitionSpec
 
 from rljax.sampling.ops import (
     SamplingParams,
-    _block_size,
-    _inverse_cdf,
-    _largest_key_where,
-    _ordered_key,
-    _pick,
+    vocab_block_size,
+    inverse_cdf,
+    largest_key_where,
+    ordered_key,
+    pick_along,
     sample_tokens,
     sample_tokens_VxR,
 )
@@ -65,7 +65,7 @@ def vocab_shards(mesh: Mesh | None, v: int) -> int:
     (the one-device sampler) without a mesh, with tensor 1, or when a slice would be
     shorter than one sampling block (``V < tensor * bs``, a vocabulary of a few dozen)."""
     t = 1 if mesh is None else dict(mesh.shape).get(AXIS, 1)
-    return t if t > 1 and -(-v // t) >= _block_size(v) else 1
+    return t if t > 1 and -(-v // t) >= vocab_block_size(v) else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ class _Plan:
 
     @staticmethod
     def make(v: int, t: int) -> "_Plan":
-        bs, L = _block_size(v), -(-v // t)
+        bs, L = vocab_block_size(v), -(-v // t)
         nb = -(-v // bs)
         starts = [min(-(-s * L // bs), nb) for s in range(t)] + [nb]
         counts = [starts[s + 1] - starts[s] for s in range(t)]
@@ -127,7 +127,7 @@ def _pick_global(plan: _Plan, x, tok, axis: int) -> jax.Array:
     """``x[tok]`` along the split ``axis``: the owner's value, psum'd (others add 0)."""
     local = tok - plan.L * jax.lax.axis_index(AXIS)
     mine = (local >= 0) & (local < plan.L)
-    return jax.lax.psum(jnp.where(mine, _pick(x, jnp.clip(local, 0, plan.L - 1), axis), 0.0),
+    return jax.lax.psum(jnp.where(mine, pick_along(x, jnp.clip(local, 0, plan.L - 1), axis), 0.0),
                         AXIS)
 
 
@@ -158,14 +158,14 @@ def _sample_with_logp(plan: _Plan, u_Rx2, x, axis: int):
     w3 = w.reshape((rows, nbl, bs) if axis == 1 else (nbl, bs, rows))
     sums = jax.lax.all_gather(jnp.sum(w3, axis=axis + 1), AXIS, axis=axis, tiled=True)
     sums = jnp.take(sums, jnp.asarray(plan.order, jnp.int32), axis=axis)  # [.., nb]
-    blk, total = _inverse_cdf(sums, u_Rx2[:, 0], axis)
+    blk, total = inverse_cdf(sums, u_Rx2[:, 0], axis)
     local = blk - plan.mine(plan.starts)
     mine = (local >= 0) & (local < plan.mine(plan.counts))
     at = jnp.expand_dims(jnp.clip(local, 0, nbl - 1), (axis, axis + 1))
     w_block = jnp.squeeze(jnp.take_along_axis(w3, at, axis=axis), axis)
-    within, _ = _inverse_cdf(w_block, u_Rx2[:, 1], axis)
+    within, _ = inverse_cdf(w_block, u_Rx2[:, 1], axis)
     within = jax.lax.psum(jnp.where(mine, within, 0), AXIS)
-    w_tok = jax.lax.psum(jnp.where(mine, _pick(w_block, within, axis), 0.0), AXIS)
+    w_tok = jax.lax.psum(jnp.where(mine, pick_along(w_block, within, axis), 0.0), AXIS)
     return blk * bs + within, jnp.log(w_tok) - jnp.log(total)
 
 
@@ -177,7 +177,7 @@ def _top_k_mask(plan: _Plan, x_RxL, k: int) -> jax.Array:
     """``ops._top_k_mask`` over the whole vocabulary (the global k-th key, ties kept)."""
     if k >= plan.v:
         return jnp.ones(x_RxL.shape, bool)
-    key_RxL = _ordered_key(x_RxL)
+    key_RxL = ordered_key(x_RxL)
     if plan.t * k < plan.L:  # per-slice top-k: the global k largest are among them
         cand = jax.lax.all_gather(jax.lax.top_k(_signed(key_RxL), k)[0], AXIS, axis=1,
                                   tiled=True)
@@ -185,7 +185,7 @@ def _top_k_mask(plan: _Plan, x_RxL, k: int) -> jax.Array:
         kth_R = jax.lax.bitcast_convert_type(kth, jnp.uint32) ^ jnp.uint32(0x80000000)
     else:
         r = x_RxL.shape[0]
-        kth_R = _largest_key_where(
+        kth_R = largest_key_where(
             lambda t: jax.lax.psum(jnp.sum(key_RxL >= t, axis=-1), AXIS) >= k,
             jnp.zeros((r,), jnp.uint32), jnp.full((r,), 0xFFFFFFFF, jnp.uint32))
     return key_RxL >= kth_R[:, None]
@@ -207,7 +207,7 @@ def _top_p_mask(plan: _Plan, x_RxL, keep_RxL, p: float) -> jax.Array:
 
     # Probabilities are >= 0, so their bits order the same as int32 (pmax's type here).
     top = _pmax(jax.lax.bitcast_convert_type(jnp.max(bits_RxL, axis=-1), jnp.int32))
-    last_R = _largest_key_where(
+    last_R = largest_key_where(
         lambda t: mass_above_reaches_p(t) | (t[:, 0] == 0),
         jnp.zeros((r,), jnp.uint32), jax.lax.bitcast_convert_type(top, jnp.uint32))
     thresh_R = jnp.where(mass_above_reaches_p(last_R[:, None]), last_R + 1, last_R)

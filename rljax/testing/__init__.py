@@ -25,8 +25,8 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from rljax.objectives.batch import DIFFERENTIABLE_FIELDS, OPTIONAL_FIELDS, Coef, ObjectiveBatch
-from rljax.testing._compare import (F32_EPS, _compare_grads, _compare_outputs, _fail,
-                                    _scalars, float32_rtol)
+from rljax.testing._compare import (F32_EPS, compare_grads, compare_outputs, check_failure,
+                                    scalar_values, float32_rtol)
 
 __all__ = ["F32_EPS", "check_objective", "default_batch", "float32_rtol"]
 
@@ -107,13 +107,13 @@ class _Harness:
 
 def _check_structure(out: Any) -> None:
     if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[2], dict)):
-        raise _fail("contract", f"must return (loss_sum, count, metrics: dict); got {type(out).__name__}")
+        raise check_failure("contract", f"must return (loss_sum, count, metrics: dict); got {type(out).__name__}")
     for name, x in (("loss_sum", out[0]), ("count", out[1])):
         if jnp.shape(x) != ():
-            raise _fail("contract", f"{name} must be a scalar; got shape {jnp.shape(x)}")
+            raise check_failure("contract", f"{name} must be a scalar; got shape {jnp.shape(x)}")
     for k, v in out[2].items():
         if not (isinstance(v, tuple) and len(v) == 2 and all(jnp.shape(x) == () for x in v)):
-            raise _fail("contract", f"metric {k!r} must be a (sum, count) pair of scalars")
+            raise check_failure("contract", f"metric {k!r} must be a (sum, count) pair of scalars")
 
 
 def _magnitudes(parts: list, ref) -> dict[str, float]:
@@ -121,27 +121,27 @@ def _magnitudes(parts: list, ref) -> dict[str, float]:
     |the part's output|, at least |the full batch's output|. A loss sum whose parts cancel
     is then compared at the size of its terms, where float32 rounds, not at the size of
     its small total."""
-    sums = [_scalars(p) for p in parts]
+    sums = [scalar_values(p) for p in parts]
     return {k: max(abs(float(v)), sum(abs(float(p[k])) for p in sums))
-            for k, v in _scalars(ref).items()}
+            for k, v in scalar_values(ref).items()}
 
 
 def _check_grads(out, batch: ObjectiveBatch, require_logp_grad: bool) -> None:
     loss_sum, count, metrics, grads = out
     if not (np.isfinite(loss_sum) and np.isfinite(count) and count > 0):
-        raise _fail("finite", f"loss_sum={loss_sum} and count={count} must be finite with count > 0")
+        raise check_failure("finite", f"loss_sum={loss_sum} and count={count} must be finite with count > 0")
     for k, (s, n) in metrics.items():
         if not (np.isfinite(s) and np.isfinite(n)):
-            raise _fail("finite", f"metric {k!r} = ({s}, {n}) is not finite")
+            raise check_failure("finite", f"metric {k!r} = ({s}, {n}) is not finite")
     masked = np.asarray(batch.mask_BxT) == 0
     for k, g in grads.items():
         if not np.all(np.isfinite(g)):
-            raise _fail("finite", f"gradient w.r.t. {k} has non-finite entries")
+            raise check_failure("finite", f"gradient w.r.t. {k} has non-finite entries")
         if np.any(g[masked] != 0):
-            raise _fail("mask", f"masked tokens get nonzero gradient w.r.t. {k} "
+            raise check_failure("mask", f"masked tokens get nonzero gradient w.r.t. {k} "
                         f"(max |g| {np.abs(g[masked]).max():.3g}); the mask must select them away")
     if require_logp_grad and not np.any(grads["logp_BxT"] != 0):
-        raise _fail("gradient", "the gradient w.r.t. logp_BxT is identically zero")
+        raise check_failure("gradient", "the gradient w.r.t. logp_BxT is identically zero")
 
 
 def _pad(batch: ObjectiveBatch, pad: int, seed: int) -> ObjectiveBatch:
@@ -166,10 +166,10 @@ def _check_padding(h: _Harness, batch, coef, ref, pad: int, seed: int, rtol: flo
                    scale: dict) -> None:
     T = batch.logp_BxT.shape[1]
     got = h(_pad(batch, pad, seed), coef)
-    _compare_outputs("padding", ref, got, rtol, scale)
-    _compare_grads("padding", ref[3], {k: g[:, :T] for k, g in got[3].items()}, rtol)
+    compare_outputs("padding", ref, got, rtol, scale)
+    compare_grads("padding", ref[3], {k: g[:, :T] for k, g in got[3].items()}, rtol)
     if any(np.any(g[:, T:] != 0) for g in got[3].values()):
-        raise _fail("padding", "padded (masked) columns get nonzero gradient")
+        raise check_failure("padding", "padded (masked) columns get nonzero gradient")
 
 
 def _micro_outputs(h: _Harness, batch, coef, n_micro: int) -> list:
@@ -189,8 +189,8 @@ def _check_micro_batches(ref, outs: list, rtol: float, scale: dict) -> None:
         {k: np.concatenate([o[3][k] for o in outs], axis=0) for k in ref[3]},
     )
     check = f"micro-batch x{n_micro}"
-    _compare_outputs(check, ref, total, rtol, scale)
-    _compare_grads(check, ref[3], total[3], rtol)
+    compare_outputs(check, ref, total, rtol, scale)
+    compare_grads(check, ref[3], total[3], rtol)
 
 
 def _perturb_leaf(x: Any) -> Any:
@@ -227,7 +227,7 @@ def _check_no_recompile(h: _Harness, batch, coef) -> None:
     before = h.traces, _cache_size(h.jitted)
     h(batch, _perturb(coef))
     if (h.traces, _cache_size(h.jitted)) != before:
-        raise _fail("recompile", "changing a coefficient's value retraced the objective; "
+        raise check_failure("recompile", "changing a coefficient's value retraced the objective; "
                     "coefficients must be traced arrays, never Python branches or static values")
 
 
@@ -245,8 +245,8 @@ def _check_mesh(h: _Harness, batch, coef, ref, mesh, rtol: float, scale: dict) -
     sharded = (jax.device_put(batch, rows), jax.device_put(coef, NamedSharding(mesh, P())))
     got = h(*sharded)
     check = f"mesh ({mesh.size} devices)"
-    _compare_outputs(check, ref, got, rtol, scale)
-    _compare_grads(check, ref[3], got[3], rtol)
+    compare_outputs(check, ref, got, rtol, scale)
+    compare_grads(check, ref[3], got[3], rtol)
 
 
 #: Why the trainer leaves each optional field None (the message of a failed variant).
@@ -277,7 +277,7 @@ def _check_batch(h: _Harness, batch, coef, mesh, *, micro_batches, pad, rtol, se
     try:
         ref = h(batch, coef)
     except _TRACING_ERRORS as e:
-        raise _fail("jit", "the objective fails under jax.jit/jax.grad: "
+        raise check_failure("jit", "the objective fails under jax.jit/jax.grad: "
                     f"{type(e).__name__}: {e}") from e
     _check_grads(ref, batch, require_logp_grad)
     if recompile:
@@ -302,7 +302,7 @@ def _minimal_fails(h: _Harness, batch, coef, absent: Sequence[str], e: Exception
         except Exception:  # noqa: BLE001 - any failure names the field
             culprits.append(name)
     why = "; ".join(f"{n}=None in {_ABSENT_WHEN[n]}" for n in culprits or absent)
-    return _fail(f"batch without {', '.join(culprits or absent)}",
+    return check_failure(f"batch without {', '.join(culprits or absent)}",
                  f"{type(e).__name__}: {e}. The trainer passes {why}: handle None, or "
                  f"declare the fields the objective needs, requires={tuple(culprits or absent)} "
                  "(a run must then provide them)")

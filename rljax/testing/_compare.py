@@ -8,7 +8,7 @@ import numpy as np
 from rljax.objectives.batch import ObjectiveBatch
 
 
-def _fail(check: str, msg: str) -> AssertionError:
+def check_failure(check: str, msg: str) -> AssertionError:
     return AssertionError(f"check_objective [{check}]: {msg}")
 
 
@@ -25,7 +25,7 @@ def float32_rtol(batch: ObjectiveBatch) -> float:
     return F32_EPS * B * T
 
 
-def _scalars(out) -> dict[str, float]:
+def scalar_values(out) -> dict[str, float]:
     """Loss sum, count and each metric's sum and count of one harness output, by name."""
     loss_sum, count, metrics, _ = out
     d = {"loss_sum": loss_sum, "count": count}
@@ -34,22 +34,22 @@ def _scalars(out) -> dict[str, float]:
     return d
 
 
-def _compare_outputs(check: str, ref, got, rtol: float, scale: dict[str, float]) -> None:
+def compare_outputs(check: str, ref, got, rtol: float, scale: dict[str, float]) -> None:
     """Loss sum, count and every metric pair must agree to rtol times their magnitude."""
-    a, b = _scalars(ref), _scalars(got)
+    a, b = scalar_values(ref), scalar_values(got)
     if set(ref[2]) != set(got[2]):
-        raise _fail(check, f"metric names differ: {sorted(ref[2])} vs {sorted(got[2])}")
+        raise check_failure(check, f"metric names differ: {sorted(ref[2])} vs {sorted(got[2])}")
     for name in a:
         size = max(scale.get(name, 0.0), abs(float(a[name])), abs(float(b[name])))
         if not abs(a[name] - b[name]) <= rtol * size:
-            raise _fail(check, f"{name} is {b[name]!r}, expected {a[name]!r} (allowed "
+            raise check_failure(check, f"{name} is {b[name]!r}, expected {a[name]!r} (allowed "
                         f"{rtol:.3g} x magnitude {size:.4g})")
 
 
-def _compare_grads(check: str, g_ref: dict, g: dict, rtol: float) -> None:
+def compare_grads(check: str, g_ref: dict, g: dict, rtol: float) -> None:
     """Gradients must agree to rtol times the reference gradient's global norm."""
     norm = np.sqrt(sum(np.sum(np.square(x)) for x in g_ref.values()))
     for k in g_ref:
         err = np.max(np.abs(g_ref[k] - g[k]))
         if not err <= rtol * norm:
-            raise _fail(check, f"gradient w.r.t. {k} differs by {err:.3g}; allowed {rtol} x |grad| = {rtol * norm:.3g}")
+            raise check_failure(check, f"gradient w.r.t. {k} differs by {err:.3g}; allowed {rtol} x |grad| = {rtol * norm:.3g}")

@@ -37,7 +37,7 @@ def _chunk_logprobs(logits_fn, head_params, h_BxCxD, tgt_BxC, inv_temp):
     logz_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
     # The target's logit as a one-hot contraction (the general path, plain autodiff). A
     # gather gives the same value and also keeps a vocab-sharded axis sharded (see
-    # _linear_chunk_stats, which the linear heads use).
+    # linear_chunk_stats, which the linear heads use).
     onehot = jax.nn.one_hot(tgt_BxC, logits_BxCxV.shape[-1], dtype=jnp.float32)
     logp_BxC = jnp.sum(logits_BxCxV * onehot, axis=-1) - logz_BxC
     p_BxCxV = jnp.exp(logits_BxCxV - logz_BxC[..., None])
@@ -59,7 +59,7 @@ def _check_args(name: str, h_BxTxD, targets_BxT, chunk, temperature) -> tuple[in
     return b, t, d
 
 
-def _check_linear_args(name: str, w, h_BxTxD, targets_BxT, chunk, temperature,
+def check_linear_args(name: str, w, h_BxTxD, targets_BxT, chunk, temperature,
                        vocab_major) -> tuple[int, int, int]:
     """``_check_args`` plus the linear head's weight against the hidden size."""
     b, t, d = _check_args(name, h_BxTxD, targets_BxT, chunk, temperature)
@@ -122,7 +122,7 @@ def _linear_logits(w, h, vocab_major: bool, cd):
     return jnp.einsum(spec, h.astype(cd), w.astype(cd), preferred_element_type=jnp.float32)
 
 
-def _linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
+def linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
     """One chunk's ``(z, e, s, logz, logp, ent)``: logits ``z`` (scaled by ``inv_temp``),
     ``e = exp(z - max z)``, ``s = sum(e)``, log Z, the target's log-prob, the entropy."""
     z = _linear_logits(w, h_BxCxD, vocab_major, cd) * inv_temp
@@ -186,19 +186,19 @@ def reduce_partial_dw(dw_SxDxV, names_DxV=DW_DXV_AXES):
 
 
 def _linear_chunk_fwd(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
-    _, _, _, logz, logp, ent = _linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd,
+    _, _, _, logz, logp, ent = linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd,
                                                    inv_temp)
     return logp, ent, logz
 
 
-def _chunks(x, n: int, c: int):
+def split_chunks(x, n: int, c: int):
     """``[B, T, ...] -> [N, B, C, ...]`` (T zero-padded to ``N * C``)."""
     b, t = x.shape[:2]
     x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
     return x.reshape(b, n, c, *x.shape[2:]).swapaxes(0, 1)
 
 
-def _unchunk(x_NxBxC, t: int):
+def join_chunks(x_NxBxC, t: int):
     n, b, c = x_NxBxC.shape[:3]
     return x_NxBxC.swapaxes(0, 1).reshape(b, n * c, *x_NxBxC.shape[3:])[:, :t]
 
@@ -215,8 +215,8 @@ def _linear_primal(w, h_BxTxD, tgt_BxT, vocab_major, cd, inv_temp, c):
     n = math.ceil(t / c)
     outs = _over_chunks(
         lambda xs: _linear_chunk_fwd(w, xs[0], xs[1], vocab_major, cd, inv_temp),
-        (_chunks(h_BxTxD, n, c), _chunks(tgt_BxT, n, c)), n)
-    return tuple(_unchunk(o, t) for o in outs)
+        (split_chunks(h_BxTxD, n, c), split_chunks(tgt_BxT, n, c)), n)
+    return tuple(join_chunks(o, t) for o in outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -269,8 +269,8 @@ def _linear_bwd(vocab_major, cd, inv_temp, c, res, cts):
         return dh.astype(h_BxTxD.dtype), partial_dw(h, g, cd, s)
 
     s = batch_shards(b)
-    xs = (_chunks(h_BxTxD, n, c), _chunks(tgt_BxT, n, c), _chunks(logz_BxT, n, c),
-          _chunks(ent_BxT, n, c), _chunks(a_BxT, n, c), _chunks(e_BxT, n, c))
+    xs = (split_chunks(h_BxTxD, n, c), split_chunks(tgt_BxT, n, c), split_chunks(logz_BxT, n, c),
+          split_chunks(ent_BxT, n, c), split_chunks(a_BxT, n, c), split_chunks(e_BxT, n, c))
     if n == 1:
         dh, dw = chunk(jax.tree.map(lambda x: x[0], xs))
         dh_NxBxCxD = dh[None]
@@ -285,7 +285,7 @@ def _linear_bwd(vocab_major, cd, inv_temp, c, res, cts):
     dw = reduce_partial_dw(dw)
     if vocab_major:
         dw = dw.T
-    return dw.astype(w.dtype), _unchunk(dh_NxBxCxD, t), None
+    return dw.astype(w.dtype), join_chunks(dh_NxBxCxD, t), None
 
 
 _linear_logprobs.defvjp(_linear_fwd, _linear_bwd, symbolic_zeros=True)
@@ -315,7 +315,7 @@ def linear_logprobs(
     (float32 accumulation), as the forward takes ``h``. Returns ``(logp_BxT,
     entropy_BxT)``, float32.
     """
-    _, t, _ = _check_linear_args("linear_logprobs", w, h_BxTxD, targets_BxT, chunk,
+    _, t, _ = check_linear_args("linear_logprobs", w, h_BxTxD, targets_BxT, chunk,
                                  temperature, vocab_major)
     return _linear_logprobs(w, h_BxTxD, targets_BxT.astype(jnp.int32), bool(vocab_major),
                             jnp.dtype(compute_dtype), 1.0 / float(temperature), min(chunk, t))

@@ -33,8 +33,8 @@ from flax import nnx
 
 from rljax.models.layers import compute_dtype
 from rljax.sharding import constrain_logical, logical_axes
-from rljax.train.logprobs import (DW_DXV_AXES, PARTIAL_DW_AXES, _check_linear_args, _chunks,
-                                  _linear_chunk_stats, _unchunk, batch_shards, completion_hidden,
+from rljax.train.logprobs import (DW_DXV_AXES, PARTIAL_DW_AXES, check_linear_args, split_chunks,
+                                  linear_chunk_stats, join_chunks, batch_shards, completion_hidden,
                                   head_weight, partial_dw, reduce_partial_dw)
 
 Array = Any
@@ -55,7 +55,7 @@ def padded_width(t: int, chunk: int) -> int:
 
 def _chunk_pass(w, h_BxCxD, tgt_BxC, aux, start, token_grads, vocab_major, cd, inv_temp,
                 with_ent, shards):
-    z, e, s, logz, logp, ent = _linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd,
+    z, e, s, logz, logp, ent = linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd,
                                                    inv_temp)
     a, eg = token_grads(aux, logp, ent, start)
     a = a.astype(jnp.float32)
@@ -91,10 +91,10 @@ def _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c, wi
     v = w.shape[0] if vocab_major else w.shape[1]
     dw_SxDxV, (logp, ent, dh) = jax.lax.scan(
         step, constrain_logical(jnp.zeros((s, d, v), jnp.float32), PARTIAL_DW_AXES),
-        (_chunks(h_BxTxD, n, c), _chunks(tgt_BxT, n, c), starts))
+        (split_chunks(h_BxTxD, n, c), split_chunks(tgt_BxT, n, c), starts))
     dw_DxV = reduce_partial_dw(dw_SxDxV, names_DxV)
     dw = dw_DxV.T if vocab_major else dw_DxV
-    return _unchunk(logp, t), _unchunk(ent, t), _unchunk(dh, t), dw
+    return join_chunks(logp, t), join_chunks(ent, t), join_chunks(dh, t), dw
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
@@ -150,7 +150,7 @@ def one_pass_head(
     ``w`` and ``h_BxTxD`` is the loss's (the chunks' ``dW`` summed, ``dh`` per position),
     to be added to the loss.
     """
-    _, t, _ = _check_linear_args("one_pass_head", w, h_BxTxD, targets_BxT, chunk,
+    _, t, _ = check_linear_args("one_pass_head", w, h_BxTxD, targets_BxT, chunk,
                                  temperature, vocab_major)
     surrogate, logp, ent = _one_pass(
         w, h_BxTxD, targets_BxT.astype(jnp.int32), aux, token_grads, bool(vocab_major),

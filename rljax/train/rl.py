@@ -47,7 +47,7 @@ __all__ = ["PromptSource", "RLTrainer", "rl_loss"]
 
 
 @dataclasses.dataclass
-class _Phase:
+class PhaseTimes:
     """Wall-clock seconds per phase of one step."""
 
     times: dict = dataclasses.field(default_factory=dict)
@@ -207,7 +207,7 @@ class RLTrainer:
         self._learn_fn = learn
         self._learn = None  # jitted with the state's shardings at the first step
 
-    def _program_key(self, state: TrainState) -> tuple:
+    def program_key(self, state: TrainState) -> tuple:
         """Everything the learning program is a function of: the model's graphdef, the
         configs the program reads, the mesh and the state's shardings."""
         r, s = self.rl, self.sampling
@@ -229,10 +229,10 @@ class RLTrainer:
         """The jitted learning program: another trainer's when it computes the same thing
         (a resumed run, or a new trainer on the same model and configs, compiles nothing;
         ``rljax.train.programs``)."""
-        return programs.shared(("learn", self._program_key(state)),
+        return programs.shared(("learn", self.program_key(state)),
                                lambda: self._jit_learn(state))
 
-    def _learn_program(self):
+    def learn_program(self):
         """The pure learning program ``(params, opt_state, scalars, ref_params, ro, key,
         teacher_params) -> (params, opt_state, scalars, metrics)``. It closes over the
         learning function, not the trainer: a shared program outlives its first trainer,
@@ -255,7 +255,7 @@ class RLTrainer:
     def _jit_learn(self, state: TrainState):
         """The learning program, or with a device reward the whole step
         (``rljax.train.fused``; its first argument, the sampler's spec, is static)."""
-        program, static = self._learn_program(), ()
+        program, static = self.learn_program(), ()
         if self.device_reward is not None:
             program = make_fused_step(self.gd, program, self.device_reward, self.mesh)
             static = (0,)
@@ -287,7 +287,7 @@ class RLTrainer:
     def step(self, state: TrainState, source: PromptSource):
         """One RL step on prompts ``source(state.data_pos, prompts_per_step)`` (more when
         dynamic sampling refills). Returns ``(state, metrics: dict[str, float])``."""
-        ph = _Phase()
+        ph = PhaseTimes()
         pos = int(hosts.fetch_scalars(state.data_pos))
         if self._learn is None:
             self._learn = self._cached_learn(state)
@@ -313,7 +313,7 @@ class RLTrainer:
         metrics = hosts.fetch_scalars(m)
         metrics.update(extra)
         metrics.update(self.rollouts.term_means())  # reward/<term>: all processes and rounds
-        self._add_throughput(metrics, ph, state.params)
+        self.add_throughput(metrics, ph, state.params)
         done = int(metrics.pop("done_steps"))
         if metrics.pop("nonfinite_run") >= self.rl.max_nonfinite_steps:
             raise NonFiniteError(
@@ -348,7 +348,7 @@ class RLTrainer:
                          "dyn_sampled_tokens": float(sampled[0]),
                          "dyn_sampled_prompt_tokens": float(sampled[1])}
 
-    def _add_throughput(self, m: dict, ph: _Phase, params: dict | None = None) -> None:
+    def add_throughput(self, m: dict, ph: PhaseTimes, params: dict | None = None) -> None:
         """Tokens/s (whole mesh and per chip), phase times, model FLOP/s and MFU
         (``rljax.train.throughput``; ``rl.peak_flops`` overrides the chip's table peak).
         The FLOPs count every pass of the step once (``step_model_flops``), each group's

@@ -31,7 +31,7 @@ from rljax.train import hosts, programs
 from rljax.train.batching import encode_text, pad_left
 from rljax.train.config import SFTConfig
 from rljax.train.fused import make_fused_step
-from rljax.train.rl import RLTrainer, _Phase
+from rljax.train.rl import RLTrainer, PhaseTimes
 from rljax.train.sft import SFTTrainer
 from rljax.train.step import NonFiniteError, TrainState, make_update, num_micro_batches
 
@@ -108,13 +108,13 @@ class SeedRL:
     def _program(self, spec, state: TrainState):
         if spec not in self._steps:
             def build():
-                step = make_fused_step(self.tr.gd, self.tr._learn_program(),
+                step = make_fused_step(self.tr.gd, self.tr.learn_program(),
                                        self.tr.device_reward)
                 vm = jax.vmap(functools.partial(step, spec), in_axes=(0,) * 7 + (None,))
                 return jax.jit(vm, donate_argnums=(0, 1))
             # Another SeedRL's when its trainer's learning program and the sampler's spec
             # are equal (a resumed run compiles nothing; rljax.train.programs).
-            key = ("seed_rl_step", self.tr._program_key(state), spec)
+            key = ("seed_rl_step", self.tr.program_key(state), spec)
             self._steps[spec] = programs.shared(key, build)
         return self._steps[spec]
 
@@ -128,7 +128,7 @@ class SeedRL:
         spec, prompts, task = self._inputs(state.params, sources, pos_S)
         scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
                        skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
-        ph = _Phase()
+        ph = PhaseTimes()
         params, opt_state, out, m = ph.timed(
             "step", self._program(spec, state), state.params, state.opt_state, scalars,
             state.ref_params, prompts, task, state.key, self.tr.teacher_params)
@@ -137,7 +137,7 @@ class SeedRL:
                                     data_pos=jnp.asarray(pos_S + n, jnp.int32), **out)
         metrics = _per_seed(m, s)
         for i, mi in enumerate(metrics):
-            self.tr._add_throughput(mi, ph)
+            self.tr.add_throughput(mi, ph)
             mi.pop("done_steps")
             if mi.pop("nonfinite_run") >= self.tr.rl.max_nonfinite_steps:
                 raise NonFiniteError(f"seed index {i}: {self.tr.rl.max_nonfinite_steps} or more "
