@@ -1,0 +1,153 @@
+"""A program reads nothing outside its key (issue 41): the stale-program hazard.
+
+The RL learning program is compiled once per key (`RLTrainer.program_key`; the frozen
+spec that replaces it keeps this test). A config field that the program reads but the
+key forgets would hand a trainer a program compiled for another value: wrong numbers and
+no error. So every field of every config the trainer takes (algorithm, RL, optimiser,
+sampling, model) is changed, one at a time, to another valid value, and then either the
+key changes, or the learning program lowered for the changed trainer is byte-identical
+to the base trainer's (same arguments). The fields come from the dataclasses, so a new
+field is covered without editing this test. The mesh reaches the program only as the
+`Mesh` object, which the key holds whole (the trainer takes no `MeshConfig`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from _train_common import CharTok, tiny_config
+from rljax.models import Decoder, ModelConfig
+from rljax.models.config import Llama3RopeScaling
+from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig
+from rljax.train.rl import PhaseTimes, RLTrainer
+
+TOK = CharTok()
+BASE = dict(algorithm=AlgorithmConfig(name="grpo", group_size=2),
+            optim=OptimConfig(lr=1e-2, warmup_steps=2),
+            sampling=SamplingConfig(max_new_tokens=3), rl=RLConfig(steps=4, prompts_per_step=4,
+                                                                    logp_chunk=2))
+MODEL = tiny_config(num_layers=1)
+
+
+def _reward(completions, metadata):
+    return np.array([float(c.startswith("7")) for c in completions], np.float32)
+
+
+def _source(start, n):
+    return ["1+2="] * n, [{}] * n
+
+
+def _trainer(configs: dict, model: ModelConfig) -> RLTrainer:
+    return RLTrainer(nnx.split(nnx.eval_shape(lambda: Decoder(model, rngs=nnx.Rngs(0))))[0],
+                     TOK, _reward, prompt_len=6, **configs)
+
+
+def _allowed(cfg, field: str) -> list:
+    """The values an invalid one's error lists (`allowed: ('a', 'b')`)."""
+    try:
+        dataclasses.replace(cfg, **{field: "\x00"})
+    except (ValueError, TypeError) as e:
+        return re.findall(r"'([\w.+-]+)'", str(e).split("allowed")[-1])
+    return []
+
+
+# Example values of fields whose type the generic alternatives cannot guess.
+EXAMPLES = {"objective": ["rljax.objectives.recent:cispo"],
+            "advantages": ["rljax.objectives:rloo_advantages"],
+            "rope_scaling": [Llama3RopeScaling()]}
+# Fields that no value changes for the base trainer (GRPO, KL in the loss), and why.
+FIXED = {"algorithm.adaptive_kl_target": "the controller needs kl_in='reward' (PPO)"}
+
+
+def _alternatives(cfg, field: str, value) -> list:
+    if field in EXAMPLES:
+        return EXAMPLES[field]
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [value + 1, value * 2, 2, 1, 0, 4]
+    if isinstance(value, float):
+        return [value * 0.5, value + 0.1, 0.5, 1.0, 2.0]
+    return [*_allowed(cfg, field), 0.1, 1, 2, True, 0.5]
+
+
+def _variants():
+    """`(config name, field, changed configs, changed model)` for every field."""
+    configs = [(k, v) for k, v in BASE.items()] + [("model", MODEL)]
+    for name, cfg in configs:
+        for f in dataclasses.fields(cfg):
+            yield name, cfg, f.name
+
+
+def _changed(name, cfg, field):
+    """The first alternative value of `field` that makes a trainer with another resolved
+    config (None when no value does)."""
+    for value in _alternatives(cfg, field, getattr(cfg, field)):
+        try:
+            new = dataclasses.replace(cfg, **{field: value})
+            if name == "algorithm" and new.resolve() == cfg.resolve():
+                continue
+            configs = {**BASE, name: new} if name != "model" else dict(BASE)
+            tr = _trainer(configs, new if name == "model" else MODEL)
+        except (ValueError, TypeError):
+            continue
+        if new != cfg:
+            return value, tr
+    return None
+
+
+@pytest.fixture(scope="module")
+def base():
+    """The base trainer, its state and the learning program's arguments (one rollout)."""
+    tr = _trainer(BASE, MODEL)
+    _, params = nnx.split(Decoder(MODEL, rngs=nnx.Rngs(0)))
+    state = tr.init_state(params, seed=0)
+    _, k_roll, k_learn = jax.random.split(jax.random.key(0), 3)
+    ro = tr.rollouts.sample(state.params["policy"], _source, 0, tr.rl.prompts_per_step,
+                            k_roll, PhaseTimes())
+    scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
+                   skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
+    args = (state.params, state.opt_state, scalars, state.ref_params, ro, k_learn, None)
+    return tr, state, args
+
+
+def _hlo(tr, state, args) -> str:
+    return tr._jit_learn(state).lower(*args).as_text()
+
+
+def test_every_config_field_changes_the_key_or_not_the_program(base):
+    tr0, state, args = base
+    key0, hlo0 = tr0.program_key(state), _hlo(tr0, state, args)
+    lowered, unchanged = [], []
+    for name, cfg, field in _variants():
+        found = _changed(name, cfg, field)
+        if found is None:
+            unchanged.append(f"{name}.{field}")
+            continue
+        value, tr = found
+        if tr.program_key(state) != key0:
+            continue
+        lowered.append(f"{name}.{field}={value!r}")
+        assert _hlo(tr, state, args) == hlo0, (
+            f"{name}.{field}={value!r} changes the learning program but not its key "
+            "(RLTrainer.program_key): a trainer would reuse a stale program")
+    assert unchanged == sorted(FIXED), f"no other valid value found for {unchanged}: add an "
+    "example value to EXAMPLES (or, with the reason, to FIXED)"
+    assert lowered, "no field kept the key: the HLO comparison never ran"
+    print(f"\nlowered and equal: {lowered}\nno alternative: {unchanged}")
+
+
+def test_the_comparison_sees_a_field_the_program_reads(base):
+    """Control: a field the learning program reads (the temperature divides the logits
+    of every log-prob) changes the lowered program, so a key that forgot it would fail
+    the test above."""
+    tr0, state, args = base
+    hot = _trainer(dict(BASE, sampling=SamplingConfig(max_new_tokens=3, temperature=0.5)),
+                   MODEL)
+    assert _hlo(hot, state, args) != _hlo(tr0, state, args)
