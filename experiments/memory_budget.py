@@ -72,6 +72,7 @@ from rljax.sharding import (  # noqa: E402
     batch_sharding,
     inference_shardings,
     make_mesh,
+    mesh_context,
     replicated,
     state_shardings,
 )
@@ -79,6 +80,7 @@ from rljax.train.learn import _map_micro  # noqa: E402
 from rljax.train.logprobs import policy_logprobs  # noqa: E402
 from rljax.train.rl import RLTrainer  # noqa: E402
 from rljax.train.step import opt_state_shardings  # noqa: E402
+from rljax.train.step_program import learn_step  # noqa: E402
 
 GIB = 2.0**30
 EXPERIMENTS = ("gsm8k_qwen25_grpo", "gsm8k_qwen25_ppo", "gsm8k_llama3_grpo")
@@ -272,9 +274,12 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     scalars = dict(updates=jnp.int32, nonfinite_run=jnp.int32, skipped=jnp.int32,
                    kl_coef=jnp.float32, step=jnp.int32)
     scalars = {k: jax.ShapeDtypeStruct((), v, sharding=rep) for k, v in scalars.items()}
-    learn = trainer._jit_learn(types.SimpleNamespace(params=params, opt_state=opt))
-    record("learn", lambda: learn.lower(params, opt, scalars, ref, ro, _key(mesh), None)
-           .compile(), 0)
+    spec = trainer.step_spec(types.SimpleNamespace(params=params, opt_state=opt))
+
+    def learn():
+        with mesh_context(mesh):
+            return learn_step.lower(spec, params, opt, scalars, ref, ro, _key(mesh), None)
+    record("learn", lambda: learn().compile(), 0)
     return out
 
 

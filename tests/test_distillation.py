@@ -162,6 +162,7 @@ def test_trainer_runs_a_distillation_step_with_a_loaded_teacher(tmp_path):
     from rljax.models import Decoder, build_char_tokenizer
     from rljax.run.teacher import load_teacher
     from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
+    from rljax.train.programs import CompileLog
     from rljax.train.rl import RLTrainer
 
     tok = build_char_tokenizer()
@@ -187,14 +188,16 @@ def test_trainer_runs_a_distillation_step_with_a_loaded_teacher(tmp_path):
     for name, path in (("other", teacher_dir), ("self", self_dir)):
         tr = make(load_teacher(path, tok))
         trainers.append(weakref.ref(tr))
-        state, m = tr.step(tr.init_state(jax.tree.map(jnp.copy, params)), source)
+        with CompileLog() as log:
+            state, m = tr.step(tr.init_state(jax.tree.map(jnp.copy, params)), source)
         moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
                     zip(jax.tree.leaves(state.params["policy"]), jax.tree.leaves(params)))
         runs[name] = (m, moved)
-        learns.append(tr._learn)
-    # The second trainer ran the first one's compiled program (rljax.train.programs), and
-    # that program does not keep the first trainer, nor its teacher's parameters, alive.
-    assert learns[0] is learns[1]
+        learns.append(log.by_name()["jit(learn_step)"])
+    # The second trainer ran the first one's compiled program (equal specs: JAX's cache,
+    # rljax.train.step_program), and that program does not keep the first trainer, nor
+    # its teacher's parameters, alive.
+    assert learns[1] == 0
     gc.collect()
     assert trainers[0]() is None and trainers[1]() is tr
     m, moved = runs["other"]

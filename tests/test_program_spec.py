@@ -1,14 +1,16 @@
-"""A program reads nothing outside its key (issue 41): the stale-program hazard.
+"""A program reads nothing outside its spec (issue 41): the stale-program hazard.
 
-The RL learning program is compiled once per key (`RLTrainer.program_key`; the frozen
-spec that replaces it keeps this test). A config field that the program reads but the
-key forgets would hand a trainer a program compiled for another value: wrong numbers and
-no error. So every field of every config the trainer takes (algorithm, RL, optimiser,
-sampling, model) is changed, one at a time, to another valid value, and then either the
-key changes, or the learning program lowered for the changed trainer is byte-identical
-to the base trainer's (same arguments). The fields come from the dataclasses, so a new
-field is covered without editing this test. The mesh reaches the program only as the
-`Mesh` object, which the key holds whole (the trainer takes no `MeshConfig`).
+The RL step's programs are module-level `jax.jit` functions of a frozen `StepSpec`
+(`rljax.train.step_program`), so JAX's cache keys them by the spec; a frozen static
+argument's fields are in the key already. The hazard is a config field that a program
+reads some other way (a closure, a global): JAX would hand a trainer a program compiled
+for another value, with wrong numbers and no error. So every field of every config the
+trainer takes (algorithm, RL, optimiser, sampling, model) is changed, one at a time, to
+another valid value, and then either the trainer's spec changes, or the learning program
+lowered for the changed trainer is byte-identical to the base trainer's (same arguments).
+The fields come from the dataclasses, so a new field is covered without editing this
+test. The mesh reaches the programs only as the `Mesh` object, which the spec holds (the
+trainer takes no `MeshConfig`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rljax.models import Decoder, ModelConfig
 from rljax.models.config import Llama3RopeScaling
 from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig
 from rljax.train.rl import PhaseTimes, RLTrainer
+from rljax.train.step_program import learn_step
 
 TOK = CharTok()
 BASE = dict(algorithm=AlgorithmConfig(name="grpo", group_size=2),
@@ -118,12 +121,12 @@ def base():
 
 
 def _hlo(tr, state, args) -> str:
-    return tr._jit_learn(state).lower(*args).as_text()
+    return learn_step.lower(tr.step_spec(state), *args).as_text()
 
 
 def test_every_config_field_changes_the_key_or_not_the_program(base):
     tr0, state, args = base
-    key0, hlo0 = tr0.program_key(state), _hlo(tr0, state, args)
+    key0, hlo0 = tr0.step_spec(state), _hlo(tr0, state, args)
     lowered, unchanged = [], []
     for name, cfg, field in _variants():
         found = _changed(name, cfg, field)
@@ -131,12 +134,12 @@ def test_every_config_field_changes_the_key_or_not_the_program(base):
             unchanged.append(f"{name}.{field}")
             continue
         value, tr = found
-        if tr.program_key(state) != key0:
+        if tr.step_spec(state) != key0:
             continue
         lowered.append(f"{name}.{field}={value!r}")
         assert _hlo(tr, state, args) == hlo0, (
-            f"{name}.{field}={value!r} changes the learning program but not its key "
-            "(RLTrainer.program_key): a trainer would reuse a stale program")
+            f"{name}.{field}={value!r} changes the learning program but not its spec "
+            "(RLTrainer.step_spec): a trainer would reuse a stale program")
     assert unchanged == sorted(FIXED), f"no other valid value found for {unchanged}: add an "
     "example value to EXAMPLES (or, with the reason, to FIXED)"
     assert lowered, "no field kept the key: the HLO comparison never ran"
@@ -145,7 +148,7 @@ def test_every_config_field_changes_the_key_or_not_the_program(base):
 
 def test_the_comparison_sees_a_field_the_program_reads(base):
     """Control: a field the learning program reads (the temperature divides the logits
-    of every log-prob) changes the lowered program, so a key that forgot it would fail
+    of every log-prob) changes the lowered program, so a spec that forgot it would fail
     the test above."""
     tr0, state, args = base
     hot = _trainer(dict(BASE, sampling=SamplingConfig(max_new_tokens=3, temperature=0.5)),

@@ -29,19 +29,21 @@ import numpy as np
 
 from rljax import objectives as obj
 from rljax.rewards.device import is_device_reward
-from rljax.sharding import check_process_blocks, on_mesh, replicated
+from rljax.sharding import canonical_sharding, check_process_blocks
 from rljax.train import algorithms as alg
-from rljax.train import hosts, programs
+from rljax.train import hosts
 from rljax.train import throughput
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling)
-from rljax.train.fused import make_fused_step, split_step_key
-from rljax.train.learn import LearnSpec, make_learn, share_group
+from rljax.train.fused import split_step_key
+from rljax.train.learn import LearnSpec, share_group
 from rljax.train.loss import rl_loss
 from rljax.train.reference import reference_copy
 from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_groups
-from rljax.train.step import (NonFiniteError, TrainState, batch_constrainer, init_opt_state,
-                              make_optimizer, new_train_state, num_micro_batches)
+from rljax.train.step import (NonFiniteError, TrainState, init_opt_state, new_train_state,
+                              num_micro_batches)
+from rljax.train.step_program import (StepSpec, fused_step, learn_fn, learn_step, optimizers,
+                                      run, schedule_updates)
 
 __all__ = ["PromptSource", "RLTrainer", "rl_loss"]
 
@@ -186,87 +188,42 @@ class RLTrainer:
         return num_micro
 
     def _build_program(self):
-        a, total = self.alg, max(self.rl.steps * self.alg.num_epochs * self.alg.num_minibatches, 1)
+        a, r = self.alg, self.rl
+        total = max(r.steps * a.num_epochs * a.num_minibatches, 1)
         self._total_updates = total
-        optims = {"policy": make_optimizer(self.optim, total)}
-        if self.value_gd is not None:
-            optims["value"] = make_optimizer(self.optim, total, self.rl.value_lr_ratio)
-        self.txs = {k: v[0] for k, v in optims.items()}
-        loss = functools.partial(
-            rl_loss, policy_gd=self.gd, value_gd=self.value_gd,
-            objective=alg.make_objective(a, self.sampling.max_new_tokens),
-            chunk=self.rl.logp_chunk, temperature=self.sampling.temperature, remat=self.rl.remat,
-            self_old=self.old_mode == "self",
-            use_sampler=alg.uses_sampler_logp(a),
-            entropy_grad=a.entropy_coef != 0.0, group=self.share_group,
-        )
-        loss = functools.partial(loss, one_pass=self.rl.one_pass_head
-                                 and obj.token_separable(loss.keywords["objective"]))
-        learn = make_learn(self.spec, loss, self.txs, {k: v[1] for k, v in optims.items()},
-                           self.gd, self.value_gd, batch_constrainer(self.mesh), self.teacher_gd)
-        self._learn_fn = learn
-        self._learn = None  # jitted with the state's shardings at the first step
+        self.base_spec = StepSpec(
+            self.spec, self.gd, self.value_gd, self.teacher_gd, self.optim,
+            schedule_updates(self.optim, total),
+            r.value_lr_ratio if self.value_gd is not None else 1.0, r.remat,
+            r.one_pass_head and obj.token_separable(alg.make_objective(
+                a, self.sampling.max_new_tokens)),
+            self.device_reward, self.mesh)
+        self.txs = {k: v[0] for k, v in optimizers(self.base_spec).items()}
+        self._learn_fn = learn_fn(self.base_spec)
 
-    def program_key(self, state: TrainState) -> tuple:
-        """Everything the learning program is a function of: the model's graphdef, the
-        configs the program reads, the mesh and the state's shardings."""
-        r, s = self.rl, self.sampling
-        shardings = None
-        if self.mesh is not None:
-            t = jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state))
-            shardings = (jax.tree.structure(t), tuple(jax.tree.leaves(t)))
-        # The schedule reads the number of updates only through its warm-up and decay.
-        total = self._total_updates
-        schedule = (min(self.optim.warmup_steps, total),
-                    None if self.optim.schedule == "constant" else total)
-        return (self.spec, self.gd, self.value_gd, self.teacher_gd, self.device_reward,
-                self.optim, schedule,
-                r.value_lr_ratio,
-                r.logp_chunk, r.remat, r.ref_dtype, r.one_pass_head, s.temperature,
-                s.max_new_tokens, self.mesh, shardings)
-
-    def _cached_learn(self, state: TrainState):
-        """The jitted learning program: another trainer's when it computes the same thing
-        (a resumed run, or a new trainer on the same model and configs, compiles nothing;
-        ``rljax.train.programs``)."""
-        return programs.shared(("learn", self.program_key(state)),
-                               lambda: self._jit_learn(state))
-
-    def learn_program(self):
-        """The pure learning program ``(params, opt_state, scalars, ref_params, ro, key,
-        teacher_params) -> (params, opt_state, scalars, metrics)``. It closes over the
-        learning function, not the trainer: a shared program outlives its first trainer,
-        which must not keep that trainer's arrays (its teacher's parameters) alive."""
-        learn = self._learn_fn
-
-        def program(params, opt_state, scalars, ref_params, ro, key, teacher_params):
-            counters = (scalars["updates"], scalars["nonfinite_run"], scalars["skipped"])
-            params, opt_state, c, kl, m = learn(params, opt_state, counters, ref_params, ro,
-                                                scalars["kl_coef"], key, teacher_params)
-            m.update(skipped_total=c[2].astype(jnp.float32),
-                     nonfinite_run=c[1].astype(jnp.float32))
-            out = dict(updates=c[0], nonfinite_run=c[1], skipped=c[2], kl_coef=kl,
-                       step=scalars["step"] + 1)
-            m["done_steps"] = out["step"].astype(jnp.float32)
-            return params, opt_state, out, m
-
-        return program
-
-    def _jit_learn(self, state: TrainState):
-        """The learning program, or with a device reward the whole step
-        (``rljax.train.fused``; its first argument, the sampler's spec, is static)."""
-        program, static = self.learn_program(), ()
-        if self.device_reward is not None:
-            program = make_fused_step(self.gd, program, self.device_reward, self.mesh)
-            static = (0,)
-        donate = tuple(i + len(static) for i in (0, 1))
+    def step_spec(self, state: TrainState) -> StepSpec:
+        """The spec of this trainer's step programs for ``state``: ``base_spec`` with, on a
+        mesh, the shardings of the state's parameters and optimiser state (what the
+        programs return). Everything the programs read is in it; JAX's cache keys the
+        compiled programs by it (``rljax.train.step_program``)."""
         if self.mesh is None:
-            return jax.jit(program, donate_argnums=donate, static_argnums=static)
-        rep = replicated(self.mesh)
-        shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
-        return on_mesh(jax.jit(program, donate_argnums=donate, static_argnums=static,
-                               out_shardings=(shard(state.params), shard(state.opt_state), rep,
-                                              rep)), self.mesh)
+            return self.base_spec
+        t = jax.tree.map(lambda x: canonical_sharding(x.sharding), (state.params, state.opt_state))
+        leaves, treedef = jax.tree.flatten(t)
+        return dataclasses.replace(self.base_spec, out_shardings=(treedef, tuple(leaves)))
+
+    def _placed_state(self, state: TrainState, spec: StepSpec) -> TrainState:
+        """``state`` with its parameters and optimiser state on the spec's shardings (the
+        same placement, spelled as the programs return it: a fresh state's trailing
+        ``None`` axes dropped), so every step calls the programs with equal arguments."""
+        if spec.out_shardings is None:
+            return state
+        want = jax.tree.unflatten(*spec.out_shardings)
+        have = (state.params, state.opt_state)
+        if all(x.sharding == s for x, s in zip(jax.tree.leaves(have), jax.tree.leaves(want))):
+            return state
+        params, opt_state = jax.device_put(have, want)
+        return dataclasses.replace(state, params=params, opt_state=opt_state)
 
     def init_state(self, policy_params, seed: int = 0, value_params=None) -> TrainState:
         """Fresh state: new optimiser moments; the reference is a frozen copy of the
@@ -289,21 +246,21 @@ class RLTrainer:
         dynamic sampling refills). Returns ``(state, metrics: dict[str, float])``."""
         ph = PhaseTimes()
         pos = int(hosts.fetch_scalars(state.data_pos))
-        if self._learn is None:
-            self._learn = self._cached_learn(state)
+        spec = self.step_spec(state)
+        state = self._placed_state(state, spec)
         scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
                        skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
         if self.device_reward is not None:
-            spec, prompts, task = self.rollouts.device_inputs(state.params["policy"], source, pos,
-                                                              self.rl.prompts_per_step)
+            decode, prompts, task = self.rollouts.device_inputs(state.params["policy"], source,
+                                                                pos, self.rl.prompts_per_step)
             pos, extra = pos + self.rl.prompts_per_step, {}
             params, opt_state, out, m = ph.timed(
-                "step", self._learn, spec, state.params, state.opt_state, scalars,
+                "step", run, fused_step, spec, decode, state.params, state.opt_state, scalars,
                 state.ref_params, prompts, task, state.key, self.teacher_params)
         else:
             key, k_roll, k_learn = _split_key(state.key)
             ro, pos, extra = self._collect(state, source, pos, k_roll, ph)
-            params, opt_state, out, m = ph.timed("learn", self._learn, state.params,
+            params, opt_state, out, m = ph.timed("learn", run, learn_step, spec, state.params,
                                                  state.opt_state, scalars, state.ref_params, ro,
                                                  k_learn, self.teacher_params)
             out["key"] = key

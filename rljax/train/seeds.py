@@ -26,13 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.sampling.generate import config_of, prepare
-from rljax.sampling.sampler import sample_arrays
-from rljax.train import hosts, programs
+from rljax.train import hosts
 from rljax.train.batching import encode_text, pad_left
 from rljax.train.config import SFTConfig
-from rljax.train.fused import make_fused_step
-from rljax.train.rl import RLTrainer, PhaseTimes
-from rljax.train.sft import SFTTrainer
+from rljax.train.rl import PhaseTimes, RLTrainer
+from rljax.train.sft import SFTTrainer, sft_loss_fn, sft_optimizers
+from rljax.train.step_program import seeds_evaluate, seeds_step
 from rljax.train.step import NonFiniteError, TrainState, make_update, num_micro_batches
 
 __all__ = ["SeedRL", "SeedSFT", "stack_states", "unstack"]
@@ -52,6 +51,13 @@ def _per_seed(m: dict, s: int) -> list[dict]:
     """A dict of ``[S]`` arrays -> one dict of floats per seed."""
     host = hosts.fetch_small(m)
     return [{k: float(v[i]) for k, v in host.items()} for i in range(s)]
+
+
+def _signature(static, args) -> tuple:
+    """What a jitted program is compiled for besides its static arguments' identity:
+    ``static`` and every argument's shape and dtype."""
+    leaves, treedef = jax.tree.flatten(args)
+    return static, treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
 
 
 def _left_pad(arrays: tuple, width: int, pad_id: int) -> tuple:
@@ -79,8 +85,7 @@ class SeedRL:
             raise ValueError("SeedRL: seeds are vmapped on one device (mesh=None); on a mesh "
                              "run each seed as its own run")
         self.tr = trainer
-        self._steps: dict = {}
-        self._evals: dict = {}
+        self._programs: dict[str, set] = {"rl_step": set(), "evaluate": set()}
         self._one = None  # one seed's parameters: the model's config and size
 
     def init_state(self, policy_params: Sequence, seeds: Sequence[int]) -> TrainState:
@@ -105,19 +110,6 @@ class SeedRL:
         task = {k: jnp.asarray(np.stack([x[2][k] for x in per])) for k in per[0][2]}
         return spec, stacked, task
 
-    def _program(self, spec, state: TrainState):
-        if spec not in self._steps:
-            def build():
-                step = make_fused_step(self.tr.gd, self.tr.learn_program(),
-                                       self.tr.device_reward)
-                vm = jax.vmap(functools.partial(step, spec), in_axes=(0,) * 7 + (None,))
-                return jax.jit(vm, donate_argnums=(0, 1))
-            # Another SeedRL's when its trainer's learning program and the sampler's spec
-            # are equal (a resumed run compiles nothing; rljax.train.programs).
-            key = ("seed_rl_step", self.tr.program_key(state), spec)
-            self._steps[spec] = programs.shared(key, build)
-        return self._steps[spec]
-
     def step(self, state: TrainState, sources: Sequence) -> tuple[TrainState, list[dict]]:
         """One RL step of every seed (seed ``i`` reads ``sources[i]``); returns the
         stacked state and one metrics dict per seed."""
@@ -129,9 +121,10 @@ class SeedRL:
         scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
                        skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
         ph = PhaseTimes()
-        params, opt_state, out, m = ph.timed(
-            "step", self._program(spec, state), state.params, state.opt_state, scalars,
-            state.ref_params, prompts, task, state.key, self.tr.teacher_params)
+        args = (state.params, state.opt_state, scalars, state.ref_params, prompts, task,
+                state.key, self.tr.teacher_params)
+        self._programs["rl_step"].add(_signature((self.tr.base_spec, spec), args))
+        params, opt_state, out, m = ph.timed("step", seeds_step, self.tr.base_spec, spec, *args)
         n = self.tr.rl.prompts_per_step
         state = dataclasses.replace(state, params=params, opt_state=opt_state,
                                     data_pos=jnp.asarray(pos_S + n, jnp.int32), **out)
@@ -145,24 +138,12 @@ class SeedRL:
         return state, metrics
 
     def compiled(self) -> dict[str, int]:
-        """How many programs the RL step and the evaluation compiled (one per prompt
-        bucket and batch shape; a run whose shapes never change compiles each once)."""
-        count = lambda fns: sum(f._cache_size() for f in fns.values())
-        return {"rl_step": count(self._steps), "evaluate": count(self._evals)}
+        """How many programs the RL step and the evaluation needed: distinct static specs
+        and argument shapes, each compiled once per process (one per prompt bucket and
+        batch shape; a run whose shapes never change needs one of each)."""
+        return {k: len(v) for k, v in self._programs.items()}
 
     # ------------------------------------------------------------------ evaluation
-    def _eval_program(self, spec):
-        if spec not in self._evals:
-            reward, gd = self.tr.device_reward, self.tr.gd
-
-            def evaluate(params, tok, mask, pos, task):  # one seed's greedy rewards
-                out = sample_arrays(gd, params, tok, mask, pos, spec, jax.random.key(0))
-                return reward(out.tokens, out.completion_mask.astype(jnp.float32), task)
-
-            self._evals[spec] = programs.shared(("seed_eval", gd, reward, spec),
-                                                lambda: jax.jit(jax.vmap(evaluate)))
-        return self._evals[spec]
-
     def evaluate(self, params_S, prompts: Sequence[Sequence[str]],
                  metadata: Sequence[Sequence[dict]], *, batch_size: int = 256) -> list[dict]:
         """Greedy completions of each seed's held-out prompts (``params_S``: the stacked
@@ -190,7 +171,9 @@ class SeedRL:
             cols = zip(*[_left_pad(p[:3], width, ro.pad_id) for p in packed])
             args = [jnp.asarray(np.stack(c)) for c in cols]
             task = {k: jnp.asarray(np.stack([t[k] for t in tasks])) for k in tasks[0]}
-            r_SxB = np.asarray(self._eval_program(spec)(params_S, *args, task))
+            self._programs["evaluate"].add(_signature(spec, (params_S, args, task)))
+            r_SxB = np.asarray(seeds_evaluate(self.tr.gd, self.tr.device_reward, spec,
+                                              params_S, *args, task))
             sums[:, 0] += r_SxB.sum(axis=1)
             sums[:, 1] += (r_SxB > 0).sum(axis=1)
         out = [{"reward_mean": float(x[0] / max(total, 1)), "n": total} for x in sums]
@@ -205,6 +188,24 @@ class SeedRL:
         return config_of(self.tr.gd, self._one)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
+def seeds_sft_update(graphdef, cfg: SFTConfig, num_micro: int, active_S, params, opt_state,
+                     counters, batch):
+    """One SFT update of every seed (leading seed axis; ``graphdef``, the SFT config and
+    the micro-batch count static); a seed whose ``active_S`` flag is False passes
+    through unchanged."""
+    optims = sft_optimizers(cfg)
+    update = make_update(sft_loss_fn(graphdef, cfg), {k: v[0] for k, v in optims.items()},
+                         {k: v[1] for k, v in optims.items()}, num_micro)
+
+    def one(active, params, opt_state, counters, batch):
+        new = update(params, opt_state, counters, batch, None)
+        keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(active, x, y), a, b)
+        return keep(new[0], params), keep(new[1], opt_state), keep(new[2], counters), new[3]
+
+    return jax.vmap(one)(active_S, params, opt_state, counters, batch)
+
+
 class SeedSFT:
     """The SFT update for ``S`` seeds in one program; ``step(state, batch_S, active_S)``
     leaves seeds whose ``active`` flag is False unchanged."""
@@ -212,36 +213,17 @@ class SeedSFT:
     def __init__(self, graphdef, cfg: SFTConfig):
         self.sft = SFTTrainer(graphdef, cfg)
         self.cfg = cfg
-        self._jitted: dict[int, object] = {}
+        self._programs: set = set()
 
     def compiled(self) -> int:
-        """How many update programs this warm-up compiled."""
-        return sum(f._cache_size() for f in self._jitted.values())
+        """How many update programs this warm-up needed (distinct micro-batch counts and
+        argument shapes; each compiled once per process)."""
+        return len(self._programs)
 
     def init_state(self, policy_params: Sequence, seeds: Sequence[int]) -> TrainState:
         """Stacked fresh SFT states, seed ``seeds[i]`` around ``policy_params[i]``."""
         return stack_states([self.sft.init_state(p, seed=int(s))
                              for p, s in zip(policy_params, seeds)])
-
-    def _program(self, num_micro: int):
-        if num_micro not in self._jitted:
-            def build():  # only when no equal program is shared already
-                lr = self.sft.learner
-                update = make_update(self.sft.loss_fn, lr.txs, lr.schedules, num_micro)
-
-                def sft_update(active, params, opt_state, counters, batch):  # one seed's
-                    new = update(params, opt_state, counters, batch, None)
-                    keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(active, x, y), a, b)
-                    return (keep(new[0], params), keep(new[1], opt_state),
-                            keep(new[2], counters), new[3])
-
-                return jax.jit(jax.vmap(sft_update), donate_argnums=(1, 2))
-
-            # The SFT config holds all the update reads (loss, optimiser, schedule): the
-            # demo's SFT baseline continues its warm-up with the warm-up's program.
-            key = ("seed_sft_update", self.sft.graphdef, self.cfg, num_micro)
-            self._jitted[num_micro] = programs.shared(key, build)
-        return self._jitted[num_micro]
 
     def step(self, state: TrainState, batches: Sequence[dict], active: Sequence[bool]):
         """One SFT update of each active seed on its own batch (``batches[i]``, from
@@ -251,8 +233,10 @@ class SeedSFT:
         batch = {k: jnp.asarray(np.stack([x[k] for x in batches])) for k in batches[0]}
         act = jnp.asarray(np.asarray(active, bool))
         counters = (state.updates, state.nonfinite_run, state.skipped)
-        params, opt_state, counters, m = self._program(num_micro)(
-            act, state.params, state.opt_state, counters, batch)
+        args = (act, state.params, state.opt_state, counters, batch)
+        self._programs.add(_signature(num_micro, args))
+        params, opt_state, counters, m = seeds_sft_update(self.sft.graphdef, self.cfg,
+                                                          num_micro, *args)
         step = state.step + act.astype(jnp.int32)
         state = dataclasses.replace(state, params=params, opt_state=opt_state, step=step,
                                     updates=counters[0], nonfinite_run=counters[1],

@@ -38,6 +38,16 @@ def sft_loss(graphdef, params, mb: dict, coef=None, *, chunk: int = 256, remat: 
     return nll_sum, count, metrics
 
 
+def sft_loss_fn(graphdef, cfg: SFTConfig):
+    """:func:`sft_loss` of ``graphdef`` with the config's chunk and remat bound."""
+    return functools.partial(sft_loss, graphdef, chunk=cfg.logp_chunk, remat=cfg.remat)
+
+
+def sft_optimizers(cfg: SFTConfig) -> dict:
+    """``{"policy": (tx, schedule)}``: the config's optimiser over ``cfg.steps`` updates."""
+    return {"policy": make_optimizer(cfg.optim, max(cfg.steps, 1))}
+
+
 class SFTTrainer:
     """SFT of a decoder given as ``(graphdef, params)``.
 
@@ -53,10 +63,8 @@ class SFTTrainer:
         if not isinstance(cfg, SFTConfig):
             raise TypeError(f"SFTTrainer: cfg must be an SFTConfig, got {type(cfg).__name__}")
         self.graphdef, self.cfg, self.mesh = graphdef, cfg, mesh
-        loss_fn = functools.partial(sft_loss, graphdef, chunk=cfg.logp_chunk, remat=cfg.remat)
-        self.loss_fn = loss_fn
-        optim = make_optimizer(cfg.optim, max(cfg.steps, 1))
-        self.learner = Learner(loss_fn, {"policy": optim}, micro_batch_size=cfg.micro_batch_size,
+        loss_fn = self.loss_fn = sft_loss_fn(graphdef, cfg)
+        self.learner = Learner(loss_fn, sft_optimizers(cfg), micro_batch_size=cfg.micro_batch_size,
                                max_nonfinite=cfg.max_nonfinite_steps, mesh=mesh)
         self._eval = on_mesh(jax.jit(lambda p, b: loss_fn(p, b)[:2]), mesh)
 

@@ -1,0 +1,190 @@
+"""The RL step's compiled programs: module-level ``jax.jit`` functions of a frozen spec.
+
+Every choice the step's programs read is a field of :class:`StepSpec` (frozen, hashable),
+passed as a static argument. JAX's own cache keys each compiled program by that spec and
+by its arguments' shapes and shardings, so two trainers with equal specs (a resumed run in
+the same process, a second run in a notebook) share one executable, and no hand-made key
+can forget a field (``tests/test_program_spec.py`` checks that a spec change is the only
+way a config change reaches a program). The programs close over no trainer: a spec holds
+configs, graphdefs, the mesh and the device reward, never arrays.
+
+- :func:`learn_step`: the learning program of a host-reward step, rollout -> weights.
+- :func:`fused_step`: with a device reward, sample -> score -> learn (``rljax.train.fused``).
+- :func:`seeds_step`, :func:`seeds_evaluate`: those vmapped over a leading seed axis
+  (``rljax.train.seeds``).
+
+Call them inside ``rljax.sharding.mesh_context(spec.mesh)`` (``run``): splash attention and
+parameter placement read the mesh while they are traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rljax import objectives as obj
+from rljax.sampling.sampler import sample_arrays
+from rljax.sharding import mesh_context, replicated
+from rljax.train import algorithms as alg
+from rljax.train.config import OptimConfig
+from rljax.train.fused import make_fused_step
+from rljax.train.learn import LearnSpec, make_learn
+from rljax.train.loss import rl_loss
+from rljax.train.step import batch_constrainer, make_optimizer
+
+__all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", "optimizers",
+           "run", "schedule_updates", "seeds_evaluate", "seeds_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Everything the RL step's programs read besides their array arguments.
+
+    learn: the learning program's algorithm choices (:class:`~rljax.train.learn.LearnSpec`).
+    policy_gd, value_gd, teacher_gd: the models' graphdefs (value: PPO; teacher: distill).
+    optim: the optimiser config; ``schedule_updates`` the updates its schedule spans
+      (:func:`schedule_updates`); ``value_lr_ratio`` the value model's learning-rate scale.
+    remat: rematerialise each decoder layer in the backward pass.
+    one_pass_head: the head's gradient formed in the forward pass (requested and the
+      objective is token-separable).
+    device_reward: the JAX reward of the one-program step (None: a host reward).
+    mesh: the device mesh (None: one device).
+    out_shardings: on a mesh, ``(treedef, leaves)`` of the ``(params, opt_state)``
+      shardings the program returns (those of the state it updates, so the next step's
+      arguments match and their buffers are donated in place).
+    """
+
+    learn: LearnSpec
+    policy_gd: Any
+    value_gd: Any = None
+    teacher_gd: Any = None
+    optim: OptimConfig = OptimConfig()
+    schedule_updates: int = 1
+    value_lr_ratio: float = 1.0
+    remat: bool = False
+    one_pass_head: bool = False
+    device_reward: Any = None
+    mesh: Any = None
+    out_shardings: tuple | None = None
+
+
+def schedule_updates(optim: OptimConfig, total: int) -> int:
+    """The updates a schedule must span to equal ``make_schedule(optim, total)``: all of
+    them for a decay; a constant schedule reads only its warm-up, so runs of any length
+    share one program."""
+    total = max(int(total), 1)
+    return total if optim.schedule != "constant" else max(min(optim.warmup_steps, total), 1)
+
+
+def optimizers(spec: StepSpec) -> dict:
+    """``{"policy": (tx, schedule)[, "value": ...]}`` of the spec (the same objects'
+    structure in the trainer's optimiser state and inside the program)."""
+    out = {"policy": make_optimizer(spec.optim, spec.schedule_updates)}
+    if spec.value_gd is not None:
+        out["value"] = make_optimizer(spec.optim, spec.schedule_updates, spec.value_lr_ratio)
+    return out
+
+
+def learn_fn(spec: StepSpec):
+    """The pure ``rljax.train.learn.make_learn`` function of the spec: ``(params,
+    opt_state, counters, ref_params, ro, kl_coef, key, teacher_params) -> (params,
+    opt_state, counters, kl_coef, metrics)``."""
+    a, ls = spec.learn.alg, spec.learn
+    objective = alg.make_objective(a, ls.max_new_tokens)
+    loss = functools.partial(
+        rl_loss, policy_gd=spec.policy_gd, value_gd=spec.value_gd, objective=objective,
+        chunk=ls.chunk, temperature=ls.temperature, remat=spec.remat,
+        self_old=ls.old_mode == "self", use_sampler=alg.uses_sampler_logp(a),
+        entropy_grad=a.entropy_coef != 0.0, group=ls.share_group,
+        one_pass=spec.one_pass_head and obj.token_separable(objective))
+    optims = optimizers(spec)
+    return make_learn(ls, loss, {k: v[0] for k, v in optims.items()},
+                      {k: v[1] for k, v in optims.items()}, spec.policy_gd, spec.value_gd,
+                      batch_constrainer(spec.mesh), spec.teacher_gd)
+
+
+def learn_program(spec: StepSpec):
+    """The pure learning program ``(params, opt_state, scalars, ref_params, ro, key,
+    teacher_params) -> (params, opt_state, scalars, metrics)``: ``scalars`` are the
+    state's counters, KL coefficient and step."""
+    learn = learn_fn(spec)
+
+    def program(params, opt_state, scalars, ref_params, ro, key, teacher_params):
+        counters = (scalars["updates"], scalars["nonfinite_run"], scalars["skipped"])
+        params, opt_state, c, kl, m = learn(params, opt_state, counters, ref_params, ro,
+                                            scalars["kl_coef"], key, teacher_params)
+        m.update(skipped_total=c[2].astype(jnp.float32), nonfinite_run=c[1].astype(jnp.float32))
+        out = dict(updates=c[0], nonfinite_run=c[1], skipped=c[2], kl_coef=kl,
+                   step=scalars["step"] + 1)
+        m["done_steps"] = out["step"].astype(jnp.float32)
+        return params, opt_state, out, m
+
+    return program
+
+
+def _placed(spec: StepSpec, outs: tuple) -> tuple:
+    """The program's outputs constrained to the state's shardings (scalars and metrics
+    replicated): what ``out_shardings`` would say, from inside the program."""
+    if spec.mesh is None:
+        return outs
+    params, opt_state, scalars, metrics = outs
+    treedef, leaves = spec.out_shardings
+    shardings = jax.tree.unflatten(treedef, leaves)
+    params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), shardings)
+    rep = replicated(spec.mesh)
+    scalars, metrics = jax.lax.with_sharding_constraint(
+        (scalars, metrics), jax.tree.map(lambda _: rep, (scalars, metrics)))
+    return params, opt_state, scalars, metrics
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+def learn_step(spec: StepSpec, params, opt_state, scalars, ref_params, ro, key,
+               teacher_params):
+    """The learning program of a host-reward step (parameters and optimiser state
+    donated)."""
+    return _placed(spec, learn_program(spec)(params, opt_state, scalars, ref_params, ro, key,
+                                             teacher_params))
+
+
+def _fused(spec: StepSpec, decode_spec, *args):
+    step = make_fused_step(spec.policy_gd, learn_program(spec), spec.device_reward, spec.mesh)
+    return step(decode_spec, *args)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
+def fused_step(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_params, prompts,
+               task, key_data, teacher_params):
+    """One RL step with a device reward as one program (``rljax.train.fused``;
+    ``decode_spec`` is the sampler's static spec)."""
+    return _placed(spec, _fused(spec, decode_spec, params, opt_state, scalars, ref_params,
+                                prompts, task, key_data, teacher_params))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
+def seeds_step(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_params, prompts,
+               task, key_data, teacher_params):
+    """:func:`fused_step` vmapped over a leading seed axis of every argument but the
+    teacher's parameters (one device)."""
+    step = functools.partial(_fused, spec, decode_spec)
+    return jax.vmap(step, in_axes=(0,) * 7 + (None,))(
+        params, opt_state, scalars, ref_params, prompts, task, key_data, teacher_params)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def seeds_evaluate(graphdef, reward, decode_spec, params, tok, mask, pos, task):
+    """Each seed's device-reward scores of its greedy completions (leading seed axis)."""
+    def one(params, tok, mask, pos, task):
+        out = sample_arrays(graphdef, params, tok, mask, pos, decode_spec, jax.random.key(0))
+        return reward(out.tokens, out.completion_mask.astype(jnp.float32), task)
+
+    return jax.vmap(one)(params, tok, mask, pos, task)
+
+
+def run(fn, spec: StepSpec, *args):
+    """``fn(spec, *args)`` traced and run under the spec's mesh."""
+    with mesh_context(spec.mesh):
+        return fn(spec, *args)
