@@ -348,10 +348,11 @@ class ExperimentConfig:
             _fail(c, "sft", self.sft, "a SFTConfig or None")
         check_algorithm_sampling(self.algorithm, self.sampling)
         _check_str(c, "teacher", self.teacher, optional=True)
-        if (self.algorithm.name == "distill") != (self.teacher is not None):
+        if self.algorithm.needs_teacher != (self.teacher is not None):
             _fail(c, "teacher", self.teacher, "a run directory or Hugging Face folder when "
-                  f"algorithm.name='distill', else None (algorithm.name="
-                  f"{self.algorithm.name!r})")
+                  "algorithm.name='distill' (advantage_estimator='teacher'), else None "
+                  f"(algorithm.name={self.algorithm.name!r}, advantage_estimator="
+                  f"{self.algorithm.resolved('advantage_estimator')!r})")
         _check_bool(c, "smoke", self.smoke)
         if self.attention not in ATTENTION_IMPLS:
             _fail(c, "attention", self.attention, "one of " + ", ".join(map(repr, ATTENTION_IMPLS)))

@@ -156,7 +156,7 @@ def _sft_step(cfg, sft, state, task, tokenizer, trainer, rd, bar, i, recent):
 def _value_model(cfg, model, mesh):
     """`(graphdef, params)` of a PPO value model whose backbone copies `model`'s, or
     `(None, None)` for other algorithms."""
-    if cfg.algorithm.name != "ppo":
+    if not cfg.algorithm.needs_value_model:
         return None, None
     vm = ValueModel.from_policy(model, rngs=nnx.Rngs(cfg.run.seed + 1))
     if mesh is not None:

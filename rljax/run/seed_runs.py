@@ -152,7 +152,7 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
     cfg = cfg.resolved()
     if cfg.run.seeds < 2:
         raise ValueError(f"run_seeds: run.seeds={cfg.run.seeds}; use run_experiment for one seed")
-    if cfg.algorithm.name in ("ppo", "distill"):
+    if cfg.algorithm.needs_value_model or cfg.algorithm.needs_teacher:
         raise ValueError(f"run.seeds={cfg.run.seeds}: several-seed programs have no value "
                          f"model or teacher; algorithm {cfg.algorithm.name!r} needs run.seeds=1")
     if jax.process_count() > 1:

@@ -13,18 +13,19 @@ import math
 
 from rljax.train.checks import (check_algorithm_extras, check_bool, check_choice, check_import_path,
                                 check_num, fail)
-from rljax.train.presets import BASE, PRESET_FIELDS, PRESETS
+from rljax.train.presets import (ADVANTAGE_ESTIMATORS, BASE, NEEDS_GROUP, OBJECTIVES,
+                                 PRESET_FIELDS, PRESETS)
 
-ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce", "ppo", "cispo", "sapo",
-              "gmpo", "clip_cov", "kl_cov", "distill")
+ALGORITHMS = tuple(PRESETS)
 KL_KINDS = ("k1", "k2", "k3", "k3_ratio")
 KL_IN = ("loss", "reward", "none")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                 "seq-mean-token-sum-norm")
 ADV_STDS = ("population", "sample", "none")
 OLD_LOGP = ("auto", "recompute", "sampler")
-GROUP_BASELINES = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "cispo", "sapo", "gmpo",
-                   "clip_cov", "kl_cov")
+#: The names whose preset baseline is a group's (their group_size must be >= 2).
+GROUP_BASELINES = tuple(n for n, p in PRESETS.items()
+                        if p.get("advantage_estimator", BASE["advantage_estimator"]) in NEEDS_GROUP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +36,12 @@ class AlgorithmConfig:
     (``rljax.train.presets``). Setting ``name`` (in the constructor, with
     ``dataclasses.replace`` or ``--set algorithm.name=X``) therefore switches every preset
     field that was not set explicitly; explicit values stay on top. ``resolve()`` returns
-    the config with every preset field filled in: readers use that one.
+    the config with every preset field filled in: readers use that one. ``name`` selects
+    the preset and the objective (``rljax.train.presets``) and nothing else: behaviour
+    reads the fields.
 
     Attributes:
-      name: which loss and advantage estimator: one of ``ALGORITHMS``.
+      name: which preset and objective: one of ``ALGORITHMS``.
       group_size: (preset) completions sampled per prompt (G); group baselines need G >= 2.
       kl_coef: (preset) KL-to-reference weight (beta); with ``kl_in="reward"`` the initial
         value of the (possibly adaptive) controller.
@@ -92,7 +95,13 @@ class AlgorithmConfig:
       objective: optional import path "pkg.mod:fn" of a user objective with the contract
         ``(ObjectiveBatch, Coef) -> (loss_sum, count, metrics)`` replacing the library one.
       advantages: optional import path "pkg.mod:fn" of an advantage estimator
-        ``(rewards_B, group_size) -> adv_B`` replacing the default.
+        ``(rewards_B, group_size) -> adv_B`` replacing the sequence estimator's function.
+      advantage_estimator: (preset) "group_mean" (minus the group's mean, over the std as
+        ``adv_std`` says; G >= 2), "group_mean_or_batch" (the same, the batch mean when
+        G = 1: REINFORCE), "leave_one_out" (RLOO; G >= 2), "gae" (per token, with a value
+        model: ``needs_value_model``; PPO's objective only) or "teacher" (the teacher's
+        reverse KL per token: ``needs_teacher``; distill's objective only). A user
+        ``objective`` takes any.
     """
 
     #: The fields whose None means "the preset of name" (not a field: a class attribute,
@@ -142,6 +151,7 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0
     objective: str | None = None
     advantages: str | None = None
+    advantage_estimator: str | None = None
 
     def __post_init__(self):
         c = "AlgorithmConfig"
@@ -149,13 +159,22 @@ class AlgorithmConfig:
         # Validate what will run: explicit values, and the preset's for the rest.
         v = {f: self.resolved(f) for f in PRESET_FIELDS}
         check_num(c, "group_size", v["group_size"], lo=1, integer=True)
-        if self.name in GROUP_BASELINES and v["group_size"] < 2:
-            fail(c, "group_size", v["group_size"], f">= 2 for {self.name} (group baseline)")
+        est = v["advantage_estimator"]
+        check_choice(c, "advantage_estimator", est, ADVANTAGE_ESTIMATORS)
+        fits = OBJECTIVES[self.name].estimators
+        if self.objective is None and est not in fits:
+            fail(c, "advantage_estimator", est, f"one of {', '.join(map(repr, fits))} with "
+                 f"name={self.name!r} (the batch its objective reads), any with a user objective")
+        if est in NEEDS_GROUP and v["group_size"] < 2:
+            fail(c, "group_size", v["group_size"], f">= 2 for {self.name} (group baseline: "
+                 f"advantage_estimator={est!r} gives a group of one advantage 0)")
         check_num(c, "kl_coef", v["kl_coef"], lo=0.0)
         check_choice(c, "kl_kind", v["kl_kind"], KL_KINDS)
         check_choice(c, "kl_in", v["kl_in"], KL_IN)
-        if v["kl_in"] == "reward" and self.name != "ppo":
-            fail(c, "kl_in", v["kl_in"], f"'loss' or 'none' unless name='ppo' (name={self.name!r})")
+        if v["kl_in"] == "reward" and est != "gae":
+            fail(c, "kl_in", v["kl_in"], "'loss' or 'none' unless name='ppo' (the per-token "
+                 f"penalty enters GAE's rewards: advantage_estimator='gae'; name={self.name!r}, "
+                 f"advantage_estimator={est!r})")
         check_num(c, "clip_low", v["clip_low"], lo=0.0, hi=1.0)
         check_num(c, "clip_high", v["clip_high"], lo=0.0, finite=False)
         check_num(c, "dual_clip", self.dual_clip, lo=1.0, lo_open=True, finite=False)
@@ -200,6 +219,17 @@ class AlgorithmConfig:
         unresolved config.
         """
         return dataclasses.replace(self, **{f: self.resolved(f) for f in PRESET_FIELDS})
+
+    @property
+    def needs_value_model(self) -> bool:
+        """True when the advantages are GAE's: the trainer needs a value model (PPO)."""
+        return self.resolved("advantage_estimator") == "gae"
+
+    @property
+    def needs_teacher(self) -> bool:
+        """True when the advantages are the teacher's reverse KL: the trainer needs a
+        teacher (on-policy distillation)."""
+        return self.resolved("advantage_estimator") == "teacher"
 
     @property
     def single_update(self) -> bool:

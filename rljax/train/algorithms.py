@@ -18,6 +18,9 @@ advantage estimator and reward shaping. Each takes an ``AlgorithmConfig`` resolv
 | kl_cov    | kl_cov (+ KL-Cov tokens)     | group_advantages                       | none          |
 | distill   | distill (clipped ratio)      | teacher's reverse KL per token (k1)    | none          |
 
+The name selects the objective (``rljax.train.presets.OBJECTIVES``); the advantages column
+is the preset's ``advantage_estimator`` (``AlgorithmConfig``), read by the code instead.
+
 Every objective takes the sampler-gap correction (``is_level`` / ``is_mode`` /
 ``is_low`` / ``tis_cap``); ``mask_truncated`` and the Clip-Cov / KL-Cov selection are
 applied by the learning program (``rljax.train.learn``).
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 from rljax import objectives as obj
 from rljax.train.checks import corrects_sampler
 from rljax.train.config import AlgorithmConfig
+from rljax.train.presets import OBJECTIVES
 
 Array = Any
 
@@ -66,24 +70,22 @@ def make_objective(cfg: AlgorithmConfig, max_new_tokens: int) -> Callable:
     cfg = cfg.resolve()
     kl_kind = cfg.kl_kind if (cfg.kl_in == "loss" and cfg.kl_coef > 0) else None
     norm = float(max_new_tokens) if cfg.aggregation == "seq-mean-token-sum-norm" else None
-    base = {"reinforce": obj.reinforce, "rloo": obj.reinforce, "gspo": obj.gspo,
-            "ppo": obj.ppo, "cispo": obj.cispo, "sapo": obj.sapo, "gmpo": obj.gmpo,
-            "clip_cov": obj.clip_cov, "kl_cov": obj.kl_cov,
-            "distill": obj.distill}.get(cfg.name, obj.grpo)
-    extra = {"discount": cfg.distill_discount} if cfg.name == "distill" else {}
-    return functools.partial(base, aggregation=cfg.aggregation, kl_kind=kl_kind,
+    o = OBJECTIVES[cfg.name]  # the name selects the loss; the fields configure it
+    extra = {keyword: getattr(cfg, field) for keyword, field in o.options}
+    return functools.partial(o.fn, aggregation=cfg.aggregation, kl_kind=kl_kind,
                              kl_clamp=cfg.kl_clamp, norm_const=norm, is_level=cfg.is_level,
                              is_mode=cfg.is_mode, **extra)
 
 
 #: The entropy-control rule of each algorithm name that selects tokens by covariance.
-COV_RULE_OF = {"clip_cov": "clip-cov", "kl_cov": "kl-cov"}
+COV_RULE_OF = {n: o.cov_rule for n, o in OBJECTIVES.items() if o.cov_rule is not None}
 
 
 def cov_rule(cfg: AlgorithmConfig) -> tuple | None:
     """``(rule, ratio, low, high)`` for ``rljax.objectives.cov_selection``, or None when
-    ``cfg.name`` selects no tokens by covariance (static: part of the compiled program)."""
-    rule = COV_RULE_OF.get(cfg.name)
+    ``cfg.name``'s objective selects no tokens by covariance (static: part of the compiled
+    program)."""
+    rule = OBJECTIVES[cfg.name].cov_rule
     if rule is None:
         return None
     if rule == "kl-cov":
@@ -128,8 +130,9 @@ def make_coef(cfg: AlgorithmConfig, kl_coef: Any | None = None) -> obj.Coef:
 
 
 def sequence_advantages(cfg: AlgorithmConfig, rewards_B: Array) -> Array:
-    """Per-completion advantages of the group-baseline algorithms (not PPO); pure jnp,
-    so the trainer computes them inside its learning program.
+    """Per-completion advantages of ``cfg.advantage_estimator`` "group_mean",
+    "group_mean_or_batch" or "leave_one_out" (not "gae" / "teacher": per token); pure
+    jnp, so the trainer computes them inside its learning program.
 
     Rewards are grouped consecutively, ``group_size`` completions per prompt; a user
     estimator (``cfg.advantages``) is ``(rewards_B, group_size) -> adv_B``.
@@ -143,9 +146,9 @@ def sequence_advantages(cfg: AlgorithmConfig, rewards_B: Array) -> Array:
     if cfg.advantages is not None:
         fn = load_import_path(cfg.advantages, "advantages")
         return jnp.asarray(fn(rewards_B, g), jnp.float32)
-    if cfg.name == "rloo":
+    if cfg.advantage_estimator == "leave_one_out":
         return obj.rloo_advantages(rewards_B, g)
-    if cfg.name == "reinforce" and g == 1:
+    if cfg.advantage_estimator == "group_mean_or_batch" and g == 1:
         return rewards_B - jnp.mean(rewards_B)
     return obj.group_advantages(rewards_B, g, std=cfg.adv_std, eps=cfg.adv_eps)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from rljax.objectives import IS_LEVELS, IS_MODES
+from rljax.train.presets import OBJECTIVES
 
 
 def fail(cls: str, field: str, value, allowed: str):
@@ -109,12 +110,13 @@ def check_algorithm_extras(cfg) -> None:
 
 #: Objectives without an importance ratio: every update after a batch's first would use
 #: samples of an older policy, uncorrected.
-NO_RATIO = ("reinforce", "rloo")
+NO_RATIO = tuple(n for n, o in OBJECTIVES.items() if not o.ratio)
 
 
 def _check_on_policy_only(cfg) -> None:
-    """``reinforce`` / ``rloo`` (the library's loss, A log pi) take one update per batch."""
-    if cfg.name not in NO_RATIO or cfg.objective is not None:
+    """A loss without a ratio (``reinforce`` / ``rloo``'s A log pi) takes one update per
+    batch."""
+    if OBJECTIVES[cfg.name].ratio or cfg.objective is not None:
         return
     epochs, minibatches = cfg.resolved("num_epochs"), cfg.resolved("num_minibatches")
     if epochs * minibatches > 1:
@@ -164,11 +166,11 @@ def check_algorithm_sampling(algorithm, sampling) -> None:
                 f"AlgorithmConfig.old_logp='sampler' is invalid {why}: at theta = theta_old "
                 "the ratio would equal the kept probability mass, not 1. Allowed: "
                 "old_logp='auto' or 'recompute', or top_k=0 and top_p=1.0")
-        if a.name == "distill":
+        if a.needs_teacher:
             raise ValueError(
-                f"AlgorithmConfig.name='distill' is invalid {why}: the reverse KL to the "
-                "teacher is estimated on samples of the student's full softmax. Allowed: "
-                "top_k=0 and top_p=1.0")
+                f"AlgorithmConfig.name={a.name!r} is invalid {why}: its advantage_estimator="
+                "'teacher' estimates the reverse KL to the teacher on samples of the "
+                "student's full softmax. Allowed: top_k=0 and top_p=1.0")
         if corrects_sampler(a):
             raise ValueError(
                 f"AlgorithmConfig.tis_cap={a.tis_cap}, is_low={a.is_low} is invalid {why}: "

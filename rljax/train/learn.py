@@ -122,7 +122,7 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
                                    temperature=spec.temperature, group=g)
         batch["teacher_logp_BxT"] = _map_micro(lambda s: t_logp(teacher[1], s)[0], seqs,
                                                spec.num_micro, g)
-    if spec.old_mode == "recompute" or (a.name == "ppo" and spec.old_mode == "self"):
+    if spec.old_mode == "recompute" or (a.needs_value_model and spec.old_mode == "self"):
         batch["old_logp_BxT"] = fwd(params["policy"])
     elif spec.old_mode == "sampler":
         batch["old_logp_BxT"] = ro.sampler_logp_BxT
@@ -130,7 +130,7 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
     if spec.overlong:
         rewards_B = rewards_B + alg.overlong_shaping(ro.lengths_B, spec.max_new_tokens,
                                                  spec.overlong, a.overlong_penalty)
-    if a.name == "ppo":
+    if a.needs_value_model:  # advantage_estimator="gae"
         values_BxT = _map_micro(
             lambda s: ppo_lib.value_predictions(value_gd, params["value"], s), seqs,
             spec.num_micro, g)
@@ -141,7 +141,7 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
         batch.update(adv_BxT=adv, returns_BxT=ret, old_values_BxT=values_BxT)
         # How much of the returns' variance the value model predicted (before updates).
         extra["value_explained_var"] = obj.explained_variance(values_BxT, ret, mask_BxT)
-    elif a.name == "distill":  # the teacher's per-token advantages, in the objective
+    elif a.needs_teacher:  # the teacher's per-token advantages, in the objective
         batch["adv_BxT"] = jnp.zeros_like(mask_BxT, jnp.float32)
     else:
         batch["adv_BxT"] = obj.broadcast_to_tokens(alg.sequence_advantages(a, rewards_B), mask_BxT)

@@ -1,5 +1,7 @@
-"""Each algorithm's paper settings: the values ``AlgorithmConfig.resolve()`` gives the
-fields left ``None`` (see :class:`rljax.train.config.AlgorithmConfig`).
+"""The algorithm registry: what an ``AlgorithmConfig.name`` selects, and nothing else reads
+the name. ``PRESETS[name]``: the paper's settings, the values ``AlgorithmConfig.resolve()``
+gives the fields left ``None`` (see :class:`rljax.train.config.AlgorithmConfig`);
+``OBJECTIVES[name]``: the loss and what it needs of the batch.
 
 ``PRESET_FIELDS`` are the fields a preset decides; ``BASE`` holds their values for every
 algorithm, and ``PRESETS[name]`` what ``name``'s paper changes on top of ``BASE``.
@@ -7,11 +9,20 @@ algorithm, and ``PRESETS[name]`` what ``name``'s paper changes on top of ``BASE`
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
+from rljax import objectives as obj
+
+#: ``advantage_estimator``: per completion (those needing group_size >= 2), then per token.
+SEQUENCE_ESTIMATORS = ("group_mean", "group_mean_or_batch", "leave_one_out")
+NEEDS_GROUP = ("group_mean", "leave_one_out")
+ADVANTAGE_ESTIMATORS = SEQUENCE_ESTIMATORS + ("gae", "teacher")
+
 # Shared values: no KL, PPO's symmetric clip 0.2, one update per batch, no DAPO shaping.
 BASE: dict = dict(
     group_size=8, kl_coef=0.0, kl_kind="k3", kl_in="none", clip_low=0.2, clip_high=0.2,
     aggregation="seq-mean-token-mean", adv_std="population", num_epochs=1, num_minibatches=1,
-    dynamic_sampling=False, overlong_buffer=0,
+    dynamic_sampling=False, overlong_buffer=0, advantage_estimator="group_mean",
 )
 PRESET_FIELDS: tuple[str, ...] = tuple(BASE)
 
@@ -32,16 +43,18 @@ PRESETS: dict[str, dict] = {
     "gspo": dict(kl_coef=0.0, kl_in="none", clip_low=3e-4, clip_high=4e-4,
                  aggregation="seq-mean-token-mean"),
     # RLOO (Ahmadian et al. 2024, Eq. 5): leave-one-out baseline, REINFORCE loss.
-    "rloo": dict(kl_coef=0.0, kl_in="none", adv_std="none", aggregation="seq-mean-token-sum"),
-    # REINFORCE (Williams 1992) with the group-mean baseline.
+    "rloo": dict(kl_coef=0.0, kl_in="none", adv_std="none", aggregation="seq-mean-token-sum",
+                 advantage_estimator="leave_one_out"),
+    # REINFORCE (Williams 1992) with the group-mean baseline (the batch mean with G = 1).
     "reinforce": dict(kl_coef=0.0, kl_in="none", adv_std="none",
-                      aggregation="seq-mean-token-sum"),
+                      aggregation="seq-mean-token-sum", advantage_estimator="group_mean_or_batch"),
     # PPO (Schulman et al. 2017; Ouyang et al. 2022): value model + GAE, one completion per
     # prompt, k1 KL penalty per token in the reward (DeepSeekMath Eq. 2), 2 epochs x 2
     # minibatches. Its value settings (gamma 1, lambda 0.95, clipped value loss 0.5 / 0.2)
     # are AlgorithmConfig's plain defaults.
     "ppo": dict(group_size=1, kl_coef=0.05, kl_kind="k1", kl_in="reward",
-                aggregation="token-mean", num_epochs=2, num_minibatches=2),
+                aggregation="token-mean", num_epochs=2, num_minibatches=2,
+                advantage_estimator="gae"),
     # CISPO (MiniMax-M1, Chen et al. 2025, §3.1): token-level normalisation (Eq. 4), no
     # lower bound on the IS weight (clip_low 1: weights >= 0), no KL. The paper does not
     # publish its eps_high: 4.0 (weights capped at 5) is rljax's choice, inside the range
@@ -66,5 +79,35 @@ PRESETS: dict[str, dict] = {
     # teacher's per-token reverse KL is the reward, so no group baseline is needed (one
     # completion per prompt, rljax's choice); a token sum per sequence makes the expected
     # gradient that of the reverse KL (rljax.objectives.distill); no KL to a reference.
-    "distill": dict(group_size=1, kl_coef=0.0, kl_in="none", aggregation="seq-mean-token-sum"),
+    "distill": dict(group_size=1, kl_coef=0.0, kl_in="none", aggregation="seq-mean-token-sum",
+                    advantage_estimator="teacher"),
+}
+
+
+class Objective(NamedTuple):
+    """The loss ``name`` selects (``rljax.train.algorithms.make_objective``).
+
+    fn: the ``rljax.objectives`` function. ratio: False for A log pi (no importance ratio:
+    one update per batch). estimators: the ``advantage_estimator`` values whose batch it
+    reads. cov_rule: ``rljax.objectives.cov_selection``'s rule, or None. options: its own
+    keyword arguments, as ``(keyword, AlgorithmConfig field)`` pairs.
+    """
+
+    fn: Callable
+    ratio: bool = True
+    estimators: tuple[str, ...] = SEQUENCE_ESTIMATORS
+    cov_rule: str | None = None
+    options: tuple[tuple[str, str], ...] = ()
+
+
+_REINFORCE = Objective(obj.reinforce, ratio=False)
+OBJECTIVES: dict[str, Objective] = {
+    "grpo": Objective(obj.grpo), "dr_grpo": Objective(obj.grpo), "dapo": Objective(obj.grpo),
+    "gspo": Objective(obj.gspo), "rloo": _REINFORCE, "reinforce": _REINFORCE,
+    "ppo": Objective(obj.ppo, estimators=("gae",)),  # reads the values and GAE's returns
+    "cispo": Objective(obj.cispo), "sapo": Objective(obj.sapo), "gmpo": Objective(obj.gmpo),
+    "clip_cov": Objective(obj.clip_cov, cov_rule="clip-cov"),
+    "kl_cov": Objective(obj.kl_cov, cov_rule="kl-cov"),
+    "distill": Objective(obj.distill, estimators=("teacher",),  # the teacher's log-probs
+                         options=(("discount", "distill_discount"),)),
 }

@@ -108,14 +108,14 @@ class RLTrainer:
       algorithm, optim, sampling, rl: configs (``algorithm`` is resolved against its
         name's preset).
       prompt_len: prompt width cap in tokens (longer prompts are an error naming the index).
-      value_graphdef: the value model's graphdef (PPO only).
+      value_graphdef: the value model's graphdef (``algorithm.needs_value_model``: PPO).
       accuracy_fn: optional verifier ``(completion, meta) -> bool`` for the accuracy metric.
       mesh: device mesh (all processes' devices), or None for one device.
       reward_pool, reward_timeout_s: a ``rljax.rewards.RewardPool`` and the per-item time
         limit of item rewards (a call past it scores 0 and is logged).
       prompt_multiple: prompts are padded to a multiple of this (the compiled buckets).
       teacher: ``(graphdef, params)`` of a frozen teacher decoder that shares the
-        tokenizer (``algorithm.name="distill"`` only, and required there; see
+        tokenizer (``algorithm.needs_teacher`` only, and required there; see
         ``rljax.run.teacher.load_teacher``): its log-probs are computed inside the
         learning program; the trainer keeps it, it is not part of the ``TrainState``.
     """
@@ -133,12 +133,15 @@ class RLTrainer:
                                 f"{type(val).__name__}")
         algorithm = algorithm.resolve()  # the preset of algorithm.name under explicit fields
         check_algorithm_sampling(algorithm, sampling)
-        if (algorithm.name == "ppo") != (value_graphdef is not None):
+        est = (f"(algorithm={algorithm.name!r}, "
+               f"advantage_estimator={algorithm.advantage_estimator!r})")
+        if algorithm.needs_value_model != (value_graphdef is not None):
             raise ValueError("RLTrainer: value_graphdef is required for algorithm 'ppo' "
-                             f"and not allowed otherwise (algorithm={algorithm.name!r})")
-        if (algorithm.name == "distill") != (teacher is not None):
+                             f"(advantage_estimator='gae') and not allowed otherwise {est}")
+        if algorithm.needs_teacher != (teacher is not None):
             raise ValueError("RLTrainer: teacher=(graphdef, params) is required for algorithm "
-                             f"'distill' and not allowed otherwise (algorithm={algorithm.name!r})")
+                             f"'distill' (advantage_estimator='teacher') and not allowed "
+                             f"otherwise {est}")
         self.device_reward = reward_fns if is_device_reward(reward_fns) else None
         if self.device_reward is not None and algorithm.dynamic_sampling:
             raise ValueError("RLTrainer: dynamic sampling decides its refills on the host; it "
@@ -318,7 +321,7 @@ class RLTrainer:
         prefill = m.get("dyn_sampled_prompt_tokens", m["prompt_tokens"]) / self.alg.group_size
         computed = m["completion_tokens"] + m["prompt_tokens"] / self.share_group
         fwd = (self.uses_ref + (self.spec.old_mode == "recompute" or (
-            self.alg.name == "ppo" and self.spec.old_mode == "self"))
+            self.alg.needs_value_model and self.spec.old_mode == "self"))
             + (alg.cov_rule(self.alg) is not None) * self.alg.num_epochs)
         size = lambda t: 0 if t is None else sum(x.size for x in jax.tree.leaves(t))
         flops = throughput.step_model_flops(
