@@ -29,7 +29,7 @@ import numpy as np
 
 from rljax import objectives as obj
 from rljax.rewards.device import is_device_reward
-from rljax.sharding import canonical_sharding, check_process_blocks
+from rljax.sharding import check_process_blocks
 from rljax.train import algorithms as alg
 from rljax.train import hosts
 from rljax.train import throughput
@@ -41,7 +41,7 @@ from rljax.train.loss import rl_loss
 from rljax.train.reference import reference_copy
 from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_groups
 from rljax.train.step import (NonFiniteError, TrainState, init_opt_state, new_train_state,
-                              num_micro_batches)
+                              num_micro_batches, output_shardings, put_on)
 from rljax.train.step_program import (StepSpec, fused_step, learn_fn, learn_step, optimizers,
                                       run, schedule_updates)
 
@@ -211,22 +211,8 @@ class RLTrainer:
         compiled programs by it (``rljax.train.step_program``)."""
         if self.mesh is None:
             return self.base_spec
-        t = jax.tree.map(lambda x: canonical_sharding(x.sharding), (state.params, state.opt_state))
-        leaves, treedef = jax.tree.flatten(t)
-        return dataclasses.replace(self.base_spec, out_shardings=(treedef, tuple(leaves)))
-
-    def _placed_state(self, state: TrainState, spec: StepSpec) -> TrainState:
-        """``state`` with its parameters and optimiser state on the spec's shardings (the
-        same placement, spelled as the programs return it: a fresh state's trailing
-        ``None`` axes dropped), so every step calls the programs with equal arguments."""
-        if spec.out_shardings is None:
-            return state
-        want = jax.tree.unflatten(*spec.out_shardings)
-        have = (state.params, state.opt_state)
-        if all(x.sharding == s for x, s in zip(jax.tree.leaves(have), jax.tree.leaves(want))):
-            return state
-        params, opt_state = jax.device_put(have, want)
-        return dataclasses.replace(state, params=params, opt_state=opt_state)
+        return dataclasses.replace(self.base_spec, out_shardings=output_shardings(
+            self.mesh, (state.params, state.opt_state)))
 
     def init_state(self, policy_params, seed: int = 0, value_params=None) -> TrainState:
         """Fresh state: new optimiser moments; the reference is a frozen copy of the
@@ -250,7 +236,8 @@ class RLTrainer:
         ph = PhaseTimes()
         pos = int(hosts.fetch_scalars(state.data_pos))
         spec = self.step_spec(state)
-        state = self._placed_state(state, spec)
+        params, opt_state = put_on((state.params, state.opt_state), spec.out_shardings)
+        state = dataclasses.replace(state, params=params, opt_state=opt_state)
         scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
                        skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
         if self.device_reward is not None:

@@ -30,9 +30,9 @@ from rljax.train import hosts
 from rljax.train.batching import encode_text, pad_left
 from rljax.train.config import SFTConfig
 from rljax.train.rl import PhaseTimes, RLTrainer
-from rljax.train.sft import SFTTrainer, sft_loss_fn, sft_optimizers
+from rljax.train.sft import SFTTrainer, sft_update_fn
 from rljax.train.step_program import seeds_evaluate, seeds_step
-from rljax.train.step import NonFiniteError, TrainState, make_update, num_micro_batches
+from rljax.train.step import NonFiniteError, TrainState, num_micro_batches
 
 __all__ = ["SeedRL", "SeedSFT", "stack_states", "unstack"]
 
@@ -194,9 +194,7 @@ def seeds_sft_update(graphdef, cfg: SFTConfig, num_micro: int, active_S, params,
     """One SFT update of every seed (leading seed axis; ``graphdef``, the SFT config and
     the micro-batch count static); a seed whose ``active_S`` flag is False passes
     through unchanged."""
-    optims = sft_optimizers(cfg)
-    update = make_update(sft_loss_fn(graphdef, cfg), {k: v[0] for k, v in optims.items()},
-                         {k: v[1] for k, v in optims.items()}, num_micro)
+    update = sft_update_fn(graphdef, cfg, num_micro)
 
     def one(active, params, opt_state, counters, batch):
         new = update(params, opt_state, counters, batch, None)

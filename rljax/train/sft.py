@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from rljax.sharding import on_mesh
+from rljax.sharding import mesh_context
 from rljax.train.config import SFTConfig
 from rljax.train.logprobs import policy_logprobs
-from rljax.train.step import Learner, TrainState, make_optimizer, new_train_state
+from rljax.train.step import (Learner, TrainState, batch_constrainer, make_optimizer,
+                              make_update, new_train_state, output_shardings, place_outputs,
+                              put_on)
 
 
 def sft_loss(graphdef, params, mb: dict, coef=None, *, chunk: int = 256, remat: bool = False):
@@ -48,6 +51,47 @@ def sft_optimizers(cfg: SFTConfig) -> dict:
     return {"policy": make_optimizer(cfg.optim, max(cfg.steps, 1))}
 
 
+def sft_update_fn(graphdef, cfg: SFTConfig, num_micro: int, mesh=None):
+    """The pure SFT update ``(params, opt_state, counters, batch, coef) -> (params,
+    opt_state, counters, metrics)`` (``rljax.train.step.make_update`` of :func:`sft_loss`
+    with the config's optimiser)."""
+    optims = sft_optimizers(cfg)
+    return make_update(sft_loss_fn(graphdef, cfg), {k: v[0] for k, v in optims.items()},
+                       {k: v[1] for k, v in optims.items()}, num_micro,
+                       batch_constrainer(mesh))
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSpec:
+    """Everything the SFT update reads besides its arrays: the model's graphdef, the SFT
+    config (loss chunking, remat, optimiser and schedule), the micro-batch count, the mesh
+    and, on a mesh, the state's shardings (``rljax.train.step.output_shardings``)."""
+
+    graphdef: Any
+    cfg: SFTConfig
+    num_micro: int
+    mesh: Any = None
+    out_shardings: tuple | None = None
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+def sft_update(spec: SFTSpec, params, opt_state, counters, batch, coef):
+    """One SFT update (``rljax.train.step.make_update`` of :func:`sft_loss`), parameters
+    and optimiser state donated: JAX's cache shares it between trainers with equal specs
+    (the demo's SFT baseline continues its warm-up with the warm-up's program)."""
+    update = sft_update_fn(spec.graphdef, spec.cfg, spec.num_micro, spec.mesh)
+    params, opt_state, counters, metrics = update(params, opt_state, counters, batch, coef)
+    (params, opt_state), counters, metrics = place_outputs(
+        spec.mesh, spec.out_shardings, (params, opt_state), counters, metrics)
+    return params, opt_state, counters, metrics
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def sft_eval(graphdef, cfg: SFTConfig, params, batch):
+    """``(loss_sum, count)`` of :func:`sft_loss` on ``batch`` (no update)."""
+    return sft_loss_fn(graphdef, cfg)(params, batch)[:2]
+
+
 class SFTTrainer:
     """SFT of a decoder given as ``(graphdef, params)``.
 
@@ -63,10 +107,23 @@ class SFTTrainer:
         if not isinstance(cfg, SFTConfig):
             raise TypeError(f"SFTTrainer: cfg must be an SFTConfig, got {type(cfg).__name__}")
         self.graphdef, self.cfg, self.mesh = graphdef, cfg, mesh
-        loss_fn = self.loss_fn = sft_loss_fn(graphdef, cfg)
-        self.learner = Learner(loss_fn, sft_optimizers(cfg), micro_batch_size=cfg.micro_batch_size,
-                               max_nonfinite=cfg.max_nonfinite_steps, mesh=mesh)
-        self._eval = on_mesh(jax.jit(lambda p, b: loss_fn(p, b)[:2]), mesh)
+        self.loss_fn = sft_loss_fn(graphdef, cfg)
+        self.learner = Learner(self.loss_fn, sft_optimizers(cfg),
+                               micro_batch_size=cfg.micro_batch_size,
+                               max_nonfinite=cfg.max_nonfinite_steps, mesh=mesh,
+                               program_for=self._program)
+
+    def _program(self, state: TrainState, num_micro: int):
+        """The update of ``state`` (``sft_update`` of this trainer's spec), its arguments
+        placed as the program returns them."""
+        spec = SFTSpec(self.graphdef, self.cfg, num_micro, self.mesh,
+                       output_shardings(self.mesh, (state.params, state.opt_state)))
+
+        def update(params, opt_state, counters, batch, coef):
+            params, opt_state = put_on((params, opt_state), spec.out_shardings)
+            with mesh_context(self.mesh):
+                return sft_update(spec, params, opt_state, counters, batch, coef)
+        return update
 
     def init_state(self, params, seed: int = 0) -> TrainState:
         """A fresh state (new AdamW moments) around the policy ``params``; it takes
@@ -86,5 +143,6 @@ class SFTTrainer:
         """Token-mean completion NLL of ``batch`` (no update)."""
         params = state_or_params.params if isinstance(state_or_params, TrainState) else (
             {"policy": state_or_params})
-        s, c = self._eval(params, self.learner.put_batch(batch))
+        with mesh_context(self.mesh):
+            s, c = sft_eval(self.graphdef, self.cfg, params, self.learner.put_batch(batch))
         return float(s) / max(float(c), 1.0)

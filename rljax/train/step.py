@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rljax.sharding import batch_sharding, on_mesh, replicated
+from rljax.sharding import batch_sharding, canonical_sharding, on_mesh, replicated
 from rljax.train.config import OptimConfig
 from rljax.train.micro import (check_divisible, merge_micro,  # noqa: F401 (public here too)
                                num_micro_batches, split_micro)
@@ -206,6 +206,41 @@ def jit_update(update, mesh, params, opt_state, batch_example: dict):
     ), mesh)
 
 
+def output_shardings(mesh, tree) -> tuple | None:
+    """On a mesh, ``(treedef, leaves)`` of ``tree``'s array shardings spelled canonically
+    (``rljax.sharding.canonical_sharding``): hashable, for a program spec whose outputs
+    keep the placement of ``tree`` (a state's parameters and optimiser state). None
+    without a mesh."""
+    if mesh is None:
+        return None
+    leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: canonical_sharding(x.sharding),
+                                                    tree))
+    return treedef, tuple(leaves)
+
+
+def put_on(tree, shardings: tuple | None):
+    """``tree`` on ``shardings`` (from :func:`output_shardings`): the same placement,
+    spelled as the programs return it, so every call passes equal arguments; ``tree``
+    itself when it already is (no copy)."""
+    if shardings is None:
+        return tree
+    want = jax.tree.unflatten(*shardings)
+    if all(x.sharding == s for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(want))):
+        return tree
+    return jax.device_put(tree, want)
+
+
+def place_outputs(mesh, shardings: tuple | None, kept, *rest):
+    """Inside a program: ``kept`` constrained to ``shardings`` (the state's placement) and
+    every tree of ``rest`` (counters, metrics) replicated; ``(kept, *rest)``."""
+    if mesh is None:
+        return (kept, *rest)
+    kept = jax.lax.with_sharding_constraint(kept, jax.tree.unflatten(*shardings))
+    rep = replicated(mesh)
+    rest = jax.lax.with_sharding_constraint(rest, jax.tree.map(lambda _: rep, rest))
+    return (kept, *rest)
+
+
 def batch_constrainer(mesh):
     """A function re-applying the batch sharding to a micro-batch dict (None without mesh)."""
     if mesh is None:
@@ -294,11 +329,15 @@ class Learner:
       micro_batch_size: rows per micro-batch (0 = whole batch).
       max_nonfinite: stop after this many consecutive skipped updates.
       mesh: device mesh or None (one device).
+      program_for: optional ``(state, num_micro) -> update(params, opt_state, counters,
+        batch, coef)``: the caller's own compiled update (``rljax.train.sft``: a
+        module-level jit of a frozen spec); by default the learner jits ``loss_fn``'s
+        update itself, once per micro-batch count.
     """
 
     def __init__(self, loss_fn: LossFn, optims: dict, *, micro_batch_size: int = 0,
-                 max_nonfinite: int = 5, mesh=None):
-        self.loss_fn = loss_fn
+                 max_nonfinite: int = 5, mesh=None, program_for: Callable | None = None):
+        self.loss_fn, self.program_for = loss_fn, program_for
         self.txs = {k: v[0] for k, v in optims.items()}
         self.schedules = {k: v[1] for k, v in optims.items()}
         self.micro_batch_size = micro_batch_size
@@ -326,6 +365,8 @@ class Learner:
                 for k, v in batch.items()}
 
     def _fn(self, state: TrainState, batch: dict, num_micro: int):
+        if self.program_for is not None:
+            return self.program_for(state, num_micro)
         if num_micro not in self._jitted:
             upd = make_update(self.loss_fn, self.txs, self.schedules, num_micro,
                               batch_constrainer(self.mesh))

@@ -28,13 +28,13 @@ import jax.numpy as jnp
 
 from rljax import objectives as obj
 from rljax.sampling.sampler import sample_arrays
-from rljax.sharding import mesh_context, replicated
+from rljax.sharding import mesh_context
 from rljax.train import algorithms as alg
 from rljax.train.config import OptimConfig
 from rljax.train.fused import make_fused_step
 from rljax.train.learn import LearnSpec, make_learn
 from rljax.train.loss import rl_loss
-from rljax.train.step import batch_constrainer, make_optimizer
+from rljax.train.step import batch_constrainer, make_optimizer, place_outputs
 
 __all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", "optimizers",
            "run", "schedule_updates", "seeds_evaluate", "seeds_step"]
@@ -127,17 +127,11 @@ def learn_program(spec: StepSpec):
 
 
 def _placed(spec: StepSpec, outs: tuple) -> tuple:
-    """The program's outputs constrained to the state's shardings (scalars and metrics
-    replicated): what ``out_shardings`` would say, from inside the program."""
-    if spec.mesh is None:
-        return outs
+    """The program's outputs on the state's shardings (scalars and metrics replicated):
+    what ``out_shardings`` would say, from inside the program."""
     params, opt_state, scalars, metrics = outs
-    treedef, leaves = spec.out_shardings
-    shardings = jax.tree.unflatten(treedef, leaves)
-    params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), shardings)
-    rep = replicated(spec.mesh)
-    scalars, metrics = jax.lax.with_sharding_constraint(
-        (scalars, metrics), jax.tree.map(lambda _: rep, (scalars, metrics)))
+    (params, opt_state), scalars, metrics = place_outputs(spec.mesh, spec.out_shardings,
+                                                          (params, opt_state), scalars, metrics)
     return params, opt_state, scalars, metrics
 
 
