@@ -44,7 +44,7 @@ from flax import nnx  # noqa: E402
 from rljax.models import Decoder, build_char_tokenizer  # noqa: E402
 from rljax.train import (AlgorithmConfig, OptimConfig, RLConfig, RLTrainer,  # noqa: E402
                          Rollout, SamplingConfig)
-from rljax.train.step_program import learn_step, run  # noqa: E402
+from rljax.train.step_program import learn_step, run, state_scalars  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +110,7 @@ class LearnBench:
         """One call of the program (params and optimiser state donated and replaced);
         returns its wall seconds."""
         s = self.state
-        scalars = dict(updates=s.updates, nonfinite_run=s.nonfinite_run, skipped=s.skipped,
-                       kl_coef=s.kl_coef, step=s.step)
+        scalars = state_scalars(s)
         with B.CpuMeter() as meter:
             params, opt_state, out, metrics = self.program(
                 s.params, s.opt_state, scalars, s.ref_params, self.ro, self.key, None)

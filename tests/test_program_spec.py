@@ -28,7 +28,7 @@ from rljax.models import Decoder, ModelConfig
 from rljax.models.config import Llama3RopeScaling
 from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig
 from rljax.train.rl import PhaseTimes, RLTrainer
-from rljax.train.step_program import learn_step
+from rljax.train.step_program import learn_step, state_scalars
 
 TOK = CharTok()
 BASE = dict(algorithm=AlgorithmConfig(name="grpo", group_size=2),
@@ -114,9 +114,8 @@ def base():
     _, k_roll, k_learn = jax.random.split(jax.random.key(0), 3)
     ro = tr.rollouts.sample(state.params["policy"], _source, 0, tr.rl.prompts_per_step,
                             k_roll, PhaseTimes())
-    scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
-                   skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
-    args = (state.params, state.opt_state, scalars, state.ref_params, ro, k_learn, None)
+    args = (state.params, state.opt_state, state_scalars(state), state.ref_params, ro, k_learn,
+            None)
     return tr, state, args
 
 

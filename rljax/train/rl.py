@@ -43,7 +43,7 @@ from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_g
 from rljax.train.step import (NonFiniteError, TrainState, init_opt_state, new_train_state,
                               num_micro_batches, output_shardings, put_on)
 from rljax.train.step_program import (StepSpec, fused_step, learn_fn, learn_step, optimizers,
-                                      run, schedule_updates)
+                                      run, schedule_updates, state_scalars)
 
 __all__ = ["PromptSource", "RLTrainer", "rl_loss"]
 
@@ -238,8 +238,7 @@ class RLTrainer:
         spec = self.step_spec(state)
         params, opt_state = put_on((state.params, state.opt_state), spec.out_shardings)
         state = dataclasses.replace(state, params=params, opt_state=opt_state)
-        scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
-                       skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
+        scalars = state_scalars(state)
         if self.device_reward is not None:
             decode, prompts, task = self.rollouts.device_inputs(state.params["policy"], source,
                                                                 pos, self.rl.prompts_per_step)
@@ -260,14 +259,22 @@ class RLTrainer:
         metrics = hosts.fetch_scalars(m)
         metrics.update(extra)
         metrics.update(self.rollouts.term_means())  # reward/<term>: all processes and rounds
-        self.add_throughput(metrics, ph, state.params)
-        done = int(metrics.pop("done_steps"))
-        if metrics.pop("nonfinite_run") >= self.rl.max_nonfinite_steps:
+        return state, self.finish_metrics(metrics, ph, state.params)
+
+    def finish_metrics(self, m: dict, ph: PhaseTimes, params: dict | None = None,
+                       run: str = "") -> dict:
+        """The end of every RL step (one run's, or one seed's of ``rljax.train.seeds``):
+        throughput and MFU added (:meth:`add_throughput`), the program's bookkeeping
+        removed, and ``NonFiniteError`` once ``rl.max_nonfinite_steps`` consecutive updates
+        were skipped (the message names ``run``, e.g. a seed, and the step)."""
+        self.add_throughput(m, ph, params)
+        done = int(m.pop("done_steps"))
+        if m.pop("nonfinite_run") >= self.rl.max_nonfinite_steps:
             raise NonFiniteError(
-                f"step {done - 1}: {self.rl.max_nonfinite_steps} or more consecutive updates "
-                f"had a non-finite loss or gradient (limit max_nonfinite_steps="
+                f"{run}step {done - 1}: {self.rl.max_nonfinite_steps} or more consecutive "
+                f"updates had a non-finite loss or gradient (limit max_nonfinite_steps="
                 f"{self.rl.max_nonfinite_steps}); stopping")
-        return state, metrics
+        return m
 
     def _collect(self, state, source, pos: int, key, ph):
         """Rollouts and rewards; DAPO's dynamic sampling keeps groups whose verifier

@@ -31,8 +31,8 @@ from rljax.train.batching import encode_text, pad_left
 from rljax.train.config import SFTConfig
 from rljax.train.rl import PhaseTimes, RLTrainer
 from rljax.train.sft import SFTTrainer, sft_update_fn
-from rljax.train.step_program import seeds_evaluate, seeds_step
-from rljax.train.step import NonFiniteError, TrainState, num_micro_batches
+from rljax.train.step_program import seeds_evaluate, seeds_step, state_scalars
+from rljax.train.step import TrainState, num_micro_batches
 
 __all__ = ["SeedRL", "SeedSFT", "stack_states", "unstack"]
 
@@ -118,8 +118,7 @@ class SeedRL:
             raise ValueError(f"SeedRL.step: {len(sources)} prompt sources for {s} seeds")
         pos_S = hosts.fetch_small(state.data_pos)
         spec, prompts, task = self._inputs(state.params, sources, pos_S)
-        scalars = dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
-                       skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
+        scalars = state_scalars(state)
         ph = PhaseTimes()
         args = (state.params, state.opt_state, scalars, state.ref_params, prompts, task,
                 state.key, self.tr.teacher_params)
@@ -128,13 +127,8 @@ class SeedRL:
         n = self.tr.rl.prompts_per_step
         state = dataclasses.replace(state, params=params, opt_state=opt_state,
                                     data_pos=jnp.asarray(pos_S + n, jnp.int32), **out)
-        metrics = _per_seed(m, s)
-        for i, mi in enumerate(metrics):
-            self.tr.add_throughput(mi, ph)
-            mi.pop("done_steps")
-            if mi.pop("nonfinite_run") >= self.tr.rl.max_nonfinite_steps:
-                raise NonFiniteError(f"seed index {i}: {self.tr.rl.max_nonfinite_steps} or more "
-                                     "consecutive updates had a non-finite loss or gradient")
+        metrics = [self.tr.finish_metrics(mi, ph, run=f"seed index {i}, ")
+                   for i, mi in enumerate(_per_seed(m, s))]
         return state, metrics
 
     def compiled(self) -> dict[str, int]:

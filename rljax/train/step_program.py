@@ -37,7 +37,7 @@ from rljax.train.loss import rl_loss
 from rljax.train.step import batch_constrainer, make_optimizer, place_outputs
 
 __all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", "optimizers",
-           "run", "schedule_updates", "seeds_evaluate", "seeds_step"]
+           "run", "schedule_updates", "seeds_evaluate", "seeds_step", "state_scalars"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +105,13 @@ def learn_fn(spec: StepSpec):
     return make_learn(ls, loss, {k: v[0] for k, v in optims.items()},
                       {k: v[1] for k, v in optims.items()}, spec.policy_gd, spec.value_gd,
                       batch_constrainer(spec.mesh), spec.teacher_gd)
+
+
+def state_scalars(state) -> dict:
+    """The state's counters, KL coefficient and step: the ``scalars`` argument of every
+    step program."""
+    return dict(updates=state.updates, nonfinite_run=state.nonfinite_run,
+                skipped=state.skipped, kl_coef=state.kl_coef, step=state.step)
 
 
 def learn_program(spec: StepSpec):
