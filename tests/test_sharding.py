@@ -71,3 +71,22 @@ def test_state_shardings_and_shard_params(mesh8):
     assert sh["plain"].get_value().spec == P()
     placed = shard_params(state, mesh8)
     assert placed["w"][...].sharding.spec == P("fsdp", "tensor")
+
+
+def test_canonical_sharding_and_put_on(mesh8):
+    """A state's shardings spelled as a compiled program returns them: trailing None axes
+    dropped (the same placement, but unequal, so a program fed one and returning the other
+    compiled twice); `put_on` re-spells a tree once and leaves an equal one as it is."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rljax.sharding import canonical_sharding, output_shardings, put_on
+
+    trailing = NamedSharding(mesh8, P("fsdp", None))
+    assert canonical_sharding(trailing) == NamedSharding(mesh8, P("fsdp"))
+    assert canonical_sharding(NamedSharding(mesh8, P(None,))) == NamedSharding(mesh8, P())
+    assert trailing != NamedSharding(mesh8, P("fsdp"))  # why it is needed
+    tree = {"w": jax.device_put(jnp.ones((8, 4)), trailing)}
+    want = output_shardings(mesh8, tree)
+    moved = put_on(tree, want)
+    assert moved["w"].sharding == NamedSharding(mesh8, P("fsdp"))
+    assert put_on(moved, want) is moved and output_shardings(None, tree) is None

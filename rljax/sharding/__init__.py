@@ -6,11 +6,11 @@ logically; `LOGICAL_RULES` maps those names to the mesh axes ("data", "fsdp", "t
 
 from rljax.sharding.layout import check_process_blocks, device_grid, process_blocks
 from rljax.sharding.mesh import MESH_AXES, MeshConfig, OnMesh, make_mesh, mesh_context, on_mesh
+from rljax.sharding.placement import canonical_sharding, output_shardings, place_outputs, put_on
 from rljax.sharding.rules import (
     BATCH_AXES,
     LOGICAL_RULES,
     batch_sharding,
-    canonical_sharding,
     constrain_logical,
     constraints_enabled,
     fitted_spec,
@@ -32,6 +32,9 @@ __all__ = [
     "OnMesh",
     "batch_sharding",
     "canonical_sharding",
+    "output_shardings",
+    "place_outputs",
+    "put_on",
     "check_process_blocks",
     "constrain_logical",
     "constraints_enabled",

@@ -137,21 +137,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def canonical_sharding(sharding):
-    """``sharding`` spelled as a compiled program returns it: a ``NamedSharding``'s
-    trailing ``None`` axes dropped (``P("fsdp", None)`` -> ``P("fsdp")``; the same
-    placement, but not equal, so a program fed one and returning the other would be
-    compiled twice). Other shardings are returned as they are."""
-    if not isinstance(sharding, NamedSharding):
-        return sharding
-    spec = tuple(sharding.spec)
-    while spec and spec[-1] is None:
-        spec = spec[:-1]
-    if spec == tuple(sharding.spec):
-        return sharding
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
-
-
 def logical_axes(var) -> tuple | None:
     """The logical axis names an ``nnx.Variable`` carries (``logical_axes`` metadata), or
     None (not a variable, or not annotated)."""

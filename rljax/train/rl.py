@@ -29,7 +29,7 @@ import numpy as np
 
 from rljax import objectives as obj
 from rljax.rewards.device import is_device_reward
-from rljax.sharding import check_process_blocks
+from rljax.sharding import check_process_blocks, output_shardings, put_on
 from rljax.train import algorithms as alg
 from rljax.train import hosts
 from rljax.train import throughput
@@ -41,7 +41,7 @@ from rljax.train.loss import rl_loss
 from rljax.train.reference import reference_copy
 from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_groups
 from rljax.train.step import (NonFiniteError, TrainState, init_opt_state, new_train_state,
-                              num_micro_batches, output_shardings, put_on)
+                              num_micro_batches)
 from rljax.train.step_program import (StepSpec, fused_step, learn_fn, learn_step, optimizers,
                                       run, schedule_updates, state_scalars)
 

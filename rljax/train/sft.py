@@ -15,12 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rljax.sharding import mesh_context
+from rljax.sharding import mesh_context, output_shardings, place_outputs, put_on
 from rljax.train.config import SFTConfig
 from rljax.train.logprobs import policy_logprobs
 from rljax.train.step import (Learner, TrainState, batch_constrainer, make_optimizer,
-                              make_update, new_train_state, output_shardings, place_outputs,
-                              put_on)
+                              make_update, new_train_state)
 
 
 def sft_loss(graphdef, params, mb: dict, coef=None, *, chunk: int = 256, remat: bool = False):
@@ -65,7 +64,7 @@ def sft_update_fn(graphdef, cfg: SFTConfig, num_micro: int, mesh=None):
 class SFTSpec:
     """Everything the SFT update reads besides its arrays: the model's graphdef, the SFT
     config (loss chunking, remat, optimiser and schedule), the micro-batch count, the mesh
-    and, on a mesh, the state's shardings (``rljax.train.step.output_shardings``)."""
+    and, on a mesh, the state's shardings (``rljax.sharding.output_shardings``)."""
 
     graphdef: Any
     cfg: SFTConfig

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rljax.sharding import batch_sharding, canonical_sharding, on_mesh, replicated
+from rljax.sharding import batch_sharding, on_mesh, replicated
 from rljax.train.config import OptimConfig
 from rljax.train.micro import (check_divisible, merge_micro,  # noqa: F401 (public here too)
                                num_micro_batches, split_micro)
@@ -204,41 +204,6 @@ def jit_update(update, mesh, params, opt_state, batch_example: dict):
         out_shardings=(p_sh, o_sh, rep, rep),
         donate_argnums=(0, 1),
     ), mesh)
-
-
-def output_shardings(mesh, tree) -> tuple | None:
-    """On a mesh, ``(treedef, leaves)`` of ``tree``'s array shardings spelled canonically
-    (``rljax.sharding.canonical_sharding``): hashable, for a program spec whose outputs
-    keep the placement of ``tree`` (a state's parameters and optimiser state). None
-    without a mesh."""
-    if mesh is None:
-        return None
-    leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: canonical_sharding(x.sharding),
-                                                    tree))
-    return treedef, tuple(leaves)
-
-
-def put_on(tree, shardings: tuple | None):
-    """``tree`` on ``shardings`` (from :func:`output_shardings`): the same placement,
-    spelled as the programs return it, so every call passes equal arguments; ``tree``
-    itself when it already is (no copy)."""
-    if shardings is None:
-        return tree
-    want = jax.tree.unflatten(*shardings)
-    if all(x.sharding == s for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(want))):
-        return tree
-    return jax.device_put(tree, want)
-
-
-def place_outputs(mesh, shardings: tuple | None, kept, *rest):
-    """Inside a program: ``kept`` constrained to ``shardings`` (the state's placement) and
-    every tree of ``rest`` (counters, metrics) replicated; ``(kept, *rest)``."""
-    if mesh is None:
-        return (kept, *rest)
-    kept = jax.lax.with_sharding_constraint(kept, jax.tree.unflatten(*shardings))
-    rep = replicated(mesh)
-    rest = jax.lax.with_sharding_constraint(rest, jax.tree.map(lambda _: rep, rest))
-    return (kept, *rest)
 
 
 def batch_constrainer(mesh):

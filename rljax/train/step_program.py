@@ -28,13 +28,13 @@ import jax.numpy as jnp
 
 from rljax import objectives as obj
 from rljax.sampling.sampler import sample_arrays
-from rljax.sharding import mesh_context
+from rljax.sharding import mesh_context, place_outputs
 from rljax.train import algorithms as alg
 from rljax.train.config import OptimConfig
 from rljax.train.fused import make_fused_step
 from rljax.train.learn import LearnSpec, make_learn
 from rljax.train.loss import rl_loss
-from rljax.train.step import batch_constrainer, make_optimizer, place_outputs
+from rljax.train.step import batch_constrainer, make_optimizer
 
 __all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", "optimizers",
            "run", "schedule_updates", "seeds_evaluate", "seeds_step", "state_scalars"]
