@@ -33,15 +33,15 @@ def canonical_sharding(sharding):
     return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
 
 
-def output_shardings(mesh, tree) -> tuple | None:
+def output_shardings(mesh, tree, *, of_shardings: bool = False) -> tuple | None:
     """On a mesh, ``(treedef, leaves)`` of ``tree``'s array shardings spelled canonically
     (:func:`canonical_sharding`): hashable, for a program spec whose outputs
     keep the placement of ``tree`` (a state's parameters and optimiser state). None
     without a mesh."""
     if mesh is None:
         return None
-    leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: canonical_sharding(x.sharding),
-                                                    tree))
+    get = (lambda x: x) if of_shardings else (lambda x: x.sharding)
+    leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: canonical_sharding(get(x)), tree))
     return treedef, tuple(leaves)
 
 

@@ -13,7 +13,6 @@ because ``d(sum/count)/dθ = (d sum/dθ)/count`` when the count does not depend 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any, Callable
 
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rljax.sharding import batch_sharding, on_mesh, replicated
+from rljax.sharding import batch_sharding, mesh_context, on_mesh, output_shardings, replicated
 from rljax.train.config import OptimConfig
 from rljax.train.micro import (check_divisible, merge_micro,  # noqa: F401 (public here too)
                                num_micro_batches, split_micro)
@@ -231,38 +230,37 @@ def opt_state_shardings(txs: dict, params: dict, mesh) -> dict:
                                      transform_non_params=lambda _: rep) for k in abstract}
 
 
-_OPT_INITS: collections.OrderedDict = collections.OrderedDict()
-MAX_OPT_INITS = 16
-
-
 def init_opt_state(txs: dict, params: dict, mesh=None) -> dict:
     """Optimiser states for ``params`` (dict name -> NNX state); on a mesh each moment is
     sharded like its parameter (a jit left to choose placed the zeros replicated: every
     chip held all of Adam's moments, 3.7 GiB per chip for Qwen2.5-0.5B).
 
-    The jitted init is kept for the last ``MAX_OPT_INITS`` (optimisers, mesh, parameter
-    layout): a trainer that makes several states (one per seed in ``rljax.train.seeds``,
-    a resumed run's fresh template) compiles it once."""
-    leaves, tree = jax.tree.flatten(params)
-    key = (tuple(txs.items()), mesh, tree,
-           None if mesh is None else tuple(x.sharding for x in leaves))
+    The init is a module-level jit with the optimisers and the result's shardings static:
+    JAX's cache compiles it once per optimiser set and layout (a trainer making one state
+    per seed, or a resumed run's template, compiles it once). An optimiser that cannot be
+    hashed is jitted afresh."""
+    shardings = None
+    if mesh is not None:
+        shardings = output_shardings(mesh, opt_state_shardings(txs, params, mesh),
+                                     of_shardings=True)
+    items = tuple(sorted(txs.items()))
     try:
-        init = _OPT_INITS.pop(key)
-    except KeyError:
-        init = _opt_init_program(txs, params, mesh)
-    except TypeError:  # an optimiser that cannot be hashed: no reuse, same result
-        return _opt_init_program(txs, params, mesh)(params)
-    _OPT_INITS[key] = init
-    while len(_OPT_INITS) > MAX_OPT_INITS:
-        _OPT_INITS.popitem(last=False)
-    return init(params)
+        hash(items)
+    except TypeError:
+        return jax.jit(lambda p: _opt_init(items, p, shardings))(params)
+    with mesh_context(mesh):
+        return _opt_init_jit(items, params, shardings)
 
 
-def _opt_init_program(txs: dict, params: dict, mesh):
-    init = lambda p: {k: txs[k].init(p[k]) for k in p}
-    if mesh is None:
-        return jax.jit(init)
-    return on_mesh(jax.jit(init, out_shardings=opt_state_shardings(txs, params, mesh)), mesh)
+def _opt_init(items: tuple, params: dict, shardings):
+    txs = dict(items)
+    state = {k: txs[k].init(params[k]) for k in params}
+    if shardings is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, jax.tree.unflatten(*shardings))
+
+
+_opt_init_jit = jax.jit(_opt_init, static_argnums=(0, 2))
 
 
 def new_train_state(params: dict, opt_state: dict, seed: int, *, ref_params=None,
