@@ -86,8 +86,8 @@ class LearnBench:
     """``RLTrainer``'s learning program for a random model, called directly."""
 
     def __init__(self, sizes: dict, shape: Shape, steps: int, seed: int = 0,
-                 logp_chunk: int | None = None, share_prompts: bool = True,
-                 one_pass_head: bool = True):
+                 logp_chunk: int | None = None, share_prompts: bool | None = None,
+                 one_pass_head: bool | None = None):
         self.config = B.model_config(sizes)
         graphdef, params = nnx.split(Decoder(self.config, rngs=nnx.Rngs(seed)))
         # The trainer reads only the pad / eos ids of its tokenizer outside rollouts.
@@ -139,8 +139,8 @@ def learning_program(tr: RLTrainer, state):
 
 
 def measure(sizes: dict, shape: Shape, reps: int, peak_n: int = 2048, log=print,
-            logp_chunk: int | None = None, share_prompts: bool = True,
-            one_pass_head: bool = True) -> dict:
+            logp_chunk: int | None = None, share_prompts: bool | None = None,
+            one_pass_head: bool | None = None) -> dict:
     """Median seconds, FLOP/s and peak (one peak measurement after each call)."""
     bench = LearnBench(sizes, shape, steps=reps + 1, logp_chunk=logp_chunk,
                        share_prompts=share_prompts, one_pass_head=one_pass_head)
@@ -192,8 +192,8 @@ def main(argv=None) -> int:
         print(f"{name} model {sizes}:")
         r = res[name] = measure(sizes, shape, args.reps, 256 if args.quick else 2048,
                                 logp_chunk=args.logp_chunk,
-                                share_prompts=not args.per_row_prompts,
-                                one_pass_head=not args.two_pass_head)
+                                share_prompts=False if args.per_row_prompts else None,
+                                one_pass_head=False if args.two_pass_head else None)
         print(f"{name}: learning program {r['seconds']:.3f} s (median; others' CPU "
               f"{r['others']:.2f} cores; own kernel time {r['kernel']:.2f} s), "
               f"{r['flops'] / 1e9:.1f} GFLOP -> "

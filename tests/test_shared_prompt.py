@@ -167,12 +167,19 @@ def test_learning_program_with_shared_prompts_equals_per_row_prompts(micro):
 
 
 def test_prompts_are_shared_only_where_groups_stay_whole():
+    """By default (None) prompts are shared where the groups stay whole and the attention
+    has a prefix path; set explicitly (True), anything else is an error saying why."""
     gd, _ = tiny_model()
-    assert _trainer(gd, True, group_size=4).share_group == 4
-    assert _trainer(gd, True, group_size=4, micro_batch_size=2).share_group == 1
-    assert _trainer(gd, True, "reinforce", group_size=1).share_group == 1  # nothing to share
     cudnn, _ = tiny_model(attention="cudnn", compute_dtype="bfloat16")
-    assert _trainer(cudnn, True, group_size=2).share_group == 1
+    assert _trainer(gd, True, group_size=4).share_group == 4
+    assert _trainer(gd, None, group_size=4).share_group == 4
+    for model, name, alg, why in (
+            (gd, "grpo", dict(group_size=4, micro_batch_size=2), "split the groups of 4"),
+            (gd, "reinforce", dict(group_size=1), "one completion per prompt"),
+            (cudnn, "grpo", dict(group_size=2), "cudnn has no prefix path")):
+        assert _trainer(model, None, name, **alg).share_group == 1
+        with pytest.raises(ValueError, match=f"share_prompts=True was set explicitly.*{why}"):
+            _trainer(model, True, name, **alg)
     with pytest.raises(ValueError, match="share_prompts.*True or False"):
         RLConfig(share_prompts=1)
 

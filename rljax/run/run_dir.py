@@ -2,7 +2,8 @@
 
 Layout of `RunDir(path, config)`:
 
-    path/config.json        the resolved config (`config_to_dict`) and its hash
+    path/config.json        the resolved config (`config_to_dict`), its hash, and what
+                            the run decided from it (`record_resolved`)
     path/metrics.jsonl      one JSON object per step, flushed as written
     path/tb/                tensorboardX event files (scalars)
     path/checkpoints/       orbax checkpoints (see `rljax.train.checkpoint`)
@@ -166,6 +167,7 @@ class RunDir:
         self.config_hash = config_hash(config, hash_exclude)
         self.primary = primary
         self.changed: list[str] = []  # the config fields a resume changes
+        self.resolved: dict[str, Any] = {}  # config.json's "resolved" (record_resolved)
         self._lines: list[str] | None = None  # a bucket's metrics (no appends there)
         self._lock: RunLock | None = None
         self._tb = self._wandb = self._metrics = None
@@ -240,11 +242,24 @@ class RunDir:
             return
         tensorboard, wandb_project = self._writers
         self.path.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.path / CONFIG_FILE, json.dumps(
-            {"config_hash": self.config_hash, "config": self.config}, indent=2, sort_keys=True))
+        self._write_config()
         self._metrics = self._open_metrics()
         self._tb = TensorBoardRuns(self.path / "tb") if tensorboard else None
         self._wandb = self._open_wandb(wandb_project) if wandb_project else None
+
+    def _write_config(self) -> None:
+        blob = {"config_hash": self.config_hash, "config": self.config}
+        if self.resolved:
+            blob["resolved"] = self.resolved
+        _write_atomic(self.path / CONFIG_FILE, json.dumps(blob, indent=2, sort_keys=True))
+
+    def record_resolved(self, name: str, record: Any) -> None:
+        """Record what the run resolved from its config (e.g. "forward_paths") under
+        config.json's ``"resolved"`` (written now if begun, else by `begin()`); a resume
+        compares only ``"config"`` and the hash leaves it out."""
+        self.resolved[name] = record
+        if self.primary and self._metrics is not None:
+            self._write_config()
 
     def mismatch(self, err: BaseException) -> RunDirError:
         """The error of a resume whose checkpoint does not fit this config (`err`, e.g.

@@ -250,8 +250,10 @@ def _train(cfg, rd, ck, mesh, warm, stop, out):
                                      if cfg.reward.workers else None),
                         reward_timeout_s=cfg.reward.timeout_s)
     for line in startup_summary(cfg, mesh=mesh, params=params, task=task,
-                                reward_fns=reward_fns, accuracy_fn=accuracy_fn):
+                                reward_fns=reward_fns, accuracy_fn=accuracy_fn,
+                                paths=trainer.paths):
         print(f"[rljax] {line}", file=out)
+    rd.record_resolved("forward_paths", trainer.paths.record())
     state, acc_before = _start(cfg, rd, ck, trainer, graphdef, params, value_params,
                                task, tokenizer, mesh, out, warm)
     if task.splits and rd.primary:  # per split: records read, dropped by length, kept

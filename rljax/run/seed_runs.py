@@ -204,8 +204,10 @@ class _SeedRun:
         self.rl, self.compiled = SeedRL(trainer), {}
         self.phases = {"setup": 0.0, "warm-up": 0.0, "evaluations": 0.0}
         for line in startup_summary(cfg, mesh=None, params=self.params[0], task=self.tasks[0],
-                                    reward_fns=trainer.device_reward, seeds=len(seeds)):
+                                    reward_fns=trainer.device_reward, seeds=len(seeds),
+                                    paths=trainer.paths):
             print(f"[rljax] {line}", file=out)
+        rd.record_resolved("forward_paths", trainer.paths.record())
 
     def meta(self, phase: str, before: list[dict]) -> dict:
         """A checkpoint's metadata: what a resumed run needs besides the state."""

@@ -1,6 +1,8 @@
 """The start-up summary a run prints before its first step: where it runs (backend,
-devices, processes, mesh), what it trains (parameter count), on what (prompts per split)
-and what scores it (the reward, and the verifier behind the accuracy shown).
+devices, processes, mesh), what it trains (parameter count), on what (prompts per split),
+what scores it (the reward, and the verifier behind the accuracy shown) and which forward
+paths its programs take (``rljax.train.paths.ForwardPaths``: a default that fell back
+says why).
 
 `startup_summary(cfg, ...)` returns the lines; `run_experiment` and `run_seeds` print them
 once (process 0), before the first step.
@@ -86,12 +88,13 @@ def _accuracy(cfg: ExperimentConfig, accuracy_fn: Any) -> str:
 
 def startup_summary(cfg: ExperimentConfig, *, mesh, params: Any, task: Any,
                     reward_fns: Any, seeds: int = 1,
-                    accuracy_fn: Any = _FROM_CONFIG) -> list[str]:
+                    accuracy_fn: Any = _FROM_CONFIG, paths: Any = None) -> list[str]:
     """The summary's lines (see the module docstring); `task` is a
     `rljax.run.builders.TaskData` (a several-seed run: seed 0's), `params` the policy's,
     `accuracy_fn` the run's verifier (its `name` is shown; None: no verifier; left out:
-    the task's built-in check), then the length filter's counts per split of a file
-    task."""
+    the task's built-in check), `paths` the trainer's resolved forward paths
+    (`RLTrainer.paths`; None: no line), then the length filter's counts per split of a
+    file task."""
     n = parameter_count(params)
     per = f" per seed, {seeds} seeds in one program" if seeds > 1 else ""
     origin = f"from {cfg.hf_path}" if cfg.hf_path else "random init"
@@ -100,4 +103,5 @@ def startup_summary(cfg: ExperimentConfig, *, mesh, params: Any, task: Any,
             f"prompts: {_sizes(cfg, task)}",
             f"reward: {_reward(cfg, reward_fns)}",
             f"accuracy shown: {_accuracy(cfg, accuracy_fn)}",
+            *([] if paths is None else [f"forward paths: {paths.line()}"]),
             *getattr(task, "describe", lambda: [])()]

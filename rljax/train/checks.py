@@ -18,9 +18,12 @@ def check_choice(cls, field, value, choices):
         fail(cls, field, value, "one of " + ", ".join(repr(c) for c in choices))
 
 
-def check_bool(cls, field, value):
+def check_bool(cls, field, value, *, auto: bool = False):
+    """A bool; with ``auto`` also None (the field's "decide for me")."""
+    if auto and value is None:
+        return
     if not isinstance(value, bool):
-        fail(cls, field, value, "True or False")
+        fail(cls, field, value, "None (auto), True or False" if auto else "True or False")
 
 
 def check_num(cls, field, value, *, lo=None, hi=None, lo_open=False, hi_open=False,

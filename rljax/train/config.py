@@ -138,15 +138,20 @@ class RLConfig:
         the update), run each group's prompt through the decoder once and its
         ``group_size`` completions after it (``Decoder.grouped_hidden_states``): the same
         log-probs and gradients with the prompt's layer FLOPs divided by the group size.
-        Applies when ``group_size > 1``, the micro-batches hold whole groups and the
-        policy's attention is "xla" or "splash"; minibatches then draw whole groups.
-        False: every row computes its prompt (``RLTrainer.share_group`` says which).
+        It applies when ``group_size > 1``, the micro-batches hold whole groups and the
+        policy's (and teacher's) attention is "xla" or "splash"; minibatches then draw
+        whole groups. None (the default): shared where it applies, else every row computes
+        its prompt and the start-up line says why. True: shared, and an error where it
+        does not apply. False: every row computes its prompt. ``RLTrainer.paths`` says
+        which (``rljax.train.paths``).
       one_pass_head: with a token-separable objective (``rljax.objectives.token_separable``:
         GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE, PPO, CISPO, SAPO, Clip-Cov, KL-Cov) and a
         linear output head, each update forms the head's gradient in the same pass as
         its log-probs (``rljax.train.onepass``): three ``[rows x V]`` products a chunk
         instead of four, one pass of exponentials instead of two, the same values and
-        (to rounding) gradients. False: the log-prob chunks are recomputed in the backward.
+        (to rounding) gradients. None (the default): one pass where it applies, else the
+        chunked head and the start-up line says why. True: one pass, and an error where
+        it does not apply. False: the log-prob chunks are recomputed in the backward.
     """
 
     steps: int = 100
@@ -159,8 +164,8 @@ class RLConfig:
     peak_flops: float = 0.0
     value_lr_ratio: float = 1.0
     ref_dtype: str = "float32"
-    share_prompts: bool = True
-    one_pass_head: bool = True
+    share_prompts: bool | None = None
+    one_pass_head: bool | None = None
 
     def __post_init__(self):
         c = "RLConfig"
@@ -172,8 +177,8 @@ class RLConfig:
         check_num(c, "peak_flops", self.peak_flops, lo=0.0)
         check_num(c, "value_lr_ratio", self.value_lr_ratio, lo=0.0, lo_open=True)
         check_choice(c, "ref_dtype", self.ref_dtype, REF_DTYPES)
-        check_bool(c, "share_prompts", self.share_prompts)
-        check_bool(c, "one_pass_head", self.one_pass_head)
+        check_bool(c, "share_prompts", self.share_prompts, auto=True)
+        check_bool(c, "one_pass_head", self.one_pass_head, auto=True)
 
     def eval_due(self, step: int) -> bool:
         """Whether the held-out evaluation runs after RL step ``step`` (1-based): every

@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from rljax import objectives as obj
-from rljax.models.grouped import can_share_prompts
 from rljax.train import algorithms as alg
 from rljax.train import ppo as ppo_lib
 from rljax.train.config import AlgorithmConfig
@@ -45,7 +43,6 @@ from rljax.train.micro import merge_micro, split_micro
 from rljax.train.step import make_update
 
 Array = Any
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +57,8 @@ class LearnSpec:
     overlong: DAPO's overlong window in tokens (0 = off).
     share_group: G > 1 when rows share their prompt in groups of G and every forward
       computes it once (``policy_logprobs(group=G)``); micro-batches and minibatches then
-      hold whole groups. 1: every row computes its prompt.
+      hold whole groups. 1: every row computes its prompt. Decided once, with the other
+      forward paths (``rljax.train.paths.ForwardPaths.prompt_group``).
     """
 
     alg: AlgorithmConfig
@@ -72,25 +70,6 @@ class LearnSpec:
     max_new_tokens: int
     overlong: int
     share_group: int = 1
-
-
-def share_group(group_size: int, share_prompts: bool, rows_per_micro: int,
-                graphdefs: list) -> int:
-    """The group size the learning program shares prompts over (``RLConfig.share_prompts``,
-    ``LearnSpec.share_group``), or 1 where it cannot: one completion per prompt, a model
-    (policy, teacher) without a prefix attention path, or micro-batches that split a
-    group; the reason is logged."""
-    if not share_prompts or group_size < 2:
-        return 1
-    if not all(can_share_prompts(gd) for gd in graphdefs):
-        log.info("prompts are not shared: the model's attention has no prefix path "
-                 "('xla' and 'splash' do)")
-        return 1
-    if rows_per_micro % group_size:
-        log.info("prompts are not shared: micro-batches of %d rows split the groups of %d",
-                 rows_per_micro, group_size)
-        return 1
-    return group_size
 
 
 def _map_micro(fn: Callable, seqs: dict, num_micro: int, group: int = 1) -> Array:

@@ -4,7 +4,8 @@
 ``(loss_sum, count, metrics)``: the policy's log-probs and entropies (and PPO's values),
 the ``ObjectiveBatch``, the objective, the sampler-gap metric. With a token-separable
 objective (``rljax.objectives.token_separable``) and ``RLConfig.one_pass_head`` the
-policy's linear head forms its gradient in the forward pass (``rljax.train.onepass``).
+policy's linear head forms its gradient in the forward pass (``rljax.train.onepass``);
+the trainer decides that once (``rljax.train.paths``) and passes ``one_pass``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _objective_batch(mb: dict, logp, ent, values, *, self_old: bool, use_sampler
 def _one_pass_logprobs(policy_gd, policy_params, mb: dict, coef, values, *, objective, chunk,
                        temperature, remat, group, **fields):
     """``(surrogate, logp, ent)`` by ``rljax.train.onepass.policy_one_pass`` (the
-    objective is token-separable), or None for a policy without a linear head. Each
+    objective is token-separable; the policy has a linear head). Each
     chunk's derivatives come from the objective on the whole micro-batch with that
     chunk's values in place (the other columns hold the sampler's log-probs: any finite
     values do for a separable objective), at the chunks' padded width."""
@@ -58,9 +59,14 @@ def _one_pass_logprobs(policy_gd, policy_params, mb: dict, coef, values, *, obje
         cut = lambda x: jax.lax.dynamic_slice(x, (0, start), (b, c))
         return cut(a), cut(e)
 
-    return policy_one_pass(policy_gd, policy_params, mb, token_grads, aux, chunk=chunk,
-                           temperature=temperature, remat=remat, group=group,
-                           with_entropy=fields["entropy_grad"])
+    out = policy_one_pass(policy_gd, policy_params, mb, token_grads, aux, chunk=chunk,
+                          temperature=temperature, remat=remat, group=group,
+                          with_entropy=fields["entropy_grad"])
+    if out is None:  # the head form was resolved with the trainer (rljax.train.paths)
+        raise ValueError("rl_loss: one_pass=True, but the policy has no linear output head; "
+                         "the head form is resolved by rljax.train.paths.resolve_paths, "
+                         "which would have chosen 'chunked'")
+    return out
 
 
 def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, temperature,
@@ -69,8 +75,9 @@ def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, te
     """The RL micro-batch loss: current log-probs (and values) -> ``ObjectiveBatch`` ->
     the objective's ``(loss_sum, count, metrics)`` plus the sampler-gap metric. ``group``:
     the micro-batch's rows share prompts in groups of that many (``policy_logprobs``).
-    ``one_pass``: the objective is token-separable (``rljax.objectives.token_separable``);
-    the policy's linear head then forms its gradient in the forward pass
+    ``one_pass``: the head form "one-pass" (``rljax.train.paths.ForwardPaths.head``: the
+    objective is token-separable and the policy has a linear head); the head then forms
+    its gradient in the forward pass
     (``rljax.train.onepass``): the same loss and, to rounding, the same gradients."""
     m = mb["completion_mask_BxT"]
     values = None
@@ -78,7 +85,7 @@ def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, te
         values = ppo_lib.value_predictions(value_gd, params["value"], mb, remat=remat)
     fields = dict(self_old=self_old, use_sampler=use_sampler, entropy_grad=entropy_grad)
     fused = None
-    if one_pass:
+    if one_pass:  # the head form resolved with the trainer (ForwardPaths.head)
         fused = _one_pass_logprobs(policy_gd, params["policy"], mb, coef, values,
                                    objective=objective, chunk=chunk, temperature=temperature,
                                    remat=remat, group=group, **fields)

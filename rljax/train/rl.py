@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import objectives as obj
 from rljax.rewards.device import is_device_reward
 from rljax.sharding import check_process_blocks, output_shardings, put_on
 from rljax.train import algorithms as alg
@@ -36,8 +35,9 @@ from rljax.train import throughput
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling)
 from rljax.train.fused import split_step_key
-from rljax.train.learn import LearnSpec, share_group
+from rljax.train.learn import LearnSpec
 from rljax.train.loss import rl_loss
+from rljax.train.paths import resolve_paths
 from rljax.train.reference import reference_copy
 from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_groups
 from rljax.train.step import (NonFiniteError, TrainState, init_opt_state, new_train_state,
@@ -98,6 +98,10 @@ def _assemble(rounds: tuple, n_groups: int, pad_id: int) -> Rollout:
 class RLTrainer:
     """RL post-training of a decoder ``(policy_graphdef, params)`` on one device mesh.
 
+    The forward paths (attention, head form, prompt layout, layers) are resolved once,
+    here (``rljax.train.paths.resolve_paths``): ``paths`` holds them, ``share_group`` is
+    their prompt group, and every step's spec carries them.
+
     Args:
       policy_graphdef: ``nnx.split(model)[0]`` of the policy (and frozen reference).
       tokenizer: encodes prompts and decodes completions (needs ``eos_token_id``).
@@ -157,10 +161,14 @@ class RLTrainer:
                          else ("sampler" if algorithm.old_logp == "sampler" else "recompute"))
         self.uses_ref = algorithm.kl_in != "none" and algorithm.kl_coef > 0
         overlong = alg.resolve_overlong_buffer(algorithm, sampling.max_new_tokens)
-        self.share_group = share_group(
-            algorithm.group_size, rl.share_prompts,
-            self.batch_size // algorithm.num_minibatches // num_micro,
-            [self.gd] + ([self.teacher_gd] if self.teacher_gd is not None else []))
+        self.paths = resolve_paths(
+            policy_graphdef, objective=alg.make_objective(algorithm, sampling.max_new_tokens),
+            one_pass_head=rl.one_pass_head, share_prompts=rl.share_prompts,
+            group_size=algorithm.group_size, remat=rl.remat,
+            rows_per_micro=self.batch_size // algorithm.num_minibatches // num_micro,
+            other_gds=(self.teacher_gd,) if self.teacher_gd is not None else (),
+            backend=jax.default_backend())
+        self.share_group = self.paths.prompt_group
         self.spec = LearnSpec(algorithm, self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
                               sampling.temperature, sampling.max_new_tokens, overlong,
                               share_group=self.share_group)
@@ -197,9 +205,7 @@ class RLTrainer:
         self.base_spec = StepSpec(
             self.spec, self.gd, self.value_gd, self.teacher_gd, self.optim,
             schedule_updates(self.optim, total),
-            r.value_lr_ratio if self.value_gd is not None else 1.0, r.remat,
-            r.one_pass_head and obj.token_separable(alg.make_objective(
-                a, self.sampling.max_new_tokens)),
+            r.value_lr_ratio if self.value_gd is not None else 1.0, r.remat, self.paths,
             self.device_reward, self.mesh)
         self.txs = {k: v[0] for k, v in optimizers(self.base_spec).items()}
         self._learn_fn = learn_fn(self.base_spec)

@@ -26,7 +26,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rljax import objectives as obj
 from rljax.sampling.sampler import sample_arrays
 from rljax.sharding import mesh_context, place_outputs
 from rljax.train import algorithms as alg
@@ -34,6 +33,7 @@ from rljax.train.config import OptimConfig
 from rljax.train.fused import make_fused_step
 from rljax.train.learn import LearnSpec, make_learn
 from rljax.train.loss import rl_loss
+from rljax.train.paths import ForwardPaths
 from rljax.train.step import batch_constrainer, make_optimizer
 
 __all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", "optimizers",
@@ -49,8 +49,9 @@ class StepSpec:
     optim: the optimiser config; ``schedule_updates`` the updates its schedule spans
       (:func:`schedule_updates`); ``value_lr_ratio`` the value model's learning-rate scale.
     remat: rematerialise each decoder layer in the backward pass.
-    one_pass_head: the head's gradient formed in the forward pass (requested and the
-      objective is token-separable).
+    paths: the forward paths resolved when the trainer was built
+      (:class:`~rljax.train.paths.ForwardPaths`: attention, head form, prompt layout,
+      layers); the programs read the head form and the prompt layout from it.
     device_reward: the JAX reward of the one-program step (None: a host reward).
     mesh: the device mesh (None: one device).
     out_shardings: on a mesh, ``(treedef, leaves)`` of the ``(params, opt_state)``
@@ -66,10 +67,16 @@ class StepSpec:
     schedule_updates: int = 1
     value_lr_ratio: float = 1.0
     remat: bool = False
-    one_pass_head: bool = False
+    paths: ForwardPaths = ForwardPaths()
     device_reward: Any = None
     mesh: Any = None
     out_shardings: tuple | None = None
+
+    def __post_init__(self):
+        if self.learn.share_group != self.paths.prompt_group:
+            raise ValueError(f"StepSpec: learn.share_group={self.learn.share_group} disagrees "
+                             f"with paths.prompt_group={self.paths.prompt_group}; both come "
+                             "from rljax.train.paths.resolve_paths")
 
 
 def schedule_updates(optim: OptimConfig, total: int) -> int:
@@ -100,7 +107,7 @@ def learn_fn(spec: StepSpec):
         chunk=ls.chunk, temperature=ls.temperature, remat=spec.remat,
         self_old=ls.old_mode == "self", use_sampler=alg.uses_sampler_logp(a),
         entropy_grad=a.entropy_coef != 0.0, group=ls.share_group,
-        one_pass=spec.one_pass_head and obj.token_separable(objective))
+        one_pass=spec.paths.head == "one-pass")
     optims = optimizers(spec)
     return make_learn(ls, loss, {k: v[0] for k, v in optims.items()},
                       {k: v[1] for k, v in optims.items()}, spec.policy_gd, spec.value_gd,
