@@ -66,6 +66,9 @@ def test_load_by_path_with_overrides_and_smoke(tmp_path, monkeypatch):
     assert cfg.smoke and cfg.model.num_layers == 1 and cfg.rl.steps == 2 and cfg.optim.lr == 1e-5
     cfg = load_experiment("demo.py", ["smoke=true", "rl.steps=3"])
     assert cfg.rl.steps == 3
+    # A smoke run draws no end-of-run plots, unless asked for.
+    assert load_experiment("demo", []).run.plots and not cfg.run.plots
+    assert load_experiment("demo", ["smoke=true", "run.plots=true"]).run.plots
 
     with pytest.raises(OverrideError, match=r"valid keys at optim are \[.*'lr'"):
         load_experiment("demo", ["optim.learning_rate=1"])

@@ -301,7 +301,8 @@ class ExperimentConfig:
       sft: an optional supervised warm-up before RL (None = none).
       mesh: device mesh sizes (`rljax.sharding.MeshConfig`).
       run: run directory, seed, checkpoints.
-      smoke: a quick run (two steps on CPU with a tiny model) for testing a recipe.
+      smoke: a quick run (two steps on CPU with a tiny model, no end-of-run plots) for
+        testing a recipe.
       recipe: a named recipe of the experiment file (its `RECIPES`; `rljax.run.recipes`),
         applied by `load_experiment` through the file's `recipe(cfg)`.
     """

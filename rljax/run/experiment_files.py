@@ -3,14 +3,15 @@
 settings `--set smoke=true` switches to: two steps on CPU with a tiny model).
 `load_experiment("arithmetic_grpo", ["optim.lr=1e-5"])` imports the file with importlib,
 calls `config()`, applies the typed overrides (see `rljax.run.overrides`) and, when
-`smoke` is set, the file's `smoke` function (the overrides are applied again after it, so
-the command line always wins). A `recipe` set (`--set recipe=NAME`) calls the file's
+`smoke` is set, the file's `smoke` function and no end-of-run plots (the overrides are
+applied again after it, so the command line always wins). A `recipe` set (`--set recipe=NAME`) calls the file's
 `recipe(cfg)` first (named TPU recipes, `rljax.run.recipes`), so `smoke` shrinks the
 recipe. Nothing is `exec`'d from strings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import pathlib
 import sys
@@ -101,5 +102,8 @@ def load_experiment(name_or_path: str | pathlib.Path,
             cfg = smoke(cfg)
             if not isinstance(cfg, ExperimentConfig):
                 raise TypeError(f"{path}: smoke() returned {type(cfg).__name__}")
-            cfg = apply_overrides(cfg, overrides)
+        # A two-step check draws no end-of-run plots (about 5 s of matplotlib);
+        # `rljax plot RUN` draws them, and `--set run.plots=true` keeps them.
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, plots=False))
+        cfg = apply_overrides(cfg, overrides)
     return cfg
