@@ -254,9 +254,8 @@ class RunDir:
         _write_atomic(self.path / CONFIG_FILE, json.dumps(blob, indent=2, sort_keys=True))
 
     def record_resolved(self, name: str, record: Any) -> None:
-        """Record what the run resolved from its config (e.g. "forward_paths") under
-        config.json's ``"resolved"`` (written now if begun, else by `begin()`); a resume
-        compares only ``"config"`` and the hash leaves it out."""
+        """Record what the run resolved from its config (e.g. "forward_paths") in config.json's
+        ``"resolved"`` (now if begun, else at `begin()`); resumes compare only ``"config"``."""
         self.resolved[name] = record
         if self.primary and self._metrics is not None:
             self._write_config()

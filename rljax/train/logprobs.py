@@ -35,9 +35,8 @@ def _chunk_logprobs(logits_fn, head_params, h_BxCxD, tgt_BxC, inv_temp):
     """log p(target) and entropy of softmax(logits * inv_temp) for one chunk, float32."""
     logits_BxCxV = logits_fn(head_params, h_BxCxD).astype(jnp.float32) * inv_temp
     logz_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
-    # The target's logit as a one-hot contraction (the general path, plain autodiff). A
-    # gather gives the same value and also keeps a vocab-sharded axis sharded (see
-    # linear_chunk_stats, which the linear heads use).
+    # The target's logit as a one-hot contraction (the general path, plain autodiff); the
+    # linear heads gather it (linear_chunk_stats), which also keeps the vocabulary sharded.
     onehot = jax.nn.one_hot(tgt_BxC, logits_BxCxV.shape[-1], dtype=jnp.float32)
     logp_BxC = jnp.sum(logits_BxCxV * onehot, axis=-1) - logz_BxC
     p_BxCxV = jnp.exp(logits_BxCxV - logz_BxC[..., None])
@@ -60,7 +59,7 @@ def _check_args(name: str, h_BxTxD, targets_BxT, chunk, temperature) -> tuple[in
 
 
 def check_linear_args(name: str, w, h_BxTxD, targets_BxT, chunk, temperature,
-                       vocab_major) -> tuple[int, int, int]:
+                      vocab_major) -> tuple[int, int, int]:
     """``_check_args`` plus the linear head's weight against the hidden size."""
     b, t, d = _check_args(name, h_BxTxD, targets_BxT, chunk, temperature)
     if w.ndim != 2 or (w.shape[1] if vocab_major else w.shape[0]) != d:
@@ -186,8 +185,7 @@ def reduce_partial_dw(dw_SxDxV, names_DxV=DW_DXV_AXES):
 
 
 def _linear_chunk_fwd(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
-    _, _, _, logz, logp, ent = linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd,
-                                                   inv_temp)
+    _, _, _, logz, logp, ent = linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp)
     return logp, ent, logz
 
 
@@ -199,6 +197,7 @@ def split_chunks(x, n: int, c: int):
 
 
 def join_chunks(x_NxBxC, t: int):
+    """``[N, B, C, ...] -> [B, T, ...]``: :func:`split_chunks` undone."""
     n, b, c = x_NxBxC.shape[:3]
     return x_NxBxC.swapaxes(0, 1).reshape(b, n * c, *x_NxBxC.shape[3:])[:, :t]
 

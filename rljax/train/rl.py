@@ -208,7 +208,12 @@ class RLTrainer:
             r.value_lr_ratio if self.value_gd is not None else 1.0, r.remat, self.paths,
             self.device_reward, self.mesh)
         self.txs = {k: v[0] for k, v in optimizers(self.base_spec).items()}
-        self._learn_fn = learn_fn(self.base_spec)
+
+    @property
+    def _learn_fn(self):
+        """The pure learning function of the trainer's spec (``step_program.learn_fn``),
+        built on demand: the steps run the jitted programs, tests call it directly."""
+        return learn_fn(self.base_spec)
 
     def step_spec(self, state: TrainState) -> StepSpec:
         """The spec of this trainer's step programs for ``state``: ``base_spec`` with, on a
