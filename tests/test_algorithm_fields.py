@@ -1,6 +1,7 @@
 """Behaviour from fields, not names: an algorithm's name selects its preset and objective in
 the registry (``rljax.train.presets``) and nothing else; every branch reads a field
-(``advantage_estimator``, ``needs_value_model``, ``needs_teacher``, the objective's entry)."""
+(``advantage_estimator``, ``needs_value_model``, ``needs_teacher``, the objective's entry
+``loss``), and only resolution (``AlgorithmConfig``) looks a name up in the registry."""
 
 import ast
 import dataclasses
@@ -19,6 +20,7 @@ from rljax.train.presets import PRESET_FIELDS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "rljax"
 REGISTRY = {"train/presets.py"}  # the one module that may spell out algorithm names
+RESOLUTION = {"train/algorithm_config.py"}  # the one module that looks a name up in it
 
 # What the name-based branches chose before the fields (rljax at d0f705b), written out:
 # the objective (algorithms.make_objective), the sequence estimator
@@ -79,6 +81,7 @@ def test_equal_resolved_fields_behave_the_same_under_another_name(a, b):
     np.testing.assert_array_equal(alg.sequence_advantages(ra, rewards_B),
                                   alg.sequence_advantages(rb, rewards_B))
     assert (ra.needs_value_model, ra.needs_teacher) == (rb.needs_value_model, rb.needs_teacher)
+    assert ra.spec() == rb.spec()  # what the programs read: the fields and the entry, no name
 
 
 def test_estimator_is_a_field_a_user_may_set_and_bad_combinations_say_why():
@@ -149,6 +152,19 @@ def test_the_check_catches_name_branches():
     assert not name_branches('__all__ = ["grpo", "ppo"]\nb.require("x", by="ppo")')
 
 
+def registry_lookups(source: str) -> list[str]:
+    """Subscripts of the registry's tables (``OBJECTIVES[...]``, ``PRESETS[...]``)."""
+    return [f"{n.lineno}: {ast.unparse(n)}" for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Subscript) and re.search(r"(^|\.)(OBJECTIVES|PRESETS)$",
+                                                          ast.unparse(n.value))]
+
+
+def test_the_check_catches_registry_lookups():
+    assert registry_lookups("o = OBJECTIVES[cfg.name].cov_rule")
+    assert registry_lookups("p = presets.PRESETS[name]")
+    assert not registry_lookups("r = tuple(n for n, o in OBJECTIVES.items() if o.ratio)")
+
+
 def test_no_module_outside_the_registry_branches_on_an_algorithm_name():
     found = {}
     for path in sorted(ROOT.rglob("*.py")):
@@ -156,9 +172,11 @@ def test_no_module_outside_the_registry_branches_on_an_algorithm_name():
         if rel in REGISTRY:
             continue
         hits = name_branches(path.read_text())
+        hits += [] if rel in RESOLUTION else registry_lookups(path.read_text())
         if hits:
             found[rel] = hits
-    assert not found, f"branches on an algorithm name outside {REGISTRY}: {found}"
+    assert not found, f"branches on an algorithm name (or registry look-ups) outside the "
+    f"registry {REGISTRY} (and its resolution, {RESOLUTION}): {found}"
 
 
 def test_every_preset_field_is_set_for_every_name_after_resolve():

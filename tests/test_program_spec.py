@@ -26,7 +26,8 @@ from flax import nnx
 from _train_common import CharTok, tiny_config
 from rljax.models import Decoder, ModelConfig
 from rljax.models.config import Llama3RopeScaling
-from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig
+from rljax.train.config import (ALGORITHMS, AlgorithmConfig, OptimConfig, RLConfig,
+                                SamplingConfig)
 from rljax.train.rl import PhaseTimes, RLTrainer
 from rljax.train.step_program import learn_step, state_scalars
 
@@ -153,3 +154,43 @@ def test_the_comparison_sees_a_field_the_program_reads(base):
     hot = _trainer(dict(BASE, sampling=SamplingConfig(max_new_tokens=3, temperature=0.5)),
                    MODEL)
     assert _hlo(hot, state, args) != _hlo(tr0, state, args)
+
+
+# --- an algorithm's name selects its preset and objective, and reaches no program ------------
+
+def _field_paths(x, prefix: str = "") -> list[str]:
+    """The dotted path of every field under ``x``: dataclasses and named tuples, recursively."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        items = [(f.name, getattr(x, f.name)) for f in dataclasses.fields(x)]
+    elif isinstance(x, tuple) and hasattr(x, "_fields"):
+        items = list(zip(x._fields, x))
+    else:
+        return []
+    return [p for k, v in items for p in (prefix + k, *_field_paths(v, f"{prefix}{k}."))]
+
+
+def test_the_walker_finds_a_name_field():
+    """Control: the walk below reaches a nested dataclass's ``name`` (AlgorithmConfig's)."""
+    nested = dataclasses.make_dataclass("Outer", [("alg", AlgorithmConfig)])(AlgorithmConfig())
+    assert "alg.name" in _field_paths(nested)
+
+
+@pytest.mark.parametrize("algorithm", [
+    AlgorithmConfig(name="grpo", group_size=2), AlgorithmConfig(name="clip_cov", group_size=2),
+    AlgorithmConfig(name="rloo", group_size=2),
+    AlgorithmConfig(name="gspo", group_size=2, objective="rljax.objectives.recent:cispo")],
+    ids=lambda a: a.name + ("+user" if a.objective else ""))
+def test_the_step_spec_has_no_name_field(algorithm):
+    """The resolved spec reads the objective's registry entry (``loss``), not the name: no
+    field of ``StepSpec``, at any depth, is called ``name``, and configs with equal fields
+    under names of one objective give one spec (one compiled program)."""
+    spec = _trainer(dict(BASE, algorithm=algorithm), MODEL).base_spec
+    paths = _field_paths(spec)
+    assert "learn.alg.loss" in paths
+    assert not [p for p in paths if p.rsplit(".", 1)[-1] == "name"], paths
+    fields = {f: getattr(algorithm.resolve(), f) for f in AlgorithmConfig.PRESET_FIELDS}
+    same = [n for n in ALGORITHMS if AlgorithmConfig(name=n).loss == algorithm.loss]
+    for other in same:  # e.g. grpo's fields under dr_grpo's name: the same objective entry
+        again = _trainer(dict(BASE, algorithm=dataclasses.replace(algorithm, name=other,
+                                                                   **fields)), MODEL)
+        assert again.base_spec == spec and hash(again.base_spec) == hash(spec)

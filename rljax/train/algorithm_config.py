@@ -3,7 +3,7 @@
 
 Algorithms are configurations of one loop: the fields a paper decides default to ``None``
 ("the preset of ``name``", see ``rljax.train.presets``), filled in by
-``AlgorithmConfig.resolve()``.
+``AlgorithmConfig.resolve()``; the programs read its name-free ``spec()``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from rljax.train.checks import (check_algorithm_extras, check_bool, check_choice, check_import_path,
                                 check_num, fail)
 from rljax.train.presets import (ADVANTAGE_ESTIMATORS, BASE, NEEDS_GROUP, OBJECTIVES,
-                                 PRESET_FIELDS, PRESETS)
+                                 PRESET_FIELDS, PRESETS, Objective)
 
 ALGORITHMS = tuple(PRESETS)
 KL_KINDS = ("k1", "k2", "k3", "k3_ratio")
@@ -38,7 +38,7 @@ class AlgorithmConfig:
     field that was not set explicitly; explicit values stay on top. ``resolve()`` returns
     the config with every preset field filled in: readers use that one. ``name`` selects
     the preset and the objective (``rljax.train.presets``) and nothing else: behaviour
-    reads the fields.
+    reads the fields, and the programs a name-free :class:`AlgorithmSpec` (``spec()``).
 
     Attributes:
       name: which preset and objective: one of ``ALGORITHMS``.
@@ -161,7 +161,7 @@ class AlgorithmConfig:
         check_num(c, "group_size", v["group_size"], lo=1, integer=True)
         est = v["advantage_estimator"]
         check_choice(c, "advantage_estimator", est, ADVANTAGE_ESTIMATORS)
-        fits = OBJECTIVES[self.name].estimators
+        fits = self.loss.estimators
         if self.objective is None and est not in fits:
             fail(c, "advantage_estimator", est, f"one of {', '.join(map(repr, fits))} with "
                  f"name={self.name!r} (the batch its objective reads), any with a user objective")
@@ -216,9 +216,20 @@ class AlgorithmConfig:
 
         The result pins the preset's values: ``dataclasses.replace(cfg.resolve(),
         name=...)`` keeps them as if they were explicit, so switch ``name`` on the
-        unresolved config.
+        unresolved config. The programs read :meth:`spec`.
         """
         return dataclasses.replace(self, **{f: self.resolved(f) for f in PRESET_FIELDS})
+
+    @property
+    def loss(self) -> Objective:
+        """The registry's entry of ``name``'s objective (``rljax.train.presets.OBJECTIVES``)."""
+        return OBJECTIVES[self.name]
+
+    def spec(self) -> AlgorithmSpec:
+        """What the programs read: the resolved fields without ``name``, and ``loss`` (the
+        entry the name selects) in its place; equal for equal fields and objective."""
+        fields = {k: v for k, v in vars(self.resolve()).items() if k != "name"}
+        return AlgorithmSpec(**fields, loss=self.loss)
 
     @property
     def needs_value_model(self) -> bool:
@@ -244,6 +255,17 @@ class AlgorithmConfig:
             raise ValueError(f"AlgorithmConfig.overlong_buffer={buf} must be < "
                              f"SamplingConfig.max_new_tokens={max_new_tokens}")
         return buf
+
+
+#: ``AlgorithmConfig.spec()``: the resolved fields but ``name``, and ``loss`` (its objective's
+#: entry). Frozen, hashable by value: static in the programs (``learn.LearnSpec.alg``).
+AlgorithmSpec = dataclasses.make_dataclass(
+    "AlgorithmSpec", [(f.name, f.type) for f in dataclasses.fields(AlgorithmConfig)
+                      if f.name != "name"] + [("loss", Objective)], frozen=True,
+    namespace=dict(__module__=__name__, resolve=lambda self: self,
+                   resolved=lambda self, field: getattr(self, field),
+                   needs_value_model=AlgorithmConfig.needs_value_model,
+                   needs_teacher=AlgorithmConfig.needs_teacher))
 
 
 def algorithm_preset(name: str, **overrides) -> AlgorithmConfig:

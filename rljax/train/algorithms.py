@@ -1,6 +1,7 @@
 """Algorithm configs -> the pure pieces the loop plugs in: objective, coefficients,
 advantage estimator and reward shaping. Each takes an ``AlgorithmConfig`` resolved or not
-(preset fields left ``None`` take ``name``'s paper values, see ``AlgorithmConfig.resolve``).
+(preset fields left ``None`` take ``name``'s paper values, see ``AlgorithmConfig.resolve``)
+or the programs' name-free ``AlgorithmConfig.spec()``; ``cfg.loss`` is the objective's entry.
 
 | name      | objective (rljax.objectives) | advantages                            | KL            |
 |-----------|------------------------------|---------------------------------------|---------------|
@@ -18,8 +19,8 @@ advantage estimator and reward shaping. Each takes an ``AlgorithmConfig`` resolv
 | kl_cov    | kl_cov (+ KL-Cov tokens)     | group_advantages                       | none          |
 | distill   | distill (clipped ratio)      | teacher's reverse KL per token (k1)    | none          |
 
-The name selects the objective (``rljax.train.presets.OBJECTIVES``); the advantages column
-is the preset's ``advantage_estimator`` (``AlgorithmConfig``), read by the code instead.
+The name selects the objective (``rljax.train.presets.OBJECTIVES``, read as ``cfg.loss``);
+the advantages column is the preset's ``advantage_estimator``, read by the code instead.
 
 Every objective takes the sampler-gap correction (``is_level`` / ``is_mode`` /
 ``is_low`` / ``tis_cap``); ``mask_truncated`` and the Clip-Cov / KL-Cov selection are
@@ -39,7 +40,6 @@ import jax.numpy as jnp
 from rljax import objectives as obj
 from rljax.train.checks import corrects_sampler
 from rljax.train.config import AlgorithmConfig
-from rljax.train.presets import OBJECTIVES
 
 Array = Any
 
@@ -70,22 +70,18 @@ def make_objective(cfg: AlgorithmConfig, max_new_tokens: int) -> Callable:
     cfg = cfg.resolve()
     kl_kind = cfg.kl_kind if (cfg.kl_in == "loss" and cfg.kl_coef > 0) else None
     norm = float(max_new_tokens) if cfg.aggregation == "seq-mean-token-sum-norm" else None
-    o = OBJECTIVES[cfg.name]  # the name selects the loss; the fields configure it
+    o = cfg.loss  # the name's entry selects the loss; the fields configure it
     extra = {keyword: getattr(cfg, field) for keyword, field in o.options}
     return functools.partial(o.fn, aggregation=cfg.aggregation, kl_kind=kl_kind,
                              kl_clamp=cfg.kl_clamp, norm_const=norm, is_level=cfg.is_level,
                              is_mode=cfg.is_mode, **extra)
 
 
-#: The entropy-control rule of each algorithm name that selects tokens by covariance.
-COV_RULE_OF = {n: o.cov_rule for n, o in OBJECTIVES.items() if o.cov_rule is not None}
-
-
 def cov_rule(cfg: AlgorithmConfig) -> tuple | None:
     """``(rule, ratio, low, high)`` for ``rljax.objectives.cov_selection``, or None when
-    ``cfg.name``'s objective selects no tokens by covariance (static: part of the compiled
-    program)."""
-    rule = OBJECTIVES[cfg.name].cov_rule
+    ``cfg``'s objective (``cfg.loss``) selects no tokens by covariance (static: part of the
+    compiled program)."""
+    rule = cfg.loss.cov_rule
     if rule is None:
         return None
     if rule == "kl-cov":

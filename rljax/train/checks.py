@@ -119,7 +119,7 @@ NO_RATIO = tuple(n for n, o in OBJECTIVES.items() if not o.ratio)
 def _check_on_policy_only(cfg) -> None:
     """A loss without a ratio (``reinforce`` / ``rloo``'s A log pi) takes one update per
     batch."""
-    if OBJECTIVES[cfg.name].ratio or cfg.objective is not None:
+    if cfg.loss.ratio or cfg.objective is not None:
         return
     epochs, minibatches = cfg.resolved("num_epochs"), cfg.resolved("num_minibatches")
     if epochs * minibatches > 1:

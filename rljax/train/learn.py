@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from rljax import objectives as obj
 from rljax.train import algorithms as alg
 from rljax.train import ppo as ppo_lib
-from rljax.train.config import AlgorithmConfig
+from rljax.train.algorithm_config import AlgorithmSpec
 from rljax.train.logprobs import policy_logprobs
 from rljax.train.rollout import Rollout
 from rljax.train.micro import merge_micro, split_micro
@@ -49,6 +49,8 @@ Array = Any
 class LearnSpec:
     """The static choices of the learning program (hashable: part of the compiled program).
 
+    alg: the resolved algorithm without its name (``AlgorithmConfig.spec()``: the fields,
+      and ``loss``, the objective's registry entry), so equal fields give equal specs.
     old_mode: "self" (one update per batch: the ratio's denominator is the current
       policy, stop-gradient), "recompute" (a forward before the updates) or "sampler".
     uses_ref: a KL term needs the frozen reference's log-probs.
@@ -61,7 +63,7 @@ class LearnSpec:
       forward paths (``rljax.train.paths.ForwardPaths.prompt_group``).
     """
 
-    alg: AlgorithmConfig
+    alg: AlgorithmSpec
     old_mode: str
     uses_ref: bool
     num_micro: int

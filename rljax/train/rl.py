@@ -169,9 +169,9 @@ class RLTrainer:
             other_gds=(self.teacher_gd,) if self.teacher_gd is not None else (),
             backend=jax.default_backend())
         self.share_group = self.paths.prompt_group
-        self.spec = LearnSpec(algorithm, self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
-                              sampling.temperature, sampling.max_new_tokens, overlong,
-                              share_group=self.share_group)
+        self.spec = LearnSpec(algorithm.spec(), self.old_mode, self.uses_ref, num_micro,
+                              rl.logp_chunk, sampling.temperature, sampling.max_new_tokens,
+                              overlong, share_group=self.share_group)
         self.rollouts = Rollouts(policy_graphdef, tokenizer, reward_fns, sampling=sampling,
                                  prompt_len=prompt_len, group_size=algorithm.group_size,
                                  accuracy_fn=accuracy_fn, mesh=mesh, reward_pool=reward_pool,

@@ -44,7 +44,7 @@ __all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", 
 class StepSpec:
     """Everything the RL step's programs read besides their array arguments.
 
-    learn: the learning program's algorithm choices (:class:`~rljax.train.learn.LearnSpec`).
+    learn: the algorithm's choices, without its name (:class:`~rljax.train.learn.LearnSpec`).
     policy_gd, value_gd, teacher_gd: the models' graphdefs (value: PPO; teacher: distill).
     optim: the optimiser config; ``schedule_updates`` the updates its schedule spans
       (:func:`schedule_updates`); ``value_lr_ratio`` the value model's learning-rate scale.
