@@ -90,3 +90,30 @@ def test_canonical_sharding_and_put_on(mesh8):
     moved = put_on(tree, want)
     assert moved["w"].sharding == NamedSharding(mesh8, P("fsdp"))
     assert put_on(moved, want) is moved and output_shardings(None, tree) is None
+
+
+def test_size_one_mesh_axes_are_spelled_as_programs_return_them():
+    """On a (1, 8, 1) mesh, P("tensor", "fsdp") and P(None, "fsdp") are one placement; a
+    program returns one spelling for every leaf of it (here the policy's for the value
+    model's too), so a state placed with the other would compile its step program twice
+    (PPO's learning program did, at step 2). Canonical shardings drop size-1 axes."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from rljax.sharding import canonical_sharding, output_shardings, place_outputs, put_on
+
+    mesh = jax.make_mesh((1, 8, 1), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    plain, size_one = NamedSharding(mesh, P(None, "fsdp")), NamedSharding(mesh, P("tensor", "fsdp"))
+    assert canonical_sharding(size_one) == canonical_sharding(plain) == plain
+    assert canonical_sharding(NamedSharding(mesh, P(("data", "fsdp"), "tensor"))) == plain.update(
+        spec=P("fsdp"))
+    tree = {"policy": jax.device_put(jnp.ones((4, 8)), plain),
+            "value": jax.device_put(jnp.ones((4, 8)), size_one)}
+    step = jax.jit(lambda t, sh: place_outputs(mesh, sh, jax.tree.map(lambda x: 2 * x, t))[0],
+                   static_argnums=1)
+    as_given = (jax.tree.structure(tree), tuple(x.sharding for x in jax.tree.leaves(tree)))
+    assert step(tree, as_given)["value"].sharding != size_one  # why it is needed
+    want = output_shardings(mesh, tree)
+    placed = put_on(tree, want)
+    out = step(placed, want)
+    assert output_shardings(mesh, out) == want
+    assert all(x.sharding == y.sharding for x, y in zip(jax.tree.leaves(placed), jax.tree.leaves(out)))

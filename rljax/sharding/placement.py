@@ -19,13 +19,22 @@ __all__ = ["canonical_sharding", "output_shardings", "place_outputs", "put_on"]
 
 
 def canonical_sharding(sharding):
-    """``sharding`` spelled as a compiled program returns it: a ``NamedSharding``'s
-    trailing ``None`` axes dropped (``P("fsdp", None)`` -> ``P("fsdp")``; the same
-    placement, but not equal, so a program fed one and returning the other would be
-    compiled twice). Other shardings are returned as they are."""
+    """``sharding`` spelled as a compiled program returns it: a ``NamedSharding``'s mesh
+    axes of size 1 dropped (``P("tensor", "fsdp")`` -> ``P(None, "fsdp")`` where tensor is
+    1) and then its trailing ``None`` axes (``P("fsdp", None)`` -> ``P("fsdp")``). Each is
+    the same placement but not an equal sharding: a program returns one spelling for every
+    leaf of one placement (the value model's and the policy's alike), so a program fed
+    another would be compiled twice. Other shardings are returned as they are."""
     if not isinstance(sharding, NamedSharding):
         return sharding
-    spec = tuple(sharding.spec)
+    sizes = sharding.mesh.shape
+
+    def kept(entry):
+        names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ())
+                      if sizes[a] > 1)
+        return None if not names else names[0] if len(names) == 1 else names
+
+    spec = tuple(kept(e) for e in sharding.spec)
     while spec and spec[-1] is None:
         spec = spec[:-1]
     if spec == tuple(sharding.spec):
