@@ -44,7 +44,7 @@ from flax import nnx  # noqa: E402
 from rljax.models import Decoder, build_char_tokenizer  # noqa: E402
 from rljax.train import (AlgorithmConfig, OptimConfig, RLConfig, RLTrainer,  # noqa: E402
                          Rollout, SamplingConfig)
-from rljax.train.step_program import learn_step, run, state_scalars  # noqa: E402
+from rljax.train.programs.step import learn_step, run, state_scalars  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +133,7 @@ class LearnBench:
 def learning_program(tr: RLTrainer, state):
     """The trainer's jitted learning program ``(params, opt_state, scalars, ref_params,
     rollout, key, teacher_params) -> (params, opt_state, scalars, metrics)``: the one
-    ``RLTrainer.step`` calls (``rljax.train.step_program.learn_step`` of the trainer's
+    ``RLTrainer.step`` calls (``rljax.train.programs.step.learn_step`` of the trainer's
     spec), so this benchmark times exactly it."""
     return functools.partial(run, learn_step, tr.step_spec(state))
 

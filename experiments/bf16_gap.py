@@ -44,10 +44,10 @@ from flax import nnx
 
 from rljax.models import Decoder, ModelConfig
 from rljax.sampling import generate
-from rljax.train import algorithms as alg
 from rljax.train.config import algorithm_preset
-from rljax.train.logprobs import policy_logprobs
-from rljax.train.loss import rl_loss
+from rljax.train.learn import algorithms as alg
+from rljax.train.learn.logprobs import policy_logprobs
+from rljax.train.learn.loss import rl_loss
 
 
 def model_config(dtype: str, vocab: int) -> ModelConfig:

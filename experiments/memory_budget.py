@@ -77,10 +77,10 @@ from rljax.sharding import (  # noqa: E402
     state_shardings,
 )
 from rljax.train.learn import _map_micro  # noqa: E402
-from rljax.train.logprobs import policy_logprobs  # noqa: E402
+from rljax.train.learn.logprobs import policy_logprobs  # noqa: E402
+from rljax.train.learn.update import opt_state_shardings  # noqa: E402
+from rljax.train.programs.step import learn_step  # noqa: E402
 from rljax.train.rl import RLTrainer  # noqa: E402
-from rljax.train.step import opt_state_shardings  # noqa: E402
-from rljax.train.step_program import learn_step  # noqa: E402
 
 GIB = 2.0**30
 EXPERIMENTS = ("gsm8k_qwen25_grpo", "gsm8k_qwen25_ppo", "gsm8k_llama3_grpo")

@@ -1,5 +1,5 @@
 """Behaviour from fields, not names: an algorithm's name selects its preset and objective in
-the registry (``rljax.train.presets``) and nothing else; every branch reads a field
+the registry (``rljax.train.config.presets``) and nothing else; every branch reads a field
 (``advantage_estimator``, ``needs_value_model``, ``needs_teacher``, the objective's entry
 ``loss``), and only resolution (``AlgorithmConfig``) looks a name up in the registry."""
 
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from rljax import objectives as obj
-from rljax.train import algorithms as alg
-from rljax.train.checks import NO_RATIO
 from rljax.train.config import ALGORITHMS, GROUP_BASELINES, AlgorithmConfig
-from rljax.train.presets import PRESET_FIELDS
+from rljax.train.config.checks import NO_RATIO
+from rljax.train.config.presets import PRESET_FIELDS
+from rljax.train.learn import algorithms as alg
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "rljax"
-REGISTRY = {"train/presets.py"}  # the one module that may spell out algorithm names
-RESOLUTION = {"train/algorithm_config.py"}  # the one module that looks a name up in it
+REGISTRY = {"train/config/presets.py"}  # the one module that may spell out algorithm names
+RESOLUTION = {"train/config/algorithm.py"}  # the one module that looks a name up in it
 
 # What the name-based branches chose before the fields (rljax at d0f705b), written out:
 # the objective (algorithms.make_objective), the sequence estimator

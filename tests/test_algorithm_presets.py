@@ -10,7 +10,7 @@ import pytest
 from rljax.train.config import (ALGORITHMS, AlgorithmConfig, OptimConfig, RLConfig,
                                 SamplingConfig, SFTConfig, algorithm_preset,
                                 check_algorithm_sampling)
-from rljax.train.presets import BASE, PRESET_FIELDS, PRESETS
+from rljax.train.config.presets import BASE, PRESET_FIELDS, PRESETS
 
 # Each paper's settings, written out from the papers (not read from PRESETS):
 # (clip_low, clip_high, aggregation, adv_std, kl_in, kl_coef, kl_kind, dynamic_sampling,

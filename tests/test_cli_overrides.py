@@ -152,7 +152,7 @@ def _leaf_keys(obj, prefix=""):
         value = getattr(obj, name)
         cls = value if dataclasses.is_dataclass(value) else None
         if cls is None and value is None:
-            from rljax.train.config_io import dataclass_in
+            from rljax.train.config.dicts import dataclass_in
             sec = dataclass_in(tp)
             cls = sec() if sec is not None else None
         if cls is not None:

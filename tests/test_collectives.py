@@ -22,9 +22,9 @@ from rljax.sharding import (batch_sharding, inference_shardings, logical_constra
 from rljax.sharding.collectives import (Expectation, Loop, activation_rows, classify,
                                         group_axes, parse_collectives, state_parameter_sizes)
 from rljax.train.learn import _map_micro
-from rljax.train.logprobs import linear_logprobs, policy_logprobs
-from rljax.train.onepass import one_pass_head, policy_one_pass
-from rljax.train.step import accumulate, batch_constrainer
+from rljax.train.learn.logprobs import linear_logprobs, policy_logprobs
+from rljax.train.learn.onepass import one_pass_head, policy_one_pass
+from rljax.train.learn.update import accumulate, batch_constrainer
 
 P_LEN, T_LEN, CHUNK, BATCH, MICRO = 10, 14, 4, 96, 3  # 3 micro-batches of 32 rows
 HIDDEN, MLP = 48, 80  # widths no other dimension has: activation_rows reads them

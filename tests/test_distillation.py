@@ -195,7 +195,7 @@ def test_trainer_runs_a_distillation_step_with_a_loaded_teacher(tmp_path):
         runs[name] = (m, moved)
         learns.append(log.by_name()["jit(learn_step)"])
     # The second trainer ran the first one's compiled program (equal specs: JAX's cache,
-    # rljax.train.step_program), and that program does not keep the first trainer, nor
+    # rljax.train.programs.step), and that program does not keep the first trainer, nor
     # its teacher's parameters, alive.
     assert learns[1] == 0
     gc.collect()

@@ -1,6 +1,6 @@
 """Paths chosen once, visibly (issue 41, item 3): the attention implementation, head form,
 prompt layout and layer layout are resolved when the trainer is built
-(`rljax.train.paths.resolve_paths`) into the step's spec; a default that falls back says
+(`rljax.train.programs.paths.resolve_paths`) into the step's spec; a default that falls back says
 why, an explicit choice that cannot be taken is an error; the start-up line prints them
 and the run directory's config.json records them without a resume counting them."""
 
@@ -18,9 +18,9 @@ from test_cli_train import EXPERIMENT
 from rljax.cli import main
 from rljax.models import Decoder
 from rljax.run.run_dir import RunDir
-from rljax.train import algorithms as alg
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
-from rljax.train.paths import ForwardPaths, resolve_paths
+from rljax.train.learn import algorithms as alg
+from rljax.train.programs.paths import ForwardPaths, resolve_paths
 from rljax.train.rl import RLTrainer
 
 

@@ -1,4 +1,4 @@
-"""The linear head's hand-written backward (rljax.train.logprobs.linear_logprobs) equals
+"""The linear head's hand-written backward (rljax.train.learn.logprobs.linear_logprobs) equals
 jax.grad of the plain formula: log-probs and entropies of softmax(h . W / temperature),
 tied (``W [V, D]``) and untied (``W [D, V]``) heads, chunks over time, entropy
 differentiated or not, and through ``policy_logprobs`` on every decoder parameter; with the
@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from _train_common import random_seqs, tiny_model
-from rljax.train.logprobs import (chunked_logprobs, head_logits, linear_logprobs,
-                                  policy_logprobs)
+from rljax.train.learn.logprobs import (chunked_logprobs, head_logits, linear_logprobs,
+                                        policy_logprobs)
 
 
 def _reference(w, h, tgt, *, vocab_major, temperature):
@@ -71,7 +71,7 @@ def test_policy_logprobs_gradient_equals_autodiff_of_the_head(tied):
     e = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
 
     def generic(p, s, chunk, temperature):  # the pre-custom-VJP path, plain autodiff
-        from rljax.train.logprobs import completion_hidden
+        from rljax.train.learn.logprobs import completion_hidden
         from flax import nnx
         h = completion_hidden(nnx.merge(gd, p), s["prompt_BxP"], s["prompt_mask_BxP"],
                               s["completion_BxT"], s["completion_mask_BxT"])

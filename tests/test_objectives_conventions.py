@@ -16,8 +16,8 @@ import pytest
 
 from rljax import objectives as ro
 from rljax.run.overrides import apply_overrides
-from rljax.train.algorithms import cov_tokens, make_coef, make_objective, sequence_advantages
 from rljax.train.config import AlgorithmConfig
+from rljax.train.learn.algorithms import cov_tokens, make_coef, make_objective, sequence_advantages
 
 TOL = 1e-6
 

@@ -17,8 +17,8 @@ import pytest
 
 from rljax import objectives as ro
 from rljax.testing import check_objective, default_batch
-from rljax.train.algorithms import cov_rule, make_coef, make_objective
 from rljax.train.config import AlgorithmConfig
+from rljax.train.learn.algorithms import cov_rule, make_coef, make_objective
 
 TOL = 1e-6
 MASK = np.array([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]], np.float64)

@@ -1,4 +1,4 @@
-"""The update's one-pass output head (rljax.train.onepass) gives the two-pass path's
+"""The update's one-pass output head (rljax.train.learn.onepass) gives the two-pass path's
 log-probs, entropies, loss and gradients: on the head alone (tied / untied, uneven
 chunks, temperatures, entropy differentiated or not) and through ``rl_loss`` for every
 token-separable algorithm (importance weights, entropy bonus, PPO's value model, the
@@ -17,10 +17,10 @@ from flax import nnx
 from _train_common import random_seqs, tiny_model
 from rljax import objectives as obj
 from rljax.models import ValueModel
-from rljax.train.algorithms import make_coef, make_objective
 from rljax.train.config import algorithm_preset
-from rljax.train.logprobs import linear_logprobs
-from rljax.train.onepass import one_pass_head, padded_width
+from rljax.train.learn.algorithms import make_coef, make_objective
+from rljax.train.learn.logprobs import linear_logprobs
+from rljax.train.learn.onepass import one_pass_head, padded_width
 from rljax.train.rl import rl_loss
 
 sg = jax.lax.stop_gradient

@@ -1,7 +1,7 @@
 """A program reads nothing outside its spec (issue 41): the stale-program hazard.
 
 The RL step's programs are module-level `jax.jit` functions of a frozen `StepSpec`
-(`rljax.train.step_program`), so JAX's cache keys them by the spec; a frozen static
+(`rljax.train.programs.step`), so JAX's cache keys them by the spec; a frozen static
 argument's fields are in the key already. The hazard is a config field that a program
 reads some other way (a closure, a global): JAX would hand a trainer a program compiled
 for another value, with wrong numbers and no error. So every field of every config the
@@ -28,8 +28,8 @@ from rljax.models import Decoder, ModelConfig
 from rljax.models.config import Llama3RopeScaling
 from rljax.train.config import (ALGORITHMS, AlgorithmConfig, OptimConfig, RLConfig,
                                 SamplingConfig)
+from rljax.train.programs.step import learn_step, state_scalars
 from rljax.train.rl import PhaseTimes, RLTrainer
-from rljax.train.step_program import learn_step, state_scalars
 
 TOK = CharTok()
 BASE = dict(algorithm=AlgorithmConfig(name="grpo", group_size=2),

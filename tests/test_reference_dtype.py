@@ -13,8 +13,8 @@ from rljax.run.experiment import ExperimentConfig
 from rljax.run.overrides import OverrideError, apply_overrides
 from rljax.train.checkpoint import Checkpointer, abstract_like
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
-from rljax.train.logprobs import policy_logprobs
-from rljax.train.reference import reference_copy
+from rljax.train.learn.logprobs import policy_logprobs
+from rljax.train.learn.reference import reference_copy
 from rljax.train.rl import RLTrainer
 
 PROMPTS = ["1+2=", "3+4=", "5+6=", "7+8="]

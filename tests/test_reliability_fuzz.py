@@ -48,7 +48,7 @@ from rljax.models import ModelConfig
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.overrides import OverrideError, apply_overrides
 from rljax.train.checkpoint import Checkpointer, abstract_like
-from rljax.train.config_io import config_to_dict
+from rljax.train.config.dicts import config_to_dict
 
 SCALE = int(os.environ.get("RLJAX_FUZZ_EXAMPLES", "0"))
 BOUND_S = 10  # every case, all entry points together

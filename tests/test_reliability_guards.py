@@ -1,6 +1,6 @@
 """Issue 20, item 2: every numerical guard with a test that injects the fault.
 
-The guard (rljax.train.step.make_update): an update whose loss or gradient norm is not
+The guard (rljax.train.learn.update.make_update): an update whose loss or gradient norm is not
 finite is skipped, parameters and optimiser state come back bit for bit as they went in,
 the skip is counted, and `max_nonfinite` consecutive skips raise NonFiniteError. Faults
 are injected into the real RL micro-batch loss (`rljax.train.rl.rl_loss`, GRPO with a k3
@@ -27,10 +27,10 @@ from _train_common import random_seqs, tiny_model
 from flax import nnx
 
 from rljax.models.hf_io import save_pretrained
-from rljax.train import algorithms as alg
 from rljax.train.config import OptimConfig, algorithm_preset
+from rljax.train.learn import algorithms as alg
+from rljax.train.learn.update import Learner, NonFiniteError, make_optimizer, new_train_state
 from rljax.train.rl import rl_loss
-from rljax.train.step import Learner, NonFiniteError, make_optimizer, new_train_state
 
 BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)  # ~3.39e38 < float32's ~3.40e38
 T = 4

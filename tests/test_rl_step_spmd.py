@@ -14,8 +14,8 @@ import pytest
 from _train_common import CharTok, random_seqs, tiny_model
 from rljax import objectives as obj
 from rljax.rewards import RewardPool
-from rljax.train import algorithms as alg
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
+from rljax.train.learn import algorithms as alg
 from rljax.train.rl import RLTrainer
 from rljax.train.rollout import Rollout
 

@@ -15,9 +15,9 @@ from _train_common import CharTok, random_seqs, tiny_model
 from rljax.models import Decoder, ModelConfig
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
 from rljax.train.learn import _minibatch_rows
+from rljax.train.learn.micro import merge_micro, split_micro
 from rljax.train.rl import RLTrainer
 from rljax.train.rollout import Rollout
-from rljax.train.micro import merge_micro, split_micro
 
 TINY = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                    num_heads=4, num_kv_heads=2, rope_theta=500.0)

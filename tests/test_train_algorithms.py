@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from rljax.objectives import ObjectiveBatch
-from rljax.train.algorithms import (make_coef, make_objective, overlong_shaping,
-                                    resolve_overlong_buffer, sequence_advantages)
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 SFTConfig, algorithm_preset)
-from rljax.train.ppo import AdaptiveKLController, ppo_advantages
+from rljax.train.learn.algorithms import (make_coef, make_objective, overlong_shaping,
+                                          resolve_overlong_buffer, sequence_advantages)
+from rljax.train.learn.ppo import AdaptiveKLController, ppo_advantages
 
 G, T, L_MAX = 4, 3, 8
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0], np.float32)  # the seed's first table row

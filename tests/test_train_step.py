@@ -12,14 +12,14 @@ import pytest
 
 from _train_common import random_seqs, tiny_model as _tiny_model
 from rljax.objectives import Coef, token_logprobs
-from rljax.train.algorithms import make_objective
 from rljax.train.config import OptimConfig, algorithm_preset
-from rljax.train.logprobs import policy_logprobs
-from rljax.train.rl import rl_loss
+from rljax.train.learn.algorithms import make_objective
+from rljax.train.learn.logprobs import policy_logprobs
+from rljax.train.learn.update import (Learner, NonFiniteError, accumulate, init_opt_state,
+                                      make_optimizer, make_schedule, new_train_state,
+                                      num_micro_batches)
 from rljax.train.programs import CompileLog
-from rljax.train.step import (Learner, NonFiniteError, accumulate, init_opt_state,
-                              make_optimizer, make_schedule, new_train_state,
-                              num_micro_batches)
+from rljax.train.rl import rl_loss
 from flax import nnx
 
 

@@ -8,7 +8,7 @@ KL-Cov selection. Objectives: reinforce, grpo, gspo, ppo (`library`); cispo, sap
 clip_cov, kl_cov (`recent`); distill, on-policy distillation from a teacher's
 log-probs (`distill`). `rljax.testing.check_objective` checks any objective;
 `token_separable` says which ones the trainer may differentiate in one pass over the
-output head (`rljax.train.onepass`).
+output head (`rljax.train.learn.onepass`).
 """
 
 from rljax.objectives.advantages import (

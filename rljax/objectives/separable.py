@@ -1,7 +1,7 @@
 """Which objectives are token-separable: the loss's derivative by a token's log-prob and
 entropy depends on that token's values alone (data, masks and stop-gradient weights
 aside), so the trainer may form each chunk's gradient in the same pass as its log-probs
-(``rljax.train.onepass``).
+(``rljax.train.learn.onepass``).
 
 Separable: ``reinforce`` (RLOO), ``grpo`` (DAPO, Dr.GRPO), ``ppo``, ``cispo``, ``sapo``,
 ``clip_cov``, ``kl_cov``: per-token surrogates, KL and entropy terms, summed with weights

@@ -16,7 +16,7 @@ from rljax.run.profiling import parse_profile_steps
 from rljax.sharding import MeshConfig
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig,
                                 check_algorithm_sampling)
-from rljax.train.config_io import config_from_dict
+from rljax.train.config.dicts import config_from_dict
 
 __all__ = ["ExperimentConfig", "RewardConfig", "RunConfig", "TaskConfig", "config_from_dict",
            "load_run_config"]

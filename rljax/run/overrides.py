@@ -26,7 +26,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from rljax.train.config_io import dataclass_in, is_union
+from rljax.train.config.dicts import dataclass_in, is_union
 
 __all__ = ["OverrideError", "PRESET_WORD", "apply_overrides", "parse_value", "parse_override"]
 

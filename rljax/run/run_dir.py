@@ -50,7 +50,7 @@ from rljax.run import plots as _plots
 from rljax.run.run_lock import LOCK_FILE, RunLock, RunLockedError
 from rljax.run.run_writers import BucketLines, TensorBoardRuns
 from rljax.run.run_writers import write_atomic as _write_atomic
-from rljax.train.config_io import config_to_dict, jsonable
+from rljax.train.config.dicts import config_to_dict, jsonable
 
 __all__ = ["RunDir", "RunDirError", "config_diff", "config_to_dict", "config_hash",
            "read_metrics"]

@@ -39,9 +39,9 @@ from rljax.run.startup import startup_summary
 from rljax.run.warmup_stop import WarmupStop
 from rljax.train.batching import encode_pairs
 from rljax.train.checkpoint import Checkpointer
+from rljax.train.learn.update import TrainState
 from rljax.train.rl import RLTrainer
 from rljax.train.seeds import SeedRL, SeedSFT
-from rljax.train.step import TrainState
 
 __all__ = ["SeedsResult", "run_seeds", "seed_configs"]
 

@@ -1,7 +1,7 @@
 """The start-up summary a run prints before its first step: where it runs (backend,
 devices, processes, mesh), what it trains (parameter count), on what (prompts per split),
 what scores it (the reward, and the verifier behind the accuracy shown) and which forward
-paths its programs take (``rljax.train.paths.ForwardPaths``: a default that fell back
+paths its programs take (``rljax.train.programs.paths.ForwardPaths``: a default that fell back
 says why).
 
 `startup_summary(cfg, ...)` returns the lines; `run_experiment` and `run_seeds` print them

@@ -43,7 +43,7 @@ parameter replicated over data x fsdp, still split over "tensor" (heads, kv head
 vocab). ``run`` copies the parameters to that layout once per call with
 ``jax.device_put`` (the copy is freed when the call returns; the caller's parameters are
 untouched), and ``_prefill`` / ``_decode`` constrain them to it on entry
-(``with_sharding_constraint``), so inside a larger program (``rljax.train.fused``) XLA
+(``with_sharding_constraint``), so inside a larger program (``rljax.train.programs.fused``) XLA
 gathers once, before the loops. The copy holds the matmul weights in the compute dtype
 (``rljax.models.layers.cast_matmul_weights``; cast before the gather): every forward
 casts them to it anyway, so the results are the same, and a bfloat16 model's copy is
@@ -351,7 +351,7 @@ def sample_arrays(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxP, mask_Bx
                   head_VxD=None, prompt_index_R=None) -> SampleResult:
     """The sampler on packed prompt arrays (``rljax.sampling.PackedPrompts``' fields, on
     device or traced): callable inside ``jax.jit`` and ``jax.vmap``, so a caller can
-    compile sampling into a larger program (``rljax.train.fused``). ``prompt_index_R``
+    compile sampling into a larger program (``rljax.train.programs.fused``). ``prompt_index_R``
     defaults to ``row // num_samples``."""
     s, prefix, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, head_VxD,
                                               tokens_BxP, mask_BxP, positions_BxP, key)

@@ -2,7 +2,7 @@
 
 A program that updates a state (parameters, optimiser moments) returns it on the
 shardings it came with, so the next call passes equal arguments and donates the buffers
-in place. Module-level programs (``rljax.train.step_program``, ``rljax.train.sft``) take
+in place. Module-level programs (``rljax.train.programs.step``, ``rljax.train.sft``) take
 those shardings as part of their static spec (``output_shardings``) and constrain their
 outputs to them from inside (``place_outputs``); a state whose shardings are spelled
 otherwise is re-spelled once before the first call (``put_on``).

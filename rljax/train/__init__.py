@@ -17,21 +17,24 @@ The trainer core (Python API first):
 
 Experiment configs, overrides, run directories, plots and the runner are the run layer
 above this one: `rljax.run`.
+
+Where the step (`rl.py`), the sampler call (`rollout.py`), the learning program and its loss
+(`learn/`) and the configs (`config/`) live: docs/design.md, "Where things are in rljax/train".
 """
 
-from rljax.train.algorithms import (make_coef, make_objective, overlong_shaping,
-                                    sequence_advantages)
 from rljax.train.batching import decode_completions, encode_pairs, encode_prompts
 from rljax.train.checkpoint import Checkpointer, abstract_like, pure_params
 from rljax.train.config import (ALGORITHMS, AlgorithmConfig, OptimConfig, RLConfig,
                                 SamplingConfig, SFTConfig, algorithm_preset)
-from rljax.train.logprobs import chunked_logprobs, completion_hidden, policy_logprobs
-from rljax.train.ppo import AdaptiveKLController, ppo_advantages, value_predictions
+from rljax.train.learn.algorithms import (make_coef, make_objective, overlong_shaping,
+                                          sequence_advantages)
+from rljax.train.learn.logprobs import chunked_logprobs, completion_hidden, policy_logprobs
+from rljax.train.learn.ppo import AdaptiveKLController, ppo_advantages, value_predictions
+from rljax.train.learn.update import (Learner, NonFiniteError, TrainState, accumulate,
+                                      make_optimizer, make_schedule, make_update, new_train_state)
 from rljax.train.rl import RLTrainer, rl_loss
 from rljax.train.rollout import Rollout, Rollouts
 from rljax.train.sft import SFTTrainer, sft_loss
-from rljax.train.step import (Learner, NonFiniteError, TrainState, accumulate,
-                              make_optimizer, make_schedule, make_update, new_train_state)
 
 __all__ = [
     "ALGORITHMS", "AdaptiveKLController", "AlgorithmConfig", "Checkpointer", "Learner",

@@ -34,7 +34,7 @@ from flax import nnx
 from rljax.models import ModelConfig, ValueModel, load_tokenizer
 from rljax.train.batching import encode_text, pad_right, special_ids
 from rljax.train.checkpoint import pure_params
-from rljax.train.config_io import config_from_dict, config_to_dict
+from rljax.train.config.dicts import config_from_dict, config_to_dict
 
 __all__ = [
     "RewardModelConfig", "RewardModelScorer", "bradley_terry_loss", "encode_preferences",

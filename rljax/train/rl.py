@@ -5,7 +5,7 @@
 
 One ``RLTrainer`` serves every algorithm in ``rljax.train.config.ALGORITHMS``: the
 algorithm config picks the objective, the advantage estimator, where the KL goes and
-whether a value model is trained (see ``rljax.train.algorithms``). Prompts come from a
+whether a value model is trained (see ``rljax.train.learn.algorithms``). Prompts come from a
 *prompt source*, ``source(start, n) -> (prompts: list[str], metadata: list[dict])``,
 addressed by global position, so a resumed run, or a run on another number of
 processes, reads exactly the same prompts. Rewards are host functions
@@ -29,21 +29,21 @@ import numpy as np
 
 from rljax.rewards.device import is_device_reward
 from rljax.sharding import check_process_blocks, output_shardings, put_on
-from rljax.train import algorithms as alg
 from rljax.train import hosts
 from rljax.train import throughput
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling)
-from rljax.train.fused import split_step_key
 from rljax.train.learn import LearnSpec
-from rljax.train.loss import rl_loss
-from rljax.train.paths import resolve_paths
-from rljax.train.reference import reference_copy
+from rljax.train.learn import algorithms as alg
+from rljax.train.learn.loss import rl_loss
+from rljax.train.learn.reference import reference_copy
+from rljax.train.learn.update import (NonFiniteError, TrainState, init_opt_state, new_train_state,
+                                      num_micro_batches)
+from rljax.train.programs.fused import split_step_key
+from rljax.train.programs.paths import resolve_paths
+from rljax.train.programs.step import (StepSpec, fused_step, learn_fn, learn_step, optimizers,
+                                       run, schedule_updates, state_scalars)
 from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_groups
-from rljax.train.step import (NonFiniteError, TrainState, init_opt_state, new_train_state,
-                              num_micro_batches)
-from rljax.train.step_program import (StepSpec, fused_step, learn_fn, learn_step, optimizers,
-                                      run, schedule_updates, state_scalars)
 
 __all__ = ["PromptSource", "RLTrainer", "rl_loss"]
 
@@ -99,7 +99,7 @@ class RLTrainer:
     """RL post-training of a decoder ``(policy_graphdef, params)`` on one device mesh.
 
     The forward paths (attention, head form, prompt layout, layers) are resolved once,
-    here (``rljax.train.paths.resolve_paths``): ``paths`` holds them, ``share_group`` is
+    here (``rljax.train.programs.paths.resolve_paths``): ``paths`` holds them, ``share_group`` is
     their prompt group, and every step's spec carries them.
 
     Args:
@@ -108,7 +108,7 @@ class RLTrainer:
       reward_fns: a batch reward ``(completions, metadata) -> float32[B]``, a list of
         item rewards ``(completion, meta) -> float`` (summed; see ``score_batch``), or a
         device reward (``rljax.rewards.device.DeviceReward``): then each step is one
-        compiled program, sample -> score -> learn (``rljax.train.fused``).
+        compiled program, sample -> score -> learn (``rljax.train.programs.fused``).
       algorithm, optim, sampling, rl: configs (``algorithm`` is resolved against its
         name's preset).
       prompt_len: prompt width cap in tokens (longer prompts are an error naming the index).
@@ -211,7 +211,7 @@ class RLTrainer:
 
     @property
     def _learn_fn(self):
-        """The pure learning function of the trainer's spec (``step_program.learn_fn``),
+        """The pure learning function of the trainer's spec (``programs.step.learn_fn``),
         built on demand: the steps run the jitted programs, tests call it directly."""
         return learn_fn(self.base_spec)
 
@@ -219,7 +219,7 @@ class RLTrainer:
         """The spec of this trainer's step programs for ``state``: ``base_spec`` with, on a
         mesh, the shardings of the state's parameters and optimiser state (what the
         programs return). Everything the programs read is in it; JAX's cache keys the
-        compiled programs by it (``rljax.train.step_program``)."""
+        compiled programs by it (``rljax.train.programs.step``)."""
         if self.mesh is None:
             return self.base_spec
         return dataclasses.replace(self.base_spec, out_shardings=output_shardings(
@@ -228,7 +228,7 @@ class RLTrainer:
     def init_state(self, policy_params, seed: int = 0, value_params=None) -> TrainState:
         """Fresh state: new optimiser moments; the reference is a frozen copy of the
         policy (only kept when a KL term is used), stored as ``rl.ref_dtype`` (see
-        ``rljax.train.reference``); scalars are replicated global arrays.
+        ``rljax.train.learn.reference``); scalars are replicated global arrays.
         The state takes ownership of ``policy_params`` / ``value_params``: updates donate
         their buffers, so do not use the passed arrays afterwards (copy them first)."""
         params = {"policy": policy_params}

@@ -227,7 +227,7 @@ class Rollouts:
         """Rewards float32 of own rows; errors name the function and the prompt index."""
         if is_device_reward(self.reward_fns):
             raise TypeError("Rollouts.score: a device reward scores token ids in the step's "
-                            "program (rljax.train.fused), not texts")
+                            "program (rljax.train.programs.fused), not texts")
         if callable(self.reward_fns):
             return score_batch_fn(self.reward_fns, completions, metadata, group_size, first)
         out = score_batch(list(self.reward_fns), completions, metadata, group_size=group_size,

@@ -1,6 +1,6 @@
 """Several independent runs of one configuration in one compiled program.
 
-With a device reward an RL step is a pure function of arrays (``rljax.train.fused``), so
+With a device reward an RL step is a pure function of arrays (``rljax.train.programs.fused``), so
 ``jax.vmap`` over a leading seed axis trains ``S`` runs at once: PureJaxRL's trick
 (Lu et al. 2022), brought to language-model RL. Every array of the stacked ``TrainState``
 has a leading ``[S]`` axis; each seed keeps its own initial weights, PRNG key, prompt
@@ -29,10 +29,10 @@ from rljax.sampling.generate import config_of, prepare
 from rljax.train import hosts
 from rljax.train.batching import encode_text, pad_left
 from rljax.train.config import SFTConfig
+from rljax.train.learn.update import TrainState, num_micro_batches
+from rljax.train.programs.step import seeds_evaluate, seeds_step, state_scalars
 from rljax.train.rl import PhaseTimes, RLTrainer
 from rljax.train.sft import SFTTrainer, sft_update_fn
-from rljax.train.step_program import seeds_evaluate, seeds_step, state_scalars
-from rljax.train.step import TrainState, num_micro_batches
 
 __all__ = ["SeedRL", "SeedSFT", "stack_states", "unstack"]
 

@@ -3,7 +3,7 @@
     L(θ) = - Σ_b Σ_t m_bt log π_θ(y_bt | x_b, y_b<t) / Σ_b Σ_t m_bt
 
 (token-mean over completion tokens; prompt tokens carry no loss). Uses the same
-micro-batched, sharded, donated update step as RL (`rljax.train.step.Learner`).
+micro-batched, sharded, donated update step as RL (`rljax.train.learn.update.Learner`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import jax.numpy as jnp
 
 from rljax.sharding import mesh_context, output_shardings, place_outputs, put_on
 from rljax.train.config import SFTConfig
-from rljax.train.logprobs import policy_logprobs
-from rljax.train.step import (Learner, TrainState, batch_constrainer, make_optimizer,
-                              make_update, new_train_state)
+from rljax.train.learn.logprobs import policy_logprobs
+from rljax.train.learn.update import (Learner, TrainState, batch_constrainer, make_optimizer,
+                                      make_update, new_train_state)
 
 
 def sft_loss(graphdef, params, mb: dict, coef=None, *, chunk: int = 256, remat: bool = False):
@@ -52,7 +52,7 @@ def sft_optimizers(cfg: SFTConfig) -> dict:
 
 def sft_update_fn(graphdef, cfg: SFTConfig, num_micro: int, mesh=None):
     """The pure SFT update ``(params, opt_state, counters, batch, coef) -> (params,
-    opt_state, counters, metrics)`` (``rljax.train.step.make_update`` of :func:`sft_loss`
+    opt_state, counters, metrics)`` (``rljax.train.learn.update.make_update`` of :func:`sft_loss`
     with the config's optimiser)."""
     optims = sft_optimizers(cfg)
     return make_update(sft_loss_fn(graphdef, cfg), {k: v[0] for k, v in optims.items()},
@@ -75,7 +75,7 @@ class SFTSpec:
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
 def sft_update(spec: SFTSpec, params, opt_state, counters, batch, coef):
-    """One SFT update (``rljax.train.step.make_update`` of :func:`sft_loss`), parameters
+    """One SFT update (``rljax.train.learn.update.make_update`` of :func:`sft_loss`), parameters
     and optimiser state donated: JAX's cache shares it between trainers with equal specs
     (the demo's SFT baseline continues its warm-up with the warm-up's program)."""
     update = sft_update_fn(spec.graphdef, spec.cfg, spec.num_micro, spec.mesh)

@@ -3,12 +3,15 @@
 Every config validates itself in ``__post_init__``; an error names the field, the bad
 value and what is allowed. Algorithms are configurations of one loop: the fields a
 paper decides default to ``None`` ("the preset of ``name``", see
-``rljax.train.presets``), so ``AlgorithmConfig(name="dapo")``,
+``rljax.train.config.presets``), so ``AlgorithmConfig(name="dapo")``,
 ``dataclasses.replace(cfg, name="gspo")`` and ``--set algorithm.name=gspo`` all give
 that paper's settings with the fields set explicitly on top; ``AlgorithmConfig.resolve()``
 fills them in (``AlgorithmConfig`` and ``algorithm_preset`` are defined in
-``rljax.train.algorithm_config`` and public here too). Checks that need two configs are
+``rljax.train.config.algorithm`` and public here too). Checks that need two configs are
 in :func:`check_algorithm_sampling`.
+
+The package: ``algorithm`` (``AlgorithmConfig``), ``presets`` (the algorithm registry),
+``checks`` (field checks), ``dicts`` (configs to JSON dicts and back).
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from __future__ import annotations
 import dataclasses
 
 # The algorithm's config lives in its own module; these names stay public here.
-from rljax.train.algorithm_config import (ADV_STDS, AGGREGATIONS, ALGORITHMS,  # noqa: F401
+from rljax.train.config.algorithm import (ADV_STDS, AGGREGATIONS, ALGORITHMS,  # noqa: F401
                                           GROUP_BASELINES, KL_IN, KL_KINDS, OLD_LOGP,
                                           AlgorithmConfig, algorithm_preset)
-from rljax.train.checks import check_algorithm_sampling  # noqa: F401 (public here too)
-from rljax.train.checks import (check_bool, check_choice, check_micro_batch, check_num,
-                                 check_pass_options, fail)
+from rljax.train.config.checks import check_algorithm_sampling  # noqa: F401 (public here too)
+from rljax.train.config.checks import (check_bool, check_choice, check_micro_batch, check_num,
+                                       check_pass_options, fail)
 
 SCHEDULES = ("constant", "cosine", "linear")
 REF_DTYPES = ("float32", "bfloat16")
@@ -133,7 +136,7 @@ class RLConfig:
       value_lr_ratio: PPO: value-model learning rate as a multiple of the policy's.
       ref_dtype: storage dtype of the frozen KL reference, "float32" or "bfloat16" (half
         the memory; its forward runs in the model's compute_dtype and its log-probs stay
-        float32; policy and optimiser stay float32). See ``rljax.train.reference``.
+        float32; policy and optimiser stay float32). See ``rljax.train.learn.reference``.
       share_prompts: in the learning program's forwards (reference, old policy, teacher,
         the update), run each group's prompt through the decoder once and its
         ``group_size`` completions after it (``Decoder.grouped_hidden_states``): the same
@@ -143,11 +146,11 @@ class RLConfig:
         whole groups. None (the default): shared where it applies, else every row computes
         its prompt and the start-up line says why. True: shared, and an error where it
         does not apply. False: every row computes its prompt. ``RLTrainer.paths`` says
-        which (``rljax.train.paths``).
+        which (``rljax.train.programs.paths``).
       one_pass_head: with a token-separable objective (``rljax.objectives.token_separable``:
         GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE, PPO, CISPO, SAPO, Clip-Cov, KL-Cov) and a
         linear output head, each update forms the head's gradient in the same pass as
-        its log-probs (``rljax.train.onepass``): three ``[rows x V]`` products a chunk
+        its log-probs (``rljax.train.learn.onepass``): three ``[rows x V]`` products a chunk
         instead of four, one pass of exponentials instead of two, the same values and
         (to rounding) gradients. None (the default): one pass where it applies, else the
         chunked head and the start-up line says why. True: one pass, and an error where

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from rljax.objectives import IS_LEVELS, IS_MODES
-from rljax.train.presets import OBJECTIVES
+from rljax.train.config.presets import OBJECTIVES
 
 
 def fail(cls: str, field: str, value, allowed: str):

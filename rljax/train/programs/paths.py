@@ -4,7 +4,7 @@ Four choices decide which forward and backward a learning program runs
 (docs/design.md, "Forward paths"):
 
 - attention: ``ModelConfig.attention`` of the policy ("xla", "splash", "cudnn");
-- head: "one-pass" (``rljax.train.onepass``: the head's gradient formed in the forward)
+- head: "one-pass" (``rljax.train.learn.onepass``: the head's gradient formed in the forward)
   or "chunked" (log-prob chunks recomputed in the backward), from ``RLConfig.one_pass_head``;
 - prompt layout: each group's prompt computed once (``prompt_group`` G > 1) or every
   row's (1), from ``RLConfig.share_prompts``;
@@ -13,7 +13,7 @@ Four choices decide which forward and backward a learning program runs
 
 :func:`resolve_paths` decides them from the configs and the models' graphdefs, a pure
 function; the result, :class:`ForwardPaths`, is a field of the trainer's ``StepSpec``
-(``rljax.train.step_program``), so JAX's cache keys the programs by it and the programs
+(``rljax.train.programs.step``), so JAX's cache keys the programs by it and the programs
 read it instead of deciding again. A choice left to its default (``None``: auto) that
 cannot be taken falls back and says why in :attr:`ForwardPaths.notes`; a choice set
 explicitly that cannot be taken is a ValueError naming the field.
@@ -99,7 +99,7 @@ def graph_model_config(graphdef) -> ModelConfig | None:
 
 def _is_decoder(graphdef) -> bool:
     """Whether a split model is a rljax ``Decoder`` (it has a linear output head:
-    ``rljax.train.logprobs.head_weight``)."""
+    ``rljax.train.learn.logprobs.head_weight``)."""
     nodes = getattr(graphdef, "nodes", None)
     return bool(nodes) and getattr(nodes[0], "type", None) is Decoder
 
@@ -152,7 +152,7 @@ def resolve_paths(policy_gd, *, objective: Callable, one_pass_head: bool | None,
 
     policy_gd: the policy's graphdef; other_gds: the other models whose forwards the
     learning program runs on the same rows (the teacher), which must share prompts too.
-    objective: the algorithm's objective (``rljax.train.algorithms.make_objective``).
+    objective: the algorithm's objective (``rljax.train.learn.algorithms.make_objective``).
     one_pass_head, share_prompts, remat: ``RLConfig``'s fields (None: auto).
     group_size: completions per prompt; rows_per_micro: rows in one micro-batch.
     backend: ``jax.default_backend()`` (only a note depends on it).

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rljax import objectives as obj
-from rljax.train.logprobs import completion_hidden
+from rljax.train.learn.logprobs import completion_hidden
 
 Array = Any
 

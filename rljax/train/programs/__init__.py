@@ -1,7 +1,11 @@
 """``CompileLog``: the XLA compilations of a block by program name, how a run shows that it
 compiles each of its programs once. The programs themselves are module-level ``jax.jit``
-functions of frozen specs (``rljax.train.step_program``): JAX's cache shares them between
+functions of frozen specs (``rljax.train.programs.step``): JAX's cache shares them between
 trainers with equal specs.
+
+The package: ``step`` (the step's programs and their ``StepSpec``), ``fused`` (sample ->
+score -> learn as one program, with a device reward), ``paths`` (the forward paths a
+program takes, resolved once per trainer).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ instead of 32 GB across the slice). Each leaf keeps the policy's sharding.
 The reference forward is the policy's program on these weights: matmuls take the model's
 ``compute_dtype`` (bfloat16 on accelerators; with "float32" each bfloat16 weight is
 widened inside its matmul, never stored wide), norms, logits, log-softmax and the
-returned log-probs are float32 (``rljax.train.logprobs``). Rounding to bfloat16 moves
+returned log-probs are float32 (``rljax.train.learn.logprobs``). Rounding to bfloat16 moves
 each weight by at most 2^-9 of its magnitude (8 significand bits, round to nearest).
 """
 

@@ -23,7 +23,7 @@ import optax
 
 from rljax.sharding import batch_sharding, mesh_context, on_mesh, output_shardings, replicated
 from rljax.train.config import OptimConfig
-from rljax.train.micro import (check_divisible, merge_micro,  # noqa: F401 (public here too)
+from rljax.train.learn.micro import (check_divisible, merge_micro,  # noqa: F401 (public here too)
                                num_micro_batches, split_micro)
 
 Array = Any

@@ -19,7 +19,7 @@ or the programs' name-free ``AlgorithmConfig.spec()``; ``cfg.loss`` is the objec
 | kl_cov    | kl_cov (+ KL-Cov tokens)     | group_advantages                       | none          |
 | distill   | distill (clipped ratio)      | teacher's reverse KL per token (k1)    | none          |
 
-The name selects the objective (``rljax.train.presets.OBJECTIVES``, read as ``cfg.loss``);
+The name selects the objective (``rljax.train.config.presets.OBJECTIVES``, read as ``cfg.loss``);
 the advantages column is the preset's ``advantage_estimator``, read by the code instead.
 
 Every objective takes the sampler-gap correction (``is_level`` / ``is_mode`` /
@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from rljax import objectives as obj
-from rljax.train.checks import corrects_sampler
 from rljax.train.config import AlgorithmConfig
+from rljax.train.config.checks import corrects_sampler
 
 Array = Any
 

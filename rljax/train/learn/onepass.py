@@ -1,6 +1,6 @@
 """The update's output head in one pass, for objectives that are sums over tokens.
 
-Through :func:`rljax.train.logprobs.linear_logprobs` an update costs four
+Through :func:`rljax.train.learn.logprobs.linear_logprobs` an update costs four
 ``[B*C, D] x [D, V]`` products per chunk of ``C`` positions: the forward's logits, and in
 the backward the logits again (a chunk's ``B*C*V`` floats are not kept), ``dh`` and
 ``dW``. The backward needs the logits' gradient
@@ -33,9 +33,10 @@ from flax import nnx
 
 from rljax.models.layers import compute_dtype
 from rljax.sharding import constrain_logical, logical_axes
-from rljax.train.logprobs import (DW_DXV_AXES, PARTIAL_DW_AXES, check_linear_args, split_chunks,
-                                  linear_chunk_stats, join_chunks, batch_shards, completion_hidden,
-                                  head_weight, partial_dw, reduce_partial_dw)
+from rljax.train.learn.logprobs import (DW_DXV_AXES, PARTIAL_DW_AXES, check_linear_args,
+                                        split_chunks, linear_chunk_stats, join_chunks,
+                                        batch_shards, completion_hidden, head_weight, partial_dw,
+                                        reduce_partial_dw)
 
 Array = Any
 #: ``token_grads(aux, logp_BxC, entropy_BxC, start) -> (a_BxC, e_BxC)``: the loss's
@@ -77,7 +78,7 @@ def _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c, wi
     n = math.ceil(t / c)
     wc = w.astype(cd)
     # The chunks' dW stay partial sums per batch shard, [S, D, V], through the loop and
-    # are reduced once after it, to W's own split (rljax.train.logprobs, `partial_dw`).
+    # are reduced once after it, to W's own split (rljax.train.learn.logprobs, `partial_dw`).
     names_DxV = DW_DXV_AXES if w_names is None else (w_names[::-1] if vocab_major else w_names)
     s = batch_shards(b)
 
@@ -136,7 +137,7 @@ def one_pass_head(
     """Log-probs, entropies and the loss's gradient of a linear head in one pass.
 
     ``w``, ``vocab_major``, ``chunk``, ``temperature``, ``compute_dtype``: as in
-    :func:`rljax.train.logprobs.linear_logprobs`, whose log-probs and entropies these
+    :func:`rljax.train.learn.logprobs.linear_logprobs`, whose log-probs and entropies these
     equal. ``token_grads(aux, logp_BxC, entropy_BxC, start)`` returns the loss's
     derivatives ``(a_BxC, e_BxC)`` for one chunk; it must be the derivative of a
     token-separable loss (module docstring), evaluated on the chunk's values. ``aux``
@@ -163,7 +164,7 @@ def policy_one_pass(graphdef, params, seqs: dict, token_grads: TokenGrads, aux: 
                     chunk: int, temperature: float = 1.0, remat: bool = False, group: int = 1,
                     with_entropy: bool = False) -> tuple[Array, Array, Array] | None:
     """:func:`one_pass_head` on the decoder ``(graphdef, params)``'s completion positions
-    (``seqs`` and ``group`` as in ``rljax.train.logprobs.policy_logprobs``), or None for
+    (``seqs`` and ``group`` as in ``rljax.train.learn.logprobs.policy_logprobs``), or None for
     a decoder without a linear head (then use ``policy_logprobs`` and autodiff).
     Returns ``(surrogate, logp_BxT, entropy_BxT)``; the surrogate's gradient reaches
     every decoder parameter (the head directly, the layers and the embedding through the

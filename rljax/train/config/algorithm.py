@@ -2,7 +2,7 @@
 (public through ``rljax.train.config`` as well; see that module for the other configs).
 
 Algorithms are configurations of one loop: the fields a paper decides default to ``None``
-("the preset of ``name``", see ``rljax.train.presets``), filled in by
+("the preset of ``name``", see ``rljax.train.config.presets``), filled in by
 ``AlgorithmConfig.resolve()``; the programs read its name-free ``spec()``.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rljax.train.checks import (check_algorithm_extras, check_bool, check_choice, check_import_path,
-                                check_num, fail)
-from rljax.train.presets import (ADVANTAGE_ESTIMATORS, BASE, NEEDS_GROUP, OBJECTIVES,
-                                 PRESET_FIELDS, PRESETS, Objective)
+from rljax.train.config.checks import (check_algorithm_extras, check_bool, check_choice,
+                                       check_import_path, check_num, fail)
+from rljax.train.config.presets import (ADVANTAGE_ESTIMATORS, BASE, NEEDS_GROUP, OBJECTIVES,
+                                        PRESET_FIELDS, PRESETS, Objective)
 
 ALGORITHMS = tuple(PRESETS)
 KL_KINDS = ("k1", "k2", "k3", "k3_ratio")
@@ -33,11 +33,11 @@ class AlgorithmConfig:
     """One RL algorithm as a configuration of the shared loop.
 
     The fields marked *preset* default to ``None``: "what ``name``'s paper uses"
-    (``rljax.train.presets``). Setting ``name`` (in the constructor, with
+    (``rljax.train.config.presets``). Setting ``name`` (in the constructor, with
     ``dataclasses.replace`` or ``--set algorithm.name=X``) therefore switches every preset
     field that was not set explicitly; explicit values stay on top. ``resolve()`` returns
     the config with every preset field filled in: readers use that one. ``name`` selects
-    the preset and the objective (``rljax.train.presets``) and nothing else: behaviour
+    the preset and the objective (``rljax.train.config.presets``) and nothing else: behaviour
     reads the fields, and the programs a name-free :class:`AlgorithmSpec` (``spec()``).
 
     Attributes:
@@ -222,7 +222,7 @@ class AlgorithmConfig:
 
     @property
     def loss(self) -> Objective:
-        """The registry's entry of ``name``'s objective (``rljax.train.presets.OBJECTIVES``)."""
+        """The registry's entry of ``name``'s objective (``presets.OBJECTIVES``)."""
         return OBJECTIVES[self.name]
 
     def spec(self) -> AlgorithmSpec:

@@ -9,7 +9,8 @@ way a config change reaches a program). The programs close over no trainer: a sp
 configs, graphdefs, the mesh and the device reward, never arrays.
 
 - :func:`learn_step`: the learning program of a host-reward step, rollout -> weights.
-- :func:`fused_step`: with a device reward, sample -> score -> learn (``rljax.train.fused``).
+- :func:`fused_step`: with a device reward, sample -> score -> learn
+  (``rljax.train.programs.fused``).
 - :func:`seeds_step`, :func:`seeds_evaluate`: those vmapped over a leading seed axis
   (``rljax.train.seeds``).
 
@@ -28,13 +29,13 @@ import jax.numpy as jnp
 
 from rljax.sampling.sampler import sample_arrays
 from rljax.sharding import mesh_context, place_outputs
-from rljax.train import algorithms as alg
 from rljax.train.config import OptimConfig
-from rljax.train.fused import make_fused_step
 from rljax.train.learn import LearnSpec, make_learn
-from rljax.train.loss import rl_loss
-from rljax.train.paths import ForwardPaths
-from rljax.train.step import batch_constrainer, make_optimizer
+from rljax.train.learn import algorithms as alg
+from rljax.train.learn.loss import rl_loss
+from rljax.train.learn.update import batch_constrainer, make_optimizer
+from rljax.train.programs.fused import make_fused_step
+from rljax.train.programs.paths import ForwardPaths
 
 __all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", "optimizers",
            "run", "schedule_updates", "seeds_evaluate", "seeds_step", "state_scalars"]
@@ -50,7 +51,7 @@ class StepSpec:
       (:func:`schedule_updates`); ``value_lr_ratio`` the value model's learning-rate scale.
     remat: rematerialise each decoder layer in the backward pass.
     paths: the forward paths resolved when the trainer was built
-      (:class:`~rljax.train.paths.ForwardPaths`: attention, head form, prompt layout,
+      (:class:`~rljax.train.programs.paths.ForwardPaths`: attention, head form, prompt layout,
       layers); the programs read the head form and the prompt layout from it.
     device_reward: the JAX reward of the one-program step (None: a host reward).
     mesh: the device mesh (None: one device).
@@ -76,7 +77,7 @@ class StepSpec:
         if self.learn.share_group != self.paths.prompt_group:
             raise ValueError(f"StepSpec: learn.share_group={self.learn.share_group} disagrees "
                              f"with paths.prompt_group={self.paths.prompt_group}; both come "
-                             "from rljax.train.paths.resolve_paths")
+                             "from rljax.train.programs.paths.resolve_paths")
 
 
 def schedule_updates(optim: OptimConfig, total: int) -> int:
@@ -166,7 +167,7 @@ def _fused(spec: StepSpec, decode_spec, *args):
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
 def fused_step(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_params, prompts,
                task, key_data, teacher_params):
-    """One RL step with a device reward as one program (``rljax.train.fused``;
+    """One RL step with a device reward as one program (``rljax.train.programs.fused``;
     ``decode_spec`` is the sampler's static spec)."""
     return _placed(spec, _fused(spec, decode_spec, params, opt_state, scalars, ref_params,
                                 prompts, task, key_data, teacher_params))

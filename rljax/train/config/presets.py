@@ -85,7 +85,7 @@ PRESETS: dict[str, dict] = {
 
 
 class Objective(NamedTuple):
-    """The loss ``name`` selects (``rljax.train.algorithms.make_objective``).
+    """The loss ``name`` selects (``rljax.train.learn.algorithms.make_objective``).
 
     fn: the ``rljax.objectives`` function. ratio: False for A log pi (no importance ratio:
     one update per batch). estimators: the ``advantage_estimator`` values whose batch it

@@ -4,8 +4,8 @@
 ``(loss_sum, count, metrics)``: the policy's log-probs and entropies (and PPO's values),
 the ``ObjectiveBatch``, the objective, the sampler-gap metric. With a token-separable
 objective (``rljax.objectives.token_separable``) and ``RLConfig.one_pass_head`` the
-policy's linear head forms its gradient in the forward pass (``rljax.train.onepass``);
-the trainer decides that once (``rljax.train.paths``) and passes ``one_pass``.
+policy's linear head forms its gradient in the forward pass (``rljax.train.learn.onepass``);
+the trainer decides that once (``rljax.train.programs.paths``) and passes ``one_pass``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from rljax import objectives as obj
-from rljax.train import ppo as ppo_lib
-from rljax.train.logprobs import policy_logprobs
-from rljax.train.onepass import padded_width, policy_one_pass
+from rljax.train.learn import ppo as ppo_lib
+from rljax.train.learn.logprobs import policy_logprobs
+from rljax.train.learn.onepass import padded_width, policy_one_pass
 
 sg = jax.lax.stop_gradient
 __all__ = ["rl_loss"]
@@ -38,7 +38,7 @@ def _objective_batch(mb: dict, logp, ent, values, *, self_old: bool, use_sampler
 
 def _one_pass_logprobs(policy_gd, policy_params, mb: dict, coef, values, *, objective, chunk,
                        temperature, remat, group, **fields):
-    """``(surrogate, logp, ent)`` by ``rljax.train.onepass.policy_one_pass`` (the
+    """``(surrogate, logp, ent)`` by ``rljax.train.learn.onepass.policy_one_pass`` (the
     objective is token-separable; the policy has a linear head). Each
     chunk's derivatives come from the objective on the whole micro-batch with that
     chunk's values in place (the other columns hold the sampler's log-probs: any finite
@@ -62,9 +62,9 @@ def _one_pass_logprobs(policy_gd, policy_params, mb: dict, coef, values, *, obje
     out = policy_one_pass(policy_gd, policy_params, mb, token_grads, aux, chunk=chunk,
                           temperature=temperature, remat=remat, group=group,
                           with_entropy=fields["entropy_grad"])
-    if out is None:  # the head form was resolved with the trainer (rljax.train.paths)
+    if out is None:  # the head form was resolved with the trainer (rljax.train.programs.paths)
         raise ValueError("rl_loss: one_pass=True, but the policy has no linear output head; "
-                         "the head form is resolved by rljax.train.paths.resolve_paths, "
+                         "the head form is resolved by rljax.train.programs.paths.resolve_paths, "
                          "which would have chosen 'chunked'")
     return out
 
@@ -75,10 +75,10 @@ def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, te
     """The RL micro-batch loss: current log-probs (and values) -> ``ObjectiveBatch`` ->
     the objective's ``(loss_sum, count, metrics)`` plus the sampler-gap metric. ``group``:
     the micro-batch's rows share prompts in groups of that many (``policy_logprobs``).
-    ``one_pass``: the head form "one-pass" (``rljax.train.paths.ForwardPaths.head``: the
+    ``one_pass``: the head form "one-pass" (``rljax.train.programs.paths.ForwardPaths.head``: the
     objective is token-separable and the policy has a linear head); the head then forms
     its gradient in the forward pass
-    (``rljax.train.onepass``): the same loss and, to rounding, the same gradients."""
+    (``rljax.train.learn.onepass``): the same loss and, to rounding, the same gradients."""
     m = mb["completion_mask_BxT"]
     values = None
     if value_gd is not None:

@@ -8,7 +8,7 @@ global batch (every process calls it with the same shapes):
    rewards (whitened), all as pure functions of arrays (``rljax.objectives``);
 3. ``num_epochs x num_minibatches`` optimiser updates as a ``lax.scan`` over an in-graph
    permutation of the rows, each with exact micro-batch accumulation
-   (``rljax.train.step.make_update``);
+   (``rljax.train.learn.update.make_update``);
 4. the adaptive KL controller (Ziegler et al. 2019 §2.2) and the step's metrics, reduced
    to replicated scalars.
 
@@ -22,6 +22,11 @@ On-policy distillation's teacher (``make_learn(teacher_gd=...)``, its parameters
 argument of the program like the reference's) scores the batch here too, at the
 sampling temperature; its advantages come from the teacher in the objective
 (``rljax.objectives.distill``), so the task-reward advantages are zeros.
+
+The package holds the program's pieces: ``loss`` (the micro-batch loss, ``rl_loss``),
+``algorithms`` (config -> objective, coefficients, advantages), ``ppo``, ``logprobs`` and
+``onepass`` (the output head), ``micro`` (micro-batch layout), ``reference`` (the frozen KL
+reference) and ``update`` (the jitted update and ``TrainState``, shared with SFT).
 """
 
 from __future__ import annotations
@@ -34,13 +39,13 @@ import jax
 import jax.numpy as jnp
 
 from rljax import objectives as obj
-from rljax.train import algorithms as alg
-from rljax.train import ppo as ppo_lib
-from rljax.train.algorithm_config import AlgorithmSpec
-from rljax.train.logprobs import policy_logprobs
+from rljax.train.config.algorithm import AlgorithmSpec
+from rljax.train.learn import algorithms as alg
+from rljax.train.learn import ppo as ppo_lib
+from rljax.train.learn.logprobs import policy_logprobs
+from rljax.train.learn.micro import merge_micro, split_micro
+from rljax.train.learn.update import make_update
 from rljax.train.rollout import Rollout
-from rljax.train.micro import merge_micro, split_micro
-from rljax.train.step import make_update
 
 Array = Any
 
@@ -60,7 +65,7 @@ class LearnSpec:
     share_group: G > 1 when rows share their prompt in groups of G and every forward
       computes it once (``policy_logprobs(group=G)``); micro-batches and minibatches then
       hold whole groups. 1: every row computes its prompt. Decided once, with the other
-      forward paths (``rljax.train.paths.ForwardPaths.prompt_group``).
+      forward paths (``rljax.train.programs.paths.ForwardPaths.prompt_group``).
     """
 
     alg: AlgorithmSpec
