@@ -28,6 +28,10 @@ def source(start, n):
     return [PROMPTS[i] for i in idx], [{"i": i} for i in idx]
 
 
+def starts_with_7(completions, metadata):
+    return np.array([1.0 if c.startswith("7") else 0.0 for c in completions], np.float32)
+
+
 def _trainer(gd, reward=starts_with_7, mesh=None, name="grpo", prompts=4, **alg):
     return RLTrainer(gd, TOK, reward, algorithm=algorithm_preset(name, **alg),
                      optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=3),
