@@ -60,10 +60,12 @@ def _decode_both_ways(model, g: int, steps: int):
     plen = jnp.repeat(jnp.sum(mask, axis=1), g)
     ones = jnp.ones((n * g, 1), bool)
     shared, copied = [], []
+    # One compiled decode step per layout (the slot a traced scalar), as the sampler runs it.
+    step = nnx.jit(lambda m, *a, **kw: m.forward_cached(*a, **kw))
     for i in range(steps):
         x, xp = toks[:, i:i + 1], (plen + i)[:, None]
-        h, own = model.forward_cached(x, xp, ones, own, i, prefix=prefix)
-        hf, full = model.forward_cached(x, xp, ones, full, p + i)
+        h, own = step(model, x, xp, ones, own, jnp.int32(i), prefix=prefix)
+        hf, full = step(model, x, xp, ones, full, jnp.int32(p + i))
         shared.append(h)
         copied.append(hf)
     return jnp.concatenate(shared, 1), jnp.concatenate(copied, 1)
