@@ -5,7 +5,8 @@ Each process reads its own block of the step's prompts (by global position), the
 runs one SPMD program over the whole batch, each process detokenises and scores only the
 rows it holds, and the rewards return as a global array. Shapes are fixed per bucket:
 prompts are left-padded to ``bucket_length(longest, prompt_multiple)`` (never trimmed),
-completions are ``max_new_tokens`` wide.
+completions are ``max_new_tokens`` wide. ``Rollouts.evaluate`` is the held-out evaluator,
+of one run or of several seeds in one program.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rljax.rewards.device import is_device_reward
 from rljax.rewards.pooled import RemoteRewardError
 from rljax.sampling import generate
 from rljax.sampling.generate import config_of, prepare
+from rljax.sampling.sampler import sample_arrays
 from rljax.sharding import logical_sharding
 from rljax.train import hosts
 from rljax.train.batching import decode_completions, encode_text, pad_left, special_ids, stop_ids
@@ -149,6 +151,7 @@ class Rollouts:
         self.stop_ids = stop_ids(tokenizer)
         self.num_params = 0
         self._terms: dict[str, list] = {}  # reward term -> [sum, rows] since term_means
+        self.seed_programs: set = set()  # the seed form's evaluation programs (signatures)
 
     def _prompt_ids(self, prompts: Sequence[str], first: int, lo: int, n: int):
         """Own prompts (prompts ``[lo, lo + len(prompts))`` of the step's ``n``) -> every
@@ -166,18 +169,22 @@ class Rollouts:
         """The sampler on padded prompts, bucketed: ``min(bucket_length(longest,
         prompt_multiple), prompt_len)`` columns (the sampler's ``SampleResult``, global
         arrays)."""
-        s = self.sampling
         if not self.num_params:
             self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
         # The sampler's entry is the step's "prompt ids in" transfer: it packs the ids on
         # the host and places them on the mesh (rljax.sampling has its own tests).
         with jax.transfer_guard("allow"):
-            return generate(
-                (self.gd, params), tok_NxW, prompt_mask=mask_NxW > 0, key=key,
-                **s.sampler_args(greedy=greedy), stop_ids=self.stop_ids, num_samples=num_samples, pad_id=self.pad_id,
-                length_multiple=self.prompt_multiple, mesh=self.mesh,
-                # Buckets never exceed prompt_len: the last one is prompt_len itself.
-                max_len=self.prompt_len + s.max_new_tokens - 1)
+            return generate((self.gd, params), tok_NxW, prompt_mask=mask_NxW > 0, key=key,
+                            mesh=self.mesh, **self._decode_args(greedy, num_samples))
+
+    def _decode_args(self, greedy: bool = False, num_samples: int = 1) -> dict:
+        """The sampler's settings (``generate`` / ``prepare`` keywords) for this trainer's
+        prompts: ``SamplingConfig.sampler_args``, stop ids, padding and buckets."""
+        return dict(**self.sampling.sampler_args(greedy=greedy), stop_ids=self.stop_ids,
+                    num_samples=num_samples, pad_id=self.pad_id,
+                    length_multiple=self.prompt_multiple,
+                    # Buckets never exceed prompt_len: the last one is prompt_len itself.
+                    max_len=self.prompt_len + self.sampling.max_new_tokens - 1)
 
     def device_inputs(self, params, source: PromptSource, pos: int, n_prompts: int, *,
                       on_host: bool = False):
@@ -191,14 +198,10 @@ class Rollouts:
         tok, mask = self._prompt_ids(list(prompts), pos + lo // g, lo // g, n_prompts)
         task = {k: hosts.gather_blocks(np.asarray(v), lo // g, n_prompts)
                 for k, v in self.reward_fns.task_arrays(list(meta)).items()}
-        s = self.sampling
         if not self.num_params:
             self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
-        batch, spec = prepare(
-            config_of(self.gd, params), tok, prompt_mask=mask > 0, **s.sampler_args(),
-            stop_ids=self.stop_ids,
-            num_samples=g, pad_id=self.pad_id, length_multiple=self.prompt_multiple,
-            max_len=self.prompt_len + s.max_new_tokens - 1)
+        batch, spec = prepare(config_of(self.gd, params), tok, prompt_mask=mask > 0,
+                              **self._decode_args(num_samples=g))
         arrays = (batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP)
         if on_host:
             return spec, arrays, task
@@ -303,43 +306,87 @@ class Rollouts:
         ph.times["reward"] = ph.times.get("reward", 0.0) + time.perf_counter() - t0
         return ro
 
-    def _eval_rewards(self, out, texts: list, metadata: list, lo: int, hi: int, first: int):
-        """Own rows' rewards of an evaluation batch: the device reward on every row (then
-        this process's), or the host reward on the own texts."""
+    def evaluate(self, params, prompts: Sequence, metadata: Sequence, batch_size: int, *,
+                 seeds: bool = False) -> dict | list[dict]:
+        """Greedy completions of held-out ``prompts``: ``{"reward_mean", "n"}``, with
+        ``"accuracy"`` where there is a verifier.
+
+        One run: every process passes the same lists and scores its own rows (a device
+        reward in a program, or the host reward on their texts); the verifier is
+        ``accuracy_fn``. ``seeds`` (one device, a device reward): ``params`` has a leading
+        seed axis and ``prompts[i]``, ``metadata[i]`` are seed ``i``'s, equally many per
+        seed; all seeds sample and score in one vmapped program (``seeds_evaluate``, its
+        signatures in ``seed_programs``), the verifier is the reward's (``rewards > 0``),
+        and the result is one dict per seed."""
+        ps_S, ms_S = (prompts, metadata) if seeds else ([prompts], [metadata])
+        s, n = len(ps_S), len(ps_S[0])
+        if any(len(p) != n for p in ps_S) or len(ms_S) != s:
+            raise ValueError("Rollouts.evaluate: give every seed the same number of prompts")
+        sums_Sx2 = np.zeros((s, 2))
+        for i in range(0, n, batch_size):
+            ms = [m[i:i + batch_size] for m in ms_S]
+            tok, mask = pad_left([encode_text(self.tok, p) for ps in ps_S
+                                  for p in ps[i:i + batch_size]], self.prompt_len, self.pad_id)
+            scored = (self._eval_seeds(params, tok, mask, ms) if seeds
+                      else self._eval_batch(params, tok, mask, ms[0], i))
+            sums_Sx2 += [(float(np.sum(r)), float(np.sum(c))) for r, c in zip(*scored)]
+        tot = _sum_over_processes(sums_Sx2.reshape(-1), self.mesh).reshape(s, 2) if n else sums_Sx2
+        verifier = self.reward_fns.verifier if seeds else self.accuracy_fn is not None
+        out = [{"reward_mean": float(r / max(n, 1)), "n": n,
+                **({"accuracy": float(c / max(n, 1))} if verifier else {})} for r, c in tot]
+        return out if seeds else out[0]
+
+    def _eval_batch(self, params, tok, mask, metadata: list, first: int):
+        """One run's batch: ``([own rows' rewards], [their verifier outcomes])`` (a
+        device reward scores every row; this process keeps its own)."""
+        lo, hi = _eval_rows(len(metadata), self.mesh)
+        out = self.generate(params, tok, mask, jax.random.key(0), greedy=True)
+        texts = self._own_texts(out, lo, hi)
         if not is_device_reward(self.reward_fns):
-            return self.score(texts, metadata[lo:hi], 1, first + lo)
-        task = self.reward_fns.task_arrays(metadata)
-        with jax.transfer_guard("allow"):
-            rewards = _device_scores_jit(self.reward_fns, out, task)
-        return hosts.host_rows(rewards, lo, hi)
+            rewards = self.score(texts, metadata[lo:hi], 1, first + lo)
+        else:
+            with jax.transfer_guard("allow"):
+                all_rows = _device_scores(self.reward_fns, out,
+                                          self.reward_fns.task_arrays(metadata))
+            rewards = hosts.host_rows(all_rows, lo, hi)
+        return [rewards], [self._verify(texts, metadata[lo:hi], 1, first + lo)]
 
-    def evaluate(self, params, prompts: list, metadata: list, batch_size: int) -> dict:
-        """Greedy completions of ``prompts`` (every process passes the same list and
-        scores its own rows): accuracy (if a verifier), reward mean."""
-        sums = np.zeros(2, np.float64)
-        for i in range(0, len(prompts), batch_size):
-            ps, ms = prompts[i:i + batch_size], metadata[i:i + batch_size]
-            lo, hi = _eval_rows(len(ps), self.mesh)
-            tok, mask = pad_left([encode_text(self.tok, p) for p in ps], self.prompt_len,
-                                 self.pad_id)
-            out = self.generate(params, tok, mask, jax.random.key(0), greedy=True)
-            texts = self._own_texts(out, lo, hi)
-            sums[0] += float(np.sum(self._eval_rewards(out, texts, ms, lo, hi, i)))
-            if self.accuracy_fn is not None:
-                sums[1] += float(np.sum(self._verify(texts, ms[lo:hi], 1, i + lo)))
-        total = _sum_over_processes(sums, self.mesh) if len(prompts) else sums
-        out = {"reward_mean": float(total[0] / max(len(prompts), 1)), "n": len(prompts)}
-        if self.accuracy_fn is not None:
-            out["accuracy"] = float(total[1] / max(len(prompts), 1))
-        return out
+    def _eval_seeds(self, params_S, tok, mask, metadata_S: list):
+        """The seeds' batch: ``(rewards [S, b], verifier outcomes [S, b])``; the ``S * b``
+        rows are packed together, so all seeds share the widest prompt's bucket."""
+        s = len(metadata_S)  # config_of: the config is static, stacked parameters merge too
+        batch, spec = prepare(config_of(self.gd, params_S), tok, prompt_mask=mask > 0,
+                              **self._decode_args(greedy=True))
+        args = [jnp.asarray(x.reshape(s, -1, x.shape[1]))
+                for x in (batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP)]
+        tasks = [self.reward_fns.task_arrays(m) for m in metadata_S]
+        task = {k: jnp.asarray(np.stack([t[k] for t in tasks])) for k in tasks[0]}
+        self.seed_programs.add(program_signature(spec, (params_S, args, task)))
+        r_Sxb = np.asarray(seeds_evaluate(self.gd, self.reward_fns, spec, params_S, *args, task))
+        return r_Sxb, r_Sxb > 0
 
 
+def program_signature(static, args) -> tuple:
+    """What a jitted program is compiled for besides its static arguments' identity:
+    ``static`` and every argument's shape and dtype."""
+    leaves, treedef = jax.tree.flatten(args)
+    return static, treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def seeds_evaluate(graphdef, reward, decode_spec, params, tok, mask, pos, task):
+    """Each seed's device-reward scores of its greedy completions (leading seed axis)."""
+    def one(params, tok, mask, pos, task):
+        out = sample_arrays(graphdef, params, tok, mask, pos, decode_spec, jax.random.key(0))
+        return reward(out.tokens, out.completion_mask.astype(jnp.float32), task)
+
+    return jax.vmap(one)(params, tok, mask, pos, task)
+
+
+@functools.partial(jax.jit, static_argnums=0)
 def _device_scores(reward, out, task: dict):
     """A device reward on the sampler's output (all rows, one per prompt)."""
     return reward(out.tokens, out.completion_mask.astype(jnp.float32), task)
-
-
-_device_scores_jit = jax.jit(_device_scores, static_argnums=(0,))
 
 
 def _eval_rows(n: int, mesh) -> tuple[int, int]:

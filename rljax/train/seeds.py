@@ -25,13 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax.sampling.generate import config_of, prepare
 from rljax.train import hosts
-from rljax.train.batching import encode_text, pad_left
 from rljax.train.config import SFTConfig
 from rljax.train.learn.update import TrainState, num_micro_batches
-from rljax.train.programs.step import seeds_evaluate, seeds_step, state_scalars
+from rljax.train.programs.step import seeds_step, state_scalars
 from rljax.train.rl import PhaseTimes, RLTrainer
+from rljax.train.rollout import program_signature
 from rljax.train.sft import SFTTrainer, sft_update_fn
 
 __all__ = ["SeedRL", "SeedSFT", "stack_states", "unstack"]
@@ -51,13 +50,6 @@ def _per_seed(m: dict, s: int) -> list[dict]:
     """A dict of ``[S]`` arrays -> one dict of floats per seed."""
     host = hosts.fetch_small(m)
     return [{k: float(v[i]) for k, v in host.items()} for i in range(s)]
-
-
-def _signature(static, args) -> tuple:
-    """What a jitted program is compiled for besides its static arguments' identity:
-    ``static`` and every argument's shape and dtype."""
-    leaves, treedef = jax.tree.flatten(args)
-    return static, treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
 
 
 def _left_pad(arrays: tuple, width: int, pad_id: int) -> tuple:
@@ -85,7 +77,7 @@ class SeedRL:
             raise ValueError("SeedRL: seeds are vmapped on one device (mesh=None); on a mesh "
                              "run each seed as its own run")
         self.tr = trainer
-        self._programs: dict[str, set] = {"rl_step": set(), "evaluate": set()}
+        self._programs: set = set()  # the RL step's signatures (compiled)
         self._one = None  # one seed's parameters: the model's config and size
 
     def init_state(self, policy_params: Sequence, seeds: Sequence[int]) -> TrainState:
@@ -122,7 +114,7 @@ class SeedRL:
         ph = PhaseTimes()
         args = (state.params, state.opt_state, scalars, state.ref_params, prompts, task,
                 state.key, self.tr.teacher_params)
-        self._programs["rl_step"].add(_signature((self.tr.base_spec, spec), args))
+        self._programs.add(program_signature((self.tr.base_spec, spec), args))
         params, opt_state, out, m = ph.timed("step", seeds_step, self.tr.base_spec, spec, *args)
         n = self.tr.rl.prompts_per_step
         state = dataclasses.replace(state, params=params, opt_state=opt_state,
@@ -135,51 +127,15 @@ class SeedRL:
         """How many programs the RL step and the evaluation needed: distinct static specs
         and argument shapes, each compiled once per process (one per prompt bucket and
         batch shape; a run whose shapes never change needs one of each)."""
-        return {k: len(v) for k, v in self._programs.items()}
+        return {"rl_step": len(self._programs),
+                "evaluate": len(self.tr.rollouts.seed_programs)}
 
-    # ------------------------------------------------------------------ evaluation
     def evaluate(self, params_S, prompts: Sequence[Sequence[str]],
                  metadata: Sequence[Sequence[dict]], *, batch_size: int = 256) -> list[dict]:
-        """Greedy completions of each seed's held-out prompts (``params_S``: the stacked
-        policy parameters, e.g. ``state.params["policy"]``; ``prompts[i]`` for seed ``i``,
-        equally many per seed), scored by the device reward: one dict per seed
-        (``reward_mean``, ``n`` and, for a verifier, ``accuracy``)."""
-        ro, s = self.tr.rollouts, len(prompts)
-        total = len(prompts[0])
-        if any(len(p) != total for p in prompts) or len(metadata) != s:
-            raise ValueError("SeedRL.evaluate: give every seed the same number of prompts")
-        sums = np.zeros((s, 2))
-        for lo in range(0, total, batch_size):
-            packed, tasks = [], []
-            for ps, ms in zip(prompts, metadata):
-                tok, mask = pad_left([encode_text(ro.tok, p) for p in ps[lo:lo + batch_size]],
-                                     ro.prompt_len, ro.pad_id)
-                batch, spec = prepare(
-                    self._config(params_S), tok, prompt_mask=mask > 0,
-                    **ro.sampling.sampler_args(greedy=True), stop_ids=ro.stop_ids, pad_id=ro.pad_id, length_multiple=ro.prompt_multiple,
-                    max_len=ro.prompt_len + ro.sampling.max_new_tokens - 1)
-                packed.append((batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP, spec))
-                tasks.append(self.tr.device_reward.task_arrays(ms[lo:lo + batch_size]))
-            width = max(p[0].shape[1] for p in packed)
-            spec = next(p[3] for p in packed if p[0].shape[1] == width)
-            cols = zip(*[_left_pad(p[:3], width, ro.pad_id) for p in packed])
-            args = [jnp.asarray(np.stack(c)) for c in cols]
-            task = {k: jnp.asarray(np.stack([t[k] for t in tasks])) for k in tasks[0]}
-            self._programs["evaluate"].add(_signature(spec, (params_S, args, task)))
-            r_SxB = np.asarray(seeds_evaluate(self.tr.gd, self.tr.device_reward, spec,
-                                              params_S, *args, task))
-            sums[:, 0] += r_SxB.sum(axis=1)
-            sums[:, 1] += (r_SxB > 0).sum(axis=1)
-        out = [{"reward_mean": float(x[0] / max(total, 1)), "n": total} for x in sums]
-        if self.tr.device_reward.verifier:
-            for o, x in zip(out, sums):
-                o["accuracy"] = float(x[1] / max(total, 1))
-        return out
-
-    def _config(self, params_S):
-        if self._one is None:
-            self._one = unstack(params_S, 0)
-        return config_of(self.tr.gd, self._one)
+        """Each seed's greedy results on its held-out prompts (``prompts[i]``, equally many
+        per seed; ``params_S``: e.g. ``state.params["policy"]``), all seeds in one program:
+        ``Rollouts.evaluate``'s seed form, one dict per seed."""
+        return self.tr.rollouts.evaluate(params_S, prompts, metadata, batch_size, seeds=True)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
@@ -226,7 +182,7 @@ class SeedSFT:
         act = jnp.asarray(np.asarray(active, bool))
         counters = (state.updates, state.nonfinite_run, state.skipped)
         args = (act, state.params, state.opt_state, counters, batch)
-        self._programs.add(_signature(num_micro, args))
+        self._programs.add(program_signature(num_micro, args))
         params, opt_state, counters, m = seeds_sft_update(self.sft.graphdef, self.cfg,
                                                           num_micro, *args)
         step = state.step + act.astype(jnp.int32)

@@ -11,7 +11,7 @@ configs, graphdefs, the mesh and the device reward, never arrays.
 - :func:`learn_step`: the learning program of a host-reward step, rollout -> weights.
 - :func:`fused_step`: with a device reward, sample -> score -> learn
   (``rljax.train.programs.fused``).
-- :func:`seeds_step`, :func:`seeds_evaluate`: those vmapped over a leading seed axis
+- :func:`seeds_step`: :func:`fused_step` vmapped over a leading seed axis
   (``rljax.train.seeds``).
 
 Call them inside ``rljax.sharding.mesh_context(spec.mesh)`` (``run``): splash attention and
@@ -27,7 +27,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rljax.sampling.sampler import sample_arrays
 from rljax.sharding import mesh_context, place_outputs
 from rljax.train.config import OptimConfig
 from rljax.train.learn import LearnSpec, make_learn
@@ -38,7 +37,7 @@ from rljax.train.programs.fused import make_fused_step
 from rljax.train.programs.paths import ForwardPaths
 
 __all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", "optimizers",
-           "run", "schedule_updates", "seeds_evaluate", "seeds_step", "state_scalars"]
+           "run", "schedule_updates", "seeds_step", "state_scalars"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,16 +180,6 @@ def seeds_step(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_para
     step = functools.partial(_fused, spec, decode_spec)
     return jax.vmap(step, in_axes=(0,) * 7 + (None,))(
         params, opt_state, scalars, ref_params, prompts, task, key_data, teacher_params)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def seeds_evaluate(graphdef, reward, decode_spec, params, tok, mask, pos, task):
-    """Each seed's device-reward scores of its greedy completions (leading seed axis)."""
-    def one(params, tok, mask, pos, task):
-        out = sample_arrays(graphdef, params, tok, mask, pos, decode_spec, jax.random.key(0))
-        return reward(out.tokens, out.completion_mask.astype(jnp.float32), task)
-
-    return jax.vmap(one)(params, tok, mask, pos, task)
 
 
 def run(fn, spec: StepSpec, *args):
