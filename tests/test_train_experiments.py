@@ -51,7 +51,7 @@ def _check_baseline_continues_the_warm_up(cfg, warm_state):
     with CompileLog() as log:
         accs, steps = experiment_module("arithmetic_grpo").sft_baseline(cfg, 0.0, warm_state)
     assert steps == 1 and len(accs) == cfg.run.seeds and all(0.0 <= a <= 1.0 for a in accs)
-    assert not {"jit(sft_update)", "jit(evaluate)"} & set(log.by_name()), log.summary()
+    assert not {"jit(seeds_sft_update)", "jit(seeds_evaluate)"} & set(log.by_name()), log.summary()
 
 
 def _spy_on_init_state(monkeypatch) -> dict:
