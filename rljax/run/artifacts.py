@@ -157,13 +157,18 @@ def restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = 
     return cfg, config, pure_params(policy), meta
 
 
+def policy_split(config, policy: dict) -> tuple:
+    """`(graphdef, state)` of a `Decoder(config)` holding `policy` (pure nested dicts, as
+    `restore_policy` returns them), built abstractly: nothing is randomly initialised
+    first (for a large model, a second copy of its weights and minutes of init)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, policy)
+    return graphdef, state
+
+
 def _policy_from_run(run_dir: pathlib.Path, step: int | None, run_seed: int | None):
     cfg, config, policy, _ = restore_policy(run_dir, step, run_seed=run_seed)
-    model = Decoder(config, rngs=nnx.Rngs(0))
-    state = nnx.state(model)
-    nnx.replace_by_pure_dict(state, policy)
-    nnx.update(model, state)
-    return model, run_tokenizer(run_dir, cfg), cfg
+    return nnx.merge(*policy_split(config, policy)), run_tokenizer(run_dir, cfg), cfg
 
 
 def load_policy(source: str | pathlib.Path, *, step: int | None = None,

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rljax.models import Decoder, from_pretrained
+from rljax.models import from_pretrained
 from rljax.models.hf_config import config_from_hf
 from rljax.models.tokenizer import check_same_tokenizer, check_vocab, load_tokenizer
-from rljax.run.artifacts import as_path, restore_policy, run_tokenizer, is_run_dir
+from rljax.run.artifacts import as_path, is_run_dir, policy_split, restore_policy, run_tokenizer
 
 __all__ = ["load_teacher"]
 
@@ -35,9 +35,7 @@ def _from_run(path, mesh):
         # commit the learning program's outputs and recompile the next step's sampler and
         # learning programs; uncommitted like the policy's weights, nothing recompiles.
         policy = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), policy)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(state, policy)
-    return graphdef, state, run_tokenizer(run_dir, cfg), config
+    return (*policy_split(config, policy), run_tokenizer(run_dir, cfg), config)
 
 
 def load_teacher(path: str | os.PathLike, tokenizer, mesh=None, *,
