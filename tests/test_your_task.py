@@ -23,7 +23,7 @@ from rljax.run.report import format_summary
 from rljax.run.runner import run_experiment
 from rljax.run.user_reward import shared_reward_pool
 from rljax.train.config import RLConfig
-from rljax.train.rollout import score_batch_fn
+from rljax.rewards.pooled import score_batch_fn
 
 REWARD = textwrap.dedent('''
     import time

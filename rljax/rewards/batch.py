@@ -85,7 +85,7 @@ def _finite(value: Any, i: int, name: str, group_size: int, meta: Any = None) ->
     return v
 
 
-def _traceback(e: BaseException) -> str:
+def traceback_of(e: BaseException) -> str:
     """`e`'s traceback from the reward function's frame down (not this module's)."""
     return "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
 
@@ -95,7 +95,7 @@ def _call(fn, c, m, i, name, group_size) -> float:
         value = fn(c, m)
     except Exception as e:  # reported with the prompt, the function and its traceback
         raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} at "
-                          f"{_where(i, group_size, m)}\n{_traceback(e)}", index=i, fn=name) from e
+                          f"{_where(i, group_size, m)}\n{traceback_of(e)}", index=i, fn=name) from e
     return _finite(value, i, name, group_size, m)
 
 

@@ -6,7 +6,7 @@ each other, so the batch is never split). A call past `timeout_s` is abandoned (
 is killed and replaced): every row of it scores `timeout_reward`, the rows' prompts are
 logged by file and line (their metadata's `source`), and `timeouts` counts it. A call that
 raises raises `RemoteRewardError` carrying the function's own traceback from the worker;
-`rljax.train.rollout.score_batch_fn` then re-calls it on single completions to name the
+`score_batch_fn` then re-calls it on single completions to name the
 prompt that fails.
 """
 
@@ -19,12 +19,12 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from rljax.rewards._pool import RewardPool
-from rljax.rewards.batch import source_of
+from rljax.rewards.batch import RewardError, source_of, traceback_of
 from rljax.rewards.compose import reward_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PooledBatchReward", "RemoteRewardError"]
+__all__ = ["PooledBatchReward", "RemoteRewardError", "score_batch_fn"]
 
 
 class RemoteRewardError(RuntimeError):
@@ -97,3 +97,54 @@ class PooledBatchReward:
                     self.name, res[1], self.timeout_s, len(completions),
                     sources_text(metadata), self.timeout_reward)
         return np.full(len(completions), self.timeout_reward, np.float32)
+
+
+def _described(e: BaseException) -> str:
+    """"KeyError: 'x'": the exception, as raised in a reward worker process too."""
+    return str(e) if isinstance(e, RemoteRewardError) else f"{type(e).__name__}: {e}"
+
+
+def _user_traceback(e: BaseException) -> str:
+    """The reward function's traceback for an error message (from the reward worker
+    process where it ran there)."""
+    return "\n" + (e.traceback if isinstance(e, RemoteRewardError) else traceback_of(e))
+
+
+def score_batch_fn(fn, completions: list, metadata: list, group_size: int,
+                   first_prompt: int = 0) -> np.ndarray:
+    """Call a batch reward ``fn(completions, metadata) -> float[B]`` and check it.
+
+    A raise is localised by re-calling ``fn`` on single completions, so the error names
+    the first failing prompt (global index: ``first_prompt`` is this block's first); a
+    non-finite or wrongly shaped result is an error too. All errors are
+    ``rljax.rewards.RewardError`` naming the function and the prompt index.
+    """
+    name = reward_name(fn)
+
+    def where(i):  # the prompt's file:line when its metadata has a source
+        at = f"batch index {i} (prompt index {first_prompt + i // group_size})"
+        src = source_of(metadata[i]) if i < len(metadata) else None
+        return f"the prompt at {src}, {at}" if src else at
+
+    try:
+        out = np.asarray(fn(list(completions), list(metadata)), np.float64)
+    except RewardError:  # already names its prompt and function
+        raise
+    except Exception as e:  # find which prompt made it fail
+        for i, (c, m) in enumerate(zip(completions, metadata)):
+            try:
+                fn([c], [m])
+            except Exception as e1:
+                raise RewardError(f"reward function {name!r} raised {_described(e1)} at "
+                                  f"{where(i)}{_user_traceback(e1)}", index=i, fn=name) from e1
+        raise RewardError(f"reward function {name!r} raised {_described(e)} on the batch (but "
+                          f"on no single completion){_user_traceback(e)}", index=-1, fn=name) from e
+    if out.shape != (len(completions),):
+        raise RewardError(f"reward function {name!r} returned shape {out.shape}; expected "
+                          f"({len(completions)},), one reward per completion", index=-1, fn=name)
+    bad = np.flatnonzero(~np.isfinite(out))
+    if bad.size:
+        i = int(bad[0])
+        raise RewardError(f"reward function {name!r} returned non-finite {out[i]} at {where(i)}",
+                          index=i, fn=name)
+    return out.astype(np.float32)

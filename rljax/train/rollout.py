@@ -15,17 +15,15 @@ import dataclasses
 import functools
 import logging
 import time
-import traceback
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax.rewards import RewardError, reward_name, score_batch
-from rljax.rewards.batch import source_of
+from rljax.rewards import score_batch
 from rljax.rewards.device import is_device_reward
-from rljax.rewards.pooled import RemoteRewardError
+from rljax.rewards.pooled import score_batch_fn
 from rljax.sampling import generate
 from rljax.sampling.generate import config_of, prepare
 from rljax.sampling.sampler import sample_arrays
@@ -272,7 +270,7 @@ class Rollouts:
             return {}
         sums = np.asarray([self._terms[k] for k in names], np.float64).reshape(-1)
         self._terms = {}
-        tot = _sum_over_processes(sums, self.mesh).reshape(-1, 2)
+        tot = hosts.gather_rows(sums[None]).sum(axis=0).reshape(-1, 2)  # every process's
         return {f"reward/{k}": float(s / max(n, 1.0)) for k, (s, n) in zip(names, tot)}
 
     def _own_texts(self, out, lo: int, hi: int) -> list:
@@ -330,10 +328,11 @@ class Rollouts:
             scored = (self._eval_seeds(params, tok, mask, ms) if seeds
                       else self._eval_batch(params, tok, mask, ms[0], i))
             sums_Sx2 += [(float(np.sum(r)), float(np.sum(c))) for r, c in zip(*scored)]
-        tot = _sum_over_processes(sums_Sx2.reshape(-1), self.mesh).reshape(s, 2) if n else sums_Sx2
+        if n:  # every process's sums
+            sums_Sx2 = hosts.gather_rows(sums_Sx2.reshape(1, -1)).sum(axis=0).reshape(s, 2)
         verifier = self.reward_fns.verifier if seeds else self.accuracy_fn is not None
         out = [{"reward_mean": float(r / max(n, 1)), "n": n,
-                **({"accuracy": float(c / max(n, 1))} if verifier else {})} for r, c in tot]
+                **({"accuracy": float(c / max(n, 1))} if verifier else {})} for r, c in sums_Sx2]
         return out if seeds else out[0]
 
     def _eval_batch(self, params, tok, mask, metadata: list, first: int):
@@ -399,62 +398,3 @@ def _eval_rows(n: int, mesh) -> tuple[int, int]:
     p, k = jax.process_index(), jax.process_count()
     return p * n // k, (p + 1) * n // k
 
-
-def _sum_over_processes(x: np.ndarray, mesh) -> np.ndarray:
-    """Sum of a small host vector over processes (evaluation totals)."""
-    if jax.process_count() == 1:
-        return x
-    return hosts.gather_rows(x[None]).sum(axis=0)
-
-
-def _described(e: BaseException) -> str:
-    """"KeyError: 'x'": the exception, as raised in a reward worker process too."""
-    return str(e) if isinstance(e, RemoteRewardError) else f"{type(e).__name__}: {e}"
-
-
-def _user_traceback(e: BaseException) -> str:
-    """The reward function's traceback for an error message (from the reward worker
-    process where it ran there)."""
-    if isinstance(e, RemoteRewardError):
-        return "\n" + e.traceback
-    return "\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
-
-
-def score_batch_fn(fn, completions: list, metadata: list, group_size: int,
-                   first_prompt: int = 0) -> np.ndarray:
-    """Call a batch reward ``fn(completions, metadata) -> float[B]`` and check it.
-
-    A raise is localised by re-calling ``fn`` on single completions, so the error names
-    the first failing prompt (global index: ``first_prompt`` is this block's first); a
-    non-finite or wrongly shaped result is an error too. All errors are
-    ``rljax.rewards.RewardError`` naming the function and the prompt index.
-    """
-    name = reward_name(fn)
-
-    def where(i):  # the prompt's file:line when its metadata has a source
-        at = f"batch index {i} (prompt index {first_prompt + i // group_size})"
-        src = source_of(metadata[i]) if i < len(metadata) else None
-        return f"the prompt at {src}, {at}" if src else at
-
-    try:
-        out = np.asarray(fn(list(completions), list(metadata)), np.float64)
-    except RewardError:  # already names its prompt and function
-        raise
-    except Exception as e:  # find which prompt made it fail
-        for i, (c, m) in enumerate(zip(completions, metadata)):
-            try:
-                fn([c], [m])
-            except Exception as e1:
-                raise RewardError(f"reward function {name!r} raised {_described(e1)} at "
-                                  f"{where(i)}{_user_traceback(e1)}", index=i, fn=name) from e1
-        raise RewardError(f"reward function {name!r} raised {_described(e)} on the batch (but "
-                          f"on no single completion){_user_traceback(e)}", index=-1, fn=name) from e
-    if out.shape != (len(completions),):
-        raise RewardError(f"reward function {name!r} returned shape {out.shape}; expected "
-                          f"({len(completions)},), one reward per completion", index=-1, fn=name)
-    bad = np.flatnonzero(~np.isfinite(out))
-    if bad.size:
-        i = int(bad[0])
-        raise RewardError(f"reward function {name!r} returned non-finite {out[i]} at {where(i)}",
-                          index=i, fn=name)
-    return out.astype(np.float32)
