@@ -123,9 +123,17 @@ def test_the_resolved_paths_are_in_the_step_spec():
 
 def test_the_start_up_line_and_config_json_record_the_paths(tmp_path, monkeypatch, capsys):
     """`rljax train` of test_cli_train's tiny experiment as GSPO (not token-separable: the
-    head falls back) with no steps: the paths are resolved and recorded with the trainer."""
+    head falls back) with no steps: the paths are resolved and recorded with the trainer;
+    asked for explicitly, the one-pass head is an error that leaves nothing behind."""
     (tmp_path / "tiny.py").write_text(EXPERIMENT)
     monkeypatch.chdir(tmp_path)
+    # An explicit choice that cannot be taken fails at set-up and leaves no run directory,
+    # so the corrected command below is not refused as "a different run".
+    assert main(["train", str(tmp_path / "tiny.py"), "--set", "algorithm.name=gspo",
+                 "--set", "rl.one_pass_head=true", "--set", "sft=none",
+                 "--set", "run.dir=runs/fwdpaths"]) != 0
+    assert "one_pass_head=True was set explicitly" in capsys.readouterr().err
+    assert not (tmp_path / "runs/fwdpaths").exists()
     assert main(["train", str(tmp_path / "tiny.py"), "--set", "algorithm.name=gspo",
                  "--set", "rl.steps=0", "--set", "sft=none",
                  "--set", "run.dir=runs/fwdpaths"]) == 0

@@ -220,3 +220,24 @@ def test_eta_leaves_out_the_compiling_first_step(monkeypatch):
     first, second, third = buf.getvalue().splitlines()
     assert "first step (compiling) eta --" in first
     assert second.endswith("1.00s/step eta 0m08s") and third.endswith("1.00s/step eta 0m07s")
+
+
+def test_a_new_run_that_fails_before_logging_leaves_no_directory(tmp_path):
+    """A set-up error (close(failed=True) before any metric line or checkpoint) removes the
+    new run's directory; a run that logged, a resumed run and a directory that existed
+    before are kept (an existing one emptied of what the failed run wrote)."""
+    with pytest.raises(RuntimeError), RunDir(tmp_path / "new", {"lr": 1.0}):
+        raise RuntimeError("set-up failed")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RuntimeError), RunDir(tmp_path / "empty", {"lr": 1.0}):
+        raise RuntimeError("set-up failed")
+    assert (tmp_path / "empty").is_dir() and not list((tmp_path / "empty").iterdir())
+    with pytest.raises(RuntimeError), RunDir(tmp_path / "logged", {"lr": 1.0}) as rd:
+        rd.log(0, {"eval/accuracy": 0.5}, phase="eval")
+        raise RuntimeError("failed at step 1")
+    assert (tmp_path / "logged" / "config.json").exists()
+    with pytest.raises(RuntimeError), RunDir(tmp_path / "logged", {"lr": 1.0}, resume=True):
+        raise RuntimeError("the restore failed")
+    assert read_metrics(tmp_path / "logged")[0]["eval/accuracy"] == 0.5
+

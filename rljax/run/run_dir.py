@@ -48,7 +48,8 @@ from jax.experimental import multihost_utils
 
 from rljax.run import plots as _plots
 from rljax.run.run_lock import LOCK_FILE, RunLock, RunLockedError
-from rljax.run.run_writers import BucketLines, TensorBoardRuns
+from rljax.run.run_writers import (METRICS_FILE, BucketLines, TensorBoardRuns, is_local,
+                                   read_metrics, run_path)
 from rljax.run.run_writers import write_atomic as _write_atomic
 from rljax.train.config.dicts import config_to_dict, jsonable
 
@@ -56,7 +57,6 @@ __all__ = ["RunDir", "RunDirError", "config_diff", "config_to_dict", "config_has
            "read_metrics"]
 
 CONFIG_FILE = "config.json"
-METRICS_FILE = "metrics.jsonl"
 DEFAULT_HASH_EXCLUDE = ("run.dir", "run.resume", "run.overwrite", "run.profile_steps")
 
 
@@ -99,42 +99,6 @@ def config_hash(config: Any, exclude: tuple[str, ...] = DEFAULT_HASH_EXCLUDE) ->
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def run_path(path: str | os.PathLike) -> epath.Path:
-    """`path` as an `epath.Path`: a local path made absolute, a URI (`gs://...`) as is."""
-    text = os.fspath(path)
-    return epath.Path(text if "://" in text else os.path.abspath(text))
-
-
-def is_local(path: epath.Path) -> bool:
-    """True for a path on this machine's file system (not a bucket URI)."""
-    return "://" not in os.fspath(path)
-
-
-def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
-    """The records of a run's `metrics.jsonl` (a run dir or the file itself).
-
-    A torn last line (a run killed mid-write) is skipped; a bad line elsewhere is an error
-    naming the file and line.
-    """
-    path = run_path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"no metrics file at {path}")
-    lines = path.read_text().splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{i + 1}: not a JSON object: {e}") from None
-    return out
-
-
 class RunDir:
     """One run's directory (see the module docstring for its layout and refusal rules).
 
@@ -170,6 +134,7 @@ class RunDir:
         self.resolved: dict[str, Any] = {}  # config.json's "resolved" (record_resolved)
         self._lines: list[str] | None = None  # a bucket's metrics (no appends there)
         self._lock: RunLock | None = None
+        self._made = self._logged = False  # made the directory; wrote a metric line
         self._tb = self._wandb = self._metrics = None
         self._writers = (tensorboard, wandb_project)
         if not primary:
@@ -209,6 +174,7 @@ class RunDir:
                 "check run.dir, or set run.resume=auto to start a run there when there is "
                 "none")
         if is_local(self.path):
+            self._made = not self.path.exists()
             self.path.mkdir(parents=True, exist_ok=True)
             try:
                 self._lock = RunLock(self.path)
@@ -218,8 +184,7 @@ class RunDir:
             return False
         old = json.loads(cfg_file.read_text())
         if overwrite:
-            for entry in self._entries():
-                entry.rmtree() if entry.is_dir() else entry.unlink()
+            self._clear()
             return False
         self.changed = config_diff(old.get("config", {}), self.config)
         if resume:
@@ -318,6 +283,7 @@ class RunDir:
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {step!r}")
         self.begin()
+        self._logged = True
         record = {"step": step, "phase": phase,
                   **{str(k): jsonable(v) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(record, sort_keys=False) + "\n")
@@ -372,8 +338,13 @@ class RunDir:
             return []
         return _plots.plot_metrics(self.metrics(), self.plots_dir)
 
-    def close(self) -> None:
-        """Flush and close the metric writers and release the lock (idempotent)."""
+    def close(self, *, failed: bool = False) -> None:
+        """Flush and close the metric writers and release the lock (idempotent). `failed`
+        (the run raised): a new run that logged nothing and saved no checkpoint (a set-up
+        error) leaves no directory behind, so the corrected command is not refused."""
+        ck = self.checkpoint_dir
+        discard = failed and self.primary and not (self.resumed or self._logged) and not (
+            ck.is_dir() and any(p.name.isdigit() for p in ck.iterdir()))
         if self._metrics is not None and not self._metrics.closed:
             self._metrics.close()
         if self._tb is not None:
@@ -382,13 +353,21 @@ class RunDir:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if discard:
+            self._clear()
         self._unlock()
+        if discard and self._made:
+            self.path.rmdir()
+
+    def _clear(self) -> None:
+        for entry in self._entries():
+            entry.rmtree() if entry.is_dir() else entry.unlink()
 
     def __enter__(self) -> RunDir:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def _primary_verdict(ok: bool) -> bool:

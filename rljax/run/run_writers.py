@@ -1,11 +1,56 @@
 """The run directory's metric sinks: tensorboardX writers (one TensorBoard run per seed)
-and `metrics.jsonl` on a bucket (rewritten whole, buckets have no appends)."""
+and `metrics.jsonl` on a bucket (rewritten whole, buckets have no appends); its paths
+(`run_path`, `is_local`) and `read_metrics`, the reader of `metrics.jsonl`."""
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+from typing import Any
+
 from etils import epath
 
-__all__ = ["BucketLines", "TensorBoardRuns", "write_atomic"]
+__all__ = ["BucketLines", "TensorBoardRuns", "is_local", "read_metrics", "run_path",
+           "write_atomic"]
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def run_path(path: str | os.PathLike) -> epath.Path:
+    """`path` as an `epath.Path`: a local path made absolute, a URI (`gs://...`) as is."""
+    text = os.fspath(path)
+    return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
+def is_local(path: epath.Path) -> bool:
+    """True for a path on this machine's file system (not a bucket URI)."""
+    return "://" not in os.fspath(path)
+
+
+def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
+    """The records of a run's `metrics.jsonl` (a run dir or the file itself).
+
+    A torn last line (a run killed mid-write) is skipped; a bad line elsewhere is an error
+    naming the file and line.
+    """
+    path = run_path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no metrics file at {path}")
+    lines = path.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON object: {e}") from None
+    return out
 
 
 def write_atomic(path: epath.Path, text: str) -> None:

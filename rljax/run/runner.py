@@ -217,6 +217,9 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
                 warm.close()
         if cfg.run.plots:
             rd.plot()
+    except BaseException:
+        rd.close(failed=True)  # a set-up error leaves no run directory behind
+        raise
     finally:
         rd.close()
     return _finish(cfg, rd, acc_before, after, t0, out, verifier)

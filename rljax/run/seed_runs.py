@@ -181,6 +181,9 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
             run.phases["evaluations"] += time.perf_counter() - t1
             ck.save(cfg.rl.steps, state, run.meta("done", before), force=True)  # rl.steps 0
             run.compiled.update(run.rl.compiled())
+    except BaseException:
+        rd.close(failed=True)  # a set-up error leaves no run directory behind
+        raise
     finally:
         rd.close()
     res = _finish(cfg, rd, seeds, before, after, t0, rl_s, run.compiled, run.phases, out)
