@@ -73,22 +73,28 @@ def test_added_import_breaks_the_named_contract(tmp_path, lint_available, module
 
 # What `import rljax` pulls in: each process (the CLI, every process of a multi-process run)
 # pays for it. torch (transformers' AutoTokenizer and tensorboardX import it when it is
-# installed, ~1.2 s) and matplotlib load where they are used.
+# installed, ~1.2 s) and matplotlib load where they are used; a run's TensorBoard lines
+# load tensorboardX without torch (rljax.run.run_writers).
 _HEAVY = ("torch", "matplotlib", "tensorboardX")
 _PROBE = ("import sys\n"
           "heavy = lambda: sorted({m.split('.')[0] for m in sys.modules} & set(%r))\n"
           "import rljax.models, rljax.train, rljax.run.runner, rljax.run.seed_runs, rljax.cli\n"
           "print(heavy())\n"
+          "import tempfile; from etils import epath\n"
+          "from rljax.run.run_writers import TensorBoardRuns\n"
+          "TensorBoardRuns(epath.Path(tempfile.mkdtemp())).log({'rl/loss': 1.0}, 1, None)\n"
+          "print(heavy())\n"
           "from transformers import AutoTokenizer  # the control: the probe sees torch\n"
           "print(heavy())\n") % (_HEAVY,)
 
 
-def test_importing_rljax_loads_no_torch_or_plotting():
+def test_importing_rljax_and_logging_load_no_torch_or_plotting():
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
-    after_rljax, after_control = out.stdout.strip().splitlines()[-2:]
+    after_rljax, after_logging, after_control = out.stdout.strip().splitlines()[-3:]
     assert after_rljax == "[]", after_rljax
+    assert after_logging == "['tensorboardX']", after_logging
     assert "torch" in after_control, after_control  # torch is installed: the check is live
 
 

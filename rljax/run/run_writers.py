@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
 from typing import Any
 
 from etils import epath
@@ -72,11 +73,8 @@ class TensorBoardRuns:
         """Add `scalars` at `step` to seed `seed`'s run (`None`: the run's own)."""
         writer = self._writers.get(seed)
         if writer is None:
-            # Imported here: tensorboardX imports torch when torch is installed (~1.1 s).
-            from tensorboardX import SummaryWriter
-
             logdir = self.root if seed is None else self.root / f"seed_{seed}"
-            writer = self._writers[seed] = SummaryWriter(logdir=str(logdir), flush_secs=10)
+            writer = self._writers[seed] = _summary_writer()(logdir=str(logdir), flush_secs=10)
         for key, value in scalars.items():
             writer.add_scalar(key, value, step)
 
@@ -85,6 +83,21 @@ class TensorBoardRuns:
         for writer in self._writers.values():
             writer.close()
         self._writers = {}
+
+
+def _summary_writer():
+    """tensorboardX's `SummaryWriter`, imported on first use and without torch: its writer
+    module imports torch whenever torch is installed (1.6-3 s of every logging process's
+    start-up), and scalars never need it. Imported as it is where torch already is."""
+    if "torch" in sys.modules or "tensorboardX.writer" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 class BucketLines:
