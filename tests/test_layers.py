@@ -98,6 +98,18 @@ def test_importing_rljax_and_logging_load_no_torch_or_plotting():
     assert "torch" in after_control, after_control  # torch is installed: the check is live
 
 
+def test_a_reward_worker_unpickling_a_task_verifier_imports_no_jax():
+    """`rljax.run.tasks` (the verifiers a reward worker process unpickles, e.g.
+    `check_arithmetic`) stays free of JAX: each worker's start-up is that import."""
+    probe = ("import sys\nimport rljax.run.tasks\nprint('jax' in sys.modules)\n"
+             "rljax.run.tasks.ArithmeticDeviceReward  # the control: the device reward loads JAX\n"
+             "print('jax' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"], out.stdout
+
+
 def private_uses(source: str) -> list[str]:
     """Where `source` reaches into another rljax module's private names: `from rljax.x
     import _name`, `mod._name` on an imported rljax module, and `obj.attr._name` (another

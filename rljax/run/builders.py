@@ -37,7 +37,8 @@ from rljax.rewards.device import is_device_reward
 from rljax.rewards.imported import load_function
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.task_files import check_data_files, filtered_split, require_answers
-from rljax.run.tasks import ArithmeticDeviceReward, ArithmeticReward, CountdownReward
+from rljax.run.device_tasks import ArithmeticDeviceReward
+from rljax.run.tasks import ArithmeticReward, CountdownReward
 from rljax.run.user_reward import Verifier, check_reward, custom_reward, shared_reward_pool
 from rljax.sharding import make_mesh, mesh_context
 from rljax.train.reward_model import RewardModelScorer

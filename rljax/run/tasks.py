@@ -9,7 +9,9 @@ imports the other. A task's reward is composed here, where the run builds the ta
   with TinyZero's format score.
 Item rewards are `(completion, metadata) -> float`, for `rljax.rewards.score_batch`.
 `ArithmeticDeviceReward` is `check_arithmetic` (plain and reversed styles) as a JAX
-function of token ids (`rljax.rewards.device`), for the one-program RL step.
+function of token ids (`rljax.rewards.device`), for the one-program RL step; it lives in
+`rljax.run.device_tasks` and loads from here on first use, so a reward worker process
+that unpickles a verifier of this module imports no JAX.
 """
 
 from __future__ import annotations
@@ -18,13 +20,18 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 
 from rljax.data import check_countdown, reverse_digits
 from rljax.rewards import TagFormat, extract_answer, follows_format, math_equal, tagged_answer
-from rljax.rewards.device import SKIP, CharTable, DeviceReward, leading_integer_matches
 
 __all__ = ["ArithmeticDeviceReward", "ArithmeticReward", "CountdownReward", "check_arithmetic"]
+
+
+def __getattr__(name: str):  # PEP 562: the device reward (and JAX) load on first use
+    if name == "ArithmeticDeviceReward":
+        from rljax.run.device_tasks import ArithmeticDeviceReward
+        return ArithmeticDeviceReward
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_arithmetic(completion: object, answer: str, *, style: str = "plain") -> bool:
@@ -64,73 +71,6 @@ class ArithmeticReward:
         if "answer" not in meta:
             raise KeyError(f"{self.name}: metadata has no 'answer' field (has {sorted(meta)})")
         return 1.0 if check_arithmetic(completion, str(meta["answer"]), style=self.style) else 0.0
-
-
-class ArithmeticDeviceReward(DeviceReward):
-    """`ArithmeticReward` as a device reward: `scale` where `check_arithmetic(text,
-    answer, style)` holds, else 0, computed from token ids in JAX.
-
-    Args:
-      tokenizer: a character tokenizer (`rljax.rewards.device.CharTable` checks it).
-      vocab_size: the model's vocabulary (ids past the tokenizer's decode as nothing).
-      stop_id: the stop token, dropped from the text as the host's detokenisation does.
-      style: "plain" or "reversed" ("word" answers need the host's extraction).
-      max_digits: the widest answer in digits (answers are padded to it).
-    """
-
-    verifier = True
-    name = "arithmetic"
-
-    def __init__(self, tokenizer, vocab_size: int, stop_id: int, *, style: str = "plain",
-                 scale: float = 1.0, max_digits: int = 40, max_chars: int = 64):
-        if style not in ("plain", "reversed"):
-            raise ValueError(f"ArithmeticDeviceReward: style must be 'plain' or 'reversed', got "
-                             f"{style!r} (word problems are checked on the host)")
-        self.style, self.scale, self.max_digits, self.max_chars = style, scale, max_digits, max_chars
-        n = min(vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else vocab_size
-        table = CharTable.from_tokenizer(tokenizer, n, skip_ids=(stop_id,))
-        if n < vocab_size:  # ids the tokenizer does not know decode to nothing
-            pad = np.full((vocab_size - n, table.classes_VxL.shape[1]), SKIP, np.int32)
-            table = CharTable(np.concatenate([table.classes_VxL, pad]))
-        self.table = table
-
-    def task_arrays(self, metadata) -> dict[str, np.ndarray]:
-        """`digits` int32 [n, max_digits] (written order: reversed for "reversed"),
-        `num_digits` int32 [n], `negative` bool [n], from each record's "answer"."""
-        n = len(metadata)
-        digits = np.zeros((n, self.max_digits), np.int32)
-        num, neg = np.zeros(n, np.int32), np.zeros(n, bool)
-        for i, m in enumerate(metadata):
-            if "answer" not in m:
-                raise KeyError(f"{self.name}: metadata {i} has no 'answer' field (has {sorted(m)})")
-            ans = str(m["answer"])
-            neg[i], body = ans.startswith("-"), ans.lstrip("-")
-            if not body.isdigit() or not body.isascii() or len(body) > self.max_digits:
-                raise ValueError(f"{self.name}: answer {ans!r} of metadata {i} is not an integer "
-                                 f"of at most max_digits={self.max_digits} digits")
-            if self.style == "reversed":
-                body = body[::-1]
-            digits[i, :len(body)] = [int(c) for c in body]
-            num[i] = len(body)
-        return {"digits": digits, "num_digits": num, "negative": neg}
-
-    def _identity(self) -> tuple:
-        t = self.table.classes_VxL
-        return self.style, self.scale, self.max_digits, self.max_chars, t.shape, t.tobytes()
-
-    def __eq__(self, other) -> bool:
-        """Equal when built alike (same table and settings): trainers with equal rewards
-        share their compiled programs (`rljax.train.programs`)."""
-        return type(other) is type(self) and self._identity() == other._identity()
-
-    def __hash__(self) -> int:
-        return hash(self._identity())
-
-    def __call__(self, tokens_BxT, mask_BxT, task):
-        text_BxC = self.table.text_classes(tokens_BxT, mask_BxT, self.max_chars)
-        ok_B = leading_integer_matches(text_BxC, task["digits"], task["num_digits"],
-                                       task["negative"])
-        return ok_B.astype("float32") * self.scale
 
 
 @dataclasses.dataclass(frozen=True)
