@@ -233,6 +233,10 @@ def test_a_new_run_that_fails_before_logging_leaves_no_directory(tmp_path):
     with pytest.raises(RuntimeError), RunDir(tmp_path / "empty", {"lr": 1.0}):
         raise RuntimeError("set-up failed")
     assert (tmp_path / "empty").is_dir() and not list((tmp_path / "empty").iterdir())
+    with pytest.raises(RuntimeError), RunDir(tmp_path / "warm", {"lr": 1.0}) as rd:
+        (rd.path / "sft_checkpoints" / "1").mkdir(parents=True)  # a warm-up step saved
+        raise RuntimeError("stopped before a metric line")
+    assert (tmp_path / "warm" / "sft_checkpoints" / "1").is_dir()
     with pytest.raises(RuntimeError), RunDir(tmp_path / "logged", {"lr": 1.0}) as rd:
         rd.log(0, {"eval/accuracy": 0.5}, phase="eval")
         raise RuntimeError("failed at step 1")

@@ -342,9 +342,9 @@ class RunDir:
         """Flush and close the metric writers and release the lock (idempotent). `failed`
         (the run raised): a new run that logged nothing and saved no checkpoint (a set-up
         error) leaves no directory behind, so the corrected command is not refused."""
-        ck = self.checkpoint_dir
-        discard = failed and self.primary and not (self.resumed or self._logged) and not (
-            ck.is_dir() and any(p.name.isdigit() for p in ck.iterdir()))
+        discard = failed and self.primary and not (self.resumed or self._logged) and not any(
+            p.name.isdigit() for d in self._entries()  # a saved RL or warm-up step
+            if d.name.endswith("checkpoints") and d.is_dir() for p in d.iterdir())
         if self._metrics is not None and not self._metrics.closed:
             self._metrics.close()
         if self._tb is not None:
