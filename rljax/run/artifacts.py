@@ -151,9 +151,9 @@ def restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = 
             raise ValueError(f"a checkpoint in {ck_dir} holds no params['policy'] of this "
                              f"run's model: {e}") from None
     policy = raw["params"]["policy"]
-    if num_seeds > 1:  # seed k of the stack is run.seed + k
+    if num_seeds > 1:  # seed k of the stack is run.seed + k (one program, not one a leaf)
         k = cfg.run.seed - full.run.seed
-        policy = jax.tree.map(lambda x: x[k], policy)
+        policy = jax.jit(lambda tree: jax.tree.map(lambda x: x[k], tree))(policy)
     return cfg, config, pure_params(policy), meta
 
 
