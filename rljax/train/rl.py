@@ -201,7 +201,6 @@ class RLTrainer:
     def _build_program(self):
         a, r = self.alg, self.rl
         total = max(r.steps * a.num_epochs * a.num_minibatches, 1)
-        self._total_updates = total
         self.base_spec = StepSpec(
             self.spec, self.gd, self.value_gd, self.teacher_gd, self.optim,
             schedule_updates(self.optim, total),

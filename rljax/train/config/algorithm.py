@@ -200,10 +200,6 @@ class AlgorithmConfig:
         check_import_path(c, "objective", self.objective)
         check_import_path(c, "advantages", self.advantages)
 
-    def explicit_presets(self) -> dict:
-        """The preset fields set explicitly (not None), by name."""
-        return {f: getattr(self, f) for f in PRESET_FIELDS if getattr(self, f) is not None}
-
     def resolved(self, field: str):
         """One field's value: the explicit one, else the preset of ``name``."""
         value = getattr(self, field)

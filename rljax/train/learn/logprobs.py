@@ -85,22 +85,15 @@ def chunked_logprobs(
     Log-probs are of ``softmax(logits / temperature)``, the distribution the sampler drew
     from. Returns ``(logp_BxT, entropy_BxT)``, both float32.
     """
-    b, t, d = _check_args("chunked_logprobs", h_BxTxD, targets_BxT, chunk, temperature)
+    _, t, _ = _check_args("chunked_logprobs", h_BxTxD, targets_BxT, chunk, temperature)
     c = min(chunk, t)
     n = math.ceil(t / c)
-    pad = n * c - t
-    h = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0)))
-    tgt = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
-    h_NxBxCxD = h.reshape(b, n, c, d).swapaxes(0, 1)
-    tgt_NxBxC = tgt.reshape(b, n, c).swapaxes(0, 1)
     inv_temp = 1.0 / float(temperature)
-    one = jax.checkpoint(
-        lambda hp, hc, tc: _chunk_logprobs(logits_fn, hp, hc, tc, inv_temp)
-    )
-    logp_NxBxC, ent_NxBxC = jax.lax.map(lambda xs: one(head_params, *xs), (h_NxBxCxD, tgt_NxBxC))
-    logp_BxT = logp_NxBxC.swapaxes(0, 1).reshape(b, n * c)[:, :t]
-    ent_BxT = ent_NxBxC.swapaxes(0, 1).reshape(b, n * c)[:, :t]
-    return logp_BxT, ent_BxT
+    one = jax.checkpoint(lambda hp, hc, tc: _chunk_logprobs(logits_fn, hp, hc, tc, inv_temp))
+    logp_NxBxC, ent_NxBxC = jax.lax.map(
+        lambda xs: one(head_params, *xs),
+        (split_chunks(h_BxTxD, n, c), split_chunks(targets_BxT, n, c)))
+    return join_chunks(logp_NxBxC, t), join_chunks(ent_NxBxC, t)
 
 
 # ---------------------------------------------------------------------------------------

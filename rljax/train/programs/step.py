@@ -33,7 +33,7 @@ from rljax.train.learn import LearnSpec, make_learn
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
 from rljax.train.learn.update import batch_constrainer, make_optimizer
-from rljax.train.programs.fused import make_fused_step
+from rljax.train.programs.fused import device_rollout, split_step_key
 from rljax.train.programs.paths import ForwardPaths
 
 __all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", "optimizers",
@@ -158,9 +158,17 @@ def learn_step(spec: StepSpec, params, opt_state, scalars, ref_params, ro, key,
                                              teacher_params))
 
 
-def _fused(spec: StepSpec, decode_spec, *args):
-    step = make_fused_step(spec.policy_gd, learn_program(spec), spec.device_reward, spec.mesh)
-    return step(decode_spec, *args)
+def _fused(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_params, prompts, task,
+           key_data, teacher_params):
+    """One RL step as a pure function: sample and score with the device reward
+    (``rljax.train.programs.fused``), then :func:`learn_program`; the returned scalars
+    carry the next key data."""
+    nxt, k_roll, k_learn = split_step_key(key_data)
+    ro = device_rollout(spec.policy_gd, params["policy"], prompts, task, k_roll,
+                        spec=decode_spec, reward=spec.device_reward, mesh=spec.mesh)
+    params, opt_state, out, m = learn_program(spec)(params, opt_state, scalars, ref_params, ro,
+                                                    k_learn, teacher_params)
+    return params, opt_state, dict(out, key=nxt), m
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
