@@ -254,7 +254,7 @@ class AlgorithmConfig:
 
 
 #: ``AlgorithmConfig.spec()``: the resolved fields but ``name``, and ``loss`` (its objective's
-#: entry). Frozen, hashable by value: static in the programs (``learn.LearnSpec.alg``).
+#: entry). Frozen, hashable by value: static in the programs (``programs.step.StepSpec.alg``).
 AlgorithmSpec = dataclasses.make_dataclass(
     "AlgorithmSpec", [(f.name, f.type) for f in dataclasses.fields(AlgorithmConfig)
                       if f.name != "name"] + [("loss", Objective)], frozen=True,
