@@ -1,24 +1,16 @@
 """Frozen, validated configuration dataclasses for SFT and the RL loop.
 
 Every config validates itself in ``__post_init__``; an error names the field, the bad
-value and what is allowed. Algorithms are configurations of one loop: the fields a
-paper decides default to ``None`` ("the preset of ``name``", see
-``rljax.train.config.presets``), so ``AlgorithmConfig(name="dapo")``,
-``dataclasses.replace(cfg, name="gspo")`` and ``--set algorithm.name=gspo`` all give
-that paper's settings with the fields set explicitly on top; ``AlgorithmConfig.resolve()``
-fills them in (``AlgorithmConfig`` and ``algorithm_preset`` are defined in
-``rljax.train.config.algorithm`` and public here too). Checks that need two configs are
-in :func:`check_algorithm_sampling`.
-
-The package: ``algorithm`` (``AlgorithmConfig``), ``presets`` (the algorithm registry),
-``checks`` (field checks), ``dicts`` (configs to JSON dicts and back).
+value and what is allowed. Checks that need two configs are in
+:func:`check_algorithm_sampling`. The package: ``algorithm`` (``AlgorithmConfig`` and
+``algorithm_preset``, public here too), ``presets`` (the algorithm registry), ``checks``
+(field checks), ``dicts`` (configs to JSON dicts and back).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-# The algorithm's config lives in its own module; these names stay public here.
 from rljax.train.config.algorithm import (ADV_STDS, AGGREGATIONS, ALGORITHMS,  # noqa: F401
                                           GROUP_BASELINES, KL_IN, KL_KINDS, OLD_LOGP,
                                           AlgorithmConfig, algorithm_preset)

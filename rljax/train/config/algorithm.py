@@ -1,10 +1,6 @@
-"""The RL algorithm's configuration: :class:`AlgorithmConfig` and :func:`algorithm_preset`
-(public through ``rljax.train.config`` as well; see that module for the other configs).
-
-Algorithms are configurations of one loop: the fields a paper decides default to ``None``
-("the preset of ``name``", see ``rljax.train.config.presets``), filled in by
-``AlgorithmConfig.resolve()``; the programs read its name-free ``spec()``.
-"""
+"""The RL algorithm's configuration: :class:`AlgorithmConfig` (one algorithm as a
+configuration of the shared loop) and :func:`algorithm_preset`, public through
+``rljax.train.config`` as well."""
 
 from __future__ import annotations
 

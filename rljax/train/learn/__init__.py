@@ -19,8 +19,9 @@ change no loss, gradient or denominator in any aggregation mode; with
 in their group's baseline). Clip-Cov / KL-Cov select their tokens once per minibatch,
 from the current policy's log-probs over the whole minibatch, before the objective.
 On-policy distillation's teacher (``spec.teacher_gd``, its parameters an argument of the
-program like the reference's) scores the batch here too, at the sampling temperature; its advantages come from the teacher in the objective
-(``rljax.objectives.distill``), so the task-reward advantages are zeros.
+program like the reference's) scores the batch here too, at the sampling temperature; its
+advantages come from the teacher in the objective (``rljax.objectives.distill``), so the
+task-reward advantages are zeros.
 
 The package holds the program's pieces: ``loss`` (the micro-batch loss, ``rl_loss``),
 ``algorithms`` (config -> objective, coefficients, advantages), ``ppo``, ``logprobs`` and

@@ -1,18 +1,11 @@
 """The RL step's compiled programs: module-level ``jax.jit`` functions of a frozen spec.
 
-Every choice the step's programs read is a field of :class:`StepSpec` (frozen, hashable),
-passed as a static argument. JAX's own cache keys each compiled program by that spec and
-by its arguments' shapes and shardings, so two trainers with equal specs (a resumed run in
-the same process, a second run in a notebook) share one executable, and no hand-made key
-can forget a field (``tests/test_program_spec.py`` checks that a spec change is the only
-way a config change reaches a program). The programs close over no trainer: a spec holds
-configs, graphdefs, the mesh and the device reward, never arrays.
-
-- :func:`learn_step`: the learning program of a host-reward step, rollout -> weights.
-- :func:`fused_step`: with a device reward, sample -> score -> learn
-  (``rljax.train.programs.fused``).
-- :func:`seeds_step`: :func:`fused_step` vmapped over a leading seed axis
-  (``rljax.train.seeds``).
+Every choice the programs read is a field of :class:`StepSpec` (frozen, hashable; configs,
+graphdefs, the mesh and the device reward, never arrays), passed as a static argument, so
+JAX's cache keys each program by it and trainers with equal specs share one executable
+(``tests/test_program_spec.py``): :func:`learn_step` (a host-reward step's learning
+program), :func:`fused_step` (with a device reward, sample -> score -> learn) and
+:func:`seeds_step` (:func:`fused_step` vmapped over a leading seed axis).
 
 Call them inside ``rljax.sharding.mesh_context(spec.mesh)`` (``run``): splash attention and
 parameter placement read the mesh while they are traced.
