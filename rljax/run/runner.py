@@ -176,10 +176,6 @@ def _meta(cfg, rd, state, phase: str, acc_before: float) -> dict:
             "accuracy_before": acc_before, "seed": cfg.run.seed}
 
 
-def _save(ck, step, state, meta, force=False):
-    ck.save(step, state, meta, force=force)
-
-
 def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunResult:
     """Run `cfg` end to end (see the module docstring); prints progress and the summary to
     `out` (default stderr for progress, stdout for the summary) and returns a `RunResult`.
@@ -264,8 +260,8 @@ def _train(cfg, rd, ck, mesh, warm, stop, out):
     state = _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop)
     after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
     rd.log(int(state.step), {f"eval/{k}": v for k, v in after.items()}, phase="eval")
-    _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
-          force=True)  # a no-op after the loop's last step; saves step 0 when rl.steps is 0
+    ck.save(int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
+            force=True)  # a no-op after the loop's last step; saves step 0 when rl.steps is 0
     return acc_before, after, getattr(accuracy_fn, "name", None)
 
 
@@ -325,8 +321,8 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop):
                 stop_saved(ck, done, state, _meta(cfg, rd, state, "preempted", acc_before), out,
                            stop.cause)
             last = done == cfg.rl.steps  # the final state: saved as soon as it exists
-            _save(ck, done, state, _meta(cfg, rd, state, "done" if last else "rl", acc_before),
-                  force=last)
+            ck.save(done, state, _meta(cfg, rd, state, "done" if last else "rl", acc_before),
+                    force=last)
     except KeyboardInterrupt:  # keep what was learned
         save_interrupted(ck, int(state.step), state,
                          _meta(cfg, rd, state, "interrupted", acc_before), out)
