@@ -315,13 +315,10 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
     """Prefill + decode left-padded prompts; see ``rljax.sampling.generate`` for the API.
 
     config: the model's config, to reuse its vocab-major output weight across calls
-    (``rljax.sampling.head``); without it the weight is built inside each call.
-
-    On a mesh the parameters are copied to the inference layout first (see the module
-    docstring); the output weight is then built from (and cached with) that copy. With a
-    ``config`` whose compute dtype is bfloat16 the matmul weights are cast to it before
-    (``rljax.models.layers.cast_matmul_weights``): the inference copy is half the size,
-    and the programs hold no float32 weights they would cast anyway.
+    (``rljax.sampling.head``) and cast the matmul weights to its compute dtype; without it
+    the weight is built inside each call. On a mesh the parameters are copied to the
+    inference layout first (module docstring), and the output weight is built from (and
+    cached with) that copy.
     """
     mesh = _mesh_of(params) if mesh is None else mesh
     host = (prompts.tokens_BxP, prompts.mask_BxP, prompts.positions_BxP)
