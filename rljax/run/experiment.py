@@ -178,8 +178,7 @@ class RewardConfig:
         if self.think_tag == self.answer_tag:
             fail(c, "answer_tag", self.answer_tag, "a name different from think_tag")
         check_bool(c, "think_in_prompt", self.think_in_prompt)
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            fail(c, "timeout_s", self.timeout_s, "a number > 0")
+        check_num(c, "timeout_s", self.timeout_s, lo=0, lo_open=True, finite=False)
         if self.kind == "reward_model" and not self.model_path:
             fail(c, "model_path", self.model_path, "a directory when kind='reward_model'")
         if self.kind == "custom" and (not self.function or self.function.count(":") != 1):
