@@ -44,7 +44,7 @@ from flax import nnx
 from rljax.models import ValueModel
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
-from rljax.run.preemption import StopSignal, save_interrupted, stop_saved
+from rljax.run.preemption import StopSignal, save_interrupted, save_step
 from rljax.run.profiling import StepProfiler, parse_profile_steps
 from rljax.run.report import Progress, format_summary
 from rljax.run.run_dir import RunDir, is_local
@@ -315,14 +315,8 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop):
             rd.log(done, metrics)
             if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
                 bar.update(done, metrics)
-            if held.hit:  # Ctrl-C during the step: saved below as this step
-                raise KeyboardInterrupt
-            if done < cfg.rl.steps and stop.reached(done):  # before orbax's own check
-                stop_saved(ck, done, state, _meta(cfg, rd, state, "preempted", acc_before), out,
-                           stop.cause)
-            last = done == cfg.rl.steps  # the final state: saved as soon as it exists
-            ck.save(done, state, _meta(cfg, rd, state, "done" if last else "rl", acc_before),
-                    force=last)
+            save_step(ck, done, cfg.rl.steps, state,
+                      lambda phase: _meta(cfg, rd, state, phase, acc_before), stop, held)
     except KeyboardInterrupt:  # keep what was learned
         save_interrupted(ck, int(state.step), state,
                          _meta(cfg, rd, state, "interrupted", acc_before), out)

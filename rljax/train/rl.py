@@ -173,7 +173,7 @@ class RLTrainer:
                                  accuracy_fn=accuracy_fn, mesh=mesh, reward_pool=reward_pool,
                                  reward_timeout_s=reward_timeout_s,
                                  prompt_multiple=prompt_multiple)
-        total = max(rl.steps * algorithm.num_epochs * algorithm.num_minibatches, 1)
+        total = rl.steps * algorithm.num_epochs * algorithm.num_minibatches
         self.base_spec = StepSpec(
             algorithm.spec(), self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
             sampling.temperature, sampling.max_new_tokens, overlong, policy_graphdef,
