@@ -59,6 +59,9 @@ def test_unmodified_copy_keeps_every_contract(tmp_path, lint_available):
     ("rljax/rewards/answers.py", "import rljax.sharding  # noqa",
      "Leaves: rewards and data import only rljax.objectives",
      "rljax.rewards.answers -> rljax.sharding"),
+    # Environments are host side: no device code, though sampling is below them.
+    ("rljax/envs/tools.py", "import rljax.sampling  # noqa", "Environments are host side",
+     "rljax.envs.tools -> rljax.sampling"),
 ])
 def test_added_import_breaks_the_named_contract(tmp_path, lint_available, module, line,
                                                 contract, edge):

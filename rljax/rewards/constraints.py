@@ -16,7 +16,8 @@ import json
 import re
 from typing import Any, Mapping, Protocol, runtime_checkable
 
-from rljax.rewards.limits import MAX_CONSTRAINT_CHARS, MAX_JSON_CHARS, MAX_JSON_DEPTH
+from rljax.rewards.limits import (MAX_CONSTRAINT_CHARS, MAX_JSON_CHARS, MAX_JSON_DEPTH,
+                                  json_depth_ok)
 
 
 @runtime_checkable
@@ -190,28 +191,6 @@ class EndsWith:
         return t is not None and t.rstrip().endswith(self.phrase.strip())
 
 
-def _json_depth_ok(s: str, max_depth: int) -> bool:
-    """Bracket depth outside strings stays <= max_depth (one linear pass)."""
-    depth, in_str, esc = 0, False, False
-    for c in s:
-        if in_str:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c in "[{":
-            depth += 1
-            if depth > max_depth:
-                return False
-        elif c in "]}":
-            depth -= 1
-    return True
-
-
 def _strip_fence(s: str) -> str:
     s = s.strip()
     if s.startswith("```") and s.endswith("```") and len(s) >= 6:
@@ -242,7 +221,7 @@ class ValidJson:
         if not isinstance(text, str) or len(text) > self.max_chars:
             return False
         s = _strip_fence(text)
-        if not s or not _json_depth_ok(s, self.max_depth):
+        if not s or not json_depth_ok(s, self.max_depth):
             return False
         try:
             json.loads(s)

@@ -28,3 +28,26 @@ MAX_CONSTRAINT_CHARS = 2_000_000
 # JSON output check: size and nesting bounds before json.loads is called.
 MAX_JSON_CHARS = 200_000
 MAX_JSON_DEPTH = 64
+
+
+def json_depth_ok(text: str, max_depth: int) -> bool:
+    """Whether the bracket nesting of `text` outside JSON strings stays <= `max_depth`:
+    one linear pass, run before `json.loads` so deep nesting never reaches its recursion."""
+    depth, in_str, esc = 0, False, False
+    for c in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "[{":
+            depth += 1
+            if depth > max_depth:
+                return False
+        elif c in "]}":
+            depth -= 1
+    return True

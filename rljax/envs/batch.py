@@ -1,0 +1,246 @@
+"""`EnvBatch`: drives the environments of one process's rows, a turn at a time.
+
+The rollout (not wired yet: issue 43's rollout integration) calls it per turn:
+
+    envs = EnvBatch(ArithmeticToolEnv, encode=tokenizer.encode, limits=..., pool=pool)
+    first = envs.reset(own_rows_metadata)       # observations + their ids, per row
+    while not all_done_on_every_process:
+        texts = decode(the turn's new tokens of own rows)
+        out = envs.step(texts, model_tokens=the turn's token counts)
+        # out.observation_ids[i]: ids to append for row i (loss mask 0); out.done_B ...
+
+Each process drives only its own rows; nothing here touches JAX. `BatchStep.all_done` is
+this process's flag: the rollout must agree on it across processes (e.g. reduce
+`done_B` in its program) so every process ends the turn loop together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from rljax.envs.protocol import EnvLimits, StepResult, episode_return
+from rljax.envs.tools import ToolResult, run_tool_calls
+from rljax.rewards import RewardPool
+
+__all__ = ["EnvBatch", "BatchStep", "EnvError", "TRUNCATIONS"]
+
+TRUNCATIONS = ("max_turns", "obs_tokens", "total_tokens")
+
+
+class EnvError(RuntimeError):
+    """An environment broke its contract (raised, or returned a bad value); names the row."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchStep:
+    """One turn's answers for the process's B rows.
+
+    `observations`: text per row ("" for rows that are done); `observation_ids`: their
+    token ids from `encode` (empty for done rows): what the rollout appends; `rewards_B`
+    float32 (this turn's reward; 0 for rows already done); `done_B`, `truncated_B` bool;
+    `all_done`: every row of this process is done.
+    """
+
+    observations: list[str]
+    observation_ids: list[list[int]]
+    rewards_B: np.ndarray
+    done_B: np.ndarray
+    truncated_B: np.ndarray
+
+    @property
+    def all_done(self) -> bool:
+        """Whether every row of this process is done (agree on it across processes)."""
+        return bool(self.done_B.all())
+
+
+@dataclasses.dataclass
+class _Row:
+    """One row's episode state and its counters."""
+
+    env: Any
+    rewards: list[float] = dataclasses.field(default_factory=list)
+    turns: int = 0
+    tokens: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    done: bool = False
+    truncated: str | None = None
+    env_s: float = 0.0
+    tool_s: float = 0.0
+
+
+class EnvBatch:
+    """The environments of one process's rows, stepped together.
+
+    Args:
+      make_env: called with no arguments once per row at `reset` (a class, or a
+        `functools.partial`); returns an `Environment`.
+      encode: `text -> token ids` (a tokenizer's `encode` without special tokens): counts
+        the token budgets and gives the observations' ids.
+      limits: `EnvLimits`.
+      pool: a `rljax.rewards.RewardPool` for tool calls; required when an environment
+        has tools (`tool_calls`). Keep one open across steps.
+    """
+
+    def __init__(self, make_env: Callable[[], Any], encode: Callable[[str], Sequence[int]],
+                 limits: EnvLimits = EnvLimits(), pool: RewardPool | None = None):
+        if not callable(make_env) or not callable(encode):
+            raise TypeError("EnvBatch: make_env and encode must be callables (make_env() -> "
+                            "an Environment, encode(text) -> token ids)")
+        if not isinstance(limits, EnvLimits):
+            raise TypeError(f"EnvBatch.limits must be an EnvLimits, got {type(limits).__name__}")
+        self.make_env, self.encode, self.limits, self.pool = make_env, encode, limits, pool
+        self._rows: list[_Row] = []
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _ids(self, text: str) -> list[int]:
+        return [int(t) for t in self.encode(text)]
+
+    def reset(self, metadata: Sequence[Mapping[str, Any]]) -> BatchStep:
+        """Start one episode per row of `metadata` (this process's rows, in order); the
+        first observations (the prompts) and their ids. A prompt over
+        `max_total_tokens` ends its row at once, truncated."""
+        self._rows = []
+        obs, ids = [], []
+        for i, meta in enumerate(metadata):
+            row = _Row(self.make_env())
+            if hasattr(row.env, "tool_calls") and self.pool is None:
+                raise ValueError(f"EnvBatch: row {i}'s environment has tools but no pool was "
+                                 "given; pass pool=rljax.rewards.RewardPool(...)")
+            t0 = time.perf_counter()
+            text = row.env.reset(meta)
+            row.env_s += time.perf_counter() - t0
+            if not isinstance(text, str):
+                raise EnvError(f"row {i}: {type(row.env).__name__}.reset returned a "
+                               f"{type(text).__name__}, not a str")
+            row_ids = self._ids(text)
+            row.tokens = len(row_ids)
+            if row.tokens > self.limits.max_total_tokens:
+                row.done, row.truncated, text, row_ids = True, "total_tokens", "", []
+            self._rows.append(row)
+            obs.append(text)
+            ids.append(row_ids)
+        return self._answer(obs, ids, [0.0] * len(self._rows))
+
+    def _answer(self, obs: list[str], ids: list[list[int]], rewards: list[float]) -> BatchStep:
+        return BatchStep(obs, ids, np.asarray(rewards, np.float32),
+                         np.array([r.done for r in self._rows], bool),
+                         np.array([r.truncated is not None for r in self._rows], bool))
+
+    def _run_tools(self, texts: Sequence[str], active: list[int]) -> dict[int, list[ToolResult]]:
+        """Parse every active row's calls; run them all in the pool at once."""
+        calls, owner = [], []
+        for i in active:
+            row = self._rows[i]
+            if not hasattr(row.env, "tool_calls"):
+                continue
+            t0 = time.perf_counter()
+            parsed = row.env.tool_calls(texts[i])
+            row.env_s += time.perf_counter() - t0
+            calls += [(row.env.tools, c) for c in parsed]
+            owner += [i] * len(parsed)
+        if not calls:
+            return {}
+        t0 = time.perf_counter()
+        results = run_tool_calls(self.pool, calls, timeout_s=self.limits.tool_timeout_s,
+                                 max_result_chars=self.limits.max_tool_result_chars,
+                                 max_error_chars=self.limits.max_tool_error_chars)
+        seconds = time.perf_counter() - t0
+        per_row: dict[int, list[ToolResult]] = {}
+        for i, r in zip(owner, results):
+            per_row.setdefault(i, []).append(r)
+        for i, rs in per_row.items():
+            self._rows[i].tool_calls += len(rs)
+            self._rows[i].tool_errors += sum(not r.ok for r in rs)
+            self._rows[i].tool_s += seconds
+        return per_row
+
+    def step(self, model_texts: Sequence[str], model_tokens: Sequence[int] | None = None
+             ) -> BatchStep:
+        """One model turn for every row (texts of rows already done are ignored).
+
+        `model_tokens[i]`: how many tokens the model drew for row i this turn (counted
+        with `encode` when None). Runs the rows' tool calls, steps each environment, and
+        applies the limits in order: the environment's own `done`, then `max_turns`,
+        `max_obs_tokens`, `max_total_tokens`.
+        """
+        B = len(self._rows)
+        if len(model_texts) != B or (model_tokens is not None and len(model_tokens) != B):
+            raise ValueError(f"EnvBatch.step: {B} rows, got {len(model_texts)} texts"
+                             + ("" if model_tokens is None else f", {len(model_tokens)} counts"))
+        active = [i for i in range(B) if not self._rows[i].done]
+        tool_results = self._run_tools(model_texts, active)
+        obs, ids, rewards = [""] * B, [[] for _ in range(B)], [0.0] * B
+        for i in active:
+            n = len(self._ids(model_texts[i])) if model_tokens is None else int(model_tokens[i])
+            obs[i], ids[i], rewards[i] = self._step_row(i, model_texts[i], n,
+                                                        tool_results.get(i, []))
+        return self._answer(obs, ids, rewards)
+
+    def _step_row(self, i: int, text: str, n_model: int, results: list[ToolResult]
+                  ) -> tuple[str, list[int], float]:
+        row = self._rows[i]
+        t0 = time.perf_counter()
+        try:
+            res = row.env.step(text, results)
+        except Exception as e:
+            raise EnvError(f"row {i}: {type(row.env).__name__}.step raised "
+                           f"{type(e).__name__}: {e}"[:2000]) from e
+        row.env_s += time.perf_counter() - t0
+        if not isinstance(res, StepResult) or not isinstance(res.observation, str):
+            raise EnvError(f"row {i}: {type(row.env).__name__}.step must return a StepResult "
+                           f"with a str observation, got {res!r}"[:500])
+        reward = float(res.reward)
+        if not math.isfinite(reward):
+            raise EnvError(f"row {i}: {type(row.env).__name__}.step returned reward {reward}")
+        row.turns += 1
+        row.tokens += n_model
+        row.rewards.append(reward)
+        if res.done:
+            row.done = True
+            return "", [], reward
+        obs_ids = self._ids(res.observation)
+        cut = ("max_turns" if row.turns >= self.limits.max_turns else
+               "obs_tokens" if len(obs_ids) > self.limits.max_obs_tokens else
+               "total_tokens" if row.tokens + len(obs_ids) >= self.limits.max_total_tokens
+               else None)
+        if cut:
+            row.done, row.truncated = True, cut
+            return "", [], reward
+        row.tokens += len(obs_ids)
+        return res.observation, obs_ids, reward
+
+    def returns_B(self, mode: str = "sum", gamma: float = 1.0) -> np.ndarray:
+        """float32[B]: each row's episode return (`rljax.envs.episode_return`)."""
+        return np.array([episode_return(r.rewards, mode, gamma) for r in self._rows], np.float32)
+
+    def info(self, i: int) -> dict[str, Any]:
+        """Row i's episode so far: `turns`, `tool_calls`, `tool_errors`, `truncated` (None
+        or one of `TRUNCATIONS`), `done`, `tokens` (counted toward the total),
+        `rewards` (per turn), `env_s` (seconds in its environment's methods), `tool_s`
+        (wall seconds of the tool batches its calls ran in)."""
+        r = self._rows[i]
+        return {"turns": r.turns, "tool_calls": r.tool_calls, "tool_errors": r.tool_errors,
+                "truncated": r.truncated, "done": r.done, "tokens": r.tokens,
+                "rewards": list(r.rewards), "env_s": r.env_s, "tool_s": r.tool_s}
+
+    def metrics(self) -> dict[str, tuple[float, int]]:
+        """Episode metrics as `(sum, count)` over this process's rows, so processes add
+        sums and counts and divide once: `env/turns`, `env/tool_calls`,
+        `env/tool_errors`, `env/truncated`, `env/env_s`, `env/tool_s`, `env/return`."""
+        n = len(self._rows)
+        sums = {"env/turns": sum(r.turns for r in self._rows),
+                "env/tool_calls": sum(r.tool_calls for r in self._rows),
+                "env/tool_errors": sum(r.tool_errors for r in self._rows),
+                "env/truncated": sum(r.truncated is not None for r in self._rows),
+                "env/env_s": sum(r.env_s for r in self._rows),
+                "env/tool_s": sum(r.tool_s for r in self._rows),
+                "env/return": float(self.returns_B().sum()) if n else 0.0}
+        return {k: (float(v), n) for k, v in sums.items()}
