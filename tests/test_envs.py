@@ -3,6 +3,8 @@ text, tools in worker processes (hang, raise, 10 MB, wrong type), the calculator
 aggregation, and a scripted multi-turn episode end to end. No JAX program runs here."""
 
 import json
+import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -325,6 +327,17 @@ def test_scripted_arithmetic_episode_end_to_end(pool):
     control = EnvBatch(lambda: ArithmeticToolEnv(tools=ToolRegistry()), encode, limits, pool=pool)
     control.reset(rows[:1])
     assert "there is no tool 'calculator'" in control.step(turn1[:1]).observations[0]
+
+
+def test_the_guides_example_runs(tmp_path):
+    guide = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "environments.md").read_text()
+    example = guide.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "example.py").write_text(example)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, str(tmp_path / "example.py")], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("True [1. 0.] 1"), out.stdout
 
 
 def test_envs_import_no_jax():
