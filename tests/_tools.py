@@ -1,6 +1,7 @@
 """Hostile tools that tests/test_envs.py runs in reward worker processes: a module of
 their own, standard library only, so a worker loads it in a fraction of a second."""
 
+import os
 import time
 
 
@@ -59,3 +60,12 @@ class Echo(_Tool):
 
     def __call__(self, arguments):
         return str(arguments.get("text", ""))
+
+
+class Exit(_Tool):
+    """Kills its own worker process."""
+
+    name = "exit"
+
+    def __call__(self, arguments):
+        os._exit(3)

@@ -36,6 +36,15 @@ class EnvError(RuntimeError):
     """An environment broke its contract (raised, or returned a bad value); names the row."""
 
 
+def _call(i: int, env: Any, method: str, *args: Any) -> Any:
+    """`env.method(*args)`; an exception becomes an `EnvError` naming row `i`."""
+    try:
+        return getattr(env, method)(*args)
+    except Exception as e:
+        raise EnvError(f"row {i}: {type(env).__name__}.{method} raised "
+                       f"{type(e).__name__}: {e}"[:2000]) from e
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchStep:
     """One turn's answers for the process's B rows.
@@ -115,7 +124,7 @@ class EnvBatch:
                 raise ValueError(f"EnvBatch: row {i}'s environment has tools but no pool was "
                                  "given; pass pool=rljax.rewards.RewardPool(...)")
             t0 = time.perf_counter()
-            text = row.env.reset(meta)
+            text = _call(i, row.env, "reset", meta)
             row.env_s += time.perf_counter() - t0
             if not isinstance(text, str):
                 raise EnvError(f"row {i}: {type(row.env).__name__}.reset returned a "
@@ -142,7 +151,7 @@ class EnvBatch:
             if not hasattr(row.env, "tool_calls"):
                 continue
             t0 = time.perf_counter()
-            parsed = row.env.tool_calls(texts[i])
+            parsed = _call(i, row.env, "tool_calls", texts[i])
             row.env_s += time.perf_counter() - t0
             calls += [(row.env.tools, c) for c in parsed]
             owner += [i] * len(parsed)
@@ -176,6 +185,10 @@ class EnvBatch:
             raise ValueError(f"EnvBatch.step: {B} rows, got {len(model_texts)} texts"
                              + ("" if model_tokens is None else f", {len(model_tokens)} counts"))
         active = [i for i in range(B) if not self._rows[i].done]
+        for i in active:
+            if not isinstance(model_texts[i], str):
+                raise ValueError(f"EnvBatch.step: row {i} is not done, so its model text must "
+                                 f"be a str, got a {type(model_texts[i]).__name__}")
         tool_results = self._run_tools(model_texts, active)
         obs, ids, rewards = [""] * B, [[] for _ in range(B)], [0.0] * B
         for i in active:
@@ -188,15 +201,12 @@ class EnvBatch:
                   ) -> tuple[str, list[int], float]:
         row = self._rows[i]
         t0 = time.perf_counter()
-        try:
-            res = row.env.step(text, results)
-        except Exception as e:
-            raise EnvError(f"row {i}: {type(row.env).__name__}.step raised "
-                           f"{type(e).__name__}: {e}"[:2000]) from e
+        res = _call(i, row.env, "step", text, results)
         row.env_s += time.perf_counter() - t0
-        if not isinstance(res, StepResult) or not isinstance(res.observation, str):
+        if not isinstance(res, StepResult) or not isinstance(res.observation, str) \
+                or isinstance(res.reward, bool) or not isinstance(res.reward, (int, float)):
             raise EnvError(f"row {i}: {type(row.env).__name__}.step must return a StepResult "
-                           f"with a str observation, got {res!r}"[:500])
+                           f"with a str observation and a float reward, got {res!r}"[:500])
         reward = float(res.reward)
         if not math.isfinite(reward):
             raise EnvError(f"row {i}: {type(row.env).__name__}.step returned reward {reward}")

@@ -14,7 +14,7 @@ raises on model text: every problem becomes a `ToolCallError` in the result list
 order the calls appear, so the environment can answer it as an observation. Work is
 linear in the text: `str.find` scans over at most `ToolFormat.max_text_chars`
 characters, and `json.loads` runs only on bodies under `max_call_chars` whose bracket
-nesting is under `max_depth`.
+nesting is under `max_depth`. NaN, infinities and floats that overflow (`1e999`) are refused.
 """
 
 from __future__ import annotations
@@ -101,6 +101,18 @@ def _reject_constant(value: str) -> Any:
     raise ValueError(f"{value} is not allowed in a tool call")
 
 
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if v in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:20]} is out of range")
+    return v
+
+
+def _loads(text: str) -> Any:
+    """`json.loads` refusing NaN, infinities and numbers that overflow a float."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def _decode(body: str, fmt: ToolFormat) -> ParsedCall:
     """One call's body -> a `ToolCall`, or a `ToolCallError` saying what is wrong."""
     if len(body) > fmt.max_call_chars:
@@ -109,7 +121,7 @@ def _decode(body: str, fmt: ToolFormat) -> ParsedCall:
     if not json_depth_ok(body, fmt.max_depth):
         return ToolCallError(f"the tool call's JSON nests deeper than {fmt.max_depth} levels")
     try:
-        obj = json.loads(body, parse_constant=_reject_constant)
+        obj = _loads(body)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, huge ints, NaN
         return ToolCallError(f"the tool call is not valid JSON ({str(e)[:200]})")
     if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
@@ -123,7 +135,7 @@ def _decode(body: str, fmt: ToolFormat) -> ParsedCall:
                              f'or ".", got {str(name)[:80]!r}')
     if isinstance(args, str):
         try:
-            args = json.loads(args, parse_constant=_reject_constant)
+            args = _loads(args)
         except (ValueError, RecursionError):
             args = None
     if not isinstance(args, dict):

@@ -92,13 +92,16 @@ class EnvLimits:
       max_tool_result_chars: characters of one tool result; a longer result is a
         `too_large` error.
       max_tool_error_chars: characters of one tool error message shown to the model.
+
+    A turn's observation holds up to `ToolFormat.max_calls` results: keep their tokens
+    under `max_obs_tokens`, or a turn of full-size results ends its row.
     """
 
     max_turns: int = 4
-    max_obs_tokens: int = 256
+    max_obs_tokens: int = 512
     max_total_tokens: int = 2048
     tool_timeout_s: float = 5.0
-    max_tool_result_chars: int = 2_000
+    max_tool_result_chars: int = 1_000
     max_tool_error_chars: int = 300
 
     def __post_init__(self):

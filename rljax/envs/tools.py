@@ -98,6 +98,10 @@ class ToolResult:
     kind: str | None = None
     seconds: float = 0.0
 
+    def to_message(self) -> dict[str, Any]:
+        """The result as an HF chat message: `{"role": "tool", "name", "content"}`."""
+        return {"role": "tool", "name": self.name, "content": self.content}
+
 
 def truncate_text(text: str, max_chars: int) -> str:
     """`text` cut to at most `max_chars` characters, marked `...[truncated N chars]`."""
