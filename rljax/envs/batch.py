@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from rljax.envs.protocol import EnvLimits, StepResult, episode_return
-from rljax.envs.tools import ToolResult, run_tool_calls
+from rljax.envs.tools import ToolRegistry, ToolResult, run_tool_calls
 from rljax.rewards import RewardPool
 
 __all__ = ["EnvBatch", "BatchStep", "EnvError", "TRUNCATIONS"]
@@ -120,9 +120,13 @@ class EnvBatch:
         obs, ids = [], []
         for i, meta in enumerate(metadata):
             row = _Row(self.make_env())
-            if hasattr(row.env, "tool_calls") and self.pool is None:
-                raise ValueError(f"EnvBatch: row {i}'s environment has tools but no pool was "
-                                 "given; pass pool=rljax.rewards.RewardPool(...)")
+            if hasattr(row.env, "tool_calls"):
+                if not isinstance(getattr(row.env, "tools", None), ToolRegistry):
+                    raise EnvError(f"row {i}: {type(row.env).__name__} has tool_calls but its "
+                                   "`tools` is not a ToolRegistry")
+                if self.pool is None:
+                    raise ValueError(f"EnvBatch: row {i}'s environment has tools but no pool "
+                                     "was given; pass pool=rljax.rewards.RewardPool(...)")
             t0 = time.perf_counter()
             text = _call(i, row.env, "reset", meta)
             row.env_s += time.perf_counter() - t0
@@ -232,7 +236,8 @@ class EnvBatch:
         return np.array([episode_return(r.rewards, mode, gamma) for r in self._rows], np.float32)
 
     def info(self, i: int) -> dict[str, Any]:
-        """Row i's episode so far: `turns`, `tool_calls`, `tool_errors`, `truncated` (None
+        """Row i's episode so far: `turns`, `tool_calls` (calls parsed, unreadable ones
+        included), `tool_errors` (calls that did not return a result), `truncated` (None
         or one of `TRUNCATIONS`), `done`, `tokens` (counted toward the total),
         `rewards` (per turn), `env_s` (seconds in its environment's methods), `tool_s`
         (wall seconds of the tool batches its calls ran in)."""

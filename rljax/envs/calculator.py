@@ -81,14 +81,16 @@ def _show(v: Fraction) -> str:
     if v.denominator == 1:
         return str(v.numerator)
     try:
-        return format(float(v), ".15g")
+        f = float(v)
     except OverflowError:
-        return f"{v.numerator}/{v.denominator}"
+        f = 0.0
+    return format(f, ".15g") if f else f"{v.numerator}/{v.denominator}"
 
 
 def calculate(expression: object) -> str:
     """The value of an arithmetic expression, as text: an integer exactly (`"56088"`),
-    otherwise a decimal to 15 significant digits (`"0.333333333333333"`).
+    otherwise a decimal to 15 significant digits (`"0.333333333333333"`), or `"a/b"`
+    where a float cannot hold it.
 
     Raises `CalculatorError` for anything else (a non-string, text over
     `MAX_EXPRESSION_CHARS`, a syntax error, a name or call, division by zero, a value
