@@ -77,6 +77,7 @@ def test_limits_end_rows_and_mark_them_truncated():
             {"prompt": "p" * 41, "script": []}]                            # prompt too long
     envs = EnvBatch(Scripted, encode, limits)
     first = envs.reset(rows)
+    assert envs.stop_strings == ()
     assert first.done_B.tolist() == [False] * 4 + [True]
     assert first.observation_ids[0] == encode("p") and first.observations[4] == ""
     for turn in range(3):
@@ -329,6 +330,7 @@ def test_scripted_arithmetic_episode_end_to_end(pool):
     limits = EnvLimits(max_turns=3, max_obs_tokens=200, max_total_tokens=1000)
     envs = EnvBatch(ArithmeticToolEnv, encode, limits, pool=pool)
     first = envs.reset(rows)
+    assert envs.stop_strings == ("</tool_call>", "</answer>")
     assert f"Solve {a}*{b}." in first.observations[0] and "<tool_call>" in first.observations[0]
     turn1 = [f"I will compute it. {call('calculator', expression=f'{a} * {b}')}",
              f"<answer>{rows[1]['answer']}</answer>",              # right without the tool

@@ -51,6 +51,11 @@ class ArithmeticToolEnv(ToolEnv):
         self.tool_format, self.answer_format = tool_format, answer
         self.answer: str | None = None
 
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """A turn ends at a tool call's close or the answer's close."""
+        return (self.tool_format.call_close, self.answer_format.answer_close)
+
     def reset(self, metadata: Mapping[str, Any]) -> str:
         """The instruction for `metadata["prompt"]`; remembers `metadata["answer"]`."""
         for key in ("prompt", "answer"):

@@ -109,6 +109,15 @@ class EnvBatch:
     def __len__(self) -> int:
         return len(self._rows)
 
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The rows' `stop_strings`, each once, in first-seen order: where the rollout
+        should end a model turn (besides the stop tokens). Empty before `reset`."""
+        seen: dict[str, None] = {}
+        for r in self._rows:
+            seen.update(dict.fromkeys(getattr(r.env, "stop_strings", ())))
+        return tuple(seen)
+
     def _ids(self, text: str) -> list[int]:
         return [int(t) for t in self.encode(text)]
 

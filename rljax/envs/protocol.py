@@ -5,7 +5,8 @@ An environment holds one row's episode. `reset(metadata)` returns the first obse
 `StepResult` (the next observation, this turn's reward, whether the episode is over).
 An environment that offers tools has a `tools` registry and a `tool_calls(model_text)`
 method (`ToolEnv` gives both); `rljax.envs.EnvBatch` then runs the calls of all its rows
-in a worker pool and hands each row its results in `step`.
+in a worker pool and hands each row its results in `step`. An optional `stop_strings`
+attribute names the text that ends a model turn (`EnvBatch.stop_strings` collects them).
 
 Rewards are per turn. A trajectory-level task returns 0 until its last step; the
 episode's return is then that reward whatever the aggregation. `episode_return` sums the
@@ -59,6 +60,11 @@ class ToolEnv:
 
     tools: ToolRegistry = ToolRegistry()
     tool_format: ToolFormat = ToolFormat()
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """Text that ends a model turn (kept in the turn): the close of a tool call."""
+        return (self.tool_format.call_close,)
 
     def tool_calls(self, model_text: str) -> list[ParsedCall]:
         """The calls in `model_text` (`rljax.envs.parse_tool_calls` with `tool_format`)."""
