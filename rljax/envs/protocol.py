@@ -8,8 +8,9 @@ method (`ToolEnv` gives both); `rljax.envs.EnvBatch` then runs the calls of all 
 in a worker pool and hands each row its results in `step`. An optional `stop_strings`
 attribute names the text that ends a model turn (`EnvBatch.stop_strings` collects them).
 
-Rewards are per turn. A trajectory-level task returns 0 until its last step; the
-episode's return is then that reward whatever the aggregation. `episode_return` sums the
+Rewards are per turn. A trajectory-level task returns 0 until its last step; under
+`"sum"` the episode's return is then that reward, and `"discounted"` weighs it by
+`gamma^(T-1)` (a shorter episode earns more). `episode_return` sums the
 turn rewards (`"sum"`) or discounts them, `sum_t gamma^t r_t` with t counted from 0 at
 the first model turn (`"discounted"`); `returns_to_go` gives each turn its discounted
 reward-to-go, `G_t = sum_{k>=t} gamma^(k-t) r_k`, for per-turn credit.
