@@ -49,9 +49,13 @@ class Environment(Protocol):
     the row. `tool_results` holds one `ToolResult` per call parsed from `model_text` (in
     call order), empty for an environment without tools."""
 
-    def reset(self, metadata: Mapping[str, Any]) -> str: ...
+    def reset(self, metadata: Mapping[str, Any]) -> str:
+        """Start the row's episode from its metadata; the first observation (the prompt)."""
+        ...
 
-    def step(self, model_text: str, tool_results: Sequence[ToolResult] = ()) -> StepResult: ...
+    def step(self, model_text: str, tool_results: Sequence[ToolResult] = ()) -> StepResult:
+        """Answer one model turn (and the results of the calls it made)."""
+        ...
 
 
 class ToolEnv:
@@ -72,9 +76,11 @@ class ToolEnv:
         return parse_tool_calls(model_text, self.tool_format)
 
     def reset(self, metadata: Mapping[str, Any]) -> str:
+        """As `Environment.reset`; subclasses implement it."""
         raise NotImplementedError(f"{type(self).__name__}.reset")
 
     def step(self, model_text: str, tool_results: Sequence[ToolResult] = ()) -> StepResult:
+        """As `Environment.step`; subclasses implement it."""
         raise NotImplementedError(f"{type(self).__name__}.step")
 
 

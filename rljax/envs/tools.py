@@ -40,7 +40,9 @@ class Tool(Protocol):
     description: str
     parameters: Mapping[str, Any]
 
-    def __call__(self, arguments: Mapping[str, Any]) -> str: ...
+    def __call__(self, arguments: Mapping[str, Any]) -> str:
+        """The result text for `arguments` (the call's JSON object); raise to refuse."""
+        ...
 
 
 class ToolRegistry:
