@@ -153,9 +153,10 @@ def test_parser_reads_the_documented_forms():
     qwen = call("calculator", expression="12*34")
     hf = '<tool_call>{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}</tool_call>'
     openai = '<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}</tool_call>'
-    got = parse_tool_calls(f"think... {qwen} then {hf}{openai} done")
+    llama = '<tool_call>{"name": "f", "parameters": {"x": 3}}</tool_call>'
+    got = parse_tool_calls(f"think... {qwen} then {hf}{openai}{llama} done")
     assert got == [ToolCall("calculator", {"expression": "12*34"}), ToolCall("f", {"x": 1}),
-                   ToolCall("f", {"x": 2})]
+                   ToolCall("f", {"x": 2}), ToolCall("f", {"x": 3})]
     assert got[1].to_message() == {"type": "function", "function": {"name": "f",
                                                                     "arguments": {"x": 1}}}
     assert parse_tool_calls("no calls here") == [] and parse_tool_calls(None) == []
@@ -354,6 +355,34 @@ def test_scripted_arithmetic_episode_end_to_end(pool):
     control = EnvBatch(lambda: ArithmeticToolEnv(tools=ToolRegistry()), encode, limits, pool=pool)
     control.reset(rows[:1])
     assert "there is no tool 'calculator'" in control.step(turn1[:1]).observations[0]
+
+
+_turn_pieces = st.sampled_from([
+    call("calculator", expression="12*34"), call("calculator", expression="2**99999"),
+    call("calculator"), call("nope"), "<tool_call>", "</tool_call>", "<tool_call>{]</tool_call>",
+    "<answer>408</answer>", "<answer>", "</answer>", "<answer>12*34</answer>", "x" * 300, "é"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.lists(_turn_pieces, max_size=4).map("".join), min_size=3,
+                         max_size=3), min_size=1, max_size=4))
+def test_hostile_turns_keep_every_limit(pool, turns_TxB):
+    limits = EnvLimits(max_turns=3, max_obs_tokens=300, max_total_tokens=900,
+                       tool_timeout_s=5.0)
+    envs = EnvBatch(ArithmeticToolEnv, encode, limits, pool=pool)
+    out = envs.reset([{"prompt": "12*34=", "answer": "408"}] * 3)
+    for texts in turns_TxB:
+        was_done = out.done_B
+        out = envs.step(texts)
+        assert (out.done_B >= was_done).all() and not out.rewards_B[was_done].any()
+        assert out.observation_ids == [encode(o) for o in out.observations]
+        assert all(len(i) <= limits.max_obs_tokens for i in out.observation_ids)
+    for i in range(3):
+        info = envs.info(i)
+        assert info["turns"] <= limits.max_turns  # a row only passes the total by its last turn:
+        assert info["tokens"] < limits.max_total_tokens or info["done"]  # the rollout bounds it
+        assert set(info["rewards"]) <= {0.0, 1.0} and info["tool_errors"] <= info["tool_calls"]
+    assert ((envs.remaining_tokens_B() > 0) == ~out.done_B).all()
 
 
 def test_the_guides_example_runs_and_imports_no_jax(tmp_path):

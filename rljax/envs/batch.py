@@ -240,6 +240,13 @@ class EnvBatch:
         row.tokens += len(obs_ids)
         return res.observation, obs_ids, reward
 
+    def remaining_tokens_B(self) -> np.ndarray:
+        """int32[B]: tokens a live row's next model turn may take before it reaches
+        `max_total_tokens` (0 for rows that are done). The rollout bounds the turn's
+        decoding by it; a turn that passes it ends its row, truncated."""
+        return np.array([0 if r.done else self.limits.max_total_tokens - r.tokens
+                         for r in self._rows], np.int32)
+
     def returns_B(self, mode: str = "sum", gamma: float = 1.0) -> np.ndarray:
         """float32[B]: each row's episode return (`rljax.envs.episode_return`)."""
         return np.array([episode_return(r.rewards, mode, gamma) for r in self._rows], np.float32)

@@ -8,8 +8,9 @@ JSON inside is the shape Hugging Face chat templates use for a call (`{"name": .
     {"name": "calculator", "arguments": {"expression": "123 * 456"}}
     </tool_call>
 
-`{"type": "function", "function": {"name": ..., "arguments": ...}}` is accepted too, and
-`arguments` may be a JSON string holding the object (OpenAI's form). The parser never
+`{"type": "function", "function": {"name": ..., "arguments": ...}}` is accepted too,
+`arguments` may be a JSON string holding the object (OpenAI's form), and `parameters`
+stands for a missing `arguments` (Llama 3.1's JSON calls). The parser never
 raises on model text: every problem becomes a `ToolCallError` in the result list, in the
 order the calls appear, so the environment can answer it as an observation. Work is
 linear in the text: `str.find` scans over at most `ToolFormat.max_text_chars`
@@ -129,7 +130,7 @@ def _decode(body: str, fmt: ToolFormat) -> ParsedCall:
     if not isinstance(obj, dict):
         return ToolCallError('a tool call must be a JSON object {"name": ..., "arguments": '
                              f'{{...}}}}, got a JSON {type(obj).__name__}')
-    name, args = obj.get("name"), obj.get("arguments", {})
+    name, args = obj.get("name"), obj.get("arguments", obj.get("parameters", {}))
     if not valid_tool_name(name):
         return ToolCallError('a tool call needs "name": 1 to 64 letters, digits, "_", "-" '
                              f'or ".", got {str(name)[:80]!r}')
