@@ -92,7 +92,8 @@ class ToolRegistry:
 class ToolResult:
     """One call's outcome: `name` (the tool, "" when the call could not be read), `ok`,
     `content` (the result text, or the error message shown to the model), `kind` (None
-    when ok, else one of `ERROR_KINDS`) and `seconds` (its time in the worker pool)."""
+    when ok, else one of `ERROR_KINDS`) and `seconds` (wall time of the pool batch it ran
+    in; 0 for calls answered without a worker)."""
 
     name: str
     ok: bool
