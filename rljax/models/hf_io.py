@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
+from rljax.models.adapters import init_adapters
 from rljax.models.config import ModelConfig
 from rljax.models.decoder import Decoder
 from rljax.models.hf_config import config_from_hf, config_to_hf
@@ -175,20 +176,23 @@ def _parse_dtype(dtype) -> str:
 
 def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
                     mesh: Mesh | None = None, attention: str = "xla",
-                    scan_layers: bool = False, remat: str = "none") -> Decoder:
+                    scan_layers: bool = False, remat: str = "none", lora=None,
+                    lora_seed: int = 0) -> Decoder:
     """Load an HF Llama / Qwen2 / Qwen3 checkpoint folder as a `Decoder`.
 
     dtype: the compute dtype (parameters are always float32). mesh: when given, every
     tensor is placed straight to its sharding (per `rljax.sharding.LOGICAL_RULES`).
     attention: `ModelConfig.attention` ("xla" | "splash" | "cudnn"). scan_layers, remat:
-    as in `ModelConfig` (a scanned model stacks the per-layer HF tensors).
+    as in `ModelConfig` (a scanned model stacks the per-layer HF tensors). lora: a
+    `rljax.models.lora.LoraConfig` (or None): the base from the folder, fresh adapters
+    drawn from ``jax.random.key(lora_seed)`` (`rljax.models.adapters.init_adapters`).
     """
     path = pathlib.Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"from_pretrained: {path} is not a directory")
     config = config_from_hf(_read_config(path), compute_dtype=_parse_dtype(dtype),
                             attention=attention)
-    config = dataclasses.replace(config, scan_layers=scan_layers, remat=remat)
+    config = dataclasses.replace(config, scan_layers=scan_layers, remat=remat, lora=lora)
     tensors = _open_weights(path)
     wmap = weight_map(config)
     _check_names(wmap, tensors, config)
@@ -214,6 +218,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
             ours = stacks.pop(path)
         values[path] = targets[path].replace(_place(ours, sharding))
     state = nnx.from_flat_state(sorted(values.items()))
+    if config.lora is not None:
+        state = nnx.merge_state(state, init_adapters(config, jax.random.key(lora_seed), mesh))
     return nnx.merge(graphdef, state)
 
 

@@ -44,6 +44,7 @@ from rljax.train.learn import algorithms as alg
 from rljax.train.learn import ppo as ppo_lib
 from rljax.train.learn.logprobs import policy_logprobs
 from rljax.train.learn.micro import merge_micro, split_micro
+from rljax.train.learn.reference import reference_model
 from rljax.train.learn.update import make_update
 from rljax.train.rollout import Rollout
 
@@ -96,13 +97,15 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
     seqs = ro.seqs()
     mask_BxT = seqs["completion_mask_BxT"]
     g = spec.share_group
-    logp = functools.partial(policy_logprobs, policy_gd, chunk=spec.chunk,
-                             temperature=spec.temperature, group=g)
-    fwd = lambda p: _map_micro(lambda s: logp(p, s)[0], seqs, spec.num_micro, g)
+    logp = functools.partial(policy_logprobs, chunk=spec.chunk, temperature=spec.temperature,
+                             group=g)
+    fwd = lambda p, gd=policy_gd: _map_micro(lambda s: logp(gd, p, s)[0], seqs,
+                                             spec.num_micro, g)
     batch = dict(seqs, sampler_logp_BxT=ro.sampler_logp_BxT)
     extra: dict = {}
-    if spec.uses_ref:
-        batch["ref_logp_BxT"] = fwd(ref_params)
+    if spec.uses_ref:  # a LoRA policy's reference: its base, adapters off (no copy)
+        ref_gd, ref_p = reference_model(policy_gd, params["policy"], ref_params)
+        batch["ref_logp_BxT"] = fwd(ref_p, ref_gd)
     if teacher is not None:
         t_logp = functools.partial(policy_logprobs, teacher[0], chunk=spec.chunk,
                                    temperature=spec.temperature, group=g)
