@@ -370,6 +370,9 @@ class ExperimentConfig:
         if self.remat not in REMAT_POLICIES:
             _fail(c, "remat", self.remat, "one of " + ", ".join(map(repr, REMAT_POLICIES)))
         _check_str(c, "recipe", self.recipe, optional=True)
+        if self.lora.enabled and self.run.seeds > 1:
+            _fail(c, "lora.rank", self.lora.rank, "0 when run.seeds > 1 (LoRA trains one "
+                  "run: set run.seeds=1)")
 
     def policy_config(self, config: ModelConfig) -> ModelConfig:
         """``config`` (the run's model, random-init or read from `hf_path`) with this
