@@ -15,6 +15,7 @@ Tiny models throughout; every check is exact or at a stated float32 tolerance:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -163,6 +164,11 @@ def rl_run():
                    optim=OptimConfig(lr=1e-2, warmup_steps=1),
                    sampling=SamplingConfig(max_new_tokens=3),
                    rl=RLConfig(steps=2, prompts_per_step=4, logp_chunk=2), prompt_len=6)
+    bf16_ref = RLTrainer(gd, TOK, _reward, algorithm=tr.alg, optim=tr.optim,
+                         sampling=tr.sampling, prompt_len=6,
+                         rl=dataclasses.replace(tr.rl, ref_dtype="bfloat16"))
+    with pytest.raises(ValueError, match="a LoRA policy has none"):
+        bf16_ref.init_state(state, seed=0)  # no copy to store in bfloat16: not ignored
     ts = tr.init_state(state, seed=0)
     opt_leaves = len(jax.tree.leaves(ts.opt_state))
     new, metrics = tr.step(ts, _source)

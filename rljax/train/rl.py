@@ -241,6 +241,10 @@ class RLTrainer:
             params["value"] = value_params
         # With LoRA adapters the reference is the base, adapters off: no copy.
         copy = self.uses_ref and not has_adapters(policy_params)
+        if has_adapters(policy_params) and self.rl.ref_dtype != "float32":
+            raise ValueError(f"RLConfig.ref_dtype={self.rl.ref_dtype!r} sets a reference "
+                             "copy's dtype; a LoRA policy has none (its reference is its base, "
+                             "stored in the compute dtype): leave ref_dtype='float32'")
         ref = reference_copy(policy_params, self.rl.ref_dtype) if copy else None
         return new_train_state(params, init_opt_state(self.txs, params, self.mesh), seed,
                                ref_params=ref, kl_coef=self.alg.kl_coef, mesh=self.mesh)
