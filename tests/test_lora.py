@@ -2,7 +2,8 @@
 
 Tiny models throughout; every check is exact or at a stated float32 tolerance:
 - pairs = layers x matched projections, scanned and unscanned; the base equals the same
-  model's without adapters, leaf by leaf; B starts at zero; adapters are float32;
+  model's without adapters, leaf by leaf; B starts at zero; adapters are float32 and
+  split over the mesh by their weight's logical axes;
 - with A and B random and nonzero, the adapters' gradients equal autodiff of the dense
   reference W + (alpha / r) A B (1e-5);
 - checkpoints hold the adapters, their optimiser state and the step, resume bitwise, and
@@ -26,6 +27,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from _train_common import CharTok, random_seqs, tiny_config
 from rljax.cli import main
@@ -38,6 +40,7 @@ from rljax.run.experiment import ExperimentConfig, RunConfig
 from rljax.run.lora_runs import AdapterCheckpoints
 from rljax.run.overrides import apply_overrides
 from rljax.run.run_dir import RunDir
+from rljax.sharding import state_shardings
 from rljax.train.checkpoint import Checkpointer
 from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig
 from rljax.train.learn.logprobs import policy_logprobs
@@ -88,11 +91,11 @@ def test_config_validates_and_the_cli_sets_it():
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_pairs_per_layer_and_projection_and_an_unchanged_base(scan):
     targets = ("q", "o", "up", "down")
-    state = nnx.split(_model(scan, LoraConfig(rank=3, targets=targets), num_layers=3))[1]
-    plain_state = nnx.split(_model(scan, None, num_layers=3))[1]
-    assert count_pairs(state) == 3 * len(targets)  # layers x matched projections
+    state = nnx.split(_model(scan, LoraConfig(rank=3, targets=targets), num_layers=2))[1]
+    plain_state = nnx.split(_model(scan, None, num_layers=2))[1]
+    assert count_pairs(state) == 2 * len(targets)  # layers x matched projections
     abstract = lambda **kw: nnx.split(nnx.eval_shape(lambda: _model(scan, **kw)))[1]
-    assert count_pairs(abstract()) == 2 * len(PROJECTIONS)
+    assert count_pairs(abstract(num_layers=3)) == 3 * len(PROJECTIONS)
     adapters, base = split_trainable(state)
     assert jax.tree.structure(base) == jax.tree.structure(plain_state)
     for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(plain_state)):
@@ -103,6 +106,19 @@ def test_pairs_per_layer_and_projection_and_an_unchanged_base(scan):
             assert not np.any(var.get_value())  # B starts at zero (PEFT's init)
     assert all(v.get_value().dtype == jnp.float32 for _, v in
                nnx.to_flat_state(split_trainable(abstract(compute_dtype="bfloat16"))[0]))
+
+
+def test_adapters_are_placed_by_the_logical_rules(mesh8):
+    """Each adapter carries its weight's logical axes (the rank axis replicated), so
+    `rljax.sharding` splits it as the weight: q's A over fsdp (embed), its B over tensor
+    (heads); down's A over tensor (mlp), its B over fsdp; stacked layers keep L whole."""
+    abstract = nnx.split(nnx.eval_shape(lambda: _model(True)))[1]
+    sh = {p: v.get_value().spec for p, v in
+          nnx.to_flat_state(state_shardings(split_trainable(abstract)[0], mesh8))}
+    assert sh[("layers", "attn", "q_lora", "a")] == P(None, "fsdp", None)
+    assert sh[("layers", "attn", "q_lora", "b")] == P(None, None, "tensor", None)
+    assert sh[("layers", "mlp", "down_lora", "a")] == P(None, "tensor", None)
+    assert sh[("layers", "mlp", "down_lora", "b")] == P(None, None, "fsdp")
 
 
 def _merged_base(config: ModelConfig, base, adapters):
@@ -122,7 +138,8 @@ def test_adapter_gradients_match_the_dense_reference(scan=True):
     """d/dA, d/dB of the adapted model == autodiff of the loss of the plain model whose
     weights are W + (alpha / r) A B (A, B random and nonzero), float32, to 1e-5. Stacked
     layers (the adapters' `[L, ...]` layout; the unrolled one shares `dense`)."""
-    model = _model(scan, LoraConfig(rank=3, alpha=5.0, targets=("q", "k", "o", "gate", "down")),
+    # q (one contracted axis, split output), o (two contracted axes), down (the MLP).
+    model = _model(scan, LoraConfig(rank=3, alpha=5.0, targets=("q", "o", "down")),
                    num_layers=1)
     gd, state = nnx.split(model)
     adapters, base = split_trainable(_randomise_adapters(state, scale=0.05))
