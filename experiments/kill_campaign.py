@@ -79,9 +79,6 @@ EXPERIMENT = textwrap.dedent('''
 
     even_share = EvenShare()
 
-    def digits(completions, metadata):  # varies within groups: real updates every step
-        return np.array([sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions])
-
     def config():
         return ExperimentConfig(
             name="kill", sft=None,
@@ -89,12 +86,21 @@ EXPERIMENT = textwrap.dedent('''
                               num_layers=1, num_heads=2, num_kv_heads=1,
                               max_position_embeddings=32),
             task=TaskConfig(name="arithmetic", difficulty=1, max_prompt_tokens=8),
-            reward=RewardConfig(kind="custom", function="rljax_experiment_killexp:{reward}"),
+            reward=RewardConfig(kind="custom", function="{reward}"),
             algorithm=AlgorithmConfig(name="grpo", group_size=4), optim=OptimConfig(lr=3e-3),
             sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
             rl=RLConfig(steps={steps}, prompts_per_step=4, eval_prompts=4, logp_chunk=8),
             run=RunConfig(dir="runs/unset", save_every=1, keep=2, plots=False,
                           tensorboard=False, seeds={seeds}))
+''')
+# The host reward, in a module of its own beside the experiment: a reward worker imports
+# only numpy for it (from the experiment file, it would import JAX and the trainer, 3-4 s
+# per worker, paid again by every attempt).
+REWARDS = textwrap.dedent('''
+    import numpy as np
+
+    def digits(completions, metadata):  # varies within groups: real updates every step
+        return np.array([sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions])
 ''')
 
 
@@ -179,8 +185,9 @@ class Campaign:
         self.exp = root / "killexp.py"
         root.mkdir(parents=True, exist_ok=True)
         self.seeds = seeds
+        (root / "killrewards.py").write_text(REWARDS)  # found in the attempts' directory
         self.exp.write_text(EXPERIMENT.format(steps=self.steps, seeds=seeds, reward=(
-            "even_share" if seeds > 1 else "digits")))
+            "rljax_experiment_killexp:even_share" if seeds > 1 else "killrewards:digits")))
         self.records: list[dict] = []
         self.problems: dict[str, list[str]] = {}
         self.ref_rows: dict[int, dict] = {}

@@ -265,7 +265,7 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
         graphdef, spec, mesh, infer, head, s, cache).compile(), sampling_resident)
     # Reference log-probs over the batch (the learning program's first pass, alone).
     ro = _rollout(trainer, mesh, b, p, t)
-    spec_l = trainer.spec
+    spec_l = trainer.base_spec
     logp = jax.jit(lambda w, seqs: _map_micro(
         lambda mb: policy_logprobs(graphdef, w, mb, chunk=spec_l.chunk,
                                    temperature=spec_l.temperature)[0], seqs, spec_l.num_micro))

@@ -74,7 +74,8 @@ def _add_launch(p: argparse.ArgumentParser) -> None:
                         f"ends every process (default {HEARTBEAT_TIMEOUT_S})")
 
 
-def _add_seed(p: argparse.ArgumentParser) -> None:
+def _add_checkpoint(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
     p.add_argument("--seed", type=int, default=None, metavar="S",
                    help="which seed of a several-seed run (run.seeds > 1: one stacked "
                         "checkpoint) to use; default the run's first seed, run.seed")
@@ -103,8 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
     p.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default rl.eval_prompts)")
     p.add_argument("--k", type=int, default=1, help="samples per prompt for pass@k (default 1)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
-    _add_seed(p)
+    _add_checkpoint(p)
 
     p = sub.add_parser(
         "sample", help="generate completions (rljax.run.artifacts.sample_texts)",
@@ -126,13 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "assistant prefix from the run)")
     p.add_argument("--sampling-seed", type=int, default=0, metavar="N",
                    help="PRNG seed of the sampling (default 0)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
-    _add_seed(p)
+    _add_checkpoint(p)
 
     p = sub.add_parser("export", help="write a HF model folder (rljax.run.artifacts.export_hf)")
     p.add_argument("source", help="run directory (latest checkpoint) or HF model folder")
     p.add_argument("out_dir", help="output folder (must not exist or be empty; local or gs://)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of the written weights (default float32)")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
@@ -142,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapters", action="store_true",
                    help="a LoRA run: write its adapters as a PEFT folder (adapter_config.json "
                         "+ adapter_model.safetensors) instead of the merged weights")
-    _add_seed(p)
+    _add_checkpoint(p)
     _add_launch(p)
 
     p = sub.add_parser("plot", help="PNG plots of a run's metrics (rljax.run.plots.plot_metrics)")

@@ -82,28 +82,6 @@ EXPERIMENT = textwrap.dedent('''
 
     even_reward = EvenShare()  # a device reward: sample -> score -> learn is one program
 
-    def digit_reward(completions, metadata):
-        """Fraction of digits in each completion: varies within groups from step 1."""
-        return np.array([sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions])
-
-    def width_reward(completions, metadata):
-        """Short prompts score 1 (no signal: DAPO drops their groups); long prompts score
-        0, 1, 0, 1, ... within their group (rows of a group are contiguous)."""
-        return np.array([1.0 if m["answer"] == "short" else float(k % 2)
-                         for k, m in enumerate(metadata)])
-
-    class WidthTerms:
-        """width_reward, with two terms logged as reward/<term>: "width" (the reward) and
-        "digits" (digit_reward, weight 0): their means are over every process's rows and
-        every DAPO round (rljax.train.rollout.Rollouts.term_means)."""
-
-        def __call__(self, completions, metadata):
-            w = width_reward(completions, metadata)
-            self.last_components = {{"width": w, "digits": digit_reward(completions, metadata)}}
-            return w
-
-    width_terms = WidthTerms()
-
     def config():
         return ExperimentConfig(
             name="{name}",
@@ -111,7 +89,7 @@ EXPERIMENT = textwrap.dedent('''
                               num_layers=1, num_heads=2, num_kv_heads=1,
                               max_position_embeddings=64),
             task={task},
-            reward=RewardConfig(kind="custom", function="rljax_experiment_{name}:{reward}"),
+            reward=RewardConfig(kind="custom", function="{reward}"),
             algorithm=AlgorithmConfig({algorithm}),
             optim=OptimConfig(lr=3e-3),
             sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
@@ -138,15 +116,18 @@ def _env(devices: int) -> dict:
     env = dict(os.environ)
     env.update(JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+               # tests/: the runs' host rewards live in _verifiers (a light module for
+               # the reward workers to import)
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), str(REPO / "tests"),
+                                                        env.get("PYTHONPATH")])))
     return env
 
 
 def write_width_data(folder: pathlib.Path, n: int = 24, long_at=(4, 5, 6, 7),
                      run_seed: int = 0) -> None:
-    """train.jsonl / test.jsonl of sums, answers "short" / "long" (what width_reward
-    reads): short prompts have 3 terms (the 16-token bucket), long ones 12 (the 32
-    bucket). The training records are placed so that a run with `run_seed` draws long
+    """train.jsonl / test.jsonl of sums, answers "short" / "long" (what
+    `_verifiers.width_reward` reads): short prompts have 3 terms (the 16-token bucket),
+    long ones 12 (the 32 bucket). The training records are placed so that a run with `run_seed` draws long
     prompts exactly at positions `long_at` of its first epoch (file tasks visit records
     in `ShuffledIterator(records, seed=run.seed)` order): DAPO's step 1 then drops an
     all-short round and refills from a round with long prompts."""
@@ -172,13 +153,14 @@ class Scenario:
 
     def __init__(self, root: pathlib.Path, name: str, algorithm: str, prompts: int, *,
                  plots: bool = False, resume: bool = True, widths: bool = False,
-                 sft: str = "None", reward: str = "digit_reward"):
+                 sft: str = "None", reward: str = "_verifiers:digit_share"):
         self.root, self.name, self.plots, self.resume = root / name, name, plots, resume
         self.root.mkdir(parents=True)
         task = ARITHMETIC
         if widths:
             write_width_data(self.root / "data")
-            task, reward = WIDTHS.format(path=self.root / "data"), "width_terms"
+            task = WIDTHS.format(path=self.root / "data")
+            reward = "_verifiers:width_terms"
         self.exp = self.root / f"{name}.py"
         self.exp.write_text(EXPERIMENT.format(name=name, algorithm=algorithm, prompts=prompts,
                                               task=task, reward=reward, sft=sft))

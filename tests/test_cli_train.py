@@ -14,17 +14,21 @@ from rljax.cli import main
 from rljax.train.checkpoint import Checkpointer
 from rljax.run.run_dir import read_metrics
 
+# rljax is imported inside config(): a reward worker that imports this file for
+# digit_reward then loads numpy only, not JAX.
 EXPERIMENT = textwrap.dedent('''
     import numpy as np
-    from rljax.models import ModelConfig
-    from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig
-    from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
 
     def digit_reward(completions, metadata):
         """Fraction of digits in each completion: varies within groups from step 1."""
         return np.array([sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions])
 
     def config():
+        from rljax.models import ModelConfig
+        from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
+                                        SFTConfig)
+        from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
+
         return ExperimentConfig(
             name="tiny",
             model=ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64,

@@ -112,13 +112,11 @@ def test_the_resolved_paths_are_in_the_step_spec():
     base = RLConfig(steps=2, prompts_per_step=4, logp_chunk=2)
     tr = _trainer(base)
     assert tr.base_spec.paths == tr.paths and tr.base_spec.paths.notes == tr.paths.notes
-    assert tr.base_spec.learn.share_group == tr.paths.prompt_group == tr.share_group == 2
+    assert tr.base_spec.share_group == tr.paths.prompt_group == tr.share_group == 2
     two_pass = _trainer(dataclasses.replace(base, one_pass_head=False))
     assert two_pass.paths.head == "chunked" and two_pass.base_spec != tr.base_spec
     with pytest.raises(ValueError, match="one_pass_head=True was set explicitly"):
         _trainer(dataclasses.replace(base, one_pass_head=True), "gmpo")
-    with pytest.raises(ValueError, match="disagrees with paths.prompt_group"):
-        dataclasses.replace(tr.base_spec, paths=dataclasses.replace(tr.paths, prompt_group=1))
 
 
 def test_the_start_up_line_and_config_json_record_the_paths(tmp_path, monkeypatch, capsys):

@@ -99,12 +99,26 @@ def test_importing_rljax_and_logging_load_no_torch_or_plotting():
 
 
 def test_a_reward_worker_unpickling_a_task_verifier_imports_no_jax():
-    """`rljax.run.tasks` (the verifiers a reward worker process unpickles, e.g.
-    `check_arithmetic`) stays free of JAX: each worker's start-up is that import."""
-    probe = ("import sys\nimport rljax.run.tasks\nprint('jax' in sys.modules)\n"
-             "rljax.run.tasks.ArithmeticDeviceReward  # the control: the device reward loads JAX\n"
-             "print('jax' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+    """What a reward worker process unpickles for a run's accuracy (the `Verifier` that
+    `build_reward` makes, around e.g. `check_arithmetic`) loads no JAX: each worker's
+    start-up is that import (2-3 s with JAX, 0.3 s without), paid again by every run that
+    starts a pool and by every worker a time limit replaces."""
+    import base64
+    import pickle
+
+    from rljax.run.builders import build_reward
+    from rljax.run.experiment_files import load_experiment
+    from rljax.rewards.device import DeviceReward
+
+    _, verifier = build_reward(load_experiment("arithmetic_grpo", ["smoke=true"]))
+    probe = ("import base64, pickle, sys\n"
+             "for data in sys.argv[1:]:\n"
+             "    pickle.loads(base64.b64decode(data))\n"
+             "    print('jax' in sys.modules)\n")
+    # the control, unpickled second: the device rewards' class loads JAX
+    args = [base64.b64encode(pickle.dumps(x)).decode()
+            for x in (verifier, DeviceReward)]
+    out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True"], out.stdout

@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
     scenarios = {
         # A device reward: each step one program, sample -> score -> learn
         "grpo": mp.Scenario(root, "mp_grpo", 'name="grpo", group_size=4', prompts=4,
-                            plots=True, reward="even_reward"),
+                            plots=True, reward="rljax_experiment_mp_grpo:even_reward"),
         # 4 prompts x 4 samples, as GRPO: the same sampler programs
         "ppo": mp.Scenario(root, "mp_ppo", 'name="ppo", group_size=4, kl_coef=0.02, '
                            'num_epochs=2, num_minibatches=2', prompts=4,

@@ -50,13 +50,9 @@ HEARTBEAT_S = 10  # the kill run's --heartbeat-timeout: its worst case stays wel
 
 
 EXPERIMENT = textwrap.dedent(f'''
-    import numpy as np
     from rljax.models import ModelConfig
     from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig
     from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
-
-    def digits(completions, metadata):  # varies within groups from step 1
-        return np.array([sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions])
 
     def config():
         return ExperimentConfig(
@@ -64,7 +60,7 @@ EXPERIMENT = textwrap.dedent(f'''
             model=ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=1,
                               num_heads=2, num_kv_heads=1, max_position_embeddings=32),
             task=TaskConfig(name="arithmetic", difficulty=1, max_prompt_tokens=8),
-            reward=RewardConfig(kind="custom", function="rljax_experiment_preempt:digits"),
+            reward=RewardConfig(kind="custom", function="_verifiers:digit_share"),
             algorithm=AlgorithmConfig(name="grpo", group_size=4), optim=OptimConfig(lr=3e-3),
             sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
             rl=RLConfig(steps={STEPS}, prompts_per_step=4, eval_prompts=8, logp_chunk=8),

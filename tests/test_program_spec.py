@@ -187,7 +187,7 @@ def test_the_step_spec_has_no_name_field(algorithm):
     under names of one objective give one spec (one compiled program)."""
     spec = _trainer(dict(BASE, algorithm=algorithm), MODEL).base_spec
     paths = _field_paths(spec)
-    assert "learn.alg.loss" in paths
+    assert "alg.loss" in paths
     assert not [p for p in paths if p.rsplit(".", 1)[-1] == "name"], paths
     fields = {f: getattr(algorithm.resolve(), f) for f in AlgorithmConfig.PRESET_FIELDS}
     same = [n for n in ALGORITHMS if AlgorithmConfig(name=n).loss == algorithm.loss]

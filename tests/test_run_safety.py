@@ -96,12 +96,11 @@ def test_resume_true_needs_a_run_and_auto_starts_one(tmp_path):
         RunConfig(resume="yes")
 
 
+# rljax is imported inside config(): the reward worker that imports this file for
+# hangs_when_marked (again after each time limit) then loads numpy only, not JAX.
 EXPERIMENT = textwrap.dedent('''
     import os, pathlib, signal, time
     import numpy as np
-    from rljax.models import ModelConfig
-    from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig
-    from rljax.run.experiment import ExperimentConfig, RunConfig, TaskConfig
 
     def hangs_when_marked(completions, metadata):
         """The share of digits; once a file `hang` lies beside this one, it sends SIGTERM
@@ -113,6 +112,11 @@ EXPERIMENT = textwrap.dedent('''
         return np.array([sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions])
 
     def config():
+        from rljax.models import ModelConfig
+        from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
+                                        SFTConfig)
+        from rljax.run.experiment import ExperimentConfig, RunConfig, TaskConfig
+
         return ExperimentConfig(
             name="tiny_sft",
             model=ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64,

@@ -44,7 +44,7 @@ from rljax.run.lora_runs import restore_lora_policy
 from rljax.run.experiment import ExperimentConfig, config_from_dict
 from rljax.run.experiment_files import load_experiment
 from rljax.run.overrides import apply_overrides
-from rljax.run.run_dir import is_local
+from rljax.run.run_writers import is_local, run_path
 from rljax.run.user_reward import shared_reward_pool
 from rljax.rewards import score_batch
 from rljax.sampling import generate
@@ -55,16 +55,10 @@ from rljax.train.config import SamplingConfig
 __all__ = ["evaluate_source", "export_hf", "is_run_dir", "load_policy", "sample_texts"]
 
 
-def as_path(path: str | os.PathLike) -> epath.Path:
-    """A local path (made absolute) or a bucket URL such as gs://b/x, as an `epath.Path`."""
-    text = os.fspath(path)
-    return epath.Path(text if "://" in text else os.path.abspath(text))
-
-
 def is_run_dir(path: str | os.PathLike) -> bool:
     """True when `path` (local or gs://) is an rljax run directory (its config.json
     carries a config hash)."""
-    cfg = as_path(path) / "config.json"
+    cfg = run_path(path) / "config.json"
     if not cfg.is_file():
         return False
     try:
@@ -159,9 +153,9 @@ def restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = 
             raise ValueError(f"a checkpoint in {ck_dir} holds no params['policy'] of this "
                              f"run's model: {e}") from None
     policy = raw["params"]["policy"]
-    if num_seeds > 1:  # seed k of the stack is run.seed + k
+    if num_seeds > 1:  # seed k of the stack is run.seed + k (one program, not one a leaf)
         k = cfg.run.seed - full.run.seed
-        policy = jax.tree.map(lambda x: x[k], policy)
+        policy = jax.jit(lambda tree: jax.tree.map(lambda x: x[k], tree))(policy)
     return cfg, config, pure_params(policy), meta
 
 
@@ -233,7 +227,7 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
     processes every process must call this (each takes part in every tensor's gather);
     process 0 alone writes. `run_seed` picks the seed of a several-seed run (`load_policy`).
     """
-    out = as_path(out_dir)
+    out = run_path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"export: {out} exists and is not empty; choose a new folder")
     cfg = None
@@ -243,8 +237,8 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
         config, get = model.config, lambda spath: jax.device_get(flat[spath].get_value())
     else:
         mesh = make_mesh(MeshConfig()) if jax.device_count() > 1 else None
-        cfg, config, policy, _ = restore_policy(as_path(source), step, mesh, run_seed)
-        tokenizer = run_tokenizer(as_path(source), cfg)
+        cfg, config, policy, _ = restore_policy(run_path(source), step, mesh, run_seed)
+        tokenizer = run_tokenizer(run_path(source), cfg)
         get = lambda spath: multihost_utils.process_allgather(  # noqa: E731
             _leaf(policy, *state_location(config, spath)), tiled=True)
     if adapters and config.lora is None:

@@ -17,31 +17,18 @@ from rljax.run.profiling import parse_profile_steps
 from rljax.sharding import MeshConfig
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig,
                                 check_algorithm_sampling)
+from rljax.train.config.checks import check_bool, check_choice, check_num, fail
 from rljax.train.config.dicts import config_from_dict
 
 __all__ = ["ExperimentConfig", "RewardConfig", "RunConfig", "TaskConfig", "config_from_dict",
            "load_run_config"]
 
 
-def _fail(cls: str, field: str, value, allowed: str):
-    raise ValueError(f"{cls}.{field}={value!r} is invalid; allowed: {allowed}")
-
-
-def _check_int(cls, field, value, lo):
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        _fail(cls, field, value, f"an int >= {lo}")
-
-
-def _check_bool(cls, field, value):
-    if not isinstance(value, bool):
-        _fail(cls, field, value, "True or False")
-
-
 def _check_str(cls, field, value, *, optional=False):
     if value is None and optional:
         return
     if not isinstance(value, str) or not value:
-        _fail(cls, field, value, "a non-empty string" + (" or None" if optional else ""))
+        fail(cls, field, value, "a non-empty string" + (" or None" if optional else ""))
 
 
 TASKS = ("arithmetic", "countdown", "gsm8k", "jsonl", "parquet", "tfds")
@@ -101,27 +88,26 @@ class TaskConfig:
 
     def __post_init__(self):
         c = "TaskConfig"
-        if self.name not in TASKS:
-            _fail(c, "name", self.name, "one of " + ", ".join(map(repr, TASKS)))
+        check_choice(c, "name", self.name, TASKS)
         if self.name in ("gsm8k", "jsonl", "parquet", "tfds") and not self.path:
-            _fail(c, "path", self.path, f"a local folder or file when name={self.name!r}")
+            fail(c, "path", self.path, f"a local folder or file when name={self.name!r}")
         if self.name == "tfds" and not self.dataset:
-            _fail(c, "dataset", self.dataset, "a TFDS dataset name when name='tfds'")
+            fail(c, "dataset", self.dataset, "a TFDS dataset name when name='tfds'")
         for f in ("split", "eval_split", "prompt_field", "answer_field", "prompt_template",
                   "sft_template"):
             _check_str(c, f, getattr(self, f))
-        _check_int(c, "max_number", self.max_number, 2)
+        check_num(c, "max_number", self.max_number, lo=2, integer=True)
         if not self.ops or not all(o in ("+", "-", "*", "/") for o in self.ops):
-            _fail(c, "ops", self.ops, "a non-empty tuple of '+', '-', '*', '/'")
+            fail(c, "ops", self.ops, "a non-empty tuple of '+', '-', '*', '/'")
         if self.style not in ("plain", "reversed", "word"):
-            _fail(c, "style", self.style, "'plain', 'reversed' or 'word'")
+            fail(c, "style", self.style, "'plain', 'reversed' or 'word'")
         if not isinstance(self.assistant_prefix, str):
-            _fail(c, "assistant_prefix", self.assistant_prefix, "a string")
+            fail(c, "assistant_prefix", self.assistant_prefix, "a string")
         for f in ("path", "dataset", "system_prompt"):
             _check_str(c, f, getattr(self, f), optional=True)
-        _check_int(c, "difficulty", self.difficulty, 0)
-        _check_bool(c, "chat_template", self.chat_template)
-        _check_int(c, "max_prompt_tokens", self.max_prompt_tokens, 1)
+        check_num(c, "difficulty", self.difficulty, lo=0, integer=True)
+        check_bool(c, "chat_template", self.chat_template)
+        check_num(c, "max_prompt_tokens", self.max_prompt_tokens, lo=1, integer=True)
 
 
 REWARD_KINDS = ("accuracy", "format", "accuracy+format", "reward_model", "custom")
@@ -178,32 +164,26 @@ class RewardConfig:
         if self.function is not None and self.kind == "accuracy":  # the default kind
             object.__setattr__(self, "kind", "custom")  # reward.function implies custom
         if self.function is not None and self.kind != "custom":
-            _fail(c, "kind", self.kind, f"'custom' when function is set (function="
+            fail(c, "kind", self.kind, f"'custom' when function is set (function="
                   f"{self.function!r} implies kind='custom'; unset one of them)")
-        if self.function_form not in FUNCTION_FORMS:
-            _fail(c, "function_form", self.function_form,
-                  "one of " + ", ".join(map(repr, FUNCTION_FORMS)))
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
-            _fail(c, "workers", self.workers, "an int >= 0")
-        if self.kind not in REWARD_KINDS:
-            _fail(c, "kind", self.kind, "one of " + ", ".join(map(repr, REWARD_KINDS)))
+        check_choice(c, "function_form", self.function_form, FUNCTION_FORMS)
+        check_num(c, "workers", self.workers, lo=0, integer=True)
+        check_choice(c, "kind", self.kind, REWARD_KINDS)
         for f in ("accuracy_weight", "format_weight", "correct_reward"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-                _fail(c, f, v, "a number")
-        if self.answer_mode not in EXTRACT_MODES:
-            _fail(c, "answer_mode", self.answer_mode, "one of " + ", ".join(map(repr, EXTRACT_MODES)))
+                fail(c, f, v, "a number")
+        check_choice(c, "answer_mode", self.answer_mode, EXTRACT_MODES)
         for f in ("think_tag", "answer_tag"):
             _check_str(c, f, getattr(self, f))
         if self.think_tag == self.answer_tag:
-            _fail(c, "answer_tag", self.answer_tag, "a name different from think_tag")
-        _check_bool(c, "think_in_prompt", self.think_in_prompt)
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            _fail(c, "timeout_s", self.timeout_s, "a number > 0")
+            fail(c, "answer_tag", self.answer_tag, "a name different from think_tag")
+        check_bool(c, "think_in_prompt", self.think_in_prompt)
+        check_num(c, "timeout_s", self.timeout_s, lo=0, lo_open=True, finite=False)
         if self.kind == "reward_model" and not self.model_path:
-            _fail(c, "model_path", self.model_path, "a directory when kind='reward_model'")
+            fail(c, "model_path", self.model_path, "a directory when kind='reward_model'")
         if self.kind == "custom" and (not self.function or self.function.count(":") != 1):
-            _fail(c, "function", self.function, "an import path 'pkg.mod:fn' when kind='custom'")
+            fail(c, "function", self.function, "an import path 'pkg.mod:fn' when kind='custom'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,24 +232,24 @@ class RunConfig:
     def __post_init__(self):
         c = "RunConfig"
         _check_str(c, "dir", self.dir)
-        _check_int(c, "seed", self.seed, 0)
+        check_num(c, "seed", self.seed, lo=0, integer=True)
         if self.seed >= 2**32:  # jax.random.key keeps 32 bits: 2**32 would repeat seed 0
-            _fail(c, "seed", self.seed, "an int in [0, 2**32 - 1]")
-        _check_int(c, "save_every", self.save_every, 0)
-        _check_int(c, "keep", self.keep, 1)
-        _check_int(c, "log_every", self.log_every, 1)
-        _check_int(c, "seeds", self.seeds, 1)
+            fail(c, "seed", self.seed, "an int in [0, 2**32 - 1]")
+        check_num(c, "save_every", self.save_every, lo=0, integer=True)
+        check_num(c, "keep", self.keep, lo=1, integer=True)
+        check_num(c, "log_every", self.log_every, lo=1, integer=True)
+        check_num(c, "seeds", self.seeds, lo=1, integer=True)
         for f in ("overwrite", "tensorboard", "plots"):
-            _check_bool(c, f, getattr(self, f))
+            check_bool(c, f, getattr(self, f))
         if not (isinstance(self.resume, bool) or self.resume == "auto"):
-            _fail(c, "resume", self.resume, "True, False or 'auto'")
+            fail(c, "resume", self.resume, "True, False or 'auto'")
         if self.resume and self.overwrite:
-            _fail(c, "overwrite", self.overwrite, "False when resume=True (choose one)")
+            fail(c, "overwrite", self.overwrite, "False when resume=True (choose one)")
         _check_str(c, "wandb_project", self.wandb_project, optional=True)
         try:
             parse_profile_steps(self.profile_steps)
         except ValueError as e:
-            _fail(c, "profile_steps", self.profile_steps, str(e).split("allowed: ", 1)[-1])
+            fail(c, "profile_steps", self.profile_steps, str(e).split("allowed: ", 1)[-1])
 
 
 _SECTIONS = dict(task=TaskConfig, reward=RewardConfig, algorithm=AlgorithmConfig,
@@ -338,41 +318,39 @@ class ExperimentConfig:
         c = "ExperimentConfig"
         _check_str(c, "name", self.name)
         if (self.model is None) == (self.hf_path is None):
-            _fail(c, "model", self.model,
+            fail(c, "model", self.model,
                   "exactly one of model (a ModelConfig, random init) and hf_path (a folder)")
         if self.model is not None and not isinstance(self.model, ModelConfig):
-            _fail(c, "model", self.model, "a rljax.models.ModelConfig or None")
+            fail(c, "model", self.model, "a rljax.models.ModelConfig or None")
         if self.model is not None and self.model.lora is not None:
-            _fail(c, "model.lora", self.model.lora, "None (set adapters in the lora section: "
-                  "lora.rank, lora.alpha, lora.targets)")
+            fail(c, "model.lora", self.model.lora, "None (set adapters in the lora section: "
+                 "lora.rank, lora.alpha, lora.targets)")
         _check_str(c, "hf_path", self.hf_path, optional=True)
         if self.compute_dtype not in ("float32", "bfloat16"):
-            _fail(c, "compute_dtype", self.compute_dtype, "'float32' or 'bfloat16'")
+            fail(c, "compute_dtype", self.compute_dtype, "'float32' or 'bfloat16'")
         _check_str(c, "tokenizer", self.tokenizer, optional=True)
         if self.tokenizer is None and self.hf_path is None:
-            _fail(c, "tokenizer", None, "a folder or 'char' when there is no hf_path")
+            fail(c, "tokenizer", None, "a folder or 'char' when there is no hf_path")
         for field, cls in _SECTIONS.items():
             if not isinstance(getattr(self, field), cls):
-                _fail(c, field, getattr(self, field), f"a {cls.__name__}")
+                fail(c, field, getattr(self, field), f"a {cls.__name__}")
         if self.sft is not None and not isinstance(self.sft, SFTConfig):
-            _fail(c, "sft", self.sft, "a SFTConfig or None")
+            fail(c, "sft", self.sft, "a SFTConfig or None")
         check_algorithm_sampling(self.algorithm, self.sampling)
         _check_str(c, "teacher", self.teacher, optional=True)
         if self.algorithm.needs_teacher != (self.teacher is not None):
-            _fail(c, "teacher", self.teacher, "a run directory or Hugging Face folder when "
+            fail(c, "teacher", self.teacher, "a run directory or Hugging Face folder when "
                   "algorithm.name='distill' (advantage_estimator='teacher'), else None "
                   f"(algorithm.name={self.algorithm.name!r}, advantage_estimator="
                   f"{self.algorithm.resolved('advantage_estimator')!r})")
-        _check_bool(c, "smoke", self.smoke)
-        if self.attention not in ATTENTION_IMPLS:
-            _fail(c, "attention", self.attention, "one of " + ", ".join(map(repr, ATTENTION_IMPLS)))
-        _check_bool(c, "scan_layers", self.scan_layers)
-        if self.remat not in REMAT_POLICIES:
-            _fail(c, "remat", self.remat, "one of " + ", ".join(map(repr, REMAT_POLICIES)))
+        check_bool(c, "smoke", self.smoke)
+        check_choice(c, "attention", self.attention, ATTENTION_IMPLS)
+        check_bool(c, "scan_layers", self.scan_layers)
+        check_choice(c, "remat", self.remat, REMAT_POLICIES)
         _check_str(c, "recipe", self.recipe, optional=True)
         if self.lora.enabled and self.run.seeds > 1:
-            _fail(c, "lora.rank", self.lora.rank, "0 when run.seeds > 1 (LoRA trains one "
-                  "run: set run.seeds=1)")
+            fail(c, "lora.rank", self.lora.rank, "0 when run.seeds > 1 (LoRA trains one "
+                 "run: set run.seeds=1)")
 
     def policy_config(self, config: ModelConfig) -> ModelConfig:
         """``config`` (the run's model, random-init or read from `hf_path`) with this

@@ -23,7 +23,7 @@ same step, or the checkpoint's collective save would hang or mix steps.
   (`rljax.run.warmup_stop`).
 
 `Preempted` is what `run_experiment` raises once the state of that step is saved
-(`stop_saved`); its message is printed once, by `rljax train`. Ctrl-C (SIGINT) on one
+(`save_step`); its message is printed once, by `rljax train`. Ctrl-C (SIGINT) on one
 process, during an RL or SFT step, is held until the step
 ends (`DeferredInterrupt`, from `StopSignal.guard()`): a step donates the state's buffers to
 its program, so a KeyboardInterrupt raised inside it would leave no state to save.
@@ -48,7 +48,7 @@ import threading
 import jax
 from jax.experimental import multihost_utils
 
-__all__ = ["DeferredInterrupt", "Preempted", "StopSignal", "save_interrupted", "stop_saved"]
+__all__ = ["DeferredInterrupt", "Preempted", "StopSignal", "save_interrupted", "save_step"]
 
 
 class Preempted(Exception):
@@ -176,15 +176,21 @@ class DeferredInterrupt:
             self._installed = False
 
 
-def stop_saved(ck, step: int, state, meta: dict, out, cause: str = "SIGTERM",
-               phase: str = "rl") -> None:
-    """Save `state` as checkpoint `step` of the `rljax.train.checkpoint.Checkpointer` `ck`
-    (forced), wait until it is on disk and raise `Preempted` (its message names `cause`:
-    pass `StopSignal.cause`; `rljax train` prints it). `out` is kept for callers."""
-    del out
-    ck.save(step, state, meta, force=True)
-    ck.wait_until_finished()
-    raise Preempted(step, str(ck.directory), cause, phase)
+def save_step(ck, done: int, steps: int, state, meta, stop: StopSignal, held) -> None:
+    """The checkpoint after RL step `done` of `steps` (`ck`: a
+    `rljax.train.checkpoint.Checkpointer`; `meta(phase)`: its metadata), as every RL loop
+    takes it: a Ctrl-C during the step (`held`, the step's `stop.guard()`) raises
+    KeyboardInterrupt for the caller to save; a stop request before the last step saves
+    this one, waits until it is on disk and raises `Preempted` naming `stop.cause`;
+    otherwise the `run.save_every` schedule's save, forced for the last step."""
+    if held.hit:
+        raise KeyboardInterrupt
+    if done < steps and stop.reached(done):  # before orbax's own check
+        ck.save(done, state, meta("preempted"), force=True)
+        ck.wait_until_finished()
+        raise Preempted(done, str(ck.directory), stop.cause, "rl")
+    last = done == steps  # the final state: saved as soon as it exists
+    ck.save(done, state, meta("done" if last else "rl"), force=last)
 
 
 def save_interrupted(ck, step: int, state, meta: dict, out) -> None:

@@ -45,7 +45,7 @@ from rljax.models import ValueModel
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.lora_runs import AdapterCheckpoints
-from rljax.run.preemption import StopSignal, save_interrupted, stop_saved
+from rljax.run.preemption import StopSignal, save_interrupted, save_step
 from rljax.run.profiling import StepProfiler, parse_profile_steps
 from rljax.run.report import Progress, format_summary
 from rljax.run.run_dir import RunDir, is_local
@@ -177,10 +177,6 @@ def _meta(cfg, rd, state, phase: str, acc_before: float) -> dict:
             "accuracy_before": acc_before, "seed": cfg.run.seed}
 
 
-def _save(ck, step, state, meta, force=False):
-    ck.save(step, state, meta, force=force)
-
-
 def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunResult:
     """Run `cfg` end to end (see the module docstring); prints progress and the summary to
     `out` (default stderr for progress, stdout for the summary) and returns a `RunResult`.
@@ -267,8 +263,8 @@ def _train(cfg, rd, ck, mesh, warm, stop, out):
     state = _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop)
     after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
     rd.log(int(state.step), {f"eval/{k}": v for k, v in after.items()}, phase="eval")
-    _save(ck, int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
-          force=True)  # a no-op after the loop's last step; saves step 0 when rl.steps is 0
+    ck.save(int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
+            force=True)  # a no-op after the loop's last step; saves step 0 when rl.steps is 0
     return acc_before, after, getattr(accuracy_fn, "name", None)
 
 
@@ -322,14 +318,8 @@ def _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop):
             rd.log(done, metrics)
             if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
                 bar.update(done, metrics)
-            if held.hit:  # Ctrl-C during the step: saved below as this step
-                raise KeyboardInterrupt
-            if done < cfg.rl.steps and stop.reached(done):  # before orbax's own check
-                stop_saved(ck, done, state, _meta(cfg, rd, state, "preempted", acc_before), out,
-                           stop.cause)
-            last = done == cfg.rl.steps  # the final state: saved as soon as it exists
-            _save(ck, done, state, _meta(cfg, rd, state, "done" if last else "rl", acc_before),
-                  force=last)
+            save_step(ck, done, cfg.rl.steps, state,
+                      lambda phase: _meta(cfg, rd, state, phase, acc_before), stop, held)
     except KeyboardInterrupt:  # keep what was learned
         save_interrupted(ck, int(state.step), state,
                          _meta(cfg, rd, state, "interrupted", acc_before), out)

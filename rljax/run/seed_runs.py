@@ -32,7 +32,7 @@ from flax import nnx
 
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
-from rljax.run.preemption import StopSignal, save_interrupted, stop_saved
+from rljax.run.preemption import StopSignal, save_interrupted, save_step
 from rljax.run.report import Progress, format_summary, result_line
 from rljax.run.run_dir import RunDir
 from rljax.run.startup import startup_summary
@@ -278,13 +278,8 @@ class _SeedRun:
                 if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
                     bar.update(done, {k: float(np.mean([m[k] for m in ms]))
                                       for k in _PROGRESS_KEYS if k in ms[0]})
-                if held.hit:  # Ctrl-C during the step: saved below as this step
-                    raise KeyboardInterrupt
-                if done < cfg.rl.steps and stop.reached(done):
-                    stop_saved(ck, done, state, self.meta("preempted", before), self.out,
-                               stop.cause)
-                last = done == cfg.rl.steps  # the final state: saved as soon as it exists
-                ck.save(done, state, self.meta("done" if last else "rl", before), force=last)
+                save_step(ck, done, cfg.rl.steps, state, lambda phase: self.meta(phase, before),
+                          stop, held)
         except KeyboardInterrupt:  # keep what was learned
             save_interrupted(ck, done, state, self.meta("interrupted", before), self.out)
             raise

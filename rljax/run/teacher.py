@@ -21,14 +21,15 @@ from flax import nnx
 from rljax.models import from_pretrained
 from rljax.models.hf_config import config_from_hf
 from rljax.models.tokenizer import check_same_tokenizer, check_vocab, load_tokenizer
-from rljax.run.artifacts import as_path, is_run_dir, policy_split, restore_policy, run_tokenizer
+from rljax.run.artifacts import is_run_dir, policy_split, restore_policy, run_tokenizer
+from rljax.run.run_writers import run_path
 
 __all__ = ["load_teacher"]
 
 
 def _from_run(path, mesh):
     """`(graphdef, params, tokenizer, model config)` of a run directory's latest policy."""
-    run_dir = as_path(path)
+    run_dir = run_path(path)
     cfg, config, policy, _ = restore_policy(run_dir, None, mesh)
     if mesh is None:
         # One device, one process: orbax restores onto device 0 *committed*, which would

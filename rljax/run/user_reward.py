@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 from rljax import rewards as rw
-from rljax.rewards.device import is_device_reward
 from rljax.rewards.imported import ImportedFunction
 from rljax.rewards.pooled import PooledBatchReward
 
@@ -59,6 +58,10 @@ def custom_reward(cfg, component_reward: Callable) -> Any:
     """The run's reward for `reward.kind="custom"` (see the module docstring).
     `component_reward(terms, timeout_s=, workers=)` builds the item-reward form
     (`rljax.run.builders.ComponentReward`)."""
+    # Imported here, not at the top: `Verifier` lives in this module, and a reward worker
+    # that unpickles one must not import JAX (rljax.rewards.device) to get it.
+    from rljax.rewards.device import is_device_reward
+
     r = cfg.reward
     fn = ImportedFunction.of(r.function, "reward.function")
     loaded = fn.resolve()

@@ -36,23 +36,16 @@ keys are partitionable), so results equal the single-device ones. The logits sta
 by vocabulary over "tensor" while tokens are drawn (``rljax.sampling.vocab_shards``: the
 chips exchange per-row summaries, never the logits).
 
-Inference layout: training keeps the parameters FSDP-sharded (their "embed" dimension
-over "fsdp"), and a decode loop over that layout would all-gather every weight at every
-step. The sampler instead decodes with ``rljax.sharding.inference_shardings``: each
-parameter replicated over data x fsdp, still split over "tensor" (heads, kv heads, mlp,
-vocab). ``run`` copies the parameters to that layout once per call with
-``jax.device_put`` (the copy is freed when the call returns; the caller's parameters are
-untouched), and ``_prefill`` / ``_decode`` constrain them to it on entry
-(``with_sharding_constraint``), so inside a larger program (``rljax.train.programs.fused``) XLA
-gathers once, before the loops. The copy holds the matmul weights in the compute dtype
-(``rljax.models.layers.cast_matmul_weights``; cast before the gather): every forward
-casts them to it anyway, so the results are the same, and a bfloat16 model's copy is
-half the float32 size (norms, biases and the embedding table stay float32). Memory:
-while sampling, a chip holds the inference copy, ``params / tensor``, beside its training
-shard, ``params / (fsdp * tensor)``, and the optimiser state; large models keep tensor
->= 4 (Llama-3-8B's recipe: fsdp 8 x tensor 4, about 4 GB of bfloat16 copy per chip) and
-``experiments/memory_budget.py`` counts both copies. On a mesh with fsdp = 1 (and on one
-device) the layout is the training one and only a bfloat16 model's cast copy is made.
+Inference layout (docs/design.md, "Mesh layout" and "Numerics"): a decode loop over the
+FSDP-sharded training layout would all-gather every weight at every step, so the sampler
+decodes with ``rljax.sharding.inference_shardings`` (each parameter replicated over data x
+fsdp, still split over "tensor"), its matmul weights cast to the compute dtype
+(``rljax.models.layers.cast_matmul_weights``, before the gather). ``run`` makes that copy
+once per call (freed when the call returns), and ``_prefill`` / ``_decode`` constrain to it
+on entry, so inside a larger program (``rljax.train.programs.fused``) XLA gathers once,
+before the loops. While sampling a chip holds the copy, ``params / tensor``, beside its
+training shard (``experiments/memory_budget.py`` counts both); with fsdp = 1 only a
+bfloat16 model's cast copy is made.
 """
 
 from __future__ import annotations
@@ -322,13 +315,10 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
     """Prefill + decode left-padded prompts; see ``rljax.sampling.generate`` for the API.
 
     config: the model's config, to reuse its vocab-major output weight across calls
-    (``rljax.sampling.head``); without it the weight is built inside each call.
-
-    On a mesh the parameters are copied to the inference layout first (see the module
-    docstring); the output weight is then built from (and cached with) that copy. With a
-    ``config`` whose compute dtype is bfloat16 the matmul weights are cast to it before
-    (``rljax.models.layers.cast_matmul_weights``): the inference copy is half the size,
-    and the programs hold no float32 weights they would cast anyway.
+    (``rljax.sampling.head``) and cast the matmul weights to its compute dtype; without it
+    the weight is built inside each call. On a mesh the parameters are copied to the
+    inference layout first (module docstring), and the output weight is built from (and
+    cached with) that copy.
     """
     mesh = _mesh_of(params) if mesh is None else mesh
     host = (prompts.tokens_BxP, prompts.mask_BxP, prompts.positions_BxP)

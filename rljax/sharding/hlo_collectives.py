@@ -87,10 +87,6 @@ class Collective:
         """Executions per run of the program: the enclosing loops' trip counts multiplied."""
         return math.prod(lp.trip_count or 1 for lp in self.loops)
 
-    @property
-    def bytes_per_run(self) -> int:
-        return self.bytes * self.executions
-
     def loop_text(self) -> str:
         """``outer x8 > inner x64`` (the loops and their trip counts), or ``-``."""
         return " > ".join(f"{lp.name} x{lp.trip_count or '?'}" for lp in self.loops) or "-"

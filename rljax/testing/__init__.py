@@ -79,11 +79,6 @@ def default_batch(seed: int = 0, *, B: int = 16, T: int = 12, values: bool = Tru
     )
 
 
-def _split(batch: ObjectiveBatch) -> dict[str, Any]:
-    """The fields gradients are taken with respect to (those present)."""
-    return {n: getattr(batch, n) for n in DIFFERENTIABLE_FIELDS if getattr(batch, n) is not None}
-
-
 class _Harness:
     """One jitted (loss pieces, gradient of loss_sum) function, with a trace counter."""
 
@@ -100,7 +95,9 @@ class _Harness:
         self.jitted = jax.jit(jax.grad(loss_sum, has_aux=True))
 
     def __call__(self, batch: ObjectiveBatch, coef: Any):
-        grads, (loss_sum, count, metrics) = self.jitted(_split(batch), batch, coef)
+        diff = {n: getattr(batch, n) for n in DIFFERENTIABLE_FIELDS  # those present
+                if getattr(batch, n) is not None}
+        grads, (loss_sum, count, metrics) = self.jitted(diff, batch, coef)
         to_np = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
         return to_np(loss_sum), to_np(count), to_np(metrics), to_np(grads)
 
@@ -158,10 +155,6 @@ def _pad(batch: ObjectiveBatch, pad: int, seed: int) -> ObjectiveBatch:
     return dataclasses.replace(batch, **{f.name: one(f.name, getattr(batch, f.name)) for f in dataclasses.fields(batch)})
 
 
-def _rows(batch: ObjectiveBatch, lo: int, hi: int) -> ObjectiveBatch:
-    return jax.tree.map(lambda x: x[lo:hi], batch)
-
-
 def _check_padding(h: _Harness, batch, coef, ref, pad: int, seed: int, rtol: float,
                    scale: dict) -> None:
     T = batch.logp_BxT.shape[1]
@@ -176,7 +169,7 @@ def _micro_outputs(h: _Harness, batch, coef, n_micro: int) -> list:
     B = batch.logp_BxT.shape[0]
     if B % n_micro:
         raise ValueError(f"micro_batches entry {n_micro} does not divide B={B}")
-    return [h(_rows(batch, i * B // n_micro, (i + 1) * B // n_micro), coef)
+    return [h(jax.tree.map(lambda x: x[i * B // n_micro:(i + 1) * B // n_micro], batch), coef)
             for i in range(n_micro)]
 
 
@@ -229,11 +222,6 @@ def _check_no_recompile(h: _Harness, batch, coef) -> None:
     if (h.traces, _cache_size(h.jitted)) != before:
         raise check_failure("recompile", "changing a coefficient's value retraced the objective; "
                     "coefficients must be traced arrays, never Python branches or static values")
-
-
-def _default_mesh():
-    n = jax.device_count()
-    return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
 
 
 def _check_mesh(h: _Harness, batch, coef, ref, mesh, rtol: float, scale: dict) -> None:
@@ -371,7 +359,8 @@ def check_objective(
                          f"ObjectiveBatch fields; they are {OPTIONAL_FIELDS}")
     seeds = [seed] if isinstance(seed, (int, np.integer)) else list(seed)
     batches = [default_batch(s) for s in seeds] if batch is None else [batch]
-    mesh = _default_mesh() if mesh is None else mesh
+    if mesh is None:
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
     skipped = {}
     if mesh.size == 1:
         skipped["mesh"] = ("one device: nothing to compare the unsharded run with (set "

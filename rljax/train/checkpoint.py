@@ -159,15 +159,7 @@ class Checkpointer:
         (a live array that was never explicitly placed comes back likewise uncommitted).
         Returns `(state, meta)`. Raises FileNotFoundError when there is nothing to restore.
         """
-        self.wait_until_finished()
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-            step = steps[-1]
-        elif step not in steps:
-            raise FileNotFoundError(
-                f"no complete checkpoint for step {step} in {self.directory}; have {steps}")
+        step = self._step_to_read(step)
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_like(target)), meta=ocp.args.JsonRestore()
         )

@@ -34,6 +34,7 @@ from flax import nnx
 from rljax.models import ModelConfig, ValueModel, load_tokenizer
 from rljax.train.batching import encode_text, pad_right, special_ids
 from rljax.train.checkpoint import pure_params
+from rljax.train.config.checks import check_num
 from rljax.train.config.dicts import config_from_dict, config_to_dict
 
 __all__ = [
@@ -99,16 +100,13 @@ class RewardModelConfig:
     seed: int = 0
 
     def __post_init__(self):
+        c = "RewardModelConfig"
         for name in ("steps", "batch_size", "warmup_steps", "seed"):
-            v = getattr(self, name)
-            lo = 1 if name in ("steps", "batch_size") else 0
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"RewardModelConfig.{name}={v!r} is invalid; allowed: an int >= {lo}")
-        for name in ("lr", "weight_decay", "clip_norm"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v < 0 or (name == "lr" and v == 0):
-                raise ValueError(f"RewardModelConfig.{name}={v!r} is invalid; allowed: a number "
-                                 f"{'> 0' if name == 'lr' else '>= 0'}")
+            check_num(c, name, getattr(self, name), lo=int(name in ("steps", "batch_size")),
+                      integer=True)
+        check_num(c, "lr", self.lr, lo=0.0, lo_open=True)
+        check_num(c, "weight_decay", self.weight_decay, lo=0.0)
+        check_num(c, "clip_norm", self.clip_norm, lo=0.0, finite=False)
 
 
 def _pair_loss(graphdef, params, batch):

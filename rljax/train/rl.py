@@ -33,7 +33,6 @@ from rljax.train import hosts
 from rljax.train import throughput
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling)
-from rljax.train.learn import LearnSpec
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
 from rljax.models.lora import has_adapters
@@ -170,15 +169,19 @@ class RLTrainer:
             other_gds=(self.teacher_gd,) if self.teacher_gd is not None else (),
             backend=jax.default_backend())
         self.share_group = self.paths.prompt_group
-        self.spec = LearnSpec(algorithm.spec(), self.old_mode, self.uses_ref, num_micro,
-                              rl.logp_chunk, sampling.temperature, sampling.max_new_tokens,
-                              overlong, share_group=self.share_group)
         self.rollouts = Rollouts(policy_graphdef, tokenizer, reward_fns, sampling=sampling,
                                  prompt_len=prompt_len, group_size=algorithm.group_size,
                                  accuracy_fn=accuracy_fn, mesh=mesh, reward_pool=reward_pool,
                                  reward_timeout_s=reward_timeout_s,
                                  prompt_multiple=prompt_multiple)
-        self._build_program()
+        total = rl.steps * algorithm.num_epochs * algorithm.num_minibatches
+        self.base_spec = StepSpec(
+            algorithm.spec(), self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
+            sampling.temperature, sampling.max_new_tokens, overlong, policy_graphdef,
+            value_graphdef, self.teacher_gd, optim, schedule_updates(optim, total),
+            rl.value_lr_ratio if value_graphdef is not None else 1.0, rl.remat, self.paths,
+            self.device_reward, mesh)
+        self.txs = {k: v[0] for k, v in optimizers(self.base_spec).items()}
 
     def _check_divisions(self) -> int:
         a = self.alg
@@ -198,17 +201,6 @@ class RLTrainer:
                              f"num_minibatches and micro_batch_size so they are a multiple "
                              f"of {n_dev}")
         return num_micro
-
-    def _build_program(self):
-        a, r = self.alg, self.rl
-        total = max(r.steps * a.num_epochs * a.num_minibatches, 1)
-        self._total_updates = total
-        self.base_spec = StepSpec(
-            self.spec, self.gd, self.value_gd, self.teacher_gd, self.optim,
-            schedule_updates(self.optim, total),
-            r.value_lr_ratio if self.value_gd is not None else 1.0, r.remat, self.paths,
-            self.device_reward, self.mesh)
-        self.txs = {k: v[0] for k, v in optimizers(self.base_spec).items()}
 
     @property
     def _learn_fn(self):
@@ -334,8 +326,8 @@ class RLTrainer:
         gen = m.get("dyn_sampled_tokens", gen)
         prefill = m.get("dyn_sampled_prompt_tokens", m["prompt_tokens"]) / self.alg.group_size
         computed = m["completion_tokens"] + m["prompt_tokens"] / self.share_group
-        fwd = (self.uses_ref + (self.spec.old_mode == "recompute" or (
-            self.alg.needs_value_model and self.spec.old_mode == "self"))
+        fwd = (self.uses_ref + (self.old_mode == "recompute" or (
+            self.alg.needs_value_model and self.old_mode == "self"))
             + (alg.cov_rule(self.alg) is not None) * self.alg.num_epochs)
         size = lambda t: 0 if t is None else sum(x.size for x in jax.tree.leaves(t))
         flops = throughput.step_model_flops(

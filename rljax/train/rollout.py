@@ -151,24 +151,29 @@ class Rollouts:
         self._terms: dict[str, list] = {}  # reward term -> [sum, rows] since term_means
         self.seed_programs: set = set()  # the seed form's evaluation programs (signatures)
 
-    def _prompt_ids(self, prompts: Sequence[str], first: int, lo: int, n: int):
-        """Own prompts (prompts ``[lo, lo + len(prompts))`` of the step's ``n``) -> every
-        process's ids ``[n, prompt_len]`` and masks, placed by position."""
+    def _own_prompts(self, params, source: PromptSource, pos: int, n: int):
+        """This process's block of prompts ``pos .. pos + n`` (whole groups of its rows
+        ``[lo, hi)``) -> ``(lo, hi, own metadata, ids [n, prompt_len], masks)``, the ids and
+        masks every process's, placed by position. Counts the policy's parameters once."""
+        if not self.num_params:
+            self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+        g = self.group_size
+        lo, hi = self._own_groups(n * g)
+        prompts, meta = source(pos + lo // g, (hi - lo) // g)
         ids = [encode_text(self.tok, p) for p in prompts]
         for i, x in enumerate(ids):
             if not 0 < len(x) <= self.prompt_len:
-                raise ValueError(f"prompt {first + i} has {len(x)} tokens; allowed: "
+                raise ValueError(f"prompt {pos + lo // g + i} has {len(x)} tokens; allowed: "
                                  f"1..{self.prompt_len} (prompt_len)")
         tok, mask = pad_left(ids, self.prompt_len, self.pad_id)
-        return hosts.gather_blocks(tok, lo, n), hosts.gather_blocks(mask, lo, n)
+        return (lo, hi, list(meta), hosts.gather_blocks(tok, lo // g, n),
+                hosts.gather_blocks(mask, lo // g, n))
 
     def generate(self, params, tok_NxW, mask_NxW, key, *, greedy: bool = False,
                  num_samples: int = 1):
         """The sampler on padded prompts, bucketed: ``min(bucket_length(longest,
         prompt_multiple), prompt_len)`` columns (the sampler's ``SampleResult``, global
         arrays)."""
-        if not self.num_params:
-            self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
         # The sampler's entry is the step's "prompt ids in" transfer: it packs the ids on
         # the host and places them on the mesh (rljax.sampling has its own tests).
         with jax.transfer_guard("allow"):
@@ -191,13 +196,9 @@ class Rollouts:
         mask, positions), task arrays)``, the arrays placed on the mesh by rows (numpy,
         every process's rows, with ``on_host``)."""
         g = self.group_size
-        lo, hi = self._own_groups(n_prompts * g)
-        prompts, meta = source(pos + lo // g, (hi - lo) // g)
-        tok, mask = self._prompt_ids(list(prompts), pos + lo // g, lo // g, n_prompts)
+        lo, _, meta, tok, mask = self._own_prompts(params, source, pos, n_prompts)
         task = {k: hosts.gather_blocks(np.asarray(v), lo // g, n_prompts)
-                for k, v in self.reward_fns.task_arrays(list(meta)).items()}
-        if not self.num_params:
-            self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+                for k, v in self.reward_fns.task_arrays(meta).items()}
         batch, spec = prepare(config_of(self.gd, params), tok, prompt_mask=mask > 0,
                               **self._decode_args(num_samples=g))
         arrays = (batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP)
@@ -285,9 +286,7 @@ class Rollouts:
         block), scored on its own rows."""
         g = self.group_size
         b = n_prompts * g
-        lo, hi = self._own_groups(b)
-        prompts, meta = source(pos + lo // g, (hi - lo) // g)
-        tok, mask = self._prompt_ids(list(prompts), pos + lo // g, lo // g, n_prompts)
+        lo, hi, meta, tok, mask = self._own_prompts(params, source, pos, n_prompts)
         out = ph.timed("rollout", self.generate, params, tok, mask, key, num_samples=g)
         t0 = time.perf_counter()
         texts = self._own_texts(out, lo, hi)

@@ -1,24 +1,16 @@
 """Frozen, validated configuration dataclasses for SFT and the RL loop.
 
 Every config validates itself in ``__post_init__``; an error names the field, the bad
-value and what is allowed. Algorithms are configurations of one loop: the fields a
-paper decides default to ``None`` ("the preset of ``name``", see
-``rljax.train.config.presets``), so ``AlgorithmConfig(name="dapo")``,
-``dataclasses.replace(cfg, name="gspo")`` and ``--set algorithm.name=gspo`` all give
-that paper's settings with the fields set explicitly on top; ``AlgorithmConfig.resolve()``
-fills them in (``AlgorithmConfig`` and ``algorithm_preset`` are defined in
-``rljax.train.config.algorithm`` and public here too). Checks that need two configs are
-in :func:`check_algorithm_sampling`.
-
-The package: ``algorithm`` (``AlgorithmConfig``), ``presets`` (the algorithm registry),
-``checks`` (field checks), ``dicts`` (configs to JSON dicts and back).
+value and what is allowed. Checks that need two configs are in
+:func:`check_algorithm_sampling`. The package: ``algorithm`` (``AlgorithmConfig`` and
+``algorithm_preset``, public here too), ``presets`` (the algorithm registry), ``checks``
+(field checks), ``dicts`` (configs to JSON dicts and back).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-# The algorithm's config lives in its own module; these names stay public here.
 from rljax.train.config.algorithm import (ADV_STDS, AGGREGATIONS, ALGORITHMS,  # noqa: F401
                                           GROUP_BASELINES, KL_IN, KL_KINDS, OLD_LOGP,
                                           AlgorithmConfig, algorithm_preset)
@@ -142,19 +134,15 @@ class RLConfig:
         ``group_size`` completions after it (``Decoder.grouped_hidden_states``): the same
         log-probs and gradients with the prompt's layer FLOPs divided by the group size.
         It applies when ``group_size > 1``, the micro-batches hold whole groups and the
-        policy's (and teacher's) attention is "xla" or "splash"; minibatches then draw
-        whole groups. None (the default): shared where it applies, else every row computes
-        its prompt and the start-up line says why. True: shared, and an error where it
-        does not apply. False: every row computes its prompt. ``RLTrainer.paths`` says
-        which (``rljax.train.programs.paths``).
-      one_pass_head: with a token-separable objective (``rljax.objectives.token_separable``:
-        GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE, PPO, CISPO, SAPO, Clip-Cov, KL-Cov) and a
-        linear output head, each update forms the head's gradient in the same pass as
-        its log-probs (``rljax.train.learn.onepass``): three ``[rows x V]`` products a chunk
-        instead of four, one pass of exponentials instead of two, the same values and
-        (to rounding) gradients. None (the default): one pass where it applies, else the
-        chunked head and the start-up line says why. True: one pass, and an error where
-        it does not apply. False: the log-prob chunks are recomputed in the backward.
+        attention is "xla" or "splash"; minibatches then draw whole groups.
+      one_pass_head: with a token-separable objective (``rljax.objectives.token_separable``)
+        and a linear output head, each update forms the head's gradient in the same pass
+        as its log-probs (``rljax.train.learn.onepass``): three ``[rows x V]`` products a
+        chunk instead of four, the same values and (to rounding) gradients. False: the
+        log-prob chunks are recomputed in the backward.
+      share_prompts and one_pass_head: None (the default) takes the fast path where it
+        applies, else the other one, and the start-up line says why; True is an error where
+        it does not apply (``rljax.train.programs.paths``; ``RLTrainer.paths`` says which).
     """
 
     steps: int = 100
@@ -172,9 +160,7 @@ class RLConfig:
 
     def __post_init__(self):
         c = "RLConfig"
-        check_num(c, "steps", self.steps, lo=0, integer=True)
         check_num(c, "prompts_per_step", self.prompts_per_step, lo=1, integer=True)
-        check_num(c, "eval_every", self.eval_every, lo=0, integer=True)
         check_num(c, "eval_prompts", self.eval_prompts, lo=1, integer=True)
         check_pass_options(c, self)
         check_num(c, "peak_flops", self.peak_flops, lo=0.0)
@@ -234,10 +220,8 @@ class SFTConfig:
         check_num(c, "stop_accuracy", self.stop_accuracy, lo=0, hi=1)
         check_num(c, "stop_every", self.stop_every, lo=1, integer=True)
         check_num(c, "stop_prompts", self.stop_prompts, lo=1, integer=True)
-        check_num(c, "steps", self.steps, lo=0, integer=True)
         check_num(c, "batch_size", self.batch_size, lo=1, integer=True)
         check_micro_batch(c, self.micro_batch_size, self.batch_size)
         if not isinstance(self.optim, OptimConfig):
             fail(c, "optim", self.optim, "an OptimConfig")
         check_pass_options(c, self)
-        check_num(c, "eval_every", self.eval_every, lo=0, integer=True)

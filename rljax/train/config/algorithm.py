@@ -1,10 +1,6 @@
-"""The RL algorithm's configuration: :class:`AlgorithmConfig` and :func:`algorithm_preset`
-(public through ``rljax.train.config`` as well; see that module for the other configs).
-
-Algorithms are configurations of one loop: the fields a paper decides default to ``None``
-("the preset of ``name``", see ``rljax.train.config.presets``), filled in by
-``AlgorithmConfig.resolve()``; the programs read its name-free ``spec()``.
-"""
+"""The RL algorithm's configuration: :class:`AlgorithmConfig` (one algorithm as a
+configuration of the shared loop) and :func:`algorithm_preset`, public through
+``rljax.train.config`` as well."""
 
 from __future__ import annotations
 
@@ -200,10 +196,6 @@ class AlgorithmConfig:
         check_import_path(c, "objective", self.objective)
         check_import_path(c, "advantages", self.advantages)
 
-    def explicit_presets(self) -> dict:
-        """The preset fields set explicitly (not None), by name."""
-        return {f: getattr(self, f) for f in PRESET_FIELDS if getattr(self, f) is not None}
-
     def resolved(self, field: str):
         """One field's value: the explicit one, else the preset of ``name``."""
         value = getattr(self, field)
@@ -258,7 +250,7 @@ class AlgorithmConfig:
 
 
 #: ``AlgorithmConfig.spec()``: the resolved fields but ``name``, and ``loss`` (its objective's
-#: entry). Frozen, hashable by value: static in the programs (``learn.LearnSpec.alg``).
+#: entry). Frozen, hashable by value: static in the programs (``programs.step.StepSpec.alg``).
 AlgorithmSpec = dataclasses.make_dataclass(
     "AlgorithmSpec", [(f.name, f.type) for f in dataclasses.fields(AlgorithmConfig)
                       if f.name != "name"] + [("loss", Objective)], frozen=True,

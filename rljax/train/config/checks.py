@@ -55,8 +55,10 @@ def check_micro_batch(cls, micro: int, batch: int) -> None:
 
 
 def check_pass_options(cls, cfg) -> None:
-    """The training-pass fields RLConfig and SFTConfig share: ``remat``, ``logp_chunk``,
-    ``max_nonfinite_steps``."""
+    """The fields RLConfig and SFTConfig share: ``steps``, ``eval_every``, ``remat``,
+    ``logp_chunk``, ``max_nonfinite_steps``."""
+    check_num(cls, "steps", cfg.steps, lo=0, integer=True)
+    check_num(cls, "eval_every", cfg.eval_every, lo=0, integer=True)
     check_bool(cls, "remat", cfg.remat)
     check_num(cls, "logp_chunk", cfg.logp_chunk, lo=1, integer=True)
     check_num(cls, "max_nonfinite_steps", cfg.max_nonfinite_steps, lo=1, integer=True)

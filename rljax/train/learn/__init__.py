@@ -18,10 +18,10 @@ change no loss, gradient or denominator in any aggregation mode; with
 ``mask_truncated`` so do truncated completions, after the advantages (they still count
 in their group's baseline). Clip-Cov / KL-Cov select their tokens once per minibatch,
 from the current policy's log-probs over the whole minibatch, before the objective.
-On-policy distillation's teacher (``make_learn(teacher_gd=...)``, its parameters an
-argument of the program like the reference's) scores the batch here too, at the
-sampling temperature; its advantages come from the teacher in the objective
-(``rljax.objectives.distill``), so the task-reward advantages are zeros.
+On-policy distillation's teacher (``spec.teacher_gd``, its parameters an argument of the
+program like the reference's) scores the batch here too, at the sampling temperature; its
+advantages come from the teacher in the objective (``rljax.objectives.distill``), so the
+task-reward advantages are zeros.
 
 The package holds the program's pieces: ``loss`` (the micro-batch loss, ``rl_loss``),
 ``algorithms`` (config -> objective, coefficients, advantages), ``ppo``, ``logprobs`` and
@@ -31,15 +31,12 @@ reference) and ``update`` (the jitted update and ``TrainState``, shared with SFT
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from rljax import objectives as obj
-from rljax.train.config.algorithm import AlgorithmSpec
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn import ppo as ppo_lib
 from rljax.train.learn.logprobs import policy_logprobs
@@ -51,35 +48,6 @@ from rljax.train.rollout import Rollout
 Array = Any
 
 
-@dataclasses.dataclass(frozen=True)
-class LearnSpec:
-    """The static choices of the learning program (hashable: part of the compiled program).
-
-    alg: the resolved algorithm without its name (``AlgorithmConfig.spec()``: the fields,
-      and ``loss``, the objective's registry entry), so equal fields give equal specs.
-    old_mode: "self" (one update per batch: the ratio's denominator is the current
-      policy, stop-gradient), "recompute" (a forward before the updates) or "sampler".
-    uses_ref: a KL term needs the frozen reference's log-probs.
-    num_micro: micro-batches per minibatch update (and per extra forward pass).
-    max_new_tokens: the completion width (Dr.GRPO's constant, overlong shaping).
-    overlong: DAPO's overlong window in tokens (0 = off).
-    share_group: G > 1 when rows share their prompt in groups of G and every forward
-      computes it once (``policy_logprobs(group=G)``); micro-batches and minibatches then
-      hold whole groups. 1: every row computes its prompt. Decided once, with the other
-      forward paths (``rljax.train.programs.paths.ForwardPaths.prompt_group``).
-    """
-
-    alg: AlgorithmSpec
-    old_mode: str
-    uses_ref: bool
-    num_micro: int
-    chunk: int
-    temperature: float
-    max_new_tokens: int
-    overlong: int
-    share_group: int = 1
-
-
 def _map_micro(fn: Callable, seqs: dict, num_micro: int, group: int = 1) -> Array:
     """``fn(seqs)`` computed ``num_micro`` row-strided micro-batches at a time (strided by
     whole groups of ``group`` rows), returned in row order."""
@@ -89,30 +57,30 @@ def _map_micro(fn: Callable, seqs: dict, num_micro: int, group: int = 1) -> Arra
     return merge_micro(out_MxNx, group)
 
 
-def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollout, kl_coef,
-             teacher: tuple | None = None):
+def _logprobs(spec, graphdef, params, seqs: dict) -> Array:
+    """The decoder ``(graphdef, params)``'s completion log-probs over ``seqs``,
+    ``spec.num_micro`` micro-batches at a time."""
+    g = spec.share_group
+    return _map_micro(lambda s: policy_logprobs(graphdef, params, s, chunk=spec.chunk,
+                                                temperature=spec.temperature, group=g)[0],
+                      seqs, spec.num_micro, g)
+
+
+def _prepare(spec, params, ref_params, ro: Rollout, kl_coef, teacher_params=None):
     """Reference / old / value / teacher forwards and advantages -> ``(batch, extra
-    metrics)``; ``teacher`` is ``(graphdef, params)`` or None."""
-    a = spec.alg
+    metrics)``."""
+    a, g = spec.alg, spec.share_group
     seqs = ro.seqs()
     mask_BxT = seqs["completion_mask_BxT"]
-    g = spec.share_group
-    logp = functools.partial(policy_logprobs, chunk=spec.chunk, temperature=spec.temperature,
-                             group=g)
-    fwd = lambda p, gd=policy_gd: _map_micro(lambda s: logp(gd, p, s)[0], seqs,
-                                             spec.num_micro, g)
     batch = dict(seqs, sampler_logp_BxT=ro.sampler_logp_BxT)
     extra: dict = {}
     if spec.uses_ref:  # a LoRA policy's reference: its base, adapters off (no copy)
-        ref_gd, ref_p = reference_model(policy_gd, params["policy"], ref_params)
-        batch["ref_logp_BxT"] = fwd(ref_p, ref_gd)
-    if teacher is not None:
-        t_logp = functools.partial(policy_logprobs, teacher[0], chunk=spec.chunk,
-                                   temperature=spec.temperature, group=g)
-        batch["teacher_logp_BxT"] = _map_micro(lambda s: t_logp(teacher[1], s)[0], seqs,
-                                               spec.num_micro, g)
+        batch["ref_logp_BxT"] = _logprobs(spec, *reference_model(
+            spec.policy_gd, params["policy"], ref_params), seqs)
+    if spec.teacher_gd is not None:
+        batch["teacher_logp_BxT"] = _logprobs(spec, spec.teacher_gd, teacher_params, seqs)
     if spec.old_mode == "recompute" or (a.needs_value_model and spec.old_mode == "self"):
-        batch["old_logp_BxT"] = fwd(params["policy"])
+        batch["old_logp_BxT"] = _logprobs(spec, spec.policy_gd, params["policy"], seqs)
     elif spec.old_mode == "sampler":
         batch["old_logp_BxT"] = ro.sampler_logp_BxT
     rewards_B = ro.rewards_B
@@ -121,7 +89,7 @@ def _prepare(spec: LearnSpec, policy_gd, value_gd, params, ref_params, ro: Rollo
                                                  spec.overlong, a.overlong_penalty)
     if a.needs_value_model:  # advantage_estimator="gae"
         values_BxT = _map_micro(
-            lambda s: ppo_lib.value_predictions(value_gd, params["value"], s), seqs,
+            lambda s: ppo_lib.value_predictions(spec.value_gd, params["value"], s), seqs,
             spec.num_micro, g)
         adv, ret, _ = ppo_lib.ppo_advantages(
             rewards_B, batch["old_logp_BxT"], batch.get("ref_logp_BxT"), values_BxT, mask_BxT,
@@ -155,27 +123,23 @@ def _minibatch_rows(key, batch_size: int, num_minibatches: int, group: int = 1) 
     return rows.reshape(num_minibatches, -1)
 
 
-def _cov_selector(spec: LearnSpec, policy_gd) -> Callable | None:
+def _cov_selector(spec) -> Callable | None:
     """``select(params, minibatch, key) -> cov_select_BxT`` for Clip-Cov / KL-Cov (None
     for the other algorithms): the current policy's log-probs over the minibatch, then
     ``rljax.objectives.cov_selection`` on the whole minibatch."""
-    rule = alg.cov_rule(spec.alg)
-    if rule is None:
+    if alg.cov_rule(spec.alg) is None:
         return None
-    g = spec.share_group
-    logp = functools.partial(policy_logprobs, policy_gd, chunk=spec.chunk,
-                             temperature=spec.temperature, group=g)
 
     def select(params, mb: dict, key) -> Array:
         seqs = {k: mb[k] for k in ("prompt_BxP", "prompt_mask_BxP", "completion_BxT",
                                    "completion_mask_BxT")}
-        logp_BxT = _map_micro(lambda s: logp(params["policy"], s)[0], seqs, spec.num_micro, g)
+        logp_BxT = _logprobs(spec, spec.policy_gd, params["policy"], seqs)
         return alg.cov_tokens(spec.alg, logp_BxT, mb, key)
 
     return select
 
 
-def _updates(spec: LearnSpec, update, params, opt_state, counters, batch, coef, key,
+def _updates(spec, update, params, opt_state, counters, batch, coef, key,
              select: Callable | None = None):
     """``num_epochs x num_minibatches`` updates as one scan; metrics stacked per update."""
     a = spec.alg
@@ -207,28 +171,27 @@ def _updates(spec: LearnSpec, update, params, opt_state, counters, batch, coef, 
     return params, opt_state, counters, metrics
 
 
-def make_learn(spec: LearnSpec, loss_fn, txs: dict, schedules: dict, policy_gd, value_gd,
-               constrain: Callable | None = None, teacher_gd=None):
+def make_learn(spec, loss_fn, txs: dict, schedules: dict, constrain: Callable | None = None):
     """The pure learning program ``learn(params, opt_state, counters, ref_params, ro,
-    kl_coef, key, teacher_params=None) -> (params, opt_state, counters, kl_coef, metrics)``.
+    kl_coef, key, teacher_params=None) -> (params, opt_state, counters, kl_coef, metrics)``
+    of ``spec`` (a ``rljax.train.programs.step.StepSpec``: the algorithm's choices and
+    the models' graphdefs).
 
     ``ro`` is a :class:`~rljax.train.rollout.Rollout` with rewards; ``metrics`` is a dict
     of float32 scalars (update means, the first update's sampler gap, rollout statistics).
-    With ``teacher_gd`` (on-policy distillation) ``teacher_params`` is the teacher's
+    With ``spec.teacher_gd`` (on-policy distillation) ``teacher_params`` is the teacher's
     frozen state, global arrays like ``ref_params``.
     """
     update = make_update(loss_fn, txs, schedules, spec.num_micro, constrain, spec.share_group)
-    select = _cov_selector(spec, policy_gd)
+    select = _cov_selector(spec)
 
     def learn(params, opt_state, counters, ref_params, ro: Rollout, kl_coef, key,
               teacher_params=None):
-        if (teacher_gd is None) != (teacher_params is None):
-            raise ValueError("learn: teacher_params must be given exactly when the program "
-                             "was made with a teacher_gd (on-policy distillation)")
+        if (spec.teacher_gd is None) != (teacher_params is None):
+            raise ValueError("learn: teacher_params must be given exactly when the spec "
+                             "has a teacher_gd (on-policy distillation)")
         ro = ro.masked_by_weight()
-        teacher = None if teacher_gd is None else (teacher_gd, teacher_params)
-        batch, extra = _prepare(spec, policy_gd, value_gd, params, ref_params, ro, kl_coef,
-                                teacher)
+        batch, extra = _prepare(spec, params, ref_params, ro, kl_coef, teacher_params)
         if spec.alg.mask_truncated:
             batch["completion_mask_BxT"] = obj.mask_truncated_completions(
                 batch["completion_mask_BxT"], ro.truncated_B)

@@ -85,22 +85,15 @@ def chunked_logprobs(
     Log-probs are of ``softmax(logits / temperature)``, the distribution the sampler drew
     from. Returns ``(logp_BxT, entropy_BxT)``, both float32.
     """
-    b, t, d = _check_args("chunked_logprobs", h_BxTxD, targets_BxT, chunk, temperature)
+    _, t, _ = _check_args("chunked_logprobs", h_BxTxD, targets_BxT, chunk, temperature)
     c = min(chunk, t)
     n = math.ceil(t / c)
-    pad = n * c - t
-    h = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0)))
-    tgt = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
-    h_NxBxCxD = h.reshape(b, n, c, d).swapaxes(0, 1)
-    tgt_NxBxC = tgt.reshape(b, n, c).swapaxes(0, 1)
     inv_temp = 1.0 / float(temperature)
-    one = jax.checkpoint(
-        lambda hp, hc, tc: _chunk_logprobs(logits_fn, hp, hc, tc, inv_temp)
-    )
-    logp_NxBxC, ent_NxBxC = jax.lax.map(lambda xs: one(head_params, *xs), (h_NxBxCxD, tgt_NxBxC))
-    logp_BxT = logp_NxBxC.swapaxes(0, 1).reshape(b, n * c)[:, :t]
-    ent_BxT = ent_NxBxC.swapaxes(0, 1).reshape(b, n * c)[:, :t]
-    return logp_BxT, ent_BxT
+    one = jax.checkpoint(lambda hp, hc, tc: _chunk_logprobs(logits_fn, hp, hc, tc, inv_temp))
+    logp_NxBxC, ent_NxBxC = jax.lax.map(
+        lambda xs: one(head_params, *xs),
+        (split_chunks(h_BxTxD, n, c), split_chunks(targets_BxT, n, c)))
+    return join_chunks(logp_NxBxC, t), join_chunks(ent_NxBxC, t)
 
 
 # ---------------------------------------------------------------------------------------
@@ -184,9 +177,23 @@ def reduce_partial_dw(dw_SxDxV, names_DxV=DW_DXV_AXES):
     return constrain_logical(jnp.sum(dw_SxDxV, axis=0), names_DxV)
 
 
-def _linear_chunk_fwd(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
-    _, _, _, logz, logp, ent = linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp)
-    return logp, ent, logz
+def chunk_grads(wc, h_BxCxD, tgt_BxC, p, a, ent_term, vocab_major, cd, inv_temp, shards):
+    """One chunk's ``dh`` and partial ``dW`` (:func:`partial_dw`; ``wc``: ``W`` in ``cd``)
+    from ``d logits = (a (onehot - p) - p ent_term) / temperature``, with ``p`` the
+    probabilities, ``a`` the target log-probs' cotangents (None: 0) and ``ent_term`` the
+    entropies' cotangents times ``log p + H`` (None: 0)."""
+    scale = 0.0 if a is None else a[..., None]
+    if ent_term is not None:
+        scale = scale + ent_term
+    g = -p * scale
+    if a is not None:
+        g = g + jax.nn.one_hot(tgt_BxC, p.shape[-1], dtype=jnp.float32) * a[..., None]
+    g = (g * inv_temp).astype(cd)
+    dh = jnp.einsum("bcv,vd->bcd" if vocab_major else "bcv,dv->bcd", g, wc,
+                    preferred_element_type=jnp.float32)
+    # dW as [D, V] = h^T . g (asked for as g^T . h, XLA:CPU wrote a transposed copy of g;
+    # a tied W's [V, D] is the transpose of this small result instead).
+    return dh, partial_dw(h_BxCxD, g, cd, shards)
 
 
 def split_chunks(x, n: int, c: int):
@@ -210,12 +217,13 @@ def _over_chunks(fn, xs, n: int):
 
 
 def _linear_primal(w, h_BxTxD, tgt_BxT, vocab_major, cd, inv_temp, c):
+    """``(logp, entropy, log Z)``, each ``[B, T]``, chunk by chunk."""
     t = h_BxTxD.shape[1]
     n = math.ceil(t / c)
-    outs = _over_chunks(
-        lambda xs: _linear_chunk_fwd(w, xs[0], xs[1], vocab_major, cd, inv_temp),
+    logz, logp, ent = _over_chunks(
+        lambda xs: linear_chunk_stats(w, *xs, vocab_major, cd, inv_temp)[3:],
         (split_chunks(h_BxTxD, n, c), split_chunks(tgt_BxT, n, c)), n)
-    return tuple(join_chunks(o, t) for o in outs)
+    return join_chunks(logp, t), join_chunks(ent, t), join_chunks(logz, t)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -247,25 +255,11 @@ def _linear_bwd(vocab_major, cd, inv_temp, c, res, cts):
 
     def chunk(xs):
         h, tgt, logz, ent, a, e = xs
-        z = _linear_logits(wc, h, vocab_major, cd) * inv_temp
-        logp_all = z - logz[..., None]
-        p = jnp.exp(logp_all)
-        # d/dz of a * log p(target) + e * entropy, entropy = -sum p log p:
-        #   a * (onehot - p) - e * p * (log p + entropy)
-        scale = a[..., None]
-        if use_ent:
-            scale = scale + e[..., None] * (logp_all + ent[..., None])
-        g = -p * scale
-        if use_logp:
-            g = g + jax.nn.one_hot(tgt, z.shape[-1], dtype=jnp.float32) * a[..., None]
-        g = (g * inv_temp).astype(cd)
-        dh = jnp.einsum("bcv,vd->bcd" if vocab_major else "bcv,dv->bcd", g, wc,
-                        preferred_element_type=jnp.float32)
-        # dW as [D, V] = h^T . g, g's rows contracted in place: asked for as [V, D]
-        # (g^T . h), XLA:CPU wrote a transposed copy of g; a tied W's [V, D] is the
-        # transpose of this small result instead. Partial sums per batch shard, reduced
-        # once after the loop (`partial_dw`).
-        return dh.astype(h_BxTxD.dtype), partial_dw(h, g, cd, s)
+        logp_all = _linear_logits(wc, h, vocab_major, cd) * inv_temp - logz[..., None]
+        ent_term = e[..., None] * (logp_all + ent[..., None]) if use_ent else None
+        dh, dw = chunk_grads(wc, h, tgt, jnp.exp(logp_all), a if use_logp else None, ent_term,
+                             vocab_major, cd, inv_temp, s)
+        return dh.astype(h_BxTxD.dtype), dw
 
     s = batch_shards(b)
     xs = (split_chunks(h_BxTxD, n, c), split_chunks(tgt_BxT, n, c), split_chunks(logz_BxT, n, c),

@@ -84,17 +84,14 @@ def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, te
     if value_gd is not None:
         values = ppo_lib.value_predictions(value_gd, params["value"], mb, remat=remat)
     fields = dict(self_old=self_old, use_sampler=use_sampler, entropy_grad=entropy_grad)
-    fused = None
-    if one_pass:  # the head form resolved with the trainer (ForwardPaths.head)
-        fused = _one_pass_logprobs(policy_gd, params["policy"], mb, coef, values,
-                                   objective=objective, chunk=chunk, temperature=temperature,
-                                   remat=remat, group=group, **fields)
-    if fused is None:
+    if one_pass:  # log-probs as values; their gradient enters through the surrogate
+        surrogate, logp, ent = _one_pass_logprobs(
+            policy_gd, params["policy"], mb, coef, values, objective=objective, chunk=chunk,
+            temperature=temperature, remat=remat, group=group, **fields)
+    else:
         logp, ent = policy_logprobs(policy_gd, params["policy"], mb, chunk=chunk,
                                     temperature=temperature, remat=remat, group=group)
         surrogate = 0.0
-    else:  # log-probs as values; their gradient enters through the surrogate
-        surrogate, logp, ent = fused
     loss_sum, count, metrics = objective(_objective_batch(mb, logp, ent, values, **fields), coef)
     n = jnp.sum(m)
     gap = jnp.where(m > 0, jnp.abs(sg(logp) - mb["sampler_logp_BxT"]), 0.0)

@@ -31,15 +31,6 @@ def merge_micro(x_MxNx: Array, group: int = 1) -> Array:
     return x.reshape(m * n, *rest)
 
 
-def check_divisible(batch_size: int, num_micro: int, what: str = "batch") -> None:
-    """Raise ValueError unless ``batch_size`` splits into ``num_micro`` equal parts."""
-    if num_micro < 1 or batch_size % num_micro:
-        raise ValueError(
-            f"{what} of {batch_size} sequences does not divide into {num_micro} "
-            f"micro-batches; choose micro_batch_size dividing {batch_size}"
-        )
-
-
 def num_micro_batches(batch_size: int, micro_batch_size: int, what: str = "batch") -> int:
     """Micro-batches per update (``micro_batch_size`` 0 means one); validates division."""
     if micro_batch_size == 0 or micro_batch_size >= batch_size:

@@ -33,10 +33,10 @@ from flax import nnx
 
 from rljax.models.layers import compute_dtype
 from rljax.sharding import constrain_logical, logical_axes
-from rljax.train.learn.logprobs import (DW_DXV_AXES, PARTIAL_DW_AXES, check_linear_args,
-                                        split_chunks, linear_chunk_stats, join_chunks,
-                                        batch_shards, completion_hidden, head_weight, partial_dw,
-                                        reduce_partial_dw)
+from rljax.train.learn.logprobs import (DW_DXV_AXES, PARTIAL_DW_AXES, batch_shards,
+                                        check_linear_args, chunk_grads, completion_hidden,
+                                        head_weight, join_chunks, linear_chunk_stats,
+                                        reduce_partial_dw, split_chunks)
 
 Array = Any
 #: ``token_grads(aux, logp_BxC, entropy_BxC, start) -> (a_BxC, e_BxC)``: the loss's
@@ -59,17 +59,12 @@ def _chunk_pass(w, h_BxCxD, tgt_BxC, aux, start, token_grads, vocab_major, cd, i
     z, e, s, logz, logp, ent = linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd,
                                                    inv_temp)
     a, eg = token_grads(aux, logp, ent, start)
-    a = a.astype(jnp.float32)
-    scale = a[..., None]
-    if with_ent:
-        scale = scale + eg.astype(jnp.float32)[..., None] * (z - logz[..., None] + ent[..., None])
-    # p = e / s; d logits as in linear_logprobs' backward, from this pass's exponentials.
-    g = -(e / s[..., None]) * scale
-    g = g + jax.nn.one_hot(tgt_BxC, z.shape[-1], dtype=jnp.float32) * a[..., None]
-    g = (g * inv_temp).astype(cd)
-    dh = jnp.einsum("bcv,vd->bcd" if vocab_major else "bcv,dv->bcd", g, w.astype(cd),
-                    preferred_element_type=jnp.float32)
-    return logp, ent, dh, partial_dw(h_BxCxD, g, cd, shards)
+    ent_term = (eg.astype(jnp.float32)[..., None] * (z - logz[..., None] + ent[..., None])
+                if with_ent else None)
+    # p = e / s: d logits as in linear_logprobs' backward, from this pass's exponentials.
+    dh, dw = chunk_grads(w, h_BxCxD, tgt_BxC, e / s[..., None], a.astype(jnp.float32),
+                         ent_term, vocab_major, cd, inv_temp, shards)
+    return logp, ent, dh, dw
 
 
 def _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c, with_ent,

@@ -28,8 +28,7 @@ import optax
 from rljax.models.lora import merge_trainable, split_trainable
 from rljax.sharding import batch_sharding, mesh_context, on_mesh, output_shardings, replicated
 from rljax.train.config import OptimConfig
-from rljax.train.learn.micro import (check_divisible, merge_micro,  # noqa: F401 (public here too)
-                               num_micro_batches, split_micro)
+from rljax.train.learn.micro import num_micro_batches, split_micro
 
 Array = Any
 LossFn = Callable[[Any, dict, Any], tuple[Array, Array, dict]]

@@ -50,22 +50,3 @@ def device_rollout(graphdef, params, prompts: tuple, task: dict, key, *, spec: D
                         out.sampling_logprobs, out.truncated, rewards_R, correct_R,
                         jnp.ones_like(rewards_R))
     return Rollout(*fields, group_size=g, has_correct=verifier)
-
-
-def make_fused_step(graphdef, learn_program: Callable, reward: Callable, mesh=None):
-    """``rl_step(spec, params, opt_state, scalars, ref_params, prompts, task, key_data,
-    teacher_params) -> (params, opt_state, scalars, metrics)``: one RL step as a pure
-    function (``spec`` static). ``learn_program`` is the trainer's
-    ``(params, opt_state, scalars, ref_params, ro, key, teacher_params) -> (params,
-    opt_state, scalars, metrics)``; the returned scalars carry the next key data."""
-
-    def rl_step(spec, params, opt_state, scalars, ref_params, prompts, task, key_data,
-                teacher_params):
-        nxt, k_roll, k_learn = split_step_key(key_data)
-        ro = device_rollout(graphdef, params["policy"], prompts, task, k_roll, spec=spec,
-                            reward=reward, mesh=mesh)
-        params, opt_state, out, m = learn_program(params, opt_state, scalars, ref_params, ro,
-                                                  k_learn, teacher_params)
-        return params, opt_state, dict(out, key=nxt), m
-
-    return rl_step

@@ -44,7 +44,7 @@ class ForwardPaths:
     attention: the policy's ``ModelConfig.attention``.
     head: "one-pass" or "chunked".
     prompt_group: G > 1 when the learning program's forwards share each group's prompt
-      (``LearnSpec.share_group``); 1: every row computes its prompt.
+      (``StepSpec.share_group``); 1: every row computes its prompt.
     layers: "scanned" or "unrolled".
     remat: what each layer keeps for the backward pass ("none", "full", "dots_saveable").
     notes: ``(choice, why)`` pairs for the defaults that fell back (or run other than

@@ -1,18 +1,11 @@
 """The RL step's compiled programs: module-level ``jax.jit`` functions of a frozen spec.
 
-Every choice the step's programs read is a field of :class:`StepSpec` (frozen, hashable),
-passed as a static argument. JAX's own cache keys each compiled program by that spec and
-by its arguments' shapes and shardings, so two trainers with equal specs (a resumed run in
-the same process, a second run in a notebook) share one executable, and no hand-made key
-can forget a field (``tests/test_program_spec.py`` checks that a spec change is the only
-way a config change reaches a program). The programs close over no trainer: a spec holds
-configs, graphdefs, the mesh and the device reward, never arrays.
-
-- :func:`learn_step`: the learning program of a host-reward step, rollout -> weights.
-- :func:`fused_step`: with a device reward, sample -> score -> learn
-  (``rljax.train.programs.fused``).
-- :func:`seeds_step`: :func:`fused_step` vmapped over a leading seed axis
-  (``rljax.train.seeds``).
+Every choice the programs read is a field of :class:`StepSpec` (frozen, hashable; configs,
+graphdefs, the mesh and the device reward, never arrays), passed as a static argument, so
+JAX's cache keys each program by it and trainers with equal specs share one executable
+(``tests/test_program_spec.py``): :func:`learn_step` (a host-reward step's learning
+program), :func:`fused_step` (with a device reward, sample -> score -> learn) and
+:func:`seeds_step` (:func:`fused_step` vmapped over a leading seed axis).
 
 Call them inside ``rljax.sharding.mesh_context(spec.mesh)`` (``run``): splash attention and
 parameter placement read the mesh while they are traced.
@@ -29,11 +22,12 @@ import jax.numpy as jnp
 
 from rljax.sharding import mesh_context, place_outputs
 from rljax.train.config import OptimConfig
-from rljax.train.learn import LearnSpec, make_learn
+from rljax.train.config.algorithm import AlgorithmSpec
+from rljax.train.learn import make_learn
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
 from rljax.train.learn.update import batch_constrainer, make_optimizer
-from rljax.train.programs.fused import make_fused_step
+from rljax.train.programs.fused import device_rollout, split_step_key
 from rljax.train.programs.paths import ForwardPaths
 
 __all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", "optimizers",
@@ -44,14 +38,23 @@ __all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", 
 class StepSpec:
     """Everything the RL step's programs read besides their array arguments.
 
-    learn: the algorithm's choices, without its name (:class:`~rljax.train.learn.LearnSpec`).
+    alg: the resolved algorithm without its name (``AlgorithmConfig.spec()``: the fields,
+      and ``loss``, the objective's registry entry), so equal fields give equal specs.
+    old_mode: "self" (one update per batch: the ratio's denominator is the current
+      policy, stop-gradient), "recompute" (a forward before the updates) or "sampler".
+    uses_ref: a KL term needs the frozen reference's log-probs.
+    num_micro: micro-batches per minibatch update (and per extra forward pass).
+    chunk, temperature: the log-prob chunk (``rl.logp_chunk``) and the sampling temperature.
+    max_new_tokens: the completion width (Dr.GRPO's constant, overlong shaping).
+    overlong: DAPO's overlong window in tokens (0 = off).
     policy_gd, value_gd, teacher_gd: the models' graphdefs (value: PPO; teacher: distill).
     optim: the optimiser config; ``schedule_updates`` the updates its schedule spans
       (:func:`schedule_updates`); ``value_lr_ratio`` the value model's learning-rate scale.
     remat: rematerialise each decoder layer in the backward pass.
     paths: the forward paths resolved when the trainer was built
       (:class:`~rljax.train.programs.paths.ForwardPaths`: attention, head form, prompt layout,
-      layers); the programs read the head form and the prompt layout from it.
+      layers); the programs read the head form and the prompt layout
+      (:attr:`share_group`) from it.
     device_reward: the JAX reward of the one-program step (None: a host reward).
     mesh: the device mesh (None: one device).
     out_shardings: on a mesh, ``(treedef, leaves)`` of the ``(params, opt_state)``
@@ -59,7 +62,14 @@ class StepSpec:
       arguments match and their buffers are donated in place).
     """
 
-    learn: LearnSpec
+    alg: AlgorithmSpec
+    old_mode: str
+    uses_ref: bool
+    num_micro: int
+    chunk: int
+    temperature: float
+    max_new_tokens: int
+    overlong: int
     policy_gd: Any
     value_gd: Any = None
     teacher_gd: Any = None
@@ -72,11 +82,12 @@ class StepSpec:
     mesh: Any = None
     out_shardings: tuple | None = None
 
-    def __post_init__(self):
-        if self.learn.share_group != self.paths.prompt_group:
-            raise ValueError(f"StepSpec: learn.share_group={self.learn.share_group} disagrees "
-                             f"with paths.prompt_group={self.paths.prompt_group}; both come "
-                             "from rljax.train.programs.paths.resolve_paths")
+    @property
+    def share_group(self) -> int:
+        """G > 1 when rows share their prompt in groups of G and every forward computes it
+        once (``policy_logprobs(group=G)``; micro-batches and minibatches then hold whole
+        groups); 1: every row computes its prompt."""
+        return self.paths.prompt_group
 
 
 def schedule_updates(optim: OptimConfig, total: int) -> int:
@@ -100,18 +111,16 @@ def learn_fn(spec: StepSpec):
     """The pure ``rljax.train.learn.make_learn`` function of the spec: ``(params,
     opt_state, counters, ref_params, ro, kl_coef, key, teacher_params) -> (params,
     opt_state, counters, kl_coef, metrics)``."""
-    a, ls = spec.learn.alg, spec.learn
-    objective = alg.make_objective(a, ls.max_new_tokens)
+    a = spec.alg
     loss = functools.partial(
-        rl_loss, policy_gd=spec.policy_gd, value_gd=spec.value_gd, objective=objective,
-        chunk=ls.chunk, temperature=ls.temperature, remat=spec.remat,
-        self_old=ls.old_mode == "self", use_sampler=alg.uses_sampler_logp(a),
-        entropy_grad=a.entropy_coef != 0.0, group=ls.share_group,
-        one_pass=spec.paths.head == "one-pass")
+        rl_loss, policy_gd=spec.policy_gd, value_gd=spec.value_gd,
+        objective=alg.make_objective(a, spec.max_new_tokens), chunk=spec.chunk,
+        temperature=spec.temperature, remat=spec.remat, self_old=spec.old_mode == "self",
+        use_sampler=alg.uses_sampler_logp(a), entropy_grad=a.entropy_coef != 0.0,
+        group=spec.share_group, one_pass=spec.paths.head == "one-pass")
     optims = optimizers(spec)
-    return make_learn(ls, loss, {k: v[0] for k, v in optims.items()},
-                      {k: v[1] for k, v in optims.items()}, spec.policy_gd, spec.value_gd,
-                      batch_constrainer(spec.mesh), spec.teacher_gd)
+    return make_learn(spec, loss, {k: v[0] for k, v in optims.items()},
+                      {k: v[1] for k, v in optims.items()}, batch_constrainer(spec.mesh))
 
 
 def state_scalars(state) -> dict:
@@ -158,9 +167,17 @@ def learn_step(spec: StepSpec, params, opt_state, scalars, ref_params, ro, key,
                                              teacher_params))
 
 
-def _fused(spec: StepSpec, decode_spec, *args):
-    step = make_fused_step(spec.policy_gd, learn_program(spec), spec.device_reward, spec.mesh)
-    return step(decode_spec, *args)
+def _fused(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_params, prompts, task,
+           key_data, teacher_params):
+    """One RL step as a pure function: sample and score with the device reward
+    (``rljax.train.programs.fused``), then :func:`learn_program`; the returned scalars
+    carry the next key data."""
+    nxt, k_roll, k_learn = split_step_key(key_data)
+    ro = device_rollout(spec.policy_gd, params["policy"], prompts, task, k_roll,
+                        spec=decode_spec, reward=spec.device_reward, mesh=spec.mesh)
+    params, opt_state, out, m = learn_program(spec)(params, opt_state, scalars, ref_params, ro,
+                                                    k_learn, teacher_params)
+    return params, opt_state, dict(out, key=nxt), m
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
