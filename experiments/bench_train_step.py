@@ -19,9 +19,15 @@ the zeroing of fresh pages for the program's large buffers) are printed beside e
 figure.
 
     python experiments/bench_train_step.py [--reps 5] [--quick] [--logp-chunk N]
-                                           [--per-row-prompts]
+                                           [--per-row-prompts] [--lora R]
 
-Last line (the larger model): ``RESULT flops_per_s=... peak_flops_per_s=... fraction=...``.
+With ``--lora R`` each model's program also runs with rank-R adapters on all seven
+projections (alpha 2R; only the adapters train, the reference is the base with them off),
+its calls interleaved with the full-parameter program's; both medians and their ratio are
+printed.
+
+Last line (the larger model): ``RESULT flops_per_s=... peak_flops_per_s=... fraction=...``,
+with ``--lora`` also ``lora_s=... full_s=... lora_over_full=...``.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rljax.models import Decoder, build_char_tokenizer  # noqa: E402
+from rljax.models.lora import LoraConfig  # noqa: E402
 from rljax.train import (AlgorithmConfig, OptimConfig, RLConfig, RLTrainer,  # noqa: E402
                          Rollout, SamplingConfig)
 from rljax.train.programs.step import learn_step, run, state_scalars  # noqa: E402
@@ -87,8 +94,8 @@ class LearnBench:
 
     def __init__(self, sizes: dict, shape: Shape, steps: int, seed: int = 0,
                  logp_chunk: int | None = None, share_prompts: bool | None = None,
-                 one_pass_head: bool | None = None):
-        self.config = B.model_config(sizes)
+                 one_pass_head: bool | None = None, lora: LoraConfig | None = None):
+        self.config = dataclasses.replace(B.model_config(sizes), lora=lora)
         graphdef, params = nnx.split(Decoder(self.config, rngs=nnx.Rngs(seed)))
         # The trainer reads only the pad / eos ids of its tokenizer outside rollouts.
         self.tr = RLTrainer(
@@ -162,6 +169,24 @@ def measure(sizes: dict, shape: Shape, reps: int, peak_n: int = 2048, log=print,
             "kernel": B.median(kernel)}
 
 
+def measure_lora(sizes: dict, shape: Shape, reps: int, rank: int, log=print, **kw) -> dict:
+    """Median seconds of the learning program with rank-``rank`` adapters and with full
+    parameters, their calls interleaved (after one compiling call each)."""
+    benches = {"full": LearnBench(sizes, shape, steps=reps + 1, **kw),
+               "lora": LearnBench(sizes, shape, steps=reps + 1,
+                                  lora=LoraConfig(rank=rank, alpha=2.0 * rank), **kw)}
+    times: dict = {k: [] for k in benches}
+    for b in benches.values():
+        b.call()  # compile
+    for i in range(reps):
+        for name, b in benches.items():
+            times[name].append(b.call())
+            log(f"  {name} call {i}: {times[name][-1]:.3f} s (others {b.others:.2f} cores)")
+    med = {k: B.median(v) for k, v in times.items()}
+    return {"lora_s": med["lora"], "full_s": med["full"],
+            "lora_over_full": med["lora"] / med["full"]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5, help="timed calls per model (after one)")
@@ -176,7 +201,12 @@ def main(argv=None) -> int:
                     help="RLConfig.one_pass_head=False: the update recomputes each log-prob "
                          "chunk's logits in the backward pass (the FLOPs counted are the same "
                          "model FLOPs either way)")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="also time the program with rank-R LoRA adapters, interleaved with "
+                         "the full-parameter one, and print the ratio")
     args = ap.parse_args(argv)
+    if args.lora < 0:
+        ap.error(f"--lora must be >= 0, got {args.lora}")
     if args.reps < 1:
         ap.error("--reps must be >= 1")
     if args.logp_chunk is not None and args.logp_chunk < 1:
@@ -199,9 +229,16 @@ def main(argv=None) -> int:
               f"{r['flops'] / 1e9:.1f} GFLOP -> "
               f"{r['flops_per_s'] / 1e9:.1f} GFLOP/s = {r['fraction']:.1%} of the float32 "
               f"matmul peak ({r['peak'] / 1e9:.1f} GFLOP/s)")
+        if args.lora:
+            r.update(measure_lora(sizes, shape, args.reps, args.lora,
+                                  logp_chunk=args.logp_chunk))
+            print(f"{name}: LoRA rank {args.lora} {r['lora_s']:.3f} s vs full parameters "
+                  f"{r['full_s']:.3f} s (medians, interleaved): ratio {r['lora_over_full']:.3f}")
     r = res[list(models)[-1]]
+    lora = (f" lora_s={r['lora_s']:.4g} full_s={r['full_s']:.4g} "
+            f"lora_over_full={r['lora_over_full']:.4f}" if args.lora else "")
     print(f"RESULT flops_per_s={r['flops_per_s']:.4g} peak_flops_per_s={r['peak']:.4g} "
-          f"fraction={r['fraction']:.4f}")
+          f"fraction={r['fraction']:.4f}{lora}")
     return 0
 
 

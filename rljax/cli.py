@@ -7,7 +7,7 @@
     rljax sample SOURCE --prompt TEXT [--prompt ...] [--num-samples N] [--max-new-tokens N]
                  [--raw] [--seed S] [--sampling-seed N]
     rljax export SOURCE OUT_DIR [--step N] [--dtype float32|bfloat16] [--max-shard-size SIZE]
-                 [--seed S] [--distributed ...]
+                 [--adapters] [--seed S] [--distributed ...]
     rljax plot RUN_DIR [--seed S]
 
 EXPERIMENT is a file under `experiments/` (by name) or a path to one. SOURCE is a run
@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the weights into files of at most SIZE (bytes, or with KB / "
                         "MB / GB as in transformers: 5GB = 5e9 bytes), with "
                         "model.safetensors.index.json (default: one file)")
+    p.add_argument("--adapters", action="store_true",
+                   help="a LoRA run: write its adapters as a PEFT folder (adapter_config.json "
+                        "+ adapter_model.safetensors) instead of the merged weights")
     _add_checkpoint(p)
     _add_launch(p)
 
@@ -280,7 +283,7 @@ def _cmd_export(args) -> int:
     distributed = _distributed(args)
     try:
         out = export_hf(args.source, args.out_dir, step=args.step, dtype=args.dtype,
-                        max_shard_bytes=shard, run_seed=args.seed)
+                        max_shard_bytes=shard, run_seed=args.seed, adapters=args.adapters)
     except Exception as e:
         if distributed and jax.process_count() > 1:
             _exit_failed_process("export", e)

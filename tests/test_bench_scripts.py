@@ -76,9 +76,11 @@ def test_cpu_meter_counts_this_process_page_faults_and_kernel_time():
 
 
 def test_train_step_quick_prints_its_result(capsys):
-    assert train.main(["--quick", "--reps", "1"]) == 0
+    """With `--lora R` the LoRA program runs beside the full-parameter one (issue 42)."""
+    assert train.main(["--quick", "--reps", "1", "--lora", "2"]) == 0
     r = _result(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(r) == {"flops_per_s", "peak_flops_per_s", "fraction"}
+    assert set(r) == {"flops_per_s", "peak_flops_per_s", "fraction", "lora_s", "full_s",
+                      "lora_over_full"}
     assert all(math.isfinite(x) and x > 0 for x in r.values())
 
 

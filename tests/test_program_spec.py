@@ -26,6 +26,7 @@ from flax import nnx
 from _train_common import CharTok, tiny_config
 from rljax.models import Decoder, ModelConfig
 from rljax.models.config import Llama3RopeScaling
+from rljax.models.lora import LoraConfig
 from rljax.train.config import (ALGORITHMS, AlgorithmConfig, OptimConfig, RLConfig,
                                 SamplingConfig)
 from rljax.train.programs.step import learn_step, state_scalars
@@ -64,7 +65,7 @@ def _allowed(cfg, field: str) -> list:
 # Example values of fields whose type the generic alternatives cannot guess.
 EXAMPLES = {"objective": ["rljax.objectives.recent:cispo"],
             "advantages": ["rljax.objectives:rloo_advantages"],
-            "rope_scaling": [Llama3RopeScaling()]}
+            "rope_scaling": [Llama3RopeScaling()], "lora": [LoraConfig(rank=2)]}
 # Fields that no value changes for the base trainer (GRPO, KL in the loss), and why.
 FIXED = {"algorithm.adaptive_kl_target": "the controller needs kl_in='reward' (PPO)"}
 

@@ -11,6 +11,7 @@ from rljax.models.attention_kernels import (PrefixSegmentMask, SegmentMask, kern
 from rljax.models.config import ModelConfig
 from rljax.models.layers import (RMSNorm, annotated_param, apply_rope, compute_dtype, dense,
                                  normal_param)
+from rljax.models.lora import adapter_arrays, make_pairs
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -86,15 +87,21 @@ def attend_group_prefix(q_BxTxNxH: jax.Array, prefix_k_CxKxHxP: jax.Array,
 class Attention(nnx.Module):
     """Self-attention block: q/k/v projections, (q/k norm), RoPE, GQA, output projection.
 
-    Weights: q `[D, N, H]`, k and v `[D, K, H]`, o `[N, H, D]`.
+    Weights: q `[D, N, H]`, k and v `[D, K, H]`, o `[N, H, D]`; with ``config.lora`` the
+    targeted ones own a `rljax.models.lora.LoraPair` (``q_lora``, ...) drawn from
+    ``lora_rngs``.
     """
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs,
+                 lora_rngs: nnx.Rngs | None = None) -> None:
         d, n, kv, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.q = normal_param(rngs, (d, n, h), ("embed", "heads", "head_dim"))
-        self.k = normal_param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"))
-        self.v = normal_param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"))
-        self.o = normal_param(rngs, (n, h, d), ("heads", "head_dim", "embed"))
+        shapes = {"q": ((d, n, h), ("embed", "heads", "head_dim"), 1),
+                  "k": ((d, kv, h), ("embed", "kv_heads", "head_dim"), 1),
+                  "v": ((d, kv, h), ("embed", "kv_heads", "head_dim"), 1),
+                  "o": ((n, h, d), ("heads", "head_dim", "embed"), 2)}
+        for name, (shape, names, _) in shapes.items():
+            setattr(self, name, normal_param(rngs, shape, names))
+        make_pairs(self, config.lora, lora_rngs, shapes)
         if config.qkv_bias:
             self.q_bias = annotated_param(jnp.zeros((n, h)), ("heads", "head_dim"))
             self.k_bias = annotated_param(jnp.zeros((kv, h)), ("kv_heads", "head_dim"))
@@ -107,8 +114,10 @@ class Attention(nnx.Module):
         self.attention = config.attention
         self.dtype = compute_dtype(config)
 
-    def _project(self, x: jax.Array, w: nnx.Param, bias_name: str) -> jax.Array:
-        y = dense(x, w[...].astype(self.dtype), preferred_element_type=jnp.float32)
+    def _project(self, x: jax.Array, name: str, bias_name: str) -> jax.Array:
+        y = dense(x, getattr(self, name)[...].astype(self.dtype),
+                  preferred_element_type=jnp.float32,
+                  adapter=adapter_arrays(self, name, self.dtype))
         if self.qkv_bias:
             y = y + getattr(self, bias_name)[...]
         return y
@@ -117,9 +126,9 @@ class Attention(nnx.Module):
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries `[B,T,N,H]`, keys and values `[B,T,K,H]` (rotated, compute dtype)."""
         x = x_BxTxD.astype(self.dtype)
-        q = self._project(x, self.q, "q_bias")
-        k = self._project(x, self.k, "k_bias")
-        v = self._project(x, self.v, "v_bias")
+        q = self._project(x, "q", "q_bias")
+        k = self._project(x, "k", "k_bias")
+        v = self._project(x, "v", "v_bias")
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos_sin).astype(self.dtype)
@@ -171,5 +180,6 @@ class Attention(nnx.Module):
         # (n, h) contracted as one flattened axis (`dense`): contracting both made
         # XLA:CPU copy the weight and transpose the activations in every decode step.
         out = dense(o.astype(self.dtype), self.o[...].astype(self.dtype), contract=2,
-                    preferred_element_type=jnp.float32)
+                    preferred_element_type=jnp.float32,
+                    adapter=adapter_arrays(self, "o", self.dtype))
         return out, (keys, values)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from rljax.models.lora import LoraConfig
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # "xla": the einsum in `rljax.models.attention.attend` (the CPU default); "splash": JAX's
@@ -68,6 +70,9 @@ class ModelConfig:
       differ, HF files do not. Not written to config.json.
     remat: what each layer keeps for the backward pass: "none", "full" (its input
       only) or "dots_saveable" (matmul outputs too); scanned and unscanned alike.
+    lora: low-rank adapters on the projections (`rljax.models.lora.LoraConfig`), or None;
+      a rank-0 config is stored as None (the model without adapters). Not written to
+      config.json (an exported adapter folder has its own adapter_config.json).
     """
 
     vocab_size: int
@@ -89,6 +94,7 @@ class ModelConfig:
     attention: str = "xla"
     scan_layers: bool = False
     remat: str = "none"
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         _check_positive(
@@ -139,6 +145,10 @@ class ModelConfig:
             )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; allowed: {REMAT_POLICIES}")
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise TypeError(f"ModelConfig.lora must be None or a LoraConfig, got {self.lora!r}")
+        if self.lora is not None and not self.lora.enabled:
+            object.__setattr__(self, "lora", None)  # rank 0: the model without adapters
         for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")

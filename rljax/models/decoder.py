@@ -13,6 +13,7 @@ from rljax.models.attention_kernels import SegmentMask, segment_ids_from_mask
 from rljax.models.config import ModelConfig
 from rljax.models.kv_cache import KVCache, init_kv_cache
 from rljax.models.layers import MLP, RMSNorm, compute_dtype, normal_param, rope_cos_sin
+from rljax.models.lora import lora_rngs
 from rljax.models.scanned import (effective_remat, remat_policy, scan_apply, scan_apply_indexed,
                                   stacked)
 from rljax.sharding import constrain_logical
@@ -32,13 +33,16 @@ def constrain_residual(x_BxTxD: jax.Array) -> jax.Array:
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
+    ``lora_rngs``: the adapters' key stream when ``config.lora`` is set."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs,
+                 lora_rngs: nnx.Rngs | None = None) -> None:
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, rngs)
+        self.attn = Attention(config, rngs, lora_rngs)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, rngs)
+        self.mlp = MLP(config, rngs, lora_rngs)
 
     def __call__(self, x: jax.Array, cos_sin: tuple[jax.Array, jax.Array], allowed: jax.Array,
                  cache_kv: tuple[jax.Array, jax.Array] | None = None,
@@ -95,7 +99,9 @@ class Decoder(nnx.Module):
 
     Parameters are float32 with logical axis names (`logical_axes` metadata); matmuls run
     in `config.compute_dtype`; logits and softmax in float32. Build it inside
-    `jax.set_mesh(mesh)` to create each parameter already sharded.
+    `jax.set_mesh(mesh)` to create each parameter already sharded. With `config.lora`
+    the projections own LoRA adapters (`rljax.models.lora`), drawn from their own key
+    stream: the base weights equal those of the same config without adapters.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
@@ -104,10 +110,15 @@ class Decoder(nnx.Module):
         self.config = config
         v, d = config.vocab_size, config.hidden_size
         self.embed = normal_param(rngs, (v, d), ("vocab", "embed"))
+        lr = lora_rngs(rngs) if config.lora is not None else None
         if config.scan_layers:  # one Block with parameters [L, ...]; see rljax/models/scanned.py
-            self.layers = stacked(lambda r: Block(config, r), config.num_layers, rngs)
+            if lr is None:
+                self.layers = stacked(lambda r: Block(config, r), config.num_layers, rngs)
+            else:
+                self.layers = stacked(lambda r, lr: Block(config, r, lr), config.num_layers,
+                                      rngs, lr)
         else:
-            self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+            self.layers = nnx.List([Block(config, rngs, lr) for _ in range(config.num_layers)])
         self.final_norm = RMSNorm(d, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = normal_param(rngs, (d, v), ("embed", "vocab"))

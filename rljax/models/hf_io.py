@@ -23,9 +23,11 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
+from rljax.models.adapters import init_adapters
 from rljax.models.config import ModelConfig
 from rljax.models.decoder import Decoder
 from rljax.models.hf_config import config_from_hf, config_to_hf
+from rljax.models.peft_io import merged_getter, write_peft
 from rljax.models.safetensors_io import SafetensorsFile, write_safetensors
 from rljax.models.writes import atomic_dir
 from rljax.sharding import state_shardings
@@ -175,20 +177,23 @@ def _parse_dtype(dtype) -> str:
 
 def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
                     mesh: Mesh | None = None, attention: str = "xla",
-                    scan_layers: bool = False, remat: str = "none") -> Decoder:
+                    scan_layers: bool = False, remat: str = "none", lora=None,
+                    lora_seed: int = 0) -> Decoder:
     """Load an HF Llama / Qwen2 / Qwen3 checkpoint folder as a `Decoder`.
 
     dtype: the compute dtype (parameters are always float32). mesh: when given, every
     tensor is placed straight to its sharding (per `rljax.sharding.LOGICAL_RULES`).
     attention: `ModelConfig.attention` ("xla" | "splash" | "cudnn"). scan_layers, remat:
-    as in `ModelConfig` (a scanned model stacks the per-layer HF tensors).
+    as in `ModelConfig` (a scanned model stacks the per-layer HF tensors). lora: a
+    `rljax.models.lora.LoraConfig` (or None): the base from the folder, fresh adapters
+    drawn from ``jax.random.key(lora_seed)`` (`rljax.models.adapters.init_adapters`).
     """
     path = pathlib.Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"from_pretrained: {path} is not a directory")
     config = config_from_hf(_read_config(path), compute_dtype=_parse_dtype(dtype),
                             attention=attention)
-    config = dataclasses.replace(config, scan_layers=scan_layers, remat=remat)
+    config = dataclasses.replace(config, scan_layers=scan_layers, remat=remat, lora=lora)
     tensors = _open_weights(path)
     wmap = weight_map(config)
     _check_names(wmap, tensors, config)
@@ -214,6 +219,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
             ours = stacks.pop(path)
         values[path] = targets[path].replace(_place(ours, sharding))
     state = nnx.from_flat_state(sorted(values.items()))
+    if config.lora is not None:
+        state = nnx.merge_state(state, init_adapters(config, jax.random.key(lora_seed), mesh))
     return nnx.merge(graphdef, state)
 
 
@@ -231,19 +238,11 @@ def special_token_ids(tokenizer) -> dict[str, int]:
     return {k: int(v) for k, v in ids.items() if isinstance(v, (int, np.integer))}
 
 
-def save_pretrained(model: Decoder, path: str | os.PathLike, *,
-                    max_shard_bytes: int | None = None, dtype: str = "float32",
-                    special_ids: dict[str, int] | None = None) -> None:
-    """Write `model` as an HF checkpoint (config.json + safetensors) to `path`.
-
-    max_shard_bytes: split the weights over several files with model.safetensors.index.json.
-    dtype: "float32" (default) or "bfloat16" for the written weights.
-    special_ids: token ids (`special_token_ids(tokenizer)`) for config.json and
-      generation_config.json, so transformers' `generate` stops at EOS and pads.
-    Atomic: everything is written to a temporary folder first (see `atomic_dir`).
-    """
+def _model_getter(model: Decoder, caller: str):
+    """``get(per-layer state path) -> host array`` over ``model``'s parameters (adapters
+    included), one layer of a stacked parameter at a time."""
     if not isinstance(model, Decoder):
-        raise TypeError(f"save_pretrained: model must be a Decoder, got {type(model).__name__}")
+        raise TypeError(f"{caller}: model must be a Decoder, got {type(model).__name__}")
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
 
     def get(spath):
@@ -251,8 +250,32 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *,
         value = flat[path].get_value()
         return jax.device_get(value if i is None else value[i])
 
-    write_pretrained(model.config, get, path, max_shard_bytes=max_shard_bytes, dtype=dtype,
-                     special_ids=special_ids)
+    return get
+
+
+def save_pretrained(model: Decoder, path: str | os.PathLike, *,
+                    max_shard_bytes: int | None = None, dtype: str = "float32",
+                    special_ids: dict[str, int] | None = None) -> None:
+    """Write `model` as an HF checkpoint (config.json + safetensors) to `path`; a model
+    with LoRA adapters is written merged (`rljax.models.peft_io.merged_getter`).
+
+    max_shard_bytes: split the weights over several files with model.safetensors.index.json.
+    dtype: "float32" (default) or "bfloat16" for the written weights.
+    special_ids: token ids (`special_token_ids(tokenizer)`) for config.json and
+      generation_config.json, so transformers' `generate` stops at EOS and pads.
+    Atomic: everything is written to a temporary folder first (see `atomic_dir`).
+    """
+    get = _model_getter(model, "save_pretrained")  # nnx.Param: the adapters too
+    write_pretrained(model.config, merged_getter(model.config, get, get), path,
+                     max_shard_bytes=max_shard_bytes, dtype=dtype, special_ids=special_ids)
+
+
+def save_peft(model: Decoder, path: str | os.PathLike, *, base_model: str | None = None) -> None:
+    """Write `model`'s LoRA adapters as a PEFT folder (adapter_config.json +
+    adapter_model.safetensors; `rljax.models.peft_io.write_peft`) that
+    ``peft.PeftModel.from_pretrained`` loads onto the base's transformers model.
+    base_model: the base's name or folder, recorded in adapter_config.json."""
+    write_peft(model.config, _model_getter(model, "save_peft"), path, base_model=base_model)
 
 
 def write_pretrained(config: ModelConfig, get_tensor, path: str | os.PathLike | None, *,

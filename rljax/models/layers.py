@@ -12,6 +12,7 @@ from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 
 from rljax.models.config import ModelConfig
+from rljax.models.lora import adapter_arrays, lora_delta, make_pairs
 from rljax.sharding import constrain_logical
 
 INIT_STD = 0.02
@@ -129,7 +130,8 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_sin: tuple[jax.Array, jax.Array]) -> ja
 
 
 def dense(x: jax.Array, w: jax.Array, contract: int = 1,
-          preferred_element_type: DTypeLike | None = None) -> jax.Array:
+          preferred_element_type: DTypeLike | None = None,
+          adapter: tuple | None = None) -> jax.Array:
     """``x``'s last ``contract`` axes times ``w``'s first ``contract`` axes, as one 2-D
     matmul ``[tokens, in] x [in, out]`` with the token axes and the weight's axes flattened
     (free reshapes of row-major arrays; a sharded leading axis stays sharded).
@@ -141,6 +143,9 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1,
     matmul peak). Flattened, each of the three dots (forward, input and weight gradient)
     contracts one axis, the plain GEMM form. Measured on XLA:CPU only; on TPU, merging
     ``B`` and ``T`` is a relayout unless ``T`` fills whole tiles (unmeasured).
+
+    ``adapter``: a LoRA pair ``(A [*in, r], B [r, *out], scale)`` of this weight
+    (`rljax.models.lora.adapter_arrays`); its ``scale (x A) B`` is added to the output.
     """
     lead, k = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:]
     if w.shape[:contract] != k:
@@ -149,24 +154,36 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1,
     n = int(np.prod(k))
     y = jnp.dot(x.reshape(-1, n), w.reshape(n, -1),
                 preferred_element_type=preferred_element_type)
+    if adapter is not None:
+        a, b, scale = adapter
+        r = a.shape[-1]
+        y = y + lora_delta(x.reshape(-1, n), a.reshape(n, r), b.reshape(r, -1), scale,
+                           preferred_element_type).astype(y.dtype)
     return y.reshape(*lead, *w.shape[contract:])
 
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(x W_gate) * (x W_up)) (Shazeer 2020, eq. 6)."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs,
+                 lora_rngs: nnx.Rngs | None = None) -> None:
+        """``lora_rngs``: the adapters' key stream (`rljax.models.lora.lora_rngs`), used
+        when ``config.lora`` targets an MLP projection."""
         d, f = config.hidden_size, config.intermediate_size
         self.gate = normal_param(rngs, (d, f), ("embed", "mlp"))
         self.up = normal_param(rngs, (d, f), ("embed", "mlp"))
         self.down = normal_param(rngs, (f, d), ("mlp", "embed"))
         self.dtype = compute_dtype(config)
+        make_pairs(self, config.lora, lora_rngs,
+                   {"gate": ((d, f), ("embed", "mlp"), 1), "up": ((d, f), ("embed", "mlp"), 1),
+                    "down": ((f, d), ("mlp", "embed"), 1)})
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         """Float32 output ``[B, T, D]``."""
         cd = self.dtype
         x = x_BxTxD.astype(cd)
-        g = dense(x, self.gate[...].astype(cd))
-        u = dense(x, self.up[...].astype(cd))
+        g = dense(x, self.gate[...].astype(cd), adapter=adapter_arrays(self, "gate", cd))
+        u = dense(x, self.up[...].astype(cd), adapter=adapter_arrays(self, "up", cd))
         hidden = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(cd)
-        return dense(hidden, self.down[...].astype(cd), preferred_element_type=jnp.float32)
+        return dense(hidden, self.down[...].astype(cd), preferred_element_type=jnp.float32,
+                     adapter=adapter_arrays(self, "down", cd))

@@ -36,21 +36,22 @@ def effective_remat(config_remat: str, remat_flag: bool) -> str:
     return "full" if config_remat == "none" and remat_flag else config_remat
 
 
-def stacked(factory: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
-            rngs: nnx.Rngs) -> nnx.Module:
-    """`factory(rngs)` built `num_layers` times under `nnx.vmap`, parameters `[L, ...]`.
+def stacked(factory: Callable[..., nnx.Module], num_layers: int,
+            *rngs: nnx.Rngs) -> nnx.Module:
+    """`factory(*rngs)` built `num_layers` times under `nnx.vmap`, parameters `[L, ...]`.
 
-    Each layer draws from its own split of `rngs` (`nnx.split_rngs`). Every variable's
+    Each layer draws from its own split of each `rngs` (`nnx.split_rngs`; e.g. the
+    model's stream and its adapters' stream, `rljax.models.lora`). Every variable's
     `logical_axes` metadata gets `"layers"` in front, so `rljax.sharding` places the
     stacked arrays with the layer axis replicated.
     """
 
     @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(r):
-        return factory(r)
+    @nnx.vmap(in_axes=(0,) * len(rngs), out_axes=0)
+    def make(*r):
+        return factory(*r)
 
-    module = make(rngs)
+    module = make(*rngs)
     for _, var in nnx.iter_graph(module):
         if isinstance(var, nnx.Variable):
             names = var.get_metadata("logical_axes", None)

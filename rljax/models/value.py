@@ -56,12 +56,14 @@ class ValueModel(nnx.Module):
         """A value model whose backbone is a copy of `policy`'s (embedding, layers, norm).
 
         The head is freshly initialised from `rngs` (default `nnx.Rngs(0)`); the policy's
-        output projection is not used.
+        output projection is not used. A LoRA policy's critic is its base without adapters,
+        trained in full (its head must train, and an adapter-only critic would freeze it).
         """
         if not isinstance(policy, Decoder):
             raise TypeError(f"from_policy: policy must be a Decoder, got {type(policy).__name__}")
         rngs = nnx.Rngs(0) if rngs is None else rngs
-        abstract = nnx.eval_shape(lambda: cls(policy.config, rngs=nnx.Rngs(0)))
+        config = dataclasses.replace(policy.config, lora=None)
+        abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
         graphdef, state = nnx.split(abstract)
         src = nnx.state(policy, nnx.Param)
         flat = dict(nnx.to_flat_state(state))

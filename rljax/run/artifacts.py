@@ -36,9 +36,11 @@ from rljax.models import Decoder
 from rljax.models.hf_config import config_from_hf
 from rljax.models.hf_io import (from_pretrained, special_token_ids, state_location, weight_map,
                                 write_pretrained)
+from rljax.models.peft_io import merged_getter, write_peft
 from rljax.models.tokenizer import (build_char_tokenizer, encode_prompts, load_tokenizer,
                                     stop_token_ids)
-from rljax.run.builders import build_reward, build_task, model_prompt
+from rljax.run.builders import build_model, build_reward, build_task, model_prompt
+from rljax.run.lora_runs import restore_lora_policy
 from rljax.run.experiment import ExperimentConfig, config_from_dict
 from rljax.run.experiment_files import load_experiment
 from rljax.run.overrides import apply_overrides
@@ -83,10 +85,11 @@ def run_tokenizer(run_dir, cfg) -> Any:
 
 def _model_config(cfg):
     if cfg.model is not None:
-        return cfg.model
+        return cfg.policy_config(cfg.model)
     config = config_from_hf(json.loads((pathlib.Path(cfg.hf_path) / "config.json").read_text()))
     # The run's layout: a scanned run's checkpoints hold stacked [L, ...] layers.
-    return dataclasses.replace(config, scan_layers=cfg.scan_layers, remat=cfg.remat)
+    return cfg.policy_config(dataclasses.replace(config, scan_layers=cfg.scan_layers,
+                                                 remat=cfg.remat))
 
 
 def _policy_target(config, mesh, num_seeds: int = 1) -> dict:
@@ -137,6 +140,11 @@ def restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = 
         raise FileNotFoundError(f"run directory {run_dir} has no checkpoints/ to load a policy from")
     config = _model_config(cfg)
     num_seeds = full.run.seeds
+    if config.lora is not None:  # the checkpoints hold the adapters; the base is rebuilt
+        model = build_model(cfg, run_tokenizer(run_dir, cfg), mesh)
+        with Checkpointer(ck_dir) as ck:
+            policy, meta = restore_lora_policy(ck, model, step, mesh)
+        return cfg, config, policy, meta
     with Checkpointer(ck_dir) as ck:
         try:
             raw, meta = ck.restore_subtree(
@@ -199,8 +207,14 @@ def _write_folder(out: epath.Path, write) -> None:
 
 def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
               step: int | None = None, dtype: str = "float32",
-              max_shard_bytes: int | None = None, run_seed: int | None = None) -> epath.Path:
+              max_shard_bytes: int | None = None, run_seed: int | None = None,
+              adapters: bool = False) -> epath.Path:
     """Write the policy of `source` as a Hugging Face folder (weights, config, tokenizer).
+
+    A LoRA run's policy is written merged (``W + (alpha / r) A B``: a plain transformers
+    model); with `adapters` its adapters are written instead as a PEFT folder
+    (adapter_config.json + adapter_model.safetensors, float32, and the tokenizer), which
+    ``peft.PeftModel.from_pretrained`` loads onto the base (`rljax.models.peft_io`).
 
     The folder is what transformers' `generate` needs: config.json and
     generation_config.json carry the tokenizer's bos / eos / pad ids, the tokenizer keeps
@@ -216,6 +230,7 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
     out = run_path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"export: {out} exists and is not empty; choose a new folder")
+    cfg = None
     if not is_run_dir(source):
         model, tokenizer, _ = load_policy(source, step=step, run_seed=run_seed)
         flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
@@ -226,12 +241,18 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
         tokenizer = run_tokenizer(run_path(source), cfg)
         get = lambda spath: multihost_utils.process_allgather(  # noqa: E731
             _leaf(policy, *state_location(config, spath)), tiled=True)
+    if adapters and config.lora is None:
+        raise ValueError(f"export --adapters: {source} has no LoRA adapters (lora.rank is 0)")
     primary = jax.process_index() == 0
 
     def write(folder: pathlib.Path) -> None:
-        write_pretrained(config, get, folder if primary else None, dtype=dtype,
-                         max_shard_bytes=max_shard_bytes,
-                         special_ids=special_token_ids(tokenizer))
+        if adapters:
+            write_peft(config, get, folder if primary else None,
+                       base_model=None if cfg is None else cfg.hf_path)
+        else:
+            write_pretrained(config, merged_getter(config, get, get), folder if primary else None,
+                             dtype=dtype, max_shard_bytes=max_shard_bytes,
+                             special_ids=special_token_ids(tokenizer))
         if primary:
             tokenizer.save_pretrained(str(folder))
 

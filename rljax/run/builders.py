@@ -87,15 +87,16 @@ def _init_program(model_cfg, mesh):
 
 
 def build_model(cfg: ExperimentConfig, tokenizer, mesh=None, seed: int | None = None):
-    """The policy `Decoder`: random init from `cfg.model` (seed `run.seed`) or `hf_path`."""
+    """The policy `Decoder`: random init from `cfg.model` (seed `run.seed`) or `hf_path`,
+    with `cfg.lora`'s adapters (drawn from the same seed) when its rank is > 0."""
+    seed = cfg.run.seed if seed is None else seed
     if cfg.hf_path is not None:
         model = from_pretrained(cfg.hf_path, dtype=cfg.compute_dtype, mesh=mesh,
                                 attention=cfg.attention, scan_layers=cfg.scan_layers,
-                                remat=cfg.remat)
+                                remat=cfg.remat, lora=cfg.lora, lora_seed=seed)
     else:
-        seed = cfg.run.seed if seed is None else seed
         with mesh_context(mesh):  # one compiled program builds every weight, already sharded
-            model = _init_program(cfg.model, mesh)(jax.random.key(seed))
+            model = _init_program(cfg.policy_config(cfg.model), mesh)(jax.random.key(seed))
     check_vocab(tokenizer, model.config)
     return model
 

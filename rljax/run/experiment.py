@@ -11,6 +11,7 @@ import pathlib
 
 from rljax.models import ModelConfig
 from rljax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+from rljax.models.lora import LoraConfig
 from rljax.rewards.extract import MODES as EXTRACT_MODES
 from rljax.run.profiling import parse_profile_steps
 from rljax.sharding import MeshConfig
@@ -253,7 +254,7 @@ class RunConfig:
 
 _SECTIONS = dict(task=TaskConfig, reward=RewardConfig, algorithm=AlgorithmConfig,
                  optim=OptimConfig, sampling=SamplingConfig, rl=RLConfig, mesh=MeshConfig,
-                 run=RunConfig)
+                 run=RunConfig, lora=LoraConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +273,10 @@ class ExperimentConfig:
         from `hf_path` (stacked `[L, ...]` layers under one scan; what each layer keeps for
         the backward pass: "none", "full", "dots_saveable"); a random-init model uses
         `model`'s. A run's checkpoints have the layout of its `scan_layers`.
+      lora: LoRA adapters on the policy's projections (`rljax.models.lora.LoraConfig`;
+        rank 0, the default, is off), for a random-init model and an `hf_path` alike
+        (`model.lora` stays None): only the adapters train, and the KL reference is the
+        base (the adapters switched off). E.g. ``--set lora.rank=32 --set lora.alpha=64``.
       tokenizer: a tokenizer folder, or "char" for `rljax.models`' character tokenizer
         (None: the one in `hf_path`).
       teacher: on-policy distillation's teacher (`algorithm.name="distill"` needs it, the
@@ -294,6 +299,7 @@ class ExperimentConfig:
     attention: str = "xla"
     scan_layers: bool = False
     remat: str = "none"
+    lora: LoraConfig = LoraConfig()
     tokenizer: str | None = "char"
     teacher: str | None = None
     task: TaskConfig = TaskConfig()
@@ -316,6 +322,9 @@ class ExperimentConfig:
                   "exactly one of model (a ModelConfig, random init) and hf_path (a folder)")
         if self.model is not None and not isinstance(self.model, ModelConfig):
             fail(c, "model", self.model, "a rljax.models.ModelConfig or None")
+        if self.model is not None and self.model.lora is not None:
+            fail(c, "model.lora", self.model.lora, "None (set adapters in the lora section: "
+                 "lora.rank, lora.alpha, lora.targets)")
         _check_str(c, "hf_path", self.hf_path, optional=True)
         if self.compute_dtype not in ("float32", "bfloat16"):
             fail(c, "compute_dtype", self.compute_dtype, "'float32' or 'bfloat16'")
@@ -339,6 +348,14 @@ class ExperimentConfig:
         check_bool(c, "scan_layers", self.scan_layers)
         check_choice(c, "remat", self.remat, REMAT_POLICIES)
         _check_str(c, "recipe", self.recipe, optional=True)
+        if self.lora.enabled and self.run.seeds > 1:
+            fail(c, "lora.rank", self.lora.rank, "0 when run.seeds > 1 (LoRA trains one "
+                 "run: set run.seeds=1)")
+
+    def policy_config(self, config: ModelConfig) -> ModelConfig:
+        """``config`` (the run's model, random-init or read from `hf_path`) with this
+        run's adapters (`lora`; rank 0 leaves it without any)."""
+        return dataclasses.replace(config, lora=self.lora)
 
     def resolved(self) -> ExperimentConfig:
         """This config with the algorithm's preset filled in (``AlgorithmConfig.resolve``):

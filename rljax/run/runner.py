@@ -44,6 +44,7 @@ from flax import nnx
 from rljax.models import ValueModel
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
+from rljax.run.lora_runs import AdapterCheckpoints
 from rljax.run.preemption import StopSignal, save_interrupted, save_step
 from rljax.run.profiling import StepProfiler, parse_profile_steps
 from rljax.run.report import Progress, format_summary
@@ -236,6 +237,8 @@ def _train(cfg, rd, ck, mesh, warm, stop, out):
         _save_tokenizer(tokenizer, rd.path / "tokenizer")
     model = builders.build_model(cfg, tokenizer, mesh)
     graphdef, params = nnx.split(model)
+    if cfg.lora.enabled:  # checkpoints hold the adapters; the base is checked, not saved
+        ck = AdapterCheckpoints(ck)
     value_gd, value_params = _value_model(cfg, model, mesh)
     task = builders.build_task(cfg, tokenizer)
     reward_fns, accuracy_fn = builders.build_reward(cfg, task)

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from rljax.models.lora import count_pairs, split_trainable
 from rljax.run.experiment import ExperimentConfig
 
 __all__ = ["parameter_count", "startup_summary"]
@@ -104,4 +105,17 @@ def startup_summary(cfg: ExperimentConfig, *, mesh, params: Any, task: Any,
             f"reward: {_reward(cfg, reward_fns)}",
             f"accuracy shown: {_accuracy(cfg, accuracy_fn)}",
             *([] if paths is None else [f"forward paths: {paths.line()}"]),
+            *_lora(cfg, params),
             *getattr(task, "describe", lambda: [])()]
+
+
+def _lora(cfg: ExperimentConfig, params: Any) -> list[str]:
+    """The adapters' line of a LoRA run (none without adapters)."""
+    if not cfg.lora.enabled:
+        return []
+    adapters = split_trainable(params)[0]
+    n, total = parameter_count(adapters), parameter_count(params)
+    lo = cfg.lora
+    return [f"lora: rank={lo.rank} alpha={lo.alpha:g} targets={','.join(lo.targets)}: "
+            f"{count_pairs(params)} adapter pairs, {n:,} trained parameters "
+            f"({100 * n / max(total, 1):.2f}%); base frozen, KL reference = base (adapters off)"]

@@ -41,6 +41,7 @@ from rljax.train.learn import algorithms as alg
 from rljax.train.learn import ppo as ppo_lib
 from rljax.train.learn.logprobs import policy_logprobs
 from rljax.train.learn.micro import merge_micro, split_micro
+from rljax.train.learn.reference import reference_model
 from rljax.train.learn.update import make_update
 from rljax.train.rollout import Rollout
 
@@ -73,8 +74,9 @@ def _prepare(spec, params, ref_params, ro: Rollout, kl_coef, teacher_params=None
     mask_BxT = seqs["completion_mask_BxT"]
     batch = dict(seqs, sampler_logp_BxT=ro.sampler_logp_BxT)
     extra: dict = {}
-    if spec.uses_ref:
-        batch["ref_logp_BxT"] = _logprobs(spec, spec.policy_gd, ref_params, seqs)
+    if spec.uses_ref:  # a LoRA policy's reference: its base, adapters off (no copy)
+        batch["ref_logp_BxT"] = _logprobs(spec, *reference_model(
+            spec.policy_gd, params["policy"], ref_params), seqs)
     if spec.teacher_gd is not None:
         batch["teacher_logp_BxT"] = _logprobs(spec, spec.teacher_gd, teacher_params, seqs)
     if spec.old_mode == "recompute" or (a.needs_value_model and spec.old_mode == "self"):

@@ -11,6 +11,10 @@ The reference forward is the policy's program on these weights: matmuls take the
 widened inside its matmul, never stored wide), norms, logits, log-softmax and the
 returned log-probs are float32 (``rljax.train.learn.logprobs``). Rounding to bfloat16 moves
 each weight by at most 2^-9 of its magnitude (8 significand bits, round to nearest).
+
+A policy with LoRA adapters has no copy: its reference is its own base, the adapters
+switched off inside the program (``reference_model``), and the base is stored in the
+compute dtype (``lora_base``).
 """
 
 from __future__ import annotations
@@ -20,8 +24,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-__all__ = ["reference_copy"]
+from rljax.models.layers import cast_matmul_weights, compute_dtype
+from rljax.models.lora import has_adapters, set_adapters
+
+__all__ = ["lora_base", "reference_copy", "reference_model"]
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -53,3 +61,27 @@ def reference_copy(params: Any, dtype: str = "float32") -> Any:
     # An elementwise cast: each output keeps its input's sharding (and, on one device, its
     # committedness, which the learning program's compile cache sees).
     return _cast_tree(params, dtype)
+
+
+def reference_model(policy_gd, policy_params, ref_params) -> tuple[Any, Any]:
+    """``(graphdef, params)`` of the KL reference inside a program: ``ref_params`` under
+    the policy's graphdef, or, when there is no copy (a policy with LoRA adapters), the
+    policy's own weights with its adapters switched off (``rljax.models.lora.set_adapters``):
+    the frozen base, read in place, never copied."""
+    if ref_params is not None:
+        return policy_gd, ref_params
+    if not has_adapters(policy_params):
+        raise ValueError("reference_model: no reference parameters, and the policy has no "
+                         "adapters to switch off")
+    return nnx.split(set_adapters(nnx.merge(policy_gd, policy_params), False))
+
+
+def lora_base(policy_gd, policy_params) -> Any:
+    """A LoRA policy's state with its frozen base's matmul weights stored in the compute
+    dtype (``rljax.models.layers.cast_matmul_weights``: every forward casts them to it
+    anyway, so it computes the same, from half the bytes under bfloat16); adapters stay
+    float32. A policy without adapters is returned as it is."""
+    if not has_adapters(policy_params):
+        return policy_params
+    config = nnx.merge(policy_gd, policy_params).config
+    return cast_matmul_weights(policy_params, compute_dtype(config))

@@ -9,6 +9,10 @@ A *loss function* here has the objective contract lifted to parameters:
     grad = (sum_m d loss_sum_m / d params) / (sum_m count_m)
 
 because ``d(sum/count)/dθ = (d sum/dθ)/count`` when the count does not depend on θ.
+
+A model with LoRA adapters (``rljax.models.lora``) trains only them: gradients, the
+optimiser and its state see the adapters alone (``trainable``), and the frozen base
+passes through every update bitwise unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rljax.models.lora import merge_trainable, split_trainable
 from rljax.sharding import batch_sharding, mesh_context, on_mesh, output_shardings, replicated
 from rljax.train.config import OptimConfig
 from rljax.train.learn.micro import num_micro_batches, split_micro
@@ -133,6 +138,19 @@ def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
     return out
 
 
+def trainable(params: dict) -> tuple[dict, dict]:
+    """``(trainable, frozen)`` per model of ``params`` (``rljax.models.lora.split_trainable``:
+    a model with adapters trains only them; ``frozen[name]`` is None for a fully trained
+    model)."""
+    pairs = {k: split_trainable(v) for k, v in params.items()}
+    return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
+
+
+def with_frozen(train: dict, frozen: dict) -> dict:
+    """The models' states from :func:`trainable`'s two halves."""
+    return {k: merge_trainable(train[k], frozen[k]) for k in train}
+
+
 def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
                 constrain: Callable | None = None, group: int = 1):
     """Build ``update(params, opt_state, counters, batch, coef) -> (params, opt_state,
@@ -146,9 +164,11 @@ def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
     keep groups of that many consecutive rows whole (:func:`split_micro`).
     """
 
-    def update(params, opt_state, counters, batch, coef):
+    def update(all_params, opt_state, counters, batch, coef):
         updates, run, skipped = counters
-        grads, loss_sum, count, msums = accumulate(loss_fn, params, batch, coef, num_micro,
+        params, frozen = trainable(all_params)
+        loss = lambda p, mb, c: loss_fn(with_frozen(p, frozen), mb, c)
+        grads, loss_sum, count, msums = accumulate(loss, params, batch, coef, num_micro,
                                                    constrain, group)
         denom = jnp.where(count > 0, count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
@@ -177,7 +197,7 @@ def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
             jnp.where(finite, 0, run + 1).astype(jnp.int32),
             skipped + (~finite).astype(jnp.int32),
         )
-        return params_out, opt_out, counters, metrics
+        return with_frozen(params_out, frozen), opt_out, counters, metrics
 
     return update
 
@@ -222,6 +242,7 @@ def opt_state_shardings(txs: dict, params: dict, mesh) -> dict:
     """Shardings of ``init_opt_state``'s result: each moment sharded like its parameter,
     everything else (step counts) replicated. ``params``' leaves carry ``.sharding``
     (arrays or abstract arrays)."""
+    params = trainable(params)[0]
     abstract = jax.eval_shape(lambda p: {k: txs[k].init(p[k]) for k in p}, params)
     p_sh = jax.tree.map(lambda x: x.sharding, params)
     rep = replicated(mesh)
@@ -230,7 +251,8 @@ def opt_state_shardings(txs: dict, params: dict, mesh) -> dict:
 
 
 def init_opt_state(txs: dict, params: dict, mesh=None) -> dict:
-    """Optimiser states for ``params`` (dict name -> NNX state); on a mesh each moment is
+    """Optimiser states for ``params`` (dict name -> NNX state; of a model with adapters,
+    for its adapters only: :func:`trainable`); on a mesh each moment is
     sharded like its parameter (a jit left to choose placed the zeros replicated: every
     chip held all of Adam's moments, 3.7 GiB per chip for Qwen2.5-0.5B).
 
@@ -243,6 +265,7 @@ def init_opt_state(txs: dict, params: dict, mesh=None) -> dict:
         shardings = output_shardings(mesh, opt_state_shardings(txs, params, mesh),
                                      of_shardings=True)
     items = tuple(sorted(txs.items()))
+    params = trainable(params)[0]
     try:
         hash(items)
     except TypeError:

@@ -1,0 +1,146 @@
+"""LoRA runs: checkpoints that hold the adapters, not the base, and a check of the base.
+
+A LoRA run's base never changes, so its checkpoints (`AdapterCheckpoints`) hold the
+adapters, their optimiser state and the step (with the PRNG key, data position and
+counters: everything of the `TrainState` but the frozen base), plus the base's
+fingerprint in the metadata. A resume rebuilds the base as the run did (its `hf_path`,
+or the random init of `run.seed`), checks its fingerprint and merges the adapters back:
+the same state, bit for bit, as the run had. A different base is refused with an error.
+An export or evaluation of the run reads its adapters the same way
+(`restore_lora_policy`).
+
+The fingerprint is a wrapping uint32 sum of each weight's bits times a position hash:
+integer addition is associative, so it is the same on any mesh or process count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rljax.models.lora import merge_trainable, split_trainable
+from rljax.sharding import state_shardings
+from rljax.train.checkpoint import pure_params
+from rljax.train.hosts import fetch_small
+from rljax.train.learn.reference import lora_base
+
+__all__ = ["AdapterCheckpoints", "adapters_only", "base_fingerprint", "restore_lora_policy"]
+
+BASE_KEY = "lora_base"  # the checkpoint metadata's fingerprint of the base
+
+
+@jax.jit
+def _fingerprint(leaves: list) -> jax.Array:
+    total = jnp.zeros((), jnp.uint32)
+    for i, x in enumerate(leaves):
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+        pos = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
+        salt = jnp.uint32((i + 1) * 0x9E3779B1 % 2**32)
+        total = total + jnp.sum(bits.astype(jnp.uint32) * (pos * jnp.uint32(2654435761) + salt),
+                                dtype=jnp.uint32)
+    return total
+
+
+def base_fingerprint(base) -> str:
+    """The frozen base's fingerprint (hex), equal across meshes and process counts."""
+    leaves = jax.tree.leaves(base)
+    return f"{int(fetch_small(_fingerprint(leaves))):08x}"
+
+
+def adapters_only(state):
+    """A `TrainState` with its policy reduced to the adapters (what is saved)."""
+    adapters = split_trainable(state.params["policy"])[0]
+    return dataclasses.replace(state, params=dict(state.params, policy=adapters))
+
+
+def _with_base(state, base):
+    policy = merge_trainable(state.params["policy"], base)
+    return dataclasses.replace(state, params=dict(state.params, policy=policy))
+
+
+def _check_base(meta: dict, base, where: str) -> None:
+    want, got = meta.get(BASE_KEY), base_fingerprint(base)
+    if want != got:
+        raise ValueError(f"{where}: the checkpoint's adapters were trained on a base with "
+                         f"fingerprint {want}, but this run's base (hf_path or the seed's "
+                         f"random init) has {got}: refusing to put them on another base")
+
+
+class AdapterCheckpoints:
+    """A `rljax.train.checkpoint.Checkpointer` for a run whose policy has adapters: saves
+    the state without the frozen base (fingerprint in the metadata); `restore(target)`
+    reads the adapters into ``target`` (a fresh state on the run's base), after checking
+    the base. Everything else is the wrapped checkpointer's."""
+
+    def __init__(self, ck) -> None:
+        self._ck = ck
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ck, name)
+
+    def save(self, step: int, state, meta: dict | None = None, **kw):
+        """Save ``state``'s adapters, optimiser state and counters; ``meta`` + fingerprint."""
+        base = split_trainable(state.params["policy"])[1]
+        meta = dict(meta or {}, **{BASE_KEY: base_fingerprint(base)})
+        return self._ck.save(step, adapters_only(state), meta, **kw)
+
+    def restore(self, target, step: int | None = None):
+        """``(state, meta)``: the checkpoint's adapters and state on ``target``'s base."""
+        base = split_trainable(target.params["policy"])[1]
+        state, meta = self._ck.restore(adapters_only(target), step)
+        _check_base(meta, base, f"resume from {self._ck.directory}")
+        return _with_base(state, base), meta
+
+
+def _tree_target(state, mesh) -> dict:
+    """``state``'s leaves as saved (string keys, ``{"value": leaf}``), abstract, placed per
+    the logical rules on ``mesh`` (or this process's first device)."""
+    flat = nnx.to_flat_state(state)
+    sh = dict(nnx.to_flat_state(state_shardings(state, mesh))) if mesh is not None else {}
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    tree: dict = {}
+    for path, var in flat:
+        node = tree
+        for key in path:
+            node = node.setdefault(str(key), {})
+        leaf = var.get_value()
+        node["value"] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                             sharding=sh[path].get_value() if sh else one)
+    return tree
+
+
+def _pure(state) -> dict:
+    """An NNX state as nested dicts with string keys (`restore_policy`'s form)."""
+    out: dict = {}
+    for path, var in nnx.to_flat_state(state):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(str(key), {})
+        node[str(path[-1])] = var.get_value()
+    return out
+
+
+def restore_lora_policy(ck, model, step: int | None, mesh=None) -> tuple[dict, dict]:
+    """``(policy as nested dicts, meta)``: the adapters of checkpoint ``step`` of ``ck`` on
+    the run's rebuilt ``model`` (its base as the run stored it, fingerprint checked)."""
+    graphdef, state = nnx.split(model)
+    state = lora_base(graphdef, state)
+    adapters, base = split_trainable(state)
+    raw, meta = ck.restore_subtree({"params": {"policy": _tree_target(adapters, mesh)}}, step)
+    _check_base(meta, base, f"the checkpoint in {ck.directory}")
+    policy = _pure(base)
+    _deep_update(policy, pure_params(raw["params"]["policy"]))
+    return policy, meta
+
+
+def _deep_update(into: dict, new: dict) -> None:
+    for k, v in new.items():
+        if isinstance(v, dict):
+            _deep_update(into.setdefault(k, {}), v)
+        else:
+            into[k] = v
+
