@@ -91,6 +91,57 @@ def test_policy_logprobs_gradient_equals_autodiff_of_the_head(tied):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
+def _dots(fn, *args) -> int:
+    """dot_general ops in ``fn``'s lowered program (before XLA's own dead-code removal)."""
+    return jax.jit(fn).lower(*args).as_text().count("dot_general")
+
+
+def test_frozen_head_forms_no_weight_gradient():
+    """A head weight that is not differentiated (LoRA's frozen base) gets no dW: the
+    backward's program has one matmul fewer than the trained head's (the control), with
+    dh unchanged; through a LoRA decoder the adapters' gradients equal autodiff of the
+    generic chunked path."""
+    rng = np.random.default_rng(3)
+    h = jnp.asarray(rng.normal(size=(2, 6, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(40, 8)), jnp.float32)
+    tgt = jnp.asarray(rng.integers(0, 40, (2, 6)), jnp.int32)
+
+    def loss(w, h):
+        logp, ent = linear_logprobs(w, h, tgt, vocab_major=True, chunk=2)
+        return jnp.sum(logp * h[..., 0]) + jnp.sum(ent)
+
+    frozen, trained = jax.grad(lambda h: loss(w, h)), jax.grad(loss, (0, 1))
+    np.testing.assert_array_equal(frozen(h), trained(w, h)[1])
+    # forward logits, the backward's recomputed logits and dh; dW only when trained
+    assert (_dots(frozen, h), _dots(trained, w, h)) == (3, 4)
+
+    from flax import nnx
+
+    from rljax.models.lora import LoraConfig, merge_trainable, split_trainable
+    from rljax.train.learn.logprobs import completion_hidden
+
+    gd, st = tiny_model(lora=LoraConfig(rank=4, alpha=8.0))
+    st = jax.tree.map(lambda x: x + 0.1 * jnp.ones_like(x) if x.ndim else x, st)  # B != 0
+    train, base = split_trainable(st)
+    seqs = random_seqs(np.random.default_rng(4), 4, 3, 6)
+
+    def generic(p):  # plain autodiff of the head, as before the custom VJP
+        h = completion_hidden(nnx.merge(gd, p), seqs["prompt_BxP"], seqs["prompt_mask_BxP"],
+                              seqs["completion_BxT"], seqs["completion_mask_BxT"])
+        return chunked_logprobs(head_logits(gd), p, h, seqs["completion_BxT"].astype(jnp.int32),
+                                chunk=4)
+
+    def lora_loss(fn, t):
+        logp, ent = fn(merge_trainable(t, base))
+        return jnp.sum(logp) + 0.3 * jnp.sum(ent)
+
+    new = lambda p: policy_logprobs(gd, p, seqs, chunk=4)  # noqa: E731
+    g_ref, g_new = jax.jit(lambda t: [jax.grad(functools.partial(lora_loss, f))(t)
+                                      for f in (generic, new)])(train)
+    for x, y in zip(jax.tree.leaves(g_new), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
 def test_linear_logprobs_rejects_bad_arguments():
     w = jnp.zeros((10, 4))
     h = jnp.zeros((2, 3, 4))

@@ -76,6 +76,28 @@ def test_one_pass_head_equals_two_pass(vocab_major):
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
+def test_one_pass_frozen_head_forms_no_weight_gradient():
+    """A head weight that is not differentiated (LoRA's frozen base) gets no dW: the
+    program has one matmul fewer than the trained head's (the control), dh unchanged."""
+    rng = np.random.default_rng(5)
+    h = jnp.asarray(rng.normal(size=(2, 6, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(8, 40)), jnp.float32)
+    tgt = jnp.asarray(rng.integers(0, 40, (2, 6)), jnp.int32)
+    adv = jnp.asarray(rng.normal(size=(2, 6)), jnp.float32)
+
+    def token_grads(adv, lp_c, ent_c, start):
+        return jax.lax.dynamic_slice(adv, (0, start), (2, lp_c.shape[1])), 0.0 * ent_c
+
+    def loss(w, h):
+        return one_pass_head(w, h, tgt, token_grads, adv, vocab_major=False, chunk=2)[0]
+
+    frozen, trained = jax.grad(lambda h: loss(w, h)), jax.grad(loss, (0, 1))
+    np.testing.assert_array_equal(frozen(h), trained(w, h)[1])
+    dots = [jax.jit(f).lower(*x).as_text().count("dot_general")
+            for f, x in ((frozen, (h,)), (trained, (w, h)))]
+    assert dots == [2, 3]  # the chunks' logits and dh; dW only when trained
+
+
 def _batch(rng, b=8, p=4, t=6):
     seqs = random_seqs(rng, b, p, t)
     m = seqs["completion_mask_BxT"]

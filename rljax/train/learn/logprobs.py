@@ -35,8 +35,7 @@ def _chunk_logprobs(logits_fn, head_params, h_BxCxD, tgt_BxC, inv_temp):
     """log p(target) and entropy of softmax(logits * inv_temp) for one chunk, float32."""
     logits_BxCxV = logits_fn(head_params, h_BxCxD).astype(jnp.float32) * inv_temp
     logz_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
-    # The target's logit as a one-hot contraction (the general path, plain autodiff); the
-    # linear heads gather it (linear_chunk_stats), which also keeps the vocabulary sharded.
+    # The target's logit as a one-hot contraction (plain autodiff; linear heads gather it).
     onehot = jax.nn.one_hot(tgt_BxC, logits_BxCxV.shape[-1], dtype=jnp.float32)
     logp_BxC = jnp.sum(logits_BxCxV * onehot, axis=-1) - logz_BxC
     p_BxCxV = jnp.exp(logits_BxCxV - logz_BxC[..., None])
@@ -100,11 +99,10 @@ def chunked_logprobs(
 # The linear output projection with its own backward pass.
 #
 # ``jax.grad`` of ``chunked_logprobs`` leaves XLA a cotangent of the logits built from the
-# whole loss (KL / clip terms) and two matmuls on it; XLA:CPU computed that [B*C, V]
-# cotangent twice, once transposed (a strided ~1 GB write on the benchmark shapes). The
-# custom VJP below reduces what the rest of the program hands the head to two per-token
-# scalars (the cotangents of log p and of the entropy), forms ``d logits`` once per
-# chunk, and issues ``dh = g . W`` and ``dW`` (in the layout ``W`` is stored in) on it.
+# whole loss and two matmuls on it; XLA:CPU computed that [B*C, V] cotangent twice, once
+# transposed. The custom VJP below reduces what the program hands the head to two
+# per-token scalars (the cotangents of log p and of the entropy), forms ``d logits`` once
+# per chunk, and issues ``dh = g . W`` and ``dW`` (in ``W``'s own layout) on it.
 
 
 def _linear_logits(w, h, vocab_major: bool, cd):
@@ -137,14 +135,12 @@ def linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
 # ---------------------------------------------------------------------------------------
 # The head weight's gradient across chunks, reduced once.
 #
-# A chunk's dW = h^T . g contracts the batch rows, which are split over data x fsdp, so
-# every chunk's product is a partial sum per batch shard. Summed into a [D, V] accumulator
-# inside the chunk loop, the partitioner reduces it in the loop: once per chunk, 64 x
-# 545 MB a step on 0.5b-v5e8 (docs/pods.md, "Collective audit"). Keeping the partial sums
-# apart, as [S, D, V] with S = the batch shards split like the rows, makes each chunk's
-# product local; one sum over S after the loop is the one reduce-scatter per micro-batch.
-# The cost: a chip holds D x V / tensor float32 (0.5B: 545 MB) instead of its 1 / fsdp
-# share of it for the length of the loop.
+# A chunk's dW = h^T . g contracts the batch rows, split over data x fsdp: a partial sum
+# per batch shard. Summed into a [D, V] accumulator inside the chunk loop, it is reduced
+# once per chunk (64 x 545 MB a step on 0.5b-v5e8, docs/pods.md "Collective audit").
+# Kept apart as [S, D, V] (S = the batch shards, split like the rows), each chunk's
+# product is local and one sum over S after the loop is the one reduce-scatter per
+# micro-batch, at the cost of D x V / tensor float32 a chip (0.5B: 545 MB) in the loop.
 
 #: Logical axes of the partial accumulator ``[S, D, V]``: S split as the rows are.
 PARTIAL_DW_AXES = ("batch", None, "vocab")
@@ -181,7 +177,8 @@ def chunk_grads(wc, h_BxCxD, tgt_BxC, p, a, ent_term, vocab_major, cd, inv_temp,
     """One chunk's ``dh`` and partial ``dW`` (:func:`partial_dw`; ``wc``: ``W`` in ``cd``)
     from ``d logits = (a (onehot - p) - p ent_term) / temperature``, with ``p`` the
     probabilities, ``a`` the target log-probs' cotangents (None: 0) and ``ent_term`` the
-    entropies' cotangents times ``log p + H`` (None: 0)."""
+    entropies' cotangents times ``log p + H`` (None: 0). ``shards=None``: a frozen head
+    (LoRA's): ``dW`` is not formed, None in its place."""
     scale = 0.0 if a is None else a[..., None]
     if ent_term is not None:
         scale = scale + ent_term
@@ -193,7 +190,7 @@ def chunk_grads(wc, h_BxCxD, tgt_BxC, p, a, ent_term, vocab_major, cd, inv_temp,
                     preferred_element_type=jnp.float32)
     # dW as [D, V] = h^T . g (asked for as g^T . h, XLA:CPU wrote a transposed copy of g;
     # a tied W's [V, D] is the transpose of this small result instead).
-    return dh, partial_dw(h_BxCxD, g, cd, shards)
+    return dh, None if shards is None else partial_dw(h_BxCxD, g, cd, shards)
 
 
 def split_chunks(x, n: int, c: int):
@@ -234,13 +231,15 @@ def _linear_logprobs(w, h_BxTxD, tgt_BxT, vocab_major, cd, inv_temp, c):
 
 def _linear_fwd(w, h_BxTxD, tgt_BxT, vocab_major, cd, inv_temp, c):
     # symbolic_zeros=True: primals arrive as CustomVJPPrimal (value, perturbed).
+    # A w not differentiated (a frozen head: LoRA's) gets no dW (w_grad, static residual).
+    w_grad = bool(w.perturbed)
     w, h_BxTxD, tgt_BxT = w.value, h_BxTxD.value, tgt_BxT.value
     logp, ent, logz = _linear_primal(w, h_BxTxD, tgt_BxT, vocab_major, cd, inv_temp, c)
-    return (logp, ent), (w, h_BxTxD, tgt_BxT, logz, ent)
+    return (logp, ent), (w, h_BxTxD, tgt_BxT, logz, ent, w_grad)
 
 
 def _linear_bwd(vocab_major, cd, inv_temp, c, res, cts):
-    w, h_BxTxD, tgt_BxT, logz_BxT, ent_BxT = res
+    w, h_BxTxD, tgt_BxT, logz_BxT, ent_BxT, w_grad = res
     ct_logp, ct_ent = cts
     use_logp = not isinstance(ct_logp, SymbolicZero)
     use_ent = not isinstance(ct_ent, SymbolicZero)
@@ -261,9 +260,11 @@ def _linear_bwd(vocab_major, cd, inv_temp, c, res, cts):
                              vocab_major, cd, inv_temp, s)
         return dh.astype(h_BxTxD.dtype), dw
 
-    s = batch_shards(b)
+    s = batch_shards(b) if w_grad else None
     xs = (split_chunks(h_BxTxD, n, c), split_chunks(tgt_BxT, n, c), split_chunks(logz_BxT, n, c),
           split_chunks(ent_BxT, n, c), split_chunks(a_BxT, n, c), split_chunks(e_BxT, n, c))
+    if not w_grad:  # a frozen head: dh alone
+        return None, join_chunks(_over_chunks(lambda x: chunk(x)[0], xs, n), t), None
     if n == 1:
         dh, dw = chunk(jax.tree.map(lambda x: x[0], xs))
         dh_NxBxCxD = dh[None]
@@ -304,7 +305,8 @@ def linear_logprobs(
     ``d logits = (a * (onehot - p) - e * p * (log p + H)) / temperature`` from the
     per-token cotangents ``a`` (log-probs) and ``e`` (entropies; skipped when the entropy
     is not differentiated) once, and returns ``dh = d logits . W`` and ``dW`` in ``W``'s
-    own layout (summed over chunks); both matmuls take ``d logits`` in ``compute_dtype``
+    own layout (summed over chunks; not formed at all when ``w`` is not differentiated,
+    e.g. LoRA's frozen head: its cotangent is then a symbolic zero); both matmuls take ``d logits`` in ``compute_dtype``
     (float32 accumulation), as the forward takes ``h``. Returns ``(logp_BxT,
     entropy_BxT)``, float32.
     """

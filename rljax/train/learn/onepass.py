@@ -30,6 +30,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.custom_derivatives import SymbolicZero
 
 from rljax.models.layers import compute_dtype
 from rljax.sharding import constrain_logical, logical_axes
@@ -68,26 +69,29 @@ def _chunk_pass(w, h_BxCxD, tgt_BxC, aux, start, token_grads, vocab_major, cd, i
 
 
 def _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c, with_ent,
-         w_names):
+         w_names, w_grad=True):
     b, t, d = h_BxTxD.shape
     n = math.ceil(t / c)
     wc = w.astype(cd)
     # The chunks' dW stay partial sums per batch shard, [S, D, V], through the loop and
     # are reduced once after it, to W's own split (rljax.train.learn.logprobs, `partial_dw`).
     names_DxV = DW_DXV_AXES if w_names is None else (w_names[::-1] if vocab_major else w_names)
-    s = batch_shards(b)
+    s = batch_shards(b) if w_grad else None  # a frozen head (w_grad False): no dW at all
 
     def step(dw_SxDxV, xs):
         h, tgt, start = xs
         logp, ent, dh, dw = _chunk_pass(wc, h, tgt, aux, start, token_grads, vocab_major, cd,
                                         inv_temp, with_ent, s)
-        return dw_SxDxV + dw, (logp, ent, dh)
+        return None if dw is None else dw_SxDxV + dw, (logp, ent, dh)
 
     starts = jnp.arange(n, dtype=jnp.int32) * c
     v = w.shape[0] if vocab_major else w.shape[1]
+    init = None if s is None else constrain_logical(jnp.zeros((s, d, v), jnp.float32),
+                                                    PARTIAL_DW_AXES)
     dw_SxDxV, (logp, ent, dh) = jax.lax.scan(
-        step, constrain_logical(jnp.zeros((s, d, v), jnp.float32), PARTIAL_DW_AXES),
-        (split_chunks(h_BxTxD, n, c), split_chunks(tgt_BxT, n, c), starts))
+        step, init, (split_chunks(h_BxTxD, n, c), split_chunks(tgt_BxT, n, c), starts))
+    if dw_SxDxV is None:
+        return join_chunks(logp, t), join_chunks(ent, t), join_chunks(dh, t), None
     dw_DxV = reduce_partial_dw(dw_SxDxV, names_DxV)
     dw = dw_DxV.T if vocab_major else dw_DxV
     return join_chunks(logp, t), join_chunks(ent, t), join_chunks(dh, t), dw
@@ -100,8 +104,13 @@ def _one_pass(w, h_BxTxD, tgt_BxT, aux, *static):
 
 
 def _one_pass_fwd(w, h_BxTxD, tgt_BxT, aux, *static):
-    logp, ent, dh, dw = _run(w, h_BxTxD, tgt_BxT, aux, *static)
-    res = (dw.astype(w.dtype), dh.astype(h_BxTxD.dtype))
+    # symbolic_zeros=True: primals arrive as CustomVJPPrimal (value, perturbed). A weight
+    # that is not differentiated (a frozen head: LoRA's base) gets no dW formed.
+    w_grad = bool(w.perturbed)
+    w, h_BxTxD, tgt_BxT = w.value, h_BxTxD.value, tgt_BxT.value
+    aux = jax.tree.map(lambda x: x.value, aux, is_leaf=lambda x: hasattr(x, "perturbed"))
+    logp, ent, dh, dw = _run(w, h_BxTxD, tgt_BxT, aux, *static, w_grad=w_grad)
+    res = (None if dw is None else dw.astype(w.dtype), dh.astype(h_BxTxD.dtype))
     return (jnp.zeros((), jnp.float32), logp, ent), res
 
 
@@ -109,10 +118,13 @@ def _one_pass_bwd(*args):
     *_, res, cts = args
     dw, dh = res
     ct = cts[0]  # the surrogate's; log-probs and entropies leave as stop-gradient values
-    return (ct.astype(dw.dtype) * dw, ct.astype(dh.dtype) * dh, None, None)
+    if isinstance(ct, SymbolicZero):
+        return None, None, None, None
+    return (None if dw is None else ct.astype(dw.dtype) * dw, ct.astype(dh.dtype) * dh,
+            None, None)
 
 
-_one_pass.defvjp(_one_pass_fwd, _one_pass_bwd)
+_one_pass.defvjp(_one_pass_fwd, _one_pass_bwd, symbolic_zeros=True)
 
 
 def one_pass_head(
@@ -144,7 +156,8 @@ def one_pass_head(
     Returns ``(surrogate, logp_BxT, entropy_BxT)``: the two float32 arrays under
     ``stop_gradient``, and ``surrogate``, a float32 zero whose gradient with respect to
     ``w`` and ``h_BxTxD`` is the loss's (the chunks' ``dW`` summed, ``dh`` per position),
-    to be added to the loss.
+    to be added to the loss. A ``w`` that is not differentiated (LoRA's frozen head) gets
+    no ``dW``: the chunks do not form it.
     """
     _, t, _ = check_linear_args("one_pass_head", w, h_BxTxD, targets_BxT, chunk,
                                  temperature, vocab_major)
