@@ -29,6 +29,10 @@ def test_step_throughput_per_chip_and_mfu():
     flops = step_model_flops(1000, gen_tokens=400, seq_tokens=600, extra_forwards=2,
                              epochs=2, teacher_params=10)
     assert flops == 2 * 1000 * 400 + 2 * 1000 * 600 * 2 + 6 * 1000 * 600 * 2 + 2 * 10 * 600
+    # LoRA: only the adapters' (here 10) weight gradients are formed.
+    lora = step_model_flops(1000, gen_tokens=400, seq_tokens=600, extra_forwards=2, epochs=2,
+                            teacher_params=10, trainable_params=10)
+    assert flops - lora == 2 * (1000 - 10) * 600 * 2
     m = step_throughput(gen_tokens=400, seq_tokens=600, epochs=2, times=times, flops=flops,
                         num_chips=8, peak_per_chip=1e6)
     assert m["rollout_tok_s"] == 200.0 and m["rollout_tok_s_per_chip"] == 25.0

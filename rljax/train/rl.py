@@ -35,7 +35,7 @@ from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, Sampling
                                 check_algorithm_sampling)
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
-from rljax.models.lora import has_adapters
+from rljax.models.lora import has_adapters, split_trainable
 from rljax.train.learn.reference import lora_base, reference_copy
 from rljax.train.learn.update import (NonFiniteError, TrainState, init_opt_state, new_train_state,
                                       num_micro_batches)
@@ -330,11 +330,14 @@ class RLTrainer:
             self.alg.needs_value_model and self.old_mode == "self"))
             + (alg.cov_rule(self.alg) is not None) * self.alg.num_epochs)
         size = lambda t: 0 if t is None else sum(x.size for x in jax.tree.leaves(t))
+        policy = None if params is None else params.get("policy")
+        lora = policy is not None and has_adapters(policy)  # weight gradients: adapters only
         flops = throughput.step_model_flops(
             self.rollouts.num_params, gen_tokens=gen, seq_tokens=computed, extra_forwards=fwd,
             epochs=self.alg.num_epochs, teacher_params=size(self.teacher_params),
             prefill_tokens=prefill,
-            value_params=size(None if params is None else params.get("value")))
+            value_params=size(None if params is None else params.get("value")),
+            trainable_params=size(split_trainable(policy)[0]) if lora else None)
         chips, kind = throughput.chips_and_kind(self.mesh)
         m.update(throughput.step_throughput(
             gen_tokens=gen, seq_tokens=seq, epochs=self.alg.num_epochs, times=ph.times,

@@ -80,7 +80,8 @@ def chips_and_kind(mesh) -> tuple[int, str]:
 
 def step_model_flops(num_params: int, *, gen_tokens: float, seq_tokens: float,
                      extra_forwards: int, epochs: int, teacher_params: int = 0,
-                     prefill_tokens: float = 0.0, value_params: int = 0) -> float:
+                     prefill_tokens: float = 0.0, value_params: int = 0,
+                     trainable_params: int | None = None) -> float:
     """Model FLOPs of one RL step: every pass the algorithm needs, counted once (Kaplan et
     al. 2020, "Scaling Laws for Neural Language Models", Sec. 2.1: 2N per token for a
     forward, 6N for forward + backward; attention FLOPs left out). Recomputation by
@@ -97,18 +98,22 @@ def step_model_flops(num_params: int, *, gen_tokens: float, seq_tokens: float,
     self-mode forward for GAE),
     Clip-Cov / KL-Cov selection (one per
     epoch: each update's minibatch)
-    policy updates                        6N x ``seq_tokens`` x ``epochs``
+    policy updates                        (4N + 2 N_train) x ``seq_tokens`` x ``epochs``
     value model (PPO): values before the  2 N_value x ``seq_tokens`` + 6 N_value x
     updates, then trained each epoch      ``seq_tokens`` x ``epochs``
     distillation teacher                  2 N_teacher x ``seq_tokens``
     ====================================  ==============================================
 
     ``seq_tokens`` are the tokens the learning program's forwards compute: with shared
-    prompts (``RLConfig.share_prompts``) each group's prompt tokens count once.
+    prompts (``RLConfig.share_prompts``) each group's prompt tokens count once. An update
+    is a forward (2N), the activations' gradients (2N) and the weights' gradients of the
+    ``trainable_params`` N_train (None: all N, 6N in all); with LoRA, N counts base and
+    adapters and N_train the adapters, whose frozen base forms no weight gradient.
     """
     n, nv = num_params, value_params
+    nt = n if trainable_params is None else trainable_params
     return (2 * n * (gen_tokens + prefill_tokens) + 2 * n * seq_tokens * extra_forwards
-            + 6 * n * seq_tokens * epochs + 2 * teacher_params * seq_tokens
+            + (4 * n + 2 * nt) * seq_tokens * epochs + 2 * teacher_params * seq_tokens
             + (2 + 6 * epochs) * nv * seq_tokens)
 
 
