@@ -21,6 +21,7 @@ import dataclasses
 import pathlib
 import sys
 
+from rljax.models.lora import LoraConfig
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.experiment_files import experiment_module
 from rljax.run.recipes import Recipe, apply_recipe
@@ -30,6 +31,13 @@ RECIPES = {
     "8b-v5p64": Recipe("Meta-Llama-3-8B-Instruct", "v5p-64", MeshConfig(1, 8, 4), 64,
                        why="fsdp 8 x tensor 4: heads 32/8 kv and MLP split 4 ways, state "
                            "~4 GB/chip; micro 64 = 8 rows per fsdp group"),
+    # LoRA (docs/lora.md) on 8 v5e chips: the frozen bfloat16 base (16 GB) is 2 GB a chip,
+    # no Adam for it and no reference copy. The sampler's inference copy is replicated over
+    # fsdp, so tensor 4 keeps it at 4 GB a chip. Set optim.lr for LoRA.
+    "8b-lora-v5e8": Recipe("Meta-Llama-3-8B-Instruct", "v5e-8", MeshConfig(1, 2, 4), 16,
+                           lora=LoraConfig(rank=32, alpha=64.0),
+                           why="LoRA rank 32: frozen bfloat16 base, no reference copy; fsdp "
+                               "2 x tensor 4; micro 16 = 8 rows per fsdp group"),
 }
 
 

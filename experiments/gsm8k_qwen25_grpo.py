@@ -38,6 +38,7 @@ import os
 import sys
 import tempfile
 
+from rljax.models.lora import LoraConfig
 from rljax.run.recipes import Recipe, apply_recipe
 from rljax.sharding import MeshConfig
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
@@ -96,6 +97,12 @@ RECIPES = {
     "1.5b-v5e16": Recipe("Qwen2.5-1.5B-Instruct", "v5e-16", MeshConfig(1, 8, 2), 64,
                          why="fsdp 8 x tensor 2 (the 2 kv heads split): half the weight "
                              "gathers per decode step; micro 64 = 8 rows per fsdp shard"),
+    # LoRA (docs/lora.md): the base frozen in bfloat16 (3.1 GB), Adam for the adapters
+    # only, the KL reference the base with adapters off (no copy). Set optim.lr for LoRA.
+    "1.5b-lora-v5e4": Recipe("Qwen2.5-1.5B-Instruct", "v5e-4", MeshConfig(1, 2, 2), 32,
+                             lora=LoraConfig(rank=32, alpha=64.0),
+                             why="LoRA rank 32: frozen bfloat16 base, no reference copy; fsdp "
+                                 "2 x tensor 2; micro 32 = 16 rows per fsdp group"),
 }
 
 

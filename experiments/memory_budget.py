@@ -64,6 +64,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from rljax.models import Decoder, ValueModel  # noqa: E402
 from rljax.models.attention_kernels import tpu_kernels  # noqa: E402
 from rljax.models.layers import cast_matmul_weights, compute_dtype  # noqa: E402
+from rljax.models.lora import has_adapters  # noqa: E402
 from rljax.run.experiment_files import experiment_module, load_experiment  # noqa: E402
 from rljax.sampling import sampler as sampler_lib  # noqa: E402
 from rljax.sampling.head import _to_VxD_jit, _source  # noqa: E402
@@ -78,7 +79,8 @@ from rljax.sharding import (  # noqa: E402
 )
 from rljax.train.learn import _map_micro  # noqa: E402
 from rljax.train.learn.logprobs import policy_logprobs  # noqa: E402
-from rljax.train.learn.update import opt_state_shardings  # noqa: E402
+from rljax.train.learn.reference import lora_base, reference_model  # noqa: E402
+from rljax.train.learn.update import opt_state_shardings, trainable  # noqa: E402
 from rljax.train.programs.step import learn_step  # noqa: E402
 from rljax.train.rl import RLTrainer  # noqa: E402
 
@@ -178,7 +180,8 @@ def _trainer(cfg, graphdef, value_gd, mesh, model_cfg):
 
 def _opt_state(trainer, params, mesh):
     """The optimiser state as `init_opt_state` places it."""
-    shapes = jax.eval_shape(lambda p: {k: trainer.txs[k].init(p[k]) for k in p}, params)
+    shapes = jax.eval_shape(lambda p: {k: trainer.txs[k].init(p[k]) for k in p},
+                            trainable(params)[0])  # a LoRA policy: its adapters only
     return _abstract(shapes, opt_state_shardings(trainer.txs, params, mesh))
 
 
@@ -219,15 +222,24 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     if cfg.algorithm.resolve().name == "ppo":
         value_gd, value = abstract_params(lambda: ValueModel(model_cfg, rngs=nnx.Rngs(0)), mesh)
     trainer = _trainer(cfg, graphdef, value_gd, mesh, model_cfg)
+    lora = has_adapters(policy)
+    if lora:  # RLTrainer.init_state: the frozen base in the compute dtype, adapters float32
+        policy = jax.tree.map(lambda o, x: jax.ShapeDtypeStruct(o.shape, o.dtype,
+                                                                sharding=x.sharding),
+                              jax.eval_shape(lambda w: lora_base(graphdef, w), policy), policy)
     params = {"policy": policy} | ({"value": value} if value is not None else {})
     opt = _opt_state(trainer, params, mesh)
-    ref = _cast(policy, getattr(cfg.rl, "ref_dtype", "float32")) if trainer.uses_ref else None
+    # A LoRA policy's KL reference is its base with the adapters off: no copy, no entry.
+    ref = (_cast(policy, getattr(cfg.rl, "ref_dtype", "float32"))
+           if trainer.uses_ref and not lora else None)
     n_prompts, g = cfg.rl.prompts_per_step, trainer.alg.group_size
     p, t, b = cfg.task.max_prompt_tokens, cfg.sampling.max_new_tokens, n_prompts * g
     state_bytes = {"params": per_chip_bytes(params), "opt": per_chip_bytes(opt),
                    "ref": per_chip_bytes(ref) if ref is not None else 0}
     log(f"[{label}] state per chip: " + ", ".join(f"{k} {v / GIB:.2f} GiB"
-                                                   for k, v in state_bytes.items()))
+                                                   for k, v in state_bytes.items())
+        + (" (LoRA: params = frozen base + adapters, opt = the adapters' moments, ref = "
+           "none: the base with adapters off)" if lora else ""))
     out, rep = [], replicated(mesh)
 
     def record(name, fn, resident):
@@ -266,9 +278,11 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     # Reference log-probs over the batch (the learning program's first pass, alone).
     ro = _rollout(trainer, mesh, b, p, t)
     spec_l = trainer.base_spec
-    logp = jax.jit(lambda w, seqs: _map_micro(
-        lambda mb: policy_logprobs(graphdef, w, mb, chunk=spec_l.chunk,
-                                   temperature=spec_l.temperature)[0], seqs, spec_l.num_micro))
+    logp = jax.jit(lambda w, seqs: _map_micro(  # LoRA: the policy's weights, adapters off
+        lambda mb: policy_logprobs(*(reference_model(graphdef, w, None) if lora
+                                     else (graphdef, w)), mb, chunk=spec_l.chunk,
+                                   temperature=spec_l.temperature)[0],
+        seqs, spec_l.num_micro))
     record("logprob", lambda: logp.lower(ref if ref is not None else policy, ro.seqs()).compile(),
            sum(state_bytes.values()) - per_chip_bytes(ref if ref is not None else policy))
     scalars = dict(updates=jnp.int32, nonfinite_run=jnp.int32, skipped=jnp.int32,
@@ -309,7 +323,7 @@ def recipes(selected: list[str] | None = None):
 def budget_recipe(label, cfg, rec, log=print) -> tuple[list[ProgramMemory], str]:
     """Compile one recipe for its TPU slice (or CPU devices without libtpu)."""
     devices = tpu_devices(rec.tpu)
-    model_cfg = rec.model_config(cfg.compute_dtype)
+    model_cfg = cfg.policy_config(rec.model_config(cfg.compute_dtype))  # with cfg.lora
     if devices is None:  # CPU estimate: XLA attention (interpret-mode splash is not a kernel)
         devices = jax.devices("cpu")[: rec.tpu.chips]
         model_cfg = dataclasses.replace(model_cfg, attention="xla")

@@ -20,6 +20,7 @@ import dataclasses
 import os
 
 from rljax.models import ModelConfig
+from rljax.models.lora import LoraConfig
 from rljax.sharding import MeshConfig
 
 __all__ = ["MODEL_SHAPES", "SLICES", "Recipe", "TpuSlice", "apply_recipe"]
@@ -47,6 +48,7 @@ class TpuSlice:
 
 # Cloud TPU names count chips for v5e and TensorCores for v4 / v5p (two per chip).
 SLICES = {s.name: s for s in (
+    TpuSlice("v5e-4", "v5e:2x2", 4, 16.0),
     TpuSlice("v5e-8", "v5e:2x4", 8, 16.0, host_bounds=(2, 4, 1)),
     TpuSlice("v5e-16", "v5e:4x4", 16, 16.0),
     TpuSlice("v5e-64", "v5e:8x8", 64, 16.0),
@@ -88,6 +90,9 @@ class Recipe:
       only its input, "dots_saveable" also its matmul outputs, "none" everything).
     logp_chunk: positions per chunk of the output projection (`RLConfig.logp_chunk`).
     attention: `ModelConfig.attention` of the loaded model ("splash" on TPU).
+    lora: the run's adapters (`ExperimentConfig.lora`), or None for a full-parameter
+      recipe; with them the base is frozen in the compute dtype and the KL reference is
+      the base (no copy). Set `optim.lr` for LoRA (it usually wants ~10x a full run's).
     why: one line on the choices, printed by the budget.
     """
 
@@ -99,6 +104,7 @@ class Recipe:
     remat: str = "full"
     logp_chunk: int = 128
     attention: str = "splash"
+    lora: LoraConfig | None = None
     why: str = ""
 
     def __post_init__(self):
@@ -122,9 +128,10 @@ class Recipe:
 
 def apply_recipe(cfg, recipe: Recipe, models_dir: str = "~/models"):
     """`cfg` (an `ExperimentConfig`) with `recipe`'s checkpoint, mesh, micro-batch, layer
-    layout, remat, chunk and attention."""
+    layout, remat, chunk, attention and, when it names them, adapters."""
     return dataclasses.replace(
         cfg, hf_path=os.path.join(os.path.expanduser(models_dir), recipe.model),
+        lora=cfg.lora if recipe.lora is None else recipe.lora,
         attention=recipe.attention, scan_layers=recipe.scan_layers, remat=recipe.remat,
         mesh=recipe.mesh,
         algorithm=dataclasses.replace(cfg.algorithm, micro_batch_size=recipe.micro_batch_size),
