@@ -60,11 +60,11 @@ _MICRO = {"1.5b-v5e8": 16}
 
 def _recipes() -> dict:
     """The GRPO recipes' meshes with PPO's micro-batch of 32 (a quarter of a minibatch; 16
-    where `_MICRO` says)."""
+    where `_MICRO` says); not the LoRA ones (compiled for GRPO only)."""
     return {name: dataclasses.replace(r, micro_batch_size=_MICRO.get(name, 32),
                                       why=r.why.split(";")[0]
                                       + f"; micro {_MICRO.get(name, 32)} of 128")
-            for name, r in _grpo_recipe().RECIPES.items()}
+            for name, r in _grpo_recipe().RECIPES.items() if r.lora is None}
 
 
 RECIPES = _recipes()

@@ -17,11 +17,11 @@ from _experiments import load_experiment
 topo = load_experiment("topology_layout")
 
 # Every recipe's slice and every tpu_setup example's (v4-8, v4-16, v5litepod-8 / -16).
-SLICES = ["v4-8", "v4-16", "v5e-8", "v5e-16", "v5e-32", "v5e-64", "v5p-64", "v6e-8",
+SLICES = ["v4-8", "v4-16", "v5e-4", "v5e-8", "v5e-16", "v5e-32", "v5e-64", "v5p-64", "v6e-8",
           "v6e-16"]
 # (chips, processes, chips per process) as the slices report them.
-HOSTS = {"v4-8": (4, 1, 4), "v4-16": (8, 2, 4), "v5e-8": (8, 1, 8), "v5e-16": (16, 4, 4),
-         "v5e-32": (32, 8, 4), "v5e-64": (64, 16, 4), "v5p-64": (32, 8, 4),
+HOSTS = {"v4-8": (4, 1, 4), "v4-16": (8, 2, 4), "v5e-4": (4, 1, 4), "v5e-8": (8, 1, 8),
+         "v5e-16": (16, 4, 4), "v5e-32": (32, 8, 4), "v5e-64": (64, 16, 4), "v5p-64": (32, 8, 4),
          "v6e-8": (8, 1, 8), "v6e-16": (16, 4, 4)}
 
 

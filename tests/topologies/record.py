@@ -21,6 +21,7 @@ import pathlib
 SLICES = {
     "v4-8": ("v4:2x2x1", {"chip_config_name": "megacore"}),
     "v4-16": ("v4:2x2x2", {"chip_config_name": "megacore"}),
+    "v5e-4": ("v5e:2x2", {}),
     "v5e-8": ("v5e:2x4", {"chips_per_host_bounds": [2, 4, 1]}),
     "v5e-16": ("v5e:4x4", {}),
     "v5e-32": ("v5e:4x8", {}),
