@@ -305,10 +305,10 @@ def linear_logprobs(
     ``d logits = (a * (onehot - p) - e * p * (log p + H)) / temperature`` from the
     per-token cotangents ``a`` (log-probs) and ``e`` (entropies; skipped when the entropy
     is not differentiated) once, and returns ``dh = d logits . W`` and ``dW`` in ``W``'s
-    own layout (summed over chunks; not formed at all when ``w`` is not differentiated,
-    e.g. LoRA's frozen head: its cotangent is then a symbolic zero); both matmuls take ``d logits`` in ``compute_dtype``
-    (float32 accumulation), as the forward takes ``h``. Returns ``(logp_BxT,
-    entropy_BxT)``, float32.
+    own layout (summed over chunks; not formed when ``w`` is not differentiated, e.g.
+    LoRA's frozen head: a symbolic zero then); both matmuls take ``d logits`` in
+    ``compute_dtype`` (float32 accumulation), as the forward takes ``h``. Returns
+    ``(logp_BxT, entropy_BxT)``, float32.
     """
     _, t, _ = check_linear_args("linear_logprobs", w, h_BxTxD, targets_BxT, chunk,
                                  temperature, vocab_major)
