@@ -51,6 +51,10 @@ class Rollout:
     truncated_B: 1 where no stop token came within ``max_new_tokens``.
     rewards_B: the task reward (before any length shaping). correct_B: verifier outcome
       (0/1; all 0 without a verifier). weight_B: 1 for real rows, 0 for padding groups.
+    loss_mask_BxT: the tokens the objective trains on (float32 0/1, within
+      ``completion_mask_BxT``); None means every completion token. Tokens the model did
+      not choose (a tool's or an environment's output in a multi-turn rollout) are in the
+      completion, attended to, and 0 here. ``loss_mask()`` resolves it.
     """
 
     prompt_BxP: Array
@@ -62,6 +66,7 @@ class Rollout:
     rewards_B: Array
     correct_B: Array
     weight_B: Array
+    loss_mask_BxT: Array | None = None
     group_size: int = dataclasses.field(default=1, metadata=dict(static=True))
     has_correct: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -76,10 +81,16 @@ class Rollout:
                 "completion_BxT": self.completion_BxT,
                 "completion_mask_BxT": self.completion_mask_BxT}
 
+    def loss_mask(self) -> Array:
+        """The per-token loss mask ``[B, T]`` (the completion mask where none is set)."""
+        return self.completion_mask_BxT if self.loss_mask_BxT is None else self.loss_mask_BxT
+
     def masked_by_weight(self) -> "Rollout":
-        """Padding rows (weight 0) get an all-zero completion mask: no loss, no count."""
-        m = self.completion_mask_BxT * (self.weight_B[:, None] > 0)
-        return dataclasses.replace(self, completion_mask_BxT=m)
+        """Padding rows (weight 0) get all-zero completion and loss masks: no loss, no
+        count."""
+        keep = self.weight_B[:, None] > 0
+        return dataclasses.replace(self, completion_mask_BxT=self.completion_mask_BxT * keep,
+                                   loss_mask_BxT=self.loss_mask() * keep)
 
     def metrics(self) -> dict:
         """Reward, accuracy, length, truncation and token statistics over real rows."""

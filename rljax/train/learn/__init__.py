@@ -71,8 +71,8 @@ def _prepare(spec, params, ref_params, ro: Rollout, kl_coef, teacher_params=None
     metrics)``."""
     a, g = spec.alg, spec.share_group
     seqs = ro.seqs()
-    mask_BxT = seqs["completion_mask_BxT"]
-    batch = dict(seqs, sampler_logp_BxT=ro.sampler_logp_BxT)
+    mask_BxT = ro.loss_mask()  # what is trained on; seqs' completion mask is what is attended
+    batch = dict(seqs, sampler_logp_BxT=ro.sampler_logp_BxT, loss_mask_BxT=mask_BxT)
     extra: dict = {}
     if spec.uses_ref:  # a LoRA policy's reference: its base, adapters off (no copy)
         batch["ref_logp_BxT"] = _logprobs(spec, *reference_model(
@@ -143,7 +143,7 @@ def _updates(spec, update, params, opt_state, counters, batch, coef, key,
              select: Callable | None = None):
     """``num_epochs x num_minibatches`` updates as one scan; metrics stacked per update."""
     a = spec.alg
-    b = batch["completion_mask_BxT"].shape[0]
+    b = batch["loss_mask_BxT"].shape[0]
     keys = jax.random.split(key, a.num_epochs)
     rows_UxN = jnp.concatenate([_minibatch_rows(k, b, a.num_minibatches, spec.share_group)
                                 for k in keys])
@@ -193,8 +193,8 @@ def make_learn(spec, loss_fn, txs: dict, schedules: dict, constrain: Callable | 
         ro = ro.masked_by_weight()
         batch, extra = _prepare(spec, params, ref_params, ro, kl_coef, teacher_params)
         if spec.alg.mask_truncated:
-            batch["completion_mask_BxT"] = obj.mask_truncated_completions(
-                batch["completion_mask_BxT"], ro.truncated_B)
+            batch["loss_mask_BxT"] = obj.mask_truncated_completions(
+                batch["loss_mask_BxT"], ro.truncated_B)
         coef = alg.make_coef(spec.alg, kl_coef)
         params, opt_state, counters, metrics = _updates(spec, update, params, opt_state,
                                                         counters, batch, coef, key, select)

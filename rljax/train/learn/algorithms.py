@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from rljax import objectives as obj
 from rljax.train.config import AlgorithmConfig
 from rljax.train.config.checks import corrects_sampler
+from rljax.train.learn.micro import loss_mask
 
 Array = Any
 
@@ -91,7 +92,7 @@ def cov_rule(cfg: AlgorithmConfig) -> tuple | None:
 
 def cov_tokens(cfg: AlgorithmConfig, logp_BxT: Array, mb: dict, key: Array) -> Array:
     """The tokens ``cfg``'s Clip-Cov / KL-Cov restrains in minibatch ``mb`` (its
-    ``adv_BxT``, ``completion_mask_BxT`` and, when the ratio is not 1, ``old_logp_BxT``),
+    ``adv_BxT``, ``loss_mask_BxT`` and, when the ratio is not 1, ``old_logp_BxT``),
     from the current policy's log-probs: ``rljax.objectives.cov_selection``, Clip-Cov
     drawing only among tokens PPO's clip leaves alone (``ppo_clipped_tokens``)."""
     cfg = cfg.resolve()
@@ -103,7 +104,7 @@ def cov_tokens(cfg: AlgorithmConfig, logp_BxT: Array, mb: dict, key: Array) -> A
         exclude = obj.ppo_clipped_tokens(logp_BxT, mb["old_logp_BxT"], mb["adv_BxT"],
                                          eps_low=cfg.clip_low, eps_high=cfg.clip_high,
                                          dual_clip=dual)
-    return obj.cov_selection(logp_BxT, mb["adv_BxT"], mb["completion_mask_BxT"], rule=rule,
+    return obj.cov_selection(logp_BxT, mb["adv_BxT"], loss_mask(mb), rule=rule,
                              ratio=ratio, low=low, high=high, key=key, exclude_BxT=exclude)
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from rljax import objectives as obj
 from rljax.train.learn import ppo as ppo_lib
 from rljax.train.learn.logprobs import policy_logprobs
+from rljax.train.learn.micro import loss_mask
 from rljax.train.learn.onepass import padded_width, policy_one_pass
 
 sg = jax.lax.stop_gradient
@@ -27,7 +28,7 @@ def _objective_batch(mb: dict, logp, ent, values, *, self_old: bool, use_sampler
     """The objective's batch from a micro-batch and the current log-probs / entropies."""
     return obj.ObjectiveBatch(
         logp_BxT=logp, old_logp_BxT=sg(logp) if self_old else mb["old_logp_BxT"],
-        mask_BxT=mb["completion_mask_BxT"], adv_BxT=mb["adv_BxT"],
+        mask_BxT=loss_mask(mb), adv_BxT=mb["adv_BxT"],
         ref_logp_BxT=mb.get("ref_logp_BxT"),
         sampler_logp_BxT=mb["sampler_logp_BxT"] if use_sampler else None,
         values_BxT=values, old_values_BxT=mb.get("old_values_BxT"),
@@ -79,7 +80,7 @@ def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, te
     objective is token-separable and the policy has a linear head); the head then forms
     its gradient in the forward pass
     (``rljax.train.learn.onepass``): the same loss and, to rounding, the same gradients."""
-    m = mb["completion_mask_BxT"]
+    m = loss_mask(mb)
     values = None
     if value_gd is not None:
         values = ppo_lib.value_predictions(value_gd, params["value"], mb, remat=remat)

@@ -12,6 +12,12 @@ from typing import Any
 Array = Any
 
 
+def loss_mask(mb: dict) -> Array:
+    """A learning batch's per-token loss mask: ``loss_mask_BxT`` (the tokens the model
+    chose; 0 on a tool's output), or ``completion_mask_BxT`` where the batch has none."""
+    return mb["loss_mask_BxT"] if "loss_mask_BxT" in mb else mb["completion_mask_BxT"]
+
+
 def split_micro(x_BxN: Array, num_micro: int, group: int = 1) -> Array:
     """``[B, ...] -> [M, B/M, ...]`` with micro-batch i = rows i, i+M, i+2M, ...; with
     ``group`` G > 1, whole groups of G consecutive rows: groups i, i+M, i+2M, ...
