@@ -1,5 +1,7 @@
 """The host boundary of an SPMD step: which rows this process owns, and the named
-transfers across it (prompt ids in, own rows' token ids out, rewards in, scalars out).
+transfers across it (prompt ids in, own rows' token ids out, rewards in, scalars out;
+per turn of a multi-turn rollout: the turn's tokens out, the turn flags out, the
+observations in).
 
 On a pod every process runs the same programs on global ``jax.Array`` s; a process may
 only read the shards it holds. Batch rows are split over the mesh's ("data", "fsdp")
@@ -51,6 +53,17 @@ def own_rows(n_rows: int, mesh) -> tuple[int, int]:
             raise ValueError(f"process {jax.process_index()} holds rows {blocks}, not one "
                              "block: build the mesh with rljax.sharding.make_mesh")
         hi = b
+    return lo, hi
+
+
+def own_groups(n_rows: int, group_size: int, mesh) -> tuple[int, int]:
+    """``own_rows`` of a batch of groups of ``group_size`` consecutive rows; raises unless
+    this process holds whole groups (it scores and steps whole groups)."""
+    lo, hi = own_rows(n_rows, mesh)
+    if lo % group_size or hi % group_size:
+        raise ValueError(f"process {jax.process_index()} holds rows [{lo}, {hi}), not "
+                         f"whole groups of {group_size}: make rows per process a multiple "
+                         "of group_size")
     return lo, hi
 
 
@@ -139,3 +152,25 @@ def gather_blocks(local_NxW: np.ndarray, lo: int, n_rows: int) -> np.ndarray:
         raise ValueError(f"the processes' row blocks {[(int(a), int(a + n)) for a, n in los]}"
                          f" do not tile [0, {n_rows})")
     return out
+
+
+# --- Multi-turn rollouts (rljax.train.multiturn): the transfers of each turn. --------
+
+
+def turn_tokens_out(arrays: tuple, lo: int, hi: int) -> tuple:
+    """"Turn tokens out": this process's rows ``[lo, hi)`` of the turn's tokens and
+    counts (``[R, N]`` and ``[R]`` global arrays), read from its own shards."""
+    return tuple(host_rows(x, lo, hi) for x in arrays)
+
+
+def turn_flags(flags: tuple) -> tuple[bool, int]:
+    """"Turn flags out": ``(all rows done, widest observation)`` from replicated scalars
+    that a program reduced from global arrays, so every process reads the same pair."""
+    done, widest = fetch_scalars(flags)
+    return bool(done), int(widest)
+
+
+def observations_in(local: tuple, n_rows: int, mesh) -> tuple:
+    """"Observations in": this process's rows of the next turn's inputs (observation ids,
+    their lengths, which rows continue, their budgets) -> global arrays split by rows."""
+    return tuple(to_global(x, n_rows, mesh) for x in local)

@@ -228,13 +228,7 @@ class Rollouts:
 
     def _own_groups(self, b: int) -> tuple[int, int]:
         """This process's rows ``[lo, hi)`` of a ``b``-row batch; whole groups only."""
-        g = self.group_size
-        lo, hi = hosts.own_rows(b, self.mesh)
-        if lo % g or hi % g:
-            raise ValueError(f"process {jax.process_index()} holds rows [{lo}, {hi}), not "
-                             f"whole groups of {g}: make rows per process a multiple of "
-                             "group_size")
-        return lo, hi
+        return hosts.own_groups(b, self.group_size, self.mesh)
 
     def score(self, completions: list, metadata: list, group_size: int, first: int = 0):
         """Rewards float32 of own rows; errors name the function and the prompt index."""
