@@ -49,7 +49,29 @@ from rljax.train.batching import encode_text, pad_left, special_ids, stop_ids
 from rljax.train.config import SamplingConfig
 from rljax.train.rollout import PromptSource, Rollout, to_rollout
 
-__all__ = ["MultiTurnRollouts", "MultiTurnOutput", "stop_sequences", "check_multiturn_algorithm"]
+__all__ = ["MultiTurnConfig", "MultiTurnRollouts", "MultiTurnOutput", "stop_sequences",
+           "check_multiturn_algorithm"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnConfig:
+    """Multi-turn episodes for ``RLTrainer(multiturn=...)``: each row's environment
+    answers the model's turns, and its episode return is the row's reward.
+
+    make_env: builds one row's environment (``rljax.envs.Environment``). limits:
+    ``rljax.envs.EnvLimits`` (``max_total_tokens`` is the completion width).
+    pool: a ``rljax.rewards.RewardPool`` for tool calls (required when the environment
+    has tools). return_mode, gamma: ``rljax.envs.episode_return`` (``"sum"`` of the
+    turns' rewards, or ``"discounted"`` by ``gamma`` per turn). obs_multiple: the
+    observation widths' bucket.
+    """
+
+    make_env: Callable[[], Any]
+    limits: EnvLimits = EnvLimits()
+    pool: Any = None
+    return_mode: str = "sum"
+    gamma: float = 1.0
+    obs_multiple: int = 16
 
 
 def stop_sequences(tokenizer: Any, stop_strings) -> tuple[tuple[int, ...], ...]:
@@ -153,10 +175,10 @@ class MultiTurnRollouts:
         return jax.device_put(x, logical_sharding(("batch",) + (None,) * (x.ndim - 1),
                                                   x.shape, self.mesh))
 
-    def _prompts(self, first, lo: int, n_prompts: int):
-        """Own rows' first observations -> every process's prompts, left-padded to their
-        bucket, placed by rows: ``(tokens, mask)`` global ``[B, P]``."""
-        g = self.group_size
+    def _prompts(self, first, lo: int, b: int, g: int):
+        """Own rows' first observations -> every process's prompts (``b`` rows in groups
+        of ``g``), left-padded to their bucket, placed by rows: ``(tokens, mask)``
+        global ``[B, P]``."""
         ids = first.observation_ids
         for i, x in enumerate(ids):
             if not 0 < len(x) <= self.prompt_len:
@@ -167,8 +189,8 @@ class MultiTurnRollouts:
                                  "group's first row's; the rows of a group must start from "
                                  "the same prompt")
         tok, mask = pad_left(ids, self.prompt_len, self.pad_id)
-        tok_all = hosts.gather_blocks(tok, lo, n_prompts * g)
-        mask_all = hosts.gather_blocks(mask, lo, n_prompts * g)
+        tok_all = hosts.gather_blocks(tok, lo, b)
+        mask_all = hosts.gather_blocks(mask, lo, b)
         longest = int(mask_all.sum(axis=1).max())
         p = min(bucket_length(longest, self.prompt_multiple), self.prompt_len)
         with jax.transfer_guard("allow"):
@@ -178,12 +200,29 @@ class MultiTurnRollouts:
     def _budget(self, envs: EnvBatch, n: int) -> np.ndarray:
         return np.minimum(envs.remaining_tokens_B(), n).astype(np.int32)
 
+    def evaluate(self, params, prompts, metadata, batch_size: int) -> dict:
+        """Greedy episodes, one per held-out prompt (every process passes the same lists):
+        ``{"reward_mean": mean episode return, "n", "turns_mean"}``."""
+        n, sums = len(prompts), np.zeros(2)
+        for i in range(0, n, batch_size):
+            k = min(batch_size, n - i)
+
+            def src(start, m):
+                return list(prompts[start:start + m]), list(metadata[start:start + m])
+
+            out = self.sample(params, src, i, k, jax.random.key(0), greedy=True, group_size=1)
+            sums += (out.metrics["env/return"] * k, out.metrics["env/turns"] * k)
+        return {"reward_mean": float(sums[0] / max(n, 1)), "n": n,
+                "turns_mean": float(sums[1] / max(n, 1))}
+
     def sample(self, params, source: PromptSource, pos: int, n_prompts: int, key, *,
-               greedy: bool = False) -> MultiTurnOutput:
+               greedy: bool = False, group_size: int | None = None) -> MultiTurnOutput:
         """Episodes of prompts ``pos .. pos + n_prompts`` (``source(start, n) -> (prompts,
         metadata)``; each row's environment is reset with its metadata, with
-        ``"prompt"`` set to the prompt where the metadata has none)."""
-        g, b = self.group_size, n_prompts * self.group_size
+        ``"prompt"`` set to the prompt where the metadata has none), ``group_size``
+        (default: the trainer's) rows each; ``greedy``: temperature 0."""
+        g = self.group_size if group_size is None else group_size
+        b = n_prompts * g
         if not self.num_params:
             self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
         lo, hi = hosts.own_groups(b, g, self.mesh)
@@ -196,7 +235,7 @@ class MultiTurnRollouts:
             raise ValueError(f"rows {[lo + i for i in np.flatnonzero(first.done_B)]}: the first "
                              f"observation is over limits.max_total_tokens="
                              f"{self.limits.max_total_tokens}")
-        tok_BxP, mask_BxP = self._prompts(first, lo, n_prompts)
+        tok_BxP, mask_BxP = self._prompts(first, lo, b, g)
         spec = self.spec(tok_BxP.shape[1], greedy)
         glob = functools.partial(hosts.to_global, n_rows=b, mesh=self.mesh)
         mesh = _mesh_of(params) if self.mesh is None else self.mesh
@@ -222,7 +261,7 @@ class MultiTurnRollouts:
                 s = observe(*prog, s, *hosts.observations_in(
                     (obs.astype(np.int32), obs_len, ~out.done_B,
                      self._budget(envs, spec.turn_tokens)), b, self.mesh))
-        return self._output(envs, s, tok_BxP, mask_BxP, glob, lo, hi, turns)
+        return self._output(envs, s, tok_BxP, mask_BxP, glob, lo, hi, turns, g)
 
     def _env_turn(self, envs: EnvBatch, turn_RxN, len_R, lo: int, hi: int):
         """Own rows' turn: their tokens out, their text to the environments."""
@@ -232,7 +271,7 @@ class MultiTurnRollouts:
                  for row, n in zip(tokens, lens)]
         return envs.step(texts, model_tokens=[int(n) for n in lens])
 
-    def _output(self, envs: EnvBatch, s, tok_BxP, mask_BxP, glob, lo, hi, turns):
+    def _output(self, envs: EnvBatch, s, tok_BxP, mask_BxP, glob, lo, hi, turns, g):
         t = s.tokens_RxT.shape[1]
         infos = [envs.info(i) for i in range(len(envs))]
         truncated = np.array([i["truncated"] is not None for i in infos], np.float32)
@@ -242,7 +281,7 @@ class MultiTurnRollouts:
                                  glob(truncated), glob(rewards),
                                  glob(np.zeros(hi - lo, np.float32)),
                                  glob(np.ones(hi - lo, np.float32))),
-                     loss_mask_BxT=s.loss_RxT, group_size=self.group_size, has_correct=False)
+                     loss_mask_BxT=s.loss_RxT, group_size=g, has_correct=False)
         sums = envs.metrics()
         names = sorted(sums)
         tot = hosts.gather_rows(np.asarray([[sums[k][0] for k in names] + [len(envs)]],

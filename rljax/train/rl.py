@@ -43,6 +43,8 @@ from rljax.train.programs.fused import split_step_key
 from rljax.train.programs.paths import resolve_paths
 from rljax.train.programs.step import (StepSpec, fused_step, learn_fn, learn_step, optimizers,
                                        run, schedule_updates, state_scalars)
+from rljax.train.multiturn import (MultiTurnConfig, MultiTurnRollouts,
+                                   check_multiturn_algorithm)
 from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_groups
 
 __all__ = ["PromptSource", "RLTrainer", "rl_loss"]
@@ -95,6 +97,19 @@ def _assemble(rounds: tuple, n_groups: int, pad_id: int) -> Rollout:
     return dataclasses.replace(out, weight_B=weight_B)
 
 
+def _check_multiturn(multiturn, reward_fns, algorithm) -> None:
+    """A multi-turn trainer's arguments: its rewards are the environments' returns."""
+    if not isinstance(multiturn, MultiTurnConfig):
+        raise TypeError(f"RLTrainer: multiturn must be a MultiTurnConfig, got "
+                        f"{type(multiturn).__name__}")
+    if reward_fns is not None:
+        raise ValueError("RLTrainer: with multiturn the environments' episode returns are "
+                         "the rewards; pass reward_fns=None")
+    if algorithm.dynamic_sampling:
+        raise ValueError("RLTrainer: dynamic sampling is not supported with multiturn")
+    check_multiturn_algorithm(algorithm)
+
+
 class RLTrainer:
     """RL post-training of a decoder ``(policy_graphdef, params)`` on one device mesh.
 
@@ -118,6 +133,10 @@ class RLTrainer:
       reward_pool, reward_timeout_s: a ``rljax.rewards.RewardPool`` and the per-item time
         limit of item rewards (a call past it scores 0 and is logged).
       prompt_multiple: prompts are padded to a multiple of this (the compiled buckets).
+      multiturn: a ``rljax.train.multiturn.MultiTurnConfig``: episodes with an
+        environment per row (``rljax.train.multiturn.MultiTurnRollouts``; observation
+        tokens get loss mask 0); the episode return is the reward, so ``reward_fns``
+        must be None. Not with a device reward, dynamic sampling or GAE (PPO).
       teacher: ``(graphdef, params)`` of a frozen teacher decoder that shares the
         tokenizer (``algorithm.needs_teacher`` only, and required there; see
         ``rljax.run.teacher.load_teacher``): its log-probs are computed inside the
@@ -128,7 +147,7 @@ class RLTrainer:
                  optim: OptimConfig, sampling: SamplingConfig, rl: RLConfig, prompt_len: int,
                  value_graphdef=None, accuracy_fn=None, mesh=None, reward_pool=None,
                  reward_timeout_s: float | None = None, prompt_multiple: int = 16,
-                 teacher: tuple | None = None):
+                 teacher: tuple | None = None, multiturn: MultiTurnConfig | None = None):
         for name, val, cls in (("algorithm", algorithm, AlgorithmConfig),
                                ("optim", optim, OptimConfig),
                                ("sampling", sampling, SamplingConfig), ("rl", rl, RLConfig)):
@@ -146,6 +165,8 @@ class RLTrainer:
             raise ValueError("RLTrainer: teacher=(graphdef, params) is required for algorithm "
                              f"'distill' (advantage_estimator='teacher') and not allowed "
                              f"otherwise {est}")
+        if multiturn is not None:
+            _check_multiturn(multiturn, reward_fns, algorithm)
         self.device_reward = reward_fns if is_device_reward(reward_fns) else None
         if self.device_reward is not None and algorithm.dynamic_sampling:
             raise ValueError("RLTrainer: dynamic sampling decides its refills on the host; it "
@@ -174,6 +195,12 @@ class RLTrainer:
                                  accuracy_fn=accuracy_fn, mesh=mesh, reward_pool=reward_pool,
                                  reward_timeout_s=reward_timeout_s,
                                  prompt_multiple=prompt_multiple)
+        self.multiturn = None if multiturn is None else MultiTurnRollouts(
+            policy_graphdef, tokenizer, multiturn.make_env, sampling=sampling,
+            limits=multiturn.limits, prompt_len=prompt_len, group_size=algorithm.group_size,
+            mesh=mesh, pool=multiturn.pool, return_mode=multiturn.return_mode,
+            gamma=multiturn.gamma, prompt_multiple=prompt_multiple,
+            obs_multiple=multiturn.obs_multiple)
         total = rl.steps * algorithm.num_epochs * algorithm.num_minibatches
         self.base_spec = StepSpec(
             algorithm.spec(), self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
@@ -294,6 +321,12 @@ class RLTrainer:
         run out); every process takes the same decision from the global kept count."""
         n, params = self.rl.prompts_per_step, state.params["policy"]
         rounds, kept, sampled = [], [], np.zeros(2)
+        if self.multiturn is not None:
+            t0 = time.perf_counter()
+            out = self.multiturn.sample(params, source, pos, n, key)
+            jax.block_until_ready(out.rollout)
+            ph.times["rollout"] = time.perf_counter() - t0
+            return out.rollout, pos + n, dict(out.metrics)
         while True:
             key, k = jax.random.split(key)
             ro = self.rollouts.sample(params, source, pos, n, k, ph)
@@ -350,4 +383,6 @@ class RLTrainer:
         """Greedy decoding on held-out prompts: ``{"accuracy", "reward_mean", ...}``."""
         params = (state_or_params.params["policy"] if isinstance(state_or_params, TrainState)
                   else state_or_params)
+        if self.multiturn is not None:  # greedy episodes; their mean return
+            return self.multiturn.evaluate(params, list(prompts), list(metadata), batch_size)
         return self.rollouts.evaluate(params, list(prompts), list(metadata), batch_size)

@@ -1,0 +1,208 @@
+"""Multi-turn rollouts (issue 43, rljax.train.multiturn): turns decoded from one KV cache,
+observations appended with loss mask 0, token in / token out, stop strings, fixed
+shapes (a new rollout compiles nothing), and learning on the result (the trainer's
+log-probs equal the sampler's on model tokens; GRPO over episodes; GAE refused)."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import _multiprocess as mp
+from _mp_multiturn import (LIMITS, TOK, TURN_TOKENS, CountEnv, policy, replicated_key, run,
+                           source, trainer)
+from rljax.envs import EnvBatch
+from rljax.train import hosts, multiturn
+from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
+from rljax.train.learn.logprobs import policy_logprobs
+from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts, stop_sequences
+from rljax.train.programs import CompileLog
+from rljax.train.rl import RLTrainer
+
+TIMEOUT_S = 300  # a guard against a hung collective, not a speed assertion
+EQ, STAR, EOS = TOK.encode("=")[0], TOK.encode("*")[0], TOK.eos_token_id
+
+
+class Spy:
+    """Records what crossed the host boundary: each turn's tokens and counts (own rows)
+    and each `EnvBatch.step`'s observation ids."""
+
+    def __init__(self, monkeypatch):
+        self.turns, self.obs = [], []
+        out, step = hosts.turn_tokens_out, EnvBatch.step
+
+        def turn_tokens_out(arrays, lo, hi):
+            got = out(arrays, lo, hi)
+            self.turns.append(got)
+            return got
+
+        def env_step(envs, texts, model_tokens=None):
+            res = step(envs, texts, model_tokens)
+            self.obs.append(res.observation_ids)
+            return res
+
+        monkeypatch.setattr(hosts, "turn_tokens_out", turn_tokens_out)
+        monkeypatch.setattr(EnvBatch, "step", env_step)
+
+
+@pytest.fixture(scope="module")
+def model(mesh8):
+    """The policy on the 1 x 8 mesh (data 2, fsdp 2, tensor 2), as the 2 x 4 pair's."""
+    return policy(mesh8)
+
+
+@pytest.fixture(scope="module")
+def tr(model, mesh8):
+    return trainer(model[0], mesh8)
+
+
+@pytest.fixture(scope="module")
+def rollout(model, tr):
+    key = replicated_key(0, tr.mesh)
+    with pytest.MonkeyPatch.context() as patch, jax.transfer_guard("disallow_explicit"):
+        spy = Spy(patch)
+        out = tr.multiturn.sample(model[1], source, 0, 4, key)
+    return tr.multiturn, out, spy
+
+
+def test_stop_strings_map_to_token_sequences():
+    assert stop_sequences(TOK, ("=", "**", "=")) == ((EQ,), (STAR, STAR))
+    with pytest.raises(ValueError, match="encodes to no tokens"):
+        stop_sequences(TOK, ("",))
+
+
+def test_token_in_token_out(rollout):
+    """The completion is exactly the sampled turns' ids and the environment's
+    observation ids, in order; the loss mask is 1 on the former and 0 on the latter;
+    the sampler's log-probs are 0 at observation tokens."""
+    _, out, spy = rollout
+    ro = out.rollout
+    comp, cmask, lmask, slogp = (np.asarray(x) for x in (
+        ro.completion_BxT, ro.completion_mask_BxT, ro.loss_mask_BxT, ro.sampler_logp_BxT))
+    assert len(spy.turns) == len(spy.obs) == out.metrics["env/rollout_turns"] == 3
+    for i in range(comp.shape[0]):
+        ids, loss = [], []
+        for (tok, lens), obs in zip(spy.turns, spy.obs):
+            ids += tok[i, :lens[i]].tolist() + list(obs[i])
+            loss += [1] * int(lens[i]) + [0] * len(obs[i])
+        n = len(ids)
+        assert int(cmask[i].sum()) == n and cmask[i, :n].all(), i
+        assert comp[i, :n].tolist() == ids, i
+        assert lmask[i, :n].tolist() == loss and not lmask[i, n:].any(), i
+        assert (slogp[i][lmask[i] == 0] == 0).all() and (slogp[i][lmask[i] > 0] < 0).all()
+        assert out.info[i]["turns"] == sum(int(t[1][i] > 0) for t in spy.turns)
+    assert sorted({len(o) for obs in spy.obs for o in obs}) == [0, 6, 8, 10]  # buckets 8, 16
+    turns = [i["turns"] for i in out.info]
+    assert turns == [1, 1, 2, 2, 3, 3, 1, 1] and out.metrics["env/turns"] == np.mean(turns)
+    # The reward is the episode return (per turn: 0.5, then the final turn's score).
+    np.testing.assert_allclose(np.asarray(ro.rewards_B), [sum(r) for r in out.turn_rewards])
+    assert [len(r) for r in out.turn_rewards] == turns
+
+
+def test_turns_end_at_a_stop_or_the_budget(rollout):
+    _, out, spy = rollout
+    for tok, lens in spy.turns:
+        for row, n in zip(tok, lens):
+            t = row[:n].tolist()
+            if n and n < TURN_TOKENS:
+                assert t[-1] in (EOS, EQ) or t[-2:] == [STAR, STAR], t
+            assert EQ not in t[:-1] and EOS not in t[:-1], t  # no turn runs past a stop
+
+
+def test_trainer_logprobs_equal_sampler_on_model_tokens(rollout, model):
+    """A float32 forward of the whole sequence (prompt, turns, observations) gives the
+    log-probs the sampler drew with from its cache: the turns continued the cache at
+    the right slots and positions."""
+    gd, st = model
+    ro = rollout[1].rollout
+    logp = jax.jit(lambda st, seqs: policy_logprobs(gd, st, seqs, chunk=8)[0])(st, ro.seqs())
+    m = np.asarray(ro.loss_mask_BxT) > 0
+    gap = np.abs(np.asarray(logp) - np.asarray(ro.sampler_logp_BxT))[m]
+    assert m.sum() > 20 and gap.max() < 1e-5, gap.max()
+
+
+def test_a_new_rollout_compiles_nothing(rollout, model):
+    """After the first rollout (every program, each observation bucket seen), a rollout
+    of other prompts and draws, with turns of other lengths, compiles nothing."""
+    mt, first, _ = rollout
+    key = replicated_key(1, mt.mesh)
+    with CompileLog() as log:
+        out = mt.sample(model[1], source, 4, 4, key)
+    assert out.metrics["env/rollout_turns"] >= 2
+    assert not np.array_equal(np.asarray(out.rollout.completion_BxT),
+                              np.asarray(first.rollout.completion_BxT))
+    assert log.count == 0, log.summary()
+
+
+def test_grpo_step_on_episodes(model, tr):
+    """An RL step with multiturn: the learner's log-probs equal the sampler's on model
+    tokens (the gap metric reads the loss mask: observation tokens, whose sampler log-prob
+    is 0, would show), GRPO groups episodes, and the episode metrics are reported."""
+    state, m = tr.step(tr.init_state(jax.tree.map(jnp.copy, model[1])), source)
+    assert m["sampler_gap"] < 1e-5 and np.isfinite(m["loss"])
+    assert m["env/turns"] == 1.75 and m["env/rollout_turns"] == 3.0 and m["env/truncated"] == 0
+    assert m["reward_std"] > 0 and "env/tool_calls" in m and "env/env_s" in m
+
+
+def test_multiturn_refuses_what_it_cannot_train(model):
+    gd, _ = model
+    kw = dict(optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=4),
+              rl=RLConfig(steps=1, prompts_per_step=4), prompt_len=16,
+              multiturn=MultiTurnConfig(CountEnv, LIMITS))
+    with pytest.raises(ValueError, match="GAE over a loss mask"):
+        multiturn.check_multiturn_algorithm(algorithm_preset("ppo").resolve())
+    with pytest.raises(ValueError, match="pass reward_fns=None"):
+        RLTrainer(gd, TOK, lambda c, m: np.zeros(len(c)),
+                  algorithm=algorithm_preset("grpo", group_size=2), **kw)
+    with pytest.raises(ValueError, match="first observation has 20 tokens"):
+        mt = MultiTurnRollouts(gd, TOK, CountEnv, sampling=SamplingConfig(max_new_tokens=4),
+                               limits=LIMITS, prompt_len=16, group_size=1)
+        mt.sample(model[1], lambda s, n: (["1" * 20] * n, [{"turns": 1}] * n), 0, 2,
+                  jax.random.key(0))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pair(tmp_path_factory):
+    """The 2 x 4 pair (tests/_mp_multiturn.py), started with the module so that it runs
+    beside the 1 x 8 tests; `test_two_processes_equal_one` waits for it."""
+    root = tmp_path_factory.mktemp("mt_pair")
+    port, env = mp.free_port(), mp._env(4)
+    script = str(mp.REPO / "tests" / "_mp_multiturn.py")
+    procs = [subprocess.Popen([sys.executable, script, f"127.0.0.1:{port}", str(i),
+                               str(root / f"p{i}.npz")], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    yield root, procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def test_two_processes_equal_one(pair, mesh8):
+    """2 processes x 4 devices, each driving the environments of its own rows and
+    agreeing per turn through the named transfers only (any other is an error), sample
+    the same episodes as 1 x 8: ids, masks, log-probs, rewards and episode metrics."""
+    root, procs = pair
+    ref = run(mesh8)
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0])
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    got = [dict(np.load(root / f"p{i}.npz")) for i in range(2)]
+    assert [(int(g["lo"]), int(g["hi"])) for g in got] == [(0, 4), (4, 8)]
+    for k in ("prompt_BxP", "completion_BxT", "loss_mask_BxT", "rewards_B", "truncated_B"):
+        np.testing.assert_array_equal(np.concatenate([g[k] for g in got]), ref[k], err_msg=k)
+    np.testing.assert_allclose(np.concatenate([g["sampler_logp_BxT"] for g in got]),
+                               ref["sampler_logp_BxT"], atol=1e-6)
+    assert ref["loss_mask_BxT"].sum() < (ref["completion_BxT"] > 0).sum()  # observations
+    for g in got:
+        for k in ref:
+            if k.startswith("env:") and not k.endswith("_s"):  # env_s, tool_s: times
+                assert float(g[k.replace("/", "|")]) == ref[k], k
