@@ -123,6 +123,19 @@ def _env(devices: int) -> dict:
     return env
 
 
+def outputs(procs: list, timeout_s: float) -> list[str]:
+    """Each process's stdout (a pipe), waiting up to ``timeout_s`` for each; one still
+    running then is killed (a guard against a hung collective, not a speed assertion)."""
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout_s)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0])
+    return outs
+
+
 def write_width_data(folder: pathlib.Path, n: int = 24, long_at=(4, 5, 6, 7),
                      run_seed: int = 0) -> None:
     """train.jsonl / test.jsonl of sums, answers "short" / "long" (what

@@ -63,13 +63,7 @@ def test_sigterm_to_one_process_stops_every_process_at_one_warm_up_step(tmp_path
     procs = [subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{port}", str(i),
                                str(tmp_path / "run")], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            outs.append(p.communicate()[0])
+    outs = mp.outputs(procs, TIMEOUT_S)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     stops = [next((ln for ln in o.splitlines() if ln.startswith(("STOPPED", "NOT"))), o[-2000:])
              for o in outs]

@@ -187,13 +187,7 @@ def test_two_processes_equal_one(pair, mesh8):
     the same episodes as 1 x 8: ids, masks, log-probs, rewards and episode metrics."""
     root, procs = pair
     ref = run(mesh8)
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            outs.append(p.communicate()[0])
+    outs = mp.outputs(procs, TIMEOUT_S)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     got = [dict(np.load(root / f"p{i}.npz")) for i in range(2)]
     assert [(int(g["lo"]), int(g["hi"])) for g in got] == [(0, 4), (4, 8)]
