@@ -53,7 +53,9 @@ def trainer(gd, mesh=None, obs_multiple: int = 8):
     from rljax.train.multiturn import MultiTurnConfig
     from rljax.train.rl import RLTrainer
 
-    return RLTrainer(gd, TOK, None, algorithm=algorithm_preset("grpo", group_size=2),
+    # kl_coef 0: no reference forward in the learning program (a smaller compile)
+    return RLTrainer(gd, TOK, None, algorithm=algorithm_preset("grpo", group_size=2,
+                                                                 kl_coef=0.0),
                      optim=OptimConfig(lr=1e-3),
                      sampling=SamplingConfig(max_new_tokens=TURN_TOKENS),
                      rl=RLConfig(steps=1, prompts_per_step=4, logp_chunk=8), prompt_len=16,

@@ -1,7 +1,8 @@
 """Multi-turn rollouts (issue 43, rljax.train.multiturn): turns decoded from one KV cache,
 observations appended with loss mask 0, token in / token out, stop strings, fixed
-shapes (a new rollout compiles nothing), and learning on the result (the trainer's
-log-probs equal the sampler's on model tokens; GRPO over episodes; GAE refused)."""
+shapes (a new rollout compiles nothing), learning on the result (the trainer's log-probs
+equal the sampler's on model tokens; GRPO over episodes; GAE over observation gaps), and
+2 processes x 4 devices equal to 1 x 8."""
 
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import pytest
 import _multiprocess as mp
 from _mp_multiturn import (LIMITS, TOK, TURN_TOKENS, CountEnv, policy, replicated_key, run,
                            source, trainer)
+from rljax import objectives as obj
 from rljax.envs import EnvBatch
-from rljax.train import hosts, multiturn
+from rljax.train import hosts
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
 from rljax.train.learn.logprobs import policy_logprobs
 from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts, stop_sequences
@@ -60,7 +62,7 @@ def tr(model, mesh8):
 
 
 @pytest.fixture(scope="module")
-def rollout(model, tr):
+def rollout(pair, model, tr):  # the pair starts first and runs beside these tests
     key = replicated_key(0, tr.mesh)
     with pytest.MonkeyPatch.context() as patch, jax.transfer_guard("disallow_explicit"):
         spy = Spy(patch)
@@ -147,16 +149,44 @@ def test_grpo_step_on_episodes(model, tr):
     assert m["reward_std"] > 0 and "env/tool_calls" in m and "env/env_s" in m
 
 
+def test_gae_steps_over_observations():
+    """PPO on episodes: GAE's steps are the model's tokens, so on a loss mask with
+    observation gaps it equals GAE over the same tokens with the gaps removed (the value
+    and advantage of the next model token carry across a gap), and the episode's reward
+    lands on its last model token."""
+    rng = np.random.default_rng(0)
+    mask = np.array([[1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 0, 0],
+                     [1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0]], np.float32)
+    r, v = rng.standard_normal((2, 2, 12)).astype(np.float32)
+    v_junk = np.where(mask > 0, v, np.nan)  # what observation positions hold is ignored
+    gae = jax.jit(lambda r, v, m: obj.gae(r, v, m, gamma=0.9, lam=0.8))  # one program
+    adv, ret = (np.asarray(x) for x in gae(r, v_junk, mask))
+    # The same tokens without the gaps, right-padded (one shape: one compiled scan).
+    packed = [np.zeros((2, 12), np.float32) for _ in range(3)]
+    for i in range(2):
+        keep = mask[i] > 0
+        for dst, src in zip(packed, (r[i], v[i], mask[i])):
+            dst[i, :keep.sum()] = src[keep]
+    adv1, ret1 = (np.asarray(x) for x in gae(*packed))
+    for i in range(2):
+        keep, n = mask[i] > 0, int(mask[i].sum())
+        np.testing.assert_allclose(adv[i, keep], adv1[i, :n], rtol=1e-6)
+        np.testing.assert_allclose(ret[i, keep], ret1[i, :n], rtol=1e-6)
+        assert not adv[i, ~keep].any() and np.isfinite(adv).all()
+    final = np.asarray(jax.jit(obj.final_token_rewards)(np.float32([2.0, 3.0]), mask))
+    assert final[0, 9] == 2.0 and final[1, 6] == 3.0 and np.count_nonzero(final) == 2
+
+
 def test_multiturn_refuses_what_it_cannot_train(model):
     gd, _ = model
     kw = dict(optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=4),
               rl=RLConfig(steps=1, prompts_per_step=4), prompt_len=16,
               multiturn=MultiTurnConfig(CountEnv, LIMITS))
-    with pytest.raises(ValueError, match="GAE over a loss mask"):
-        multiturn.check_multiturn_algorithm(algorithm_preset("ppo").resolve())
     with pytest.raises(ValueError, match="pass reward_fns=None"):
         RLTrainer(gd, TOK, lambda c, m: np.zeros(len(c)),
                   algorithm=algorithm_preset("grpo", group_size=2), **kw)
+    with pytest.raises(ValueError, match="dynamic sampling is not supported with multiturn"):
+        RLTrainer(gd, TOK, None, algorithm=algorithm_preset("dapo", group_size=2), **kw)
     with pytest.raises(ValueError, match="first observation has 20 tokens"):
         mt = MultiTurnRollouts(gd, TOK, CountEnv, sampling=SamplingConfig(max_new_tokens=4),
                                limits=LIMITS, prompt_len=16, group_size=1)
@@ -164,7 +194,7 @@ def test_multiturn_refuses_what_it_cannot_train(model):
                   jax.random.key(0))
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """The 2 x 4 pair (tests/_mp_multiturn.py), started with the module so that it runs
     beside the 1 x 8 tests; `test_two_processes_equal_one` waits for it."""

@@ -125,19 +125,24 @@ def whiten(x: Array, mask: Array | None = None, *, shift_mean: bool = True, eps:
 def gae(
     rewards: Array, values: Array, mask: Array, *, gamma: float, lam: float
 ) -> tuple[Array, Array]:
-    """Generalised advantage estimation over right-padded sequences.
+    """Generalised advantage estimation over masked sequences.
 
     Schulman et al. 2016, arXiv:1506.02438 §3 (Eqs. 11-16):
       delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},
     with V_{t+1} = 0 and A_{t+1} = 0 after a sequence's last real token (the episode ends
     there). Returns are the value targets R_t = A_t + V_t (the lambda-return).
 
+    The steps are the real tokens: ``t + 1`` is the next real token, so a gap of masked
+    tokens inside a sequence (a multi-turn rollout's observations, loss mask 0) is
+    skipped, and the result on the real tokens equals GAE over the sequence with the
+    gaps removed. A right-padded mask (ones then zeros) is the usual case.
+
     Args:
       rewards: `[B, T]` per-token rewards (usually the score on the last real token, minus
         a per-token KL penalty; see `kl_penalized_rewards`).
       values: `[B, T]` value predictions V_t. Whatever masked positions hold (junk, NaN) is
         ignored.
-      mask: `[B, T]` 0/1, right-padded (ones then zeros).
+      mask: `[B, T]` 0/1: the real tokens (right padding and gaps are 0).
       gamma, lam: discount and GAE lambda (floats or traced scalars).
 
     Returns:
@@ -149,15 +154,17 @@ def gae(
     m_BxT = jnp.asarray(mask, jnp.float32) > 0
     r_BxT = jnp.where(m_BxT, jnp.asarray(rewards, jnp.float32), 0.0)
     v_BxT = jnp.where(m_BxT, jnp.asarray(values, jnp.float32), 0.0)
-    v_next_BxT = jnp.concatenate([v_BxT[:, 1:], jnp.zeros_like(v_BxT[:, :1])], axis=1)
-    delta_BxT = r_BxT + gamma * v_next_BxT - v_BxT
 
-    def step(adv_next_B, inputs):
-        delta_B, m_B = inputs
-        adv_B = jnp.where(m_B, delta_B + gamma * lam * adv_next_B, 0.0)
-        return adv_B, adv_B
+    def step(carry, inputs):
+        v_next_B, adv_next_B = carry  # of the next real token (0 after the last)
+        r_B, v_B, m_B = inputs
+        adv_B = r_B + gamma * v_next_B - v_B + gamma * lam * adv_next_B
+        carry = (jnp.where(m_B, v_B, v_next_B), jnp.where(m_B, adv_B, adv_next_B))
+        return carry, jnp.where(m_B, adv_B, 0.0)
 
-    _, adv_TxB = jax.lax.scan(step, jnp.zeros_like(r_BxT[:, 0]), (delta_BxT.T, m_BxT.T), reverse=True)
+    zeros_B = jnp.zeros_like(r_BxT[:, 0])
+    _, adv_TxB = jax.lax.scan(step, (zeros_B, zeros_B), (r_BxT.T, v_BxT.T, m_BxT.T),
+                             reverse=True)
     adv_BxT = adv_TxB.T
     return adv_BxT, jnp.where(m_BxT, adv_BxT + v_BxT, 0.0)
 
@@ -165,13 +172,15 @@ def gae(
 def final_token_rewards(rewards_B: Array, mask_BxT: Array) -> Array:
     """Place each sequence's scalar reward on its last real token: `[B]` -> `[B, T]`.
 
-    For right-padded masks; a fully masked row gets no reward.
+    The last position where the mask is 1 (right padding or gaps before it allowed); a
+    fully masked row gets no reward.
     """
     check_ndim("rewards_B", rewards_B, 1, "[B]")
     check_ndim("mask_BxT", mask_BxT, 2, "[B, T]")
     if rewards_B.shape[0] != mask_BxT.shape[0]:
         raise ValueError(f"rewards_B has {rewards_B.shape[0]} rows but mask_BxT has {mask_BxT.shape[0]}")
     m_BxT = jnp.asarray(mask_BxT, jnp.float32) > 0
-    length_B = m_BxT.sum(axis=1)
-    last_BxT = jnp.arange(m_BxT.shape[1])[None, :] == (length_B - 1)[:, None]
+    t_BxT = jnp.broadcast_to(jnp.arange(m_BxT.shape[1])[None, :], m_BxT.shape)
+    last_B = jnp.max(jnp.where(m_BxT, t_BxT, -1), axis=1)
+    last_BxT = t_BxT == last_B[:, None]
     return jnp.where(last_BxT & m_BxT, jnp.asarray(rewards_B, jnp.float32)[:, None], 0.0)

@@ -36,6 +36,7 @@ import numpy as np
 
 from rljax.envs import EnvBatch, EnvLimits
 from rljax.envs.protocol import _check_mode
+from rljax.models.layers import cast_matmul_weights, compute_dtype
 from rljax.sampling.generate import config_of
 from rljax.sampling.head import cached_vocab_major_weight
 from rljax.sampling.ops import SamplingParams
@@ -49,8 +50,7 @@ from rljax.train.batching import encode_text, pad_left, special_ids, stop_ids
 from rljax.train.config import SamplingConfig
 from rljax.train.rollout import PromptSource, Rollout, to_rollout
 
-__all__ = ["MultiTurnConfig", "MultiTurnRollouts", "MultiTurnOutput", "stop_sequences",
-           "check_multiturn_algorithm"]
+__all__ = ["MultiTurnConfig", "MultiTurnRollouts", "MultiTurnOutput", "stop_sequences"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,18 +85,6 @@ def stop_sequences(tokenizer: Any, stop_strings) -> tuple[tuple[int, ...], ...]:
             raise ValueError(f"stop string {s!r} encodes to no tokens")
         out.append(ids)
     return tuple(dict.fromkeys(out))
-
-
-def check_multiturn_algorithm(algorithm) -> None:
-    """Multi-turn rollouts train on model tokens separated by observation tokens (loss
-    mask 0). Sequence-level advantages (GRPO, RLOO, REINFORCE, ...) broadcast over the
-    mask and are correct; GAE (PPO) would end the episode at every observation (its
-    value bootstrap and its recursion stop at mask 0), so it is refused."""
-    if getattr(algorithm, "needs_value_model", False):
-        raise ValueError("multi-turn rollouts: advantage_estimator='gae' (PPO) is not "
-                         "supported: GAE over a loss mask with observation gaps would cut "
-                         "the episode at every tool response; use a sequence-level "
-                         "estimator ('group', 'rloo', 'reinforce')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,9 +227,11 @@ class MultiTurnRollouts:
         spec = self.spec(tok_BxP.shape[1], greedy)
         glob = functools.partial(hosts.to_global, n_rows=b, mesh=self.mesh)
         mesh = _mesh_of(params) if self.mesh is None else self.mesh
+        config = config_of(self.gd, params)
+        params = cast_matmul_weights(params, compute_dtype(config))  # as the sampler's run
         with jax.transfer_guard("allow"):  # the inference copy of the weights (no host data)
             params, _ = inference_layout(params, None, mesh, place=jax.device_put)
-        head = cached_vocab_major_weight(params, config_of(self.gd, params))
+        head = cached_vocab_major_weight(params, config)
         prog = (self.gd, spec, mesh, params, head)
         turns = 0
         with mesh_context(mesh):

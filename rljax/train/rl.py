@@ -43,8 +43,7 @@ from rljax.train.programs.fused import split_step_key
 from rljax.train.programs.paths import resolve_paths
 from rljax.train.programs.step import (StepSpec, fused_step, learn_fn, learn_step, optimizers,
                                        run, schedule_updates, state_scalars)
-from rljax.train.multiturn import (MultiTurnConfig, MultiTurnRollouts,
-                                   check_multiturn_algorithm)
+from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts
 from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_groups
 
 __all__ = ["PromptSource", "RLTrainer", "rl_loss"]
@@ -106,8 +105,8 @@ def _check_multiturn(multiturn, reward_fns, algorithm) -> None:
         raise ValueError("RLTrainer: with multiturn the environments' episode returns are "
                          "the rewards; pass reward_fns=None")
     if algorithm.dynamic_sampling:
-        raise ValueError("RLTrainer: dynamic sampling is not supported with multiturn")
-    check_multiturn_algorithm(algorithm)
+        raise ValueError("RLTrainer: dynamic sampling is not supported with multiturn (its "
+                         "refill rounds are single-turn rollouts)")
 
 
 class RLTrainer:
@@ -136,7 +135,7 @@ class RLTrainer:
       multiturn: a ``rljax.train.multiturn.MultiTurnConfig``: episodes with an
         environment per row (``rljax.train.multiturn.MultiTurnRollouts``; observation
         tokens get loss mask 0); the episode return is the reward, so ``reward_fns``
-        must be None. Not with a device reward, dynamic sampling or GAE (PPO).
+        must be None. Not with dynamic sampling.
       teacher: ``(graphdef, params)`` of a frozen teacher decoder that shares the
         tokenizer (``algorithm.needs_teacher`` only, and required there; see
         ``rljax.run.teacher.load_teacher``): its log-probs are computed inside the
