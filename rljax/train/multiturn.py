@@ -245,6 +245,9 @@ class MultiTurnRollouts:
                                                                glob(obs_len)))
                 if all_done:
                     break
+                if turns >= self.limits.max_turns:  # EnvBatch ends every row by then
+                    raise RuntimeError(f"multi-turn rollout: rows still going after "
+                                       f"max_turns={self.limits.max_turns} turns")
                 w = min(bucket_length(max(widest, 1), self.obs_multiple), self.obs_width)
                 obs, _ = pad_left([x or [self.pad_id] for x in out.observation_ids], w,
                                   self.pad_id, "observation")
