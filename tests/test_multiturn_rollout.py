@@ -16,7 +16,8 @@ import _multiprocess as mp
 from _mp_multiturn import (LIMITS, TOK, TURN_TOKENS, CountEnv, policy, replicated_key, run,
                            source, trainer)
 from rljax import objectives as obj
-from rljax.envs import EnvBatch
+from rljax.envs import Calculator, EnvBatch, StepResult, ToolCall, ToolRegistry
+from rljax.rewards import RewardPool
 from rljax.train import hosts
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
 from rljax.train.learn.logprobs import policy_logprobs
@@ -137,6 +138,45 @@ def test_a_new_rollout_compiles_nothing(rollout, model):
     assert not np.array_equal(np.asarray(out.rollout.completion_BxT),
                               np.asarray(first.rollout.completion_BxT))
     assert log.count == 0, log.summary()
+
+
+class CalcEnv(CountEnv):
+    """CountEnv whose every turn calls the calculator (12*3) and a tool that does not
+    exist, whatever the model wrote; the observation is "ab" and the results."""
+
+    tools = ToolRegistry([Calculator()])
+
+    def tool_calls(self, model_text):
+        return [ToolCall("calculator", {"expression": "12*3"}), ToolCall("nope", {})]
+
+    def step(self, model_text, tool_results=()):
+        self.t += 1
+        if self.t >= self.k:
+            return StepResult("", 0.0, True)
+        return StepResult("ab" + "".join(r.content for r in tool_results if r.ok), 0.5)
+
+
+def test_tools_run_in_the_pool_during_a_rollout(model, tr, rollout):
+    """A tool environment's calls run in the reward pool between turns; the calls, their
+    errors and their results reach the metrics and the completion, with the same
+    programs as before (nothing compiles)."""
+    mt, key = tr.multiturn, replicated_key(2, tr.mesh)
+    with RewardPool(workers=1) as pool, CompileLog() as log:
+        tools = MultiTurnRollouts(mt.gd, TOK, CalcEnv, sampling=mt.sampling, limits=LIMITS,
+                                  prompt_len=16, group_size=2, mesh=mt.mesh, pool=pool,
+                                  obs_multiple=mt.obs_multiple)
+        out = tools.sample(model[1], source, 0, 4, key)
+    assert log.count == 0, log.summary()
+    turns = np.array([i["turns"] for i in out.info])
+    assert turns.tolist() == [1, 1, 2, 2, 3, 3, 1, 1]
+    m = out.metrics
+    assert m["env/tool_calls"] == 2 * turns.mean() and m["env/tool_errors"] == turns.mean()
+    assert m["env/tool_s"] > 0
+    comp, cmask, lmask = (np.asarray(x) for x in (out.rollout.completion_BxT,
+                                                  out.rollout.completion_mask_BxT,
+                                                  out.rollout.loss_mask_BxT))
+    for row, cm, lm, t in zip(comp, cmask, lmask, turns):  # the results, after each turn
+        assert row[(cm > 0) & (lm == 0)].tolist() == TOK.encode("ab36") * int(t - 1), row
 
 
 def test_grpo_step_on_episodes(model, tr):
