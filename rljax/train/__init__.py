@@ -8,6 +8,9 @@ The trainer core (Python API first):
   `ALGORITHMS` (grpo, dr_grpo, dapo, gspo, rloo, reinforce, ppo with its value model and
   KL in the reward, cispo, sapo, gmpo, clip_cov, kl_cov, distill; each one's settings in
   docs/reference.md);
+- `MultiTurnConfig` (`RLTrainer(..., multiturn=...)`) and `MultiTurnRollouts`: episodes
+  with an environment per row (`rljax.envs`), observations in the completion with loss
+  mask 0 (docs/environments.md);
 - `SFTTrainer`: masked next-token loss on completions;
 - `TrainState` (everything a checkpoint holds) and `Learner`, the jitted, sharded, donated
   update with exact micro-batch accumulation and non-finite skipping;
@@ -32,13 +35,14 @@ from rljax.train.learn.logprobs import chunked_logprobs, completion_hidden, poli
 from rljax.train.learn.ppo import AdaptiveKLController, ppo_advantages, value_predictions
 from rljax.train.learn.update import (Learner, NonFiniteError, TrainState, accumulate,
                                       make_optimizer, make_schedule, make_update, new_train_state)
+from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts
 from rljax.train.rl import RLTrainer, rl_loss
 from rljax.train.rollout import Rollout, Rollouts
 from rljax.train.sft import SFTTrainer, sft_loss
 
 __all__ = [
     "ALGORITHMS", "AdaptiveKLController", "AlgorithmConfig", "Checkpointer", "Learner",
-    "NonFiniteError", "OptimConfig", "RLConfig", "RLTrainer", "Rollout", "Rollouts",
+    "MultiTurnConfig", "MultiTurnRollouts", "NonFiniteError", "OptimConfig", "RLConfig", "RLTrainer", "Rollout", "Rollouts",
     "SFTConfig", "SFTTrainer", "SamplingConfig", "TrainState", "abstract_like",
     "accumulate", "algorithm_preset", "chunked_logprobs", "completion_hidden",
     "decode_completions", "encode_pairs", "encode_prompts", "make_coef", "make_objective",
