@@ -227,11 +227,22 @@ def test_multiturn_refuses_what_it_cannot_train(model):
                   algorithm=algorithm_preset("grpo", group_size=2), **kw)
     with pytest.raises(ValueError, match="dynamic sampling is not supported with multiturn"):
         RLTrainer(gd, TOK, None, algorithm=algorithm_preset("dapo", group_size=2), **kw)
-    with pytest.raises(ValueError, match="first observation has 20 tokens"):
-        mt = MultiTurnRollouts(gd, TOK, CountEnv, sampling=SamplingConfig(max_new_tokens=4),
+    def sample(make_env, prompt):
+        mt = MultiTurnRollouts(gd, TOK, make_env, sampling=SamplingConfig(max_new_tokens=4),
                                limits=LIMITS, prompt_len=16, group_size=1)
-        mt.sample(model[1], lambda s, n: (["1" * 20] * n, [{"turns": 1}] * n), 0, 2,
+        mt.sample(model[1], lambda s, n: ([prompt] * n, [{"turns": 3}] * n), 0, 2,
                   jax.random.key(0))
+
+    with pytest.raises(ValueError, match="first observation has 20 tokens"):
+        sample(CountEnv, "1" * 20)
+
+    class MoreStops(CountEnv):  # a stop string chosen per episode, unknown to the programs
+        def reset(self, metadata):
+            self.stop_strings = ("=", "**", "0" * int(metadata["turns"]))
+            return super().reset(metadata)
+
+    with pytest.raises(ValueError, match=r"stop strings \['000'\] that a fresh make_env"):
+        sample(MoreStops, "1+1=")
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,8 @@ class MultiTurnRollouts:
         self.prompt_multiple, self.obs_multiple = prompt_multiple, obs_multiple
         self.pad_id, self.eos_id = special_ids(tokenizer)
         self.stop_ids = stop_ids(tokenizer)
-        self.stop_seqs = stop_sequences(tokenizer, getattr(make_env(), "stop_strings", ()))
+        self.stop_strings = tuple(getattr(make_env(), "stop_strings", ()))
+        self.stop_seqs = stop_sequences(tokenizer, self.stop_strings)
         self.obs_width = bucket_length(limits.max_obs_tokens, obs_multiple)
         self.num_params = 0
 
@@ -219,6 +220,11 @@ class MultiTurnRollouts:
         envs = EnvBatch(self.make_env, functools.partial(encode_text, self.tok), self.limits,
                         pool=self.pool)
         first = envs.reset(rows)
+        extra = [x for x in envs.stop_strings if x not in self.stop_strings]
+        if extra:  # the programs' stop sequences are static, read from a probe environment
+            raise ValueError(f"rows' environments have stop strings {extra} that a fresh "
+                             f"make_env() does not (it has {list(self.stop_strings)}); give "
+                             "every environment the same stop_strings")
         if first.done_B.any():
             raise ValueError(f"rows {[lo + i for i in np.flatnonzero(first.done_B)]}: the first "
                              f"observation is over limits.max_total_tokens="
