@@ -3,9 +3,10 @@ and the run it compares across topologies.
 
 `run(mesh)` builds a tiny policy on `mesh` and samples one multi-turn rollout with
 `RLTrainer(multiturn=...)`'s rollouts (this process's rows of its prompt, completion,
-loss mask, log-probs and rewards, and the episode metrics). Run as a script it is one process of a 2 x 4 pair:
-`python _mp_multiturn.py HOST:PORT PROCESS_ID OUT.npz` (4 CPU devices from XLA_FLAGS,
-gloo collectives); the test runs the same `run` on 1 x 8 in its own process.
+loss mask, log-probs and rewards, and the episode metrics). Run as a script it is one
+process of a 2 x 4 pair: `python _mp_multiturn.py HOST:PORT PROCESS_ID OUT.npz` (4 CPU
+devices from XLA_FLAGS, gloo collectives); the test runs the same `run` on 1 x 8 in its
+own process.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from _train_common import CharTok, tiny_model

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Any, Callable
 
 import jax
