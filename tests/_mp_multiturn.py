@@ -27,8 +27,9 @@ PROMPTS = ["12+3=", "4*5=", "99-1=", "7=", "1+1=", "31*2=", "8-3=", "5="]
 
 class CountEnv:
     """`metadata["turns"]` model turns; after turn t the observation is "ab" repeated
-    t + turns times (6..10 tokens); reward 0.5 per turn and, at the end, 1.0 if the
-    last turn's text holds a digit. A turn ends at "=" or at "**" (two tokens)."""
+    t + turns - 1 times (4..10 tokens: turn 1's widest fits the 8 bucket, turn 2's the
+    16); reward 0.5 per turn and, at the end, 1.0 if the last turn's text holds a digit.
+    A turn ends at "=" or at "**" (two tokens)."""
 
     stop_strings = ("=", "**")
 
@@ -40,12 +41,13 @@ class CountEnv:
         self.t += 1
         if self.t >= self.k:
             return StepResult("", float(any(c.isdigit() for c in model_text)), True)
-        return StepResult("ab" * (self.t + self.k), 0.5, False)
+        return StepResult("ab" * (self.t + self.k - 1), 0.5, False)
 
 
 def source(start, n):
     idx = [(start + i) % len(PROMPTS) for i in range(n)]
-    return [PROMPTS[i] for i in idx], [{"turns": 1 + i % 3} for i in idx]
+    # 4 turns outlast EnvLimits.max_turns = 3: those rows end truncated ("max_turns")
+    return [PROMPTS[i] for i in idx], [{"turns": 1 + i % 4} for i in idx]
 
 
 def trainer(gd, mesh=None, obs_multiple: int = 8):

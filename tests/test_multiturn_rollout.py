@@ -97,9 +97,14 @@ def test_token_in_token_out(rollout):
         assert lmask[i, :n].tolist() == loss and not lmask[i, n:].any(), i
         assert (slogp[i][lmask[i] == 0] == 0).all() and (slogp[i][lmask[i] > 0] < 0).all()
         assert out.info[i]["turns"] == sum(int(t[1][i] > 0) for t in spy.turns)
-    assert sorted({len(o) for obs in spy.obs for o in obs}) == [0, 6, 8, 10]  # buckets 8, 16
+    assert sorted({len(o) for obs in spy.obs for o in obs}) == [0, 4, 6, 8, 10]  # 8, 16
     turns = [i["turns"] for i in out.info]
-    assert turns == [1, 1, 2, 2, 3, 3, 1, 1] and out.metrics["env/turns"] == np.mean(turns)
+    assert turns == [1, 1, 2, 2, 3, 3, 3, 3] and out.metrics["env/turns"] == np.mean(turns)
+    # The environments' token counts are the rollout's: prompt + completion, per row.
+    lengths = np.asarray(ro.prompt_mask_BxP).sum(1) + cmask.sum(1)
+    assert [i["tokens"] for i in out.info] == lengths.astype(int).tolist()
+    assert [i["truncated"] for i in out.info] == [None] * 6 + ["max_turns"] * 2
+    assert np.asarray(ro.truncated_B).tolist() == [0] * 6 + [1] * 2
     # The reward is the episode return (per turn: 0.5, then the final turn's score).
     np.testing.assert_allclose(np.asarray(ro.rewards_B), [sum(r) for r in out.turn_rewards])
     assert [len(r) for r in out.turn_rewards] == turns
@@ -168,7 +173,7 @@ def test_tools_run_in_the_pool_during_a_rollout(model, tr, rollout):
         out = tools.sample(model[1], source, 0, 4, key)
     assert log.count == 0, log.summary()
     turns = np.array([i["turns"] for i in out.info])
-    assert turns.tolist() == [1, 1, 2, 2, 3, 3, 1, 1]
+    assert turns.tolist() == [1, 1, 2, 2, 3, 3, 3, 3]
     m = out.metrics
     assert m["env/tool_calls"] == 2 * turns.mean() and m["env/tool_errors"] == turns.mean()
     assert m["env/tool_s"] > 0
@@ -185,7 +190,8 @@ def test_grpo_step_on_episodes(model, tr):
     is 0, would show), GRPO groups episodes, and the episode metrics are reported."""
     state, m = tr.step(tr.init_state(jax.tree.map(jnp.copy, model[1])), source)
     assert m["sampler_gap"] < 1e-5 and np.isfinite(m["loss"])
-    assert m["env/turns"] == 1.75 and m["env/rollout_turns"] == 3.0 and m["env/truncated"] == 0
+    assert m["env/turns"] == 2.25 and m["env/rollout_turns"] == 3.0
+    assert m["env/truncated"] == 0.25 and m["truncation_rate"] == 0.25
     assert m["reward_std"] > 0 and "env/tool_calls" in m and "env/env_s" in m
 
 
