@@ -11,7 +11,7 @@ and answered in `<tool_response>` blocks. `Calculator` is a safe arithmetic tool
 Host-side plain Python + numpy: imports `rljax.rewards` and `rljax.data`, never JAX.
 """
 
-from rljax.envs.arithmetic import ArithmeticToolEnv, arithmetic_tool_rows
+from rljax.envs.arithmetic import ArithmeticToolEnv, arithmetic_tool_rows, tool_use_trace
 from rljax.envs.batch import TRUNCATIONS, BatchStep, EnvBatch, EnvError
 from rljax.envs.calculator import Calculator, CalculatorError, calculate
 from rljax.envs.parse import (ParsedCall, ToolCall, ToolCallError, ToolFormat,
@@ -28,4 +28,5 @@ __all__ = [
     "Tool", "ToolRegistry", "ToolResult", "ERROR_KINDS", "run_tool_calls",
     "format_tool_results", "truncate_text",
     "Calculator", "CalculatorError", "calculate", "ArithmeticToolEnv", "arithmetic_tool_rows",
+    "tool_use_trace",
 ]
