@@ -424,6 +424,10 @@ def test_tool_use_trace_is_an_episode_the_environment_scores_correct():
         tool_use_trace({"prompt": "twelve times three=", "answer": "36"})
     with pytest.raises(ValueError, match="offers no calculator"):
         tool_use_trace(row, ArithmeticToolEnv(tools=ToolRegistry()))
+    short = ArithmeticToolEnv(instruction="{question}\n")
+    assert tool_use_trace(row, short)[0] == row["prompt"][:-1] + ".\n"
+    with pytest.raises(ValueError, match="with {question}"):
+        ArithmeticToolEnv(instruction="Solve it.")
 
 
 def test_encode_traces_masks_observations_and_sft_trains_only_the_model_turns():

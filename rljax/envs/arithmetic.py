@@ -42,13 +42,20 @@ class ArithmeticToolEnv(ToolEnv):
         error).
       tool_format: the call and response tags.
       answer: the answer tags (`rljax.rewards.TagFormat`'s `answer_open`/`answer_close`).
+      instruction: the prompt, a `str.format` template of `{question}` (default
+        `INSTRUCTION`, which shows the call format; a model warmed up on traces may need
+        only `"{question}\n"`).
 
     Metadata per row: `prompt` (the question, e.g. `"123*456="` or a word problem) and
     `answer` (the integer as text), as `ArithmeticProblem.to_record()` gives.
     """
 
     def __init__(self, tools: ToolRegistry | None = None, tool_format: ToolFormat = ToolFormat(),
-                 answer: TagFormat = TagFormat()):
+                 answer: TagFormat = TagFormat(), instruction: str = INSTRUCTION):
+        if not isinstance(instruction, str) or "{question}" not in instruction:
+            raise ValueError(f"ArithmeticToolEnv: instruction must be a str.format template "
+                             f"with {{question}}, got {instruction!r}")
+        self.instruction = instruction
         self.tools = ToolRegistry([Calculator()]) if tools is None else tools
         self.tool_format, self.answer_format = tool_format, answer
         self.answer: str | None = None
@@ -66,7 +73,7 @@ class ArithmeticToolEnv(ToolEnv):
                                f"{sorted(metadata)})")
         self.answer = str(metadata["answer"])
         question = str(metadata["prompt"]).rstrip("= ").strip()
-        return INSTRUCTION.format(question=question + ("" if question.endswith("?") else "."))
+        return self.instruction.format(question=question + ("" if question.endswith("?") else "."))
 
     def step(self, model_text: str, tool_results: Sequence[ToolResult] = ()) -> StepResult:
         """An answer ends the episode (reward 1.0 if correct); otherwise the tool
