@@ -15,14 +15,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from rljax.envs import (ArithmeticToolEnv, Calculator, ChatRenderer, ChatTemplateError,
-                        EnvBatch, ToolCall, ToolRegistry, observation_messages,
-                        parse_tool_calls)
+                        EnvBatch, ToolCall, ToolCallError, ToolFormat, ToolRegistry,
+                        observation_messages, parse_response_tool_calls, parse_tool_calls)
 from rljax.envs.tools import ToolResult
 
 __all__ = ["tool_tok", "test_tool_episode_is_token_exact_with_apply_chat_template",
            "test_template_that_drops_reasoning_keeps_the_sampled_ids",
            "test_env_batch_renders_prompts_and_tool_results_with_the_template",
-           "test_observation_messages_and_clear_errors"]
+           "test_observation_messages_and_clear_errors",
+           "test_calls_read_by_the_tokenizers_response_parser"]
 
 _BODY = r"""
 {%- if messages[0].role == 'system' %}{%- set sys = messages[0].content %}
@@ -244,3 +245,48 @@ def test_observation_messages_and_clear_errors(tool_tok):
         ChatRenderer(strict).next_turn(ChatRenderer(strict).start("hi"), [5], [tool_msg("1")])
     with pytest.raises(TypeError, match="ChatRenderer"):
         EnvBatch(ArithmeticToolEnv, None, chat=tool_tok)
+
+
+# transformers' response templates (tokenizer.response_template): the Hermes / Qwen tags
+# of TOOL_TEMPLATE, and a Mistral-style `[TOOL_CALLS]` JSON list
+HERMES_RESPONSE = {"start_anchor": "<|im_start|>assistant\n", "fields": {
+    "content": {"close": "<|im_end|>"},
+    "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json",
+                   "repeats": True, "transform": {"type": "function", "function": "{content}"}}}}
+LIST_RESPONSE = {"start_anchor": "<|im_start|>assistant\n", "fields": {
+    "content": {},
+    "tool_calls": {"open": "[TOOL_CALLS]", "content": "json", "transform_each": True,
+                   "transform": {"type": "function", "function": {
+                       "name": "{name}", "arguments": "{arguments}"}}}}}
+
+
+def test_calls_read_by_the_tokenizers_response_parser():
+    tok = build_tokenizer(TOOL_TEMPLATE)
+    with pytest.raises(ValueError, match="no response_template"):
+        parse_response_tool_calls(tok, "hi")
+    tok.response_template = HERMES_RESPONSE
+    text = "Let me.\n" + call_text("12*34") + "\n" + call_text("5+1") + "<|im_end|>"
+    assert parse_response_tool_calls(tok, text) == parse_tool_calls(text) == [
+        ToolCall("calculator", {"expression": "12*34"}),
+        ToolCall("calculator", {"expression": "5+1"})]
+    env = ArithmeticToolEnv()
+    env.response_parser = tok
+    assert env.tool_calls(text) == parse_tool_calls(text)
+    tok.response_template = LIST_RESPONSE
+    calls = json.dumps([{"name": "calculator", "arguments": {"expression": "2*3"}},
+                        {"name": "bad name", "arguments": {}},
+                        {"name": "calculator", "arguments": {"expression": "1"}}])
+    got = parse_response_tool_calls(tok, "Sure. [TOOL_CALLS]" + calls, ToolFormat(max_calls=2))
+    assert got[0] == ToolCall("calculator", {"expression": "2*3"})
+    assert "name" in got[1].message and "1 more tool calls" in got[2].message
+    assert parse_tool_calls("[TOOL_CALLS]" + calls) == []  # the tag format does not read it
+    for body, message in [('[{"name": "c", "arguments": {"e": NaN}}]', "not JSON"),
+                          ('[{"name": "c", "arguments": ' + "[" * 40 + "]" * 40 + "}]", "deeper"),
+                          ('[{"name": "c", "arguments": "' + "y" * 5000 + '"}]',
+                           "characters long"),
+                          ("[{broken", "could not be read")]:
+        (err,) = parse_response_tool_calls(tok, "[TOOL_CALLS]" + body)
+        assert isinstance(err, ToolCallError) and message in err.message, (body[:40], err)
+    for hostile in ["no calls", "", "[TOOL_CALLS]", "[TOOL_CALLS]" * 1000, "\x00\ud800]["]:
+        assert all(isinstance(c, ToolCallError) for c in parse_response_tool_calls(tok, hostile))
+    assert parse_response_tool_calls(tok, None) == []
