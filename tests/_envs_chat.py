@@ -10,6 +10,7 @@ later user message loses its `<think>...</think>` block: not prefix-stable."""
 import json
 import re
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -205,7 +206,7 @@ def test_env_batch_renders_prompts_and_tool_results_with_the_template(tool_tok, 
     assert first.observation_ids == [hf_ids(tool_tok, h) for h in hf]
     texts = [call_text("12*34"), "<answer>7</answer>"]
     ids = [r.encode(t) + [tool_tok.eos_token_id] for t in texts]
-    out = envs.step(texts, model_ids=ids)
+    out = envs.step(texts, model_ids=[np.asarray(x, np.int32) for x in ids])  # as drawn
     assert out.done_B.tolist() == [False, True]
     assert envs.trajectory(1).ids == first.observation_ids[1]  # its last turn ended it
     hf[0] += [as_hf_assistant(texts[0]), tool_msg("408")]

@@ -180,7 +180,8 @@ class ChatRenderer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`, special tokens kept."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None
                = None, *, add_generation_prompt: bool = True) -> str:
