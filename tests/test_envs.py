@@ -22,6 +22,7 @@ from rljax.envs import (ArithmeticToolEnv, Calculator, CalculatorError, EnvBatch
                         ToolResult, format_tool_results, parse_tool_calls, returns_to_go,
                         run_tool_calls, tool_use_trace)
 from rljax.rewards import RewardPool
+from _envs_chat import *  # noqa: F401,F403  (chat-template tests: tests/_envs_chat.py)
 
 
 def encode(text):
