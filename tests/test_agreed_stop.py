@@ -44,7 +44,7 @@ SCRIPT = textwrap.dedent('''
         warm = WarmupStop(RunDir(), stop, False, sys.stdout)
         try:
             for step in range(1, 31):
-                time.sleep(0.3)  # a warm-up step
+                time.sleep(0.15)  # a warm-up step
                 if jax.process_index() == 1 and step == 2:
                     os.kill(os.getpid(), signal.SIGTERM)
                 warm.after(step, state, {"k": step}, Held())

@@ -21,6 +21,8 @@ from rljax.envs import (ArithmeticToolEnv, Calculator, CalculatorError, EnvBatch
                         ToolRegistry, arithmetic_tool_rows, calculate, episode_return,
                         format_tool_results, parse_tool_calls, returns_to_go, run_tool_calls)
 from rljax.rewards import RewardPool
+from _envs_chat import *  # noqa: F401,F403  (chat templates)
+from _envs_traces import *  # noqa: F401,F403  (SFT on tool-use traces)
 
 
 def encode(text):

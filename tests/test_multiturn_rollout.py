@@ -2,7 +2,8 @@
 observations appended with loss mask 0, token in / token out, stop strings, fixed
 shapes (a new rollout compiles nothing), learning on the result (the trainer's log-probs
 equal the sampler's on model tokens; GRPO over episodes; GAE over observation gaps), and
-2 processes x 4 devices equal to 1 x 8."""
+a chat template's rendering (the trajectory's ids are the rollout's), and 2 processes x
+4 devices equal to 1 x 8."""
 
 import subprocess
 import sys
@@ -13,10 +14,13 @@ import numpy as np
 import pytest
 
 import _multiprocess as mp
-from _mp_multiturn import (LIMITS, TOK, TURN_TOKENS, CountEnv, policy, replicated_key, run,
-                           source, trainer)
+from _envs_chat import TOOL_TEMPLATE, build_tokenizer
+from _mp_multiturn import (LIMITS, PROMPTS, TOK, TURN_TOKENS, CountEnv, policy,
+                           replicated_key, run, source, trainer)
+from _train_common import tiny_model
 from rljax import objectives as obj
-from rljax.envs import Calculator, EnvBatch, StepResult, ToolCall, ToolRegistry
+from rljax.envs import (Calculator, ChatRenderer, EnvBatch, EnvLimits, StepResult, ToolCall,
+                        ToolRegistry)
 from rljax.rewards import RewardPool
 from rljax.train import hosts
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
@@ -42,8 +46,8 @@ class Spy:
             self.turns.append(got)
             return got
 
-        def env_step(envs, texts, model_tokens=None):
-            res = step(envs, texts, model_tokens)
+        def env_step(envs, *args, **kw):
+            res = step(envs, *args, **kw)
             self.obs.append(res.observation_ids)
             return res
 
@@ -182,6 +186,40 @@ def test_tools_run_in_the_pool_during_a_rollout(model, tr, rollout):
                                                   out.rollout.loss_mask_BxT))
     for row, cm, lm, t in zip(comp, cmask, lmask, turns):  # the results, after each turn
         assert row[(cm > 0) & (lm == 0)].tolist() == TOK.encode("ab36") * int(t - 1), row
+
+
+def test_chat_template_rollout_keeps_the_sampled_ids():
+    """With a chat renderer (`MultiTurnConfig.chat`) the prompt is the template's render
+    and each observation its delta after the sampled ids: the rollout's sequence is the
+    row's `ChatTrajectory` (ids and loss mask) followed by its last model turn."""
+    tok = build_tokenizer(TOOL_TEMPLATE)  # a BPE with a ChatML template, EOS <|im_end|>
+    gd, st = tiny_model(vocab_size=len(tok), num_layers=1)
+    batches = []
+    step = EnvBatch.step
+
+    def keep(envs, *args, **kw):
+        batches.append(envs)
+        return step(envs, *args, **kw)
+
+    mt = MultiTurnRollouts(gd, tok, CountEnv, sampling=SamplingConfig(max_new_tokens=6),
+                           limits=EnvLimits(max_turns=3, max_obs_tokens=32,
+                                            max_total_tokens=128),
+                           prompt_len=32, group_size=2, chat=ChatRenderer(tok))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EnvBatch, "step", keep)
+        out = mt.sample(st, source, 1, 2, jax.random.key(0))  # episodes of 2 and 3 turns
+    ro = out.rollout
+    pmask, cmask = np.asarray(ro.prompt_mask_BxP) > 0, np.asarray(ro.completion_mask_BxT) > 0
+    assert [i["turns"] for i in out.info] == [2, 2, 3, 3]
+    for i in range(4):
+        traj = batches[-1].trajectory(i)
+        ids = np.asarray(ro.prompt_BxP)[i][pmask[i]].tolist() + \
+            np.asarray(ro.completion_BxT)[i][cmask[i]].tolist()
+        loss = [0] * int(pmask[i].sum()) + np.asarray(ro.loss_mask_BxT)[i][cmask[i]].tolist()
+        n = len(traj.ids)
+        assert ids[:n] == list(traj.ids) and loss[:n] == list(traj.loss_mask), i
+        assert len(ids) > n and set(loss[n:]) == {1}, i  # the last turn, as sampled
+        assert traj.messages[0] == {"role": "user", "content": PROMPTS[1 + i // 2]}
 
 
 def test_grpo_step_on_episodes(model, tr):

@@ -192,7 +192,7 @@ def test_sigterm_while_a_reward_hangs_stops_within_its_time_limit(exp, capsys, c
     marker, run = exp / "hang", exp / "hang_run"
     cfg = _cfg(exp, "hang_run", "sft.steps=0", "rl.steps=4", "reward.kind=custom",
                "reward.function=rljax_experiment_tiny_sft:hangs_when_marked",
-               "reward.workers=1", "reward.timeout_s=2")
+               "reward.workers=1", "reward.timeout_s=1")
 
     def mark_after_step_1():
         while not (run / "metrics.jsonl").exists() or not any(

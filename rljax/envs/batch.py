@@ -1,6 +1,6 @@
 """`EnvBatch`: drives the environments of one process's rows, a turn at a time.
 
-The rollout (not wired yet: issue 43's rollout integration) calls it per turn:
+The rollout (`rljax.train.multiturn`) calls it per turn:
 
     envs = EnvBatch(ArithmeticToolEnv, encode=tokenizer.encode, limits=..., pool=pool)
     first = envs.reset(own_rows_metadata)       # observations + their ids, per row
@@ -8,6 +8,10 @@ The rollout (not wired yet: issue 43's rollout integration) calls it per turn:
         texts = decode(the turn's new tokens of own rows)
         out = envs.step(texts, model_tokens=the turn's token counts)
         # out.observation_ids[i]: ids to append for row i (loss mask 0); out.done_B ...
+
+With `chat=ChatRenderer(tokenizer)` the prompts and observations are rendered with the
+tokenizer's chat template (`rljax.envs.chat`): `step` then takes the turn's sampled ids
+(`model_ids=`) and `observation_ids` are the template's delta after them.
 
 Each process drives only its own rows; nothing here touches JAX. `BatchStep.all_done` is
 this process's flag: the rollout must agree on it across processes (e.g. reduce
@@ -23,6 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from rljax.envs.chat import ChatRenderer, ChatTrajectory, observation_messages
 from rljax.envs.protocol import EnvLimits, StepResult, episode_return
 from rljax.envs.tools import ToolRegistry, ToolResult, run_tool_calls
 from rljax.rewards import RewardPool
@@ -81,6 +86,7 @@ class _Row:
     truncated: str | None = None
     env_s: float = 0.0
     tool_s: float = 0.0
+    chat: ChatTrajectory | None = None
 
 
 class EnvBatch:
@@ -90,20 +96,34 @@ class EnvBatch:
       make_env: called with no arguments once per row at `reset` (a class, or a
         `functools.partial`); returns an `Environment`.
       encode: `text -> token ids` (a tokenizer's `encode` without special tokens): counts
-        the token budgets and gives the observations' ids.
+        the token budgets and gives the observations' ids. May be None with `chat`
+        (then `chat.encode`).
       limits: `EnvLimits`.
       pool: a `rljax.rewards.RewardPool` for tool calls; required when an environment
         has tools (`tool_calls`). Keep one open across steps.
+      chat: a `rljax.envs.ChatRenderer`: render each row's prompt (its `reset` text as
+        the user message, its tools' schemas) and observations (`observation_messages`:
+        tool results as `tool` messages, else a `user` message) with the tokenizer's
+        chat template; `step` then needs `model_ids`. None (default): the observation
+        text as it is, `encode`d.
     """
 
-    def __init__(self, make_env: Callable[[], Any], encode: Callable[[str], Sequence[int]],
-                 limits: EnvLimits = EnvLimits(), pool: RewardPool | None = None):
+    def __init__(self, make_env: Callable[[], Any],
+                 encode: Callable[[str], Sequence[int]] | None,
+                 limits: EnvLimits = EnvLimits(), pool: RewardPool | None = None, *,
+                 chat: ChatRenderer | None = None):
+        if chat is not None and not isinstance(chat, ChatRenderer):
+            raise TypeError(f"EnvBatch.chat must be a ChatRenderer or None, got "
+                            f"{type(chat).__name__}")
+        if encode is None and chat is not None:
+            encode = chat.encode
         if not callable(make_env) or not callable(encode):
             raise TypeError("EnvBatch: make_env and encode must be callables (make_env() -> "
                             "an Environment, encode(text) -> token ids)")
         if not isinstance(limits, EnvLimits):
             raise TypeError(f"EnvBatch.limits must be an EnvLimits, got {type(limits).__name__}")
         self.make_env, self.encode, self.limits, self.pool = make_env, encode, limits, pool
+        self.chat = chat
         self._rows: list[_Row] = []
 
     def __len__(self) -> int:
@@ -142,7 +162,11 @@ class EnvBatch:
             if not isinstance(text, str):
                 raise EnvError(f"row {i}: {type(row.env).__name__}.reset returned a "
                                f"{type(text).__name__}, not a str")
-            row_ids = self._ids(text)
+            if self.chat is not None:
+                row.chat = self.chat.start(text, getattr(row.env, "tools", None))
+                text, row_ids = row.chat.text, list(row.chat.ids)
+            else:
+                row_ids = self._ids(text)
             row.tokens = len(row_ids)
             if row.tokens > self.limits.max_total_tokens:
                 row.done, row.truncated, text, row_ids = True, "total_tokens", "", []
@@ -184,19 +208,25 @@ class EnvBatch:
             self._rows[i].tool_s += seconds
         return per_row
 
-    def step(self, model_texts: Sequence[str], model_tokens: Sequence[int] | None = None
-             ) -> BatchStep:
+    def step(self, model_texts: Sequence[str], model_tokens: Sequence[int] | None = None,
+             model_ids: Sequence[Sequence[int]] | None = None) -> BatchStep:
         """One model turn for every row (texts of rows already done are ignored).
 
         `model_tokens[i]`: how many tokens the model drew for row i this turn (counted
-        with `encode` when None). Runs the rows' tool calls, steps each environment, and
-        applies the limits in order: the environment's own `done`, then `max_turns`,
-        `max_obs_tokens`, `max_total_tokens`.
+        with `encode` when None). `model_ids[i]`: the ids it drew (required with `chat`,
+        where they count the tokens and the delta follows them). Runs the rows' tool
+        calls, steps each environment, and applies the limits in order: the
+        environment's own `done`, then `max_turns`, `max_obs_tokens`, `max_total_tokens`.
         """
         B = len(self._rows)
-        if len(model_texts) != B or (model_tokens is not None and len(model_tokens) != B):
+        if len(model_texts) != B or (model_tokens is not None and len(model_tokens) != B) \
+                or (model_ids is not None and len(model_ids) != B):
             raise ValueError(f"EnvBatch.step: {B} rows, got {len(model_texts)} texts"
-                             + ("" if model_tokens is None else f", {len(model_tokens)} counts"))
+                             + ("" if model_tokens is None else f", {len(model_tokens)} counts")
+                             + ("" if model_ids is None else f", {len(model_ids)} id lists"))
+        if self.chat is not None and model_ids is None:
+            raise ValueError("EnvBatch.step: with chat, pass model_ids (the ids each row "
+                             "drew this turn): the chat template's delta follows them")
         active = [i for i in range(B) if not self._rows[i].done]
         for i in active:
             if not isinstance(model_texts[i], str):
@@ -205,13 +235,24 @@ class EnvBatch:
         tool_results = self._run_tools(model_texts, active)
         obs, ids, rewards = [""] * B, [[] for _ in range(B)], [0.0] * B
         for i in active:
-            n = len(self._ids(model_texts[i])) if model_tokens is None else int(model_tokens[i])
-            obs[i], ids[i], rewards[i] = self._step_row(i, model_texts[i], n,
-                                                        tool_results.get(i, []))
+            n = (len(model_ids[i]) if model_ids is not None else
+                 len(self._ids(model_texts[i])) if model_tokens is None else int(model_tokens[i]))
+            obs[i], ids[i], rewards[i] = self._step_row(
+                i, model_texts[i], n, tool_results.get(i, []),
+                None if model_ids is None else model_ids[i])
         return self._answer(obs, ids, rewards)
 
-    def _step_row(self, i: int, text: str, n_model: int, results: list[ToolResult]
-                  ) -> tuple[str, list[int], float]:
+    def _observe(self, row: _Row, res: StepResult, results: list[ToolResult],
+                 sampled: Sequence[int] | None) -> tuple[str, list[int], Any]:
+        """The observation's text and ids, and the chat delta to commit (None: no chat)."""
+        if row.chat is None:
+            return res.observation, self._ids(res.observation), None
+        delta = self.chat.next_turn(row.chat, sampled,  # type: ignore[union-attr]
+                                    observation_messages(res.observation, results))
+        return delta.text, list(delta.ids), delta
+
+    def _step_row(self, i: int, text: str, n_model: int, results: list[ToolResult],
+                  sampled: Sequence[int] | None = None) -> tuple[str, list[int], float]:
         row = self._rows[i]
         t0 = time.perf_counter()
         res = _call(i, row.env, "step", text, results)
@@ -229,7 +270,7 @@ class EnvBatch:
         if res.done:
             row.done = True
             return "", [], reward
-        obs_ids = self._ids(res.observation)
+        obs_text, obs_ids, delta = self._observe(row, res, results, sampled)
         cut = ("max_turns" if row.turns >= self.limits.max_turns else
                "obs_tokens" if len(obs_ids) > self.limits.max_obs_tokens else
                "total_tokens" if row.tokens + len(obs_ids) >= self.limits.max_total_tokens
@@ -238,7 +279,14 @@ class EnvBatch:
             row.done, row.truncated = True, cut
             return "", [], reward
         row.tokens += len(obs_ids)
-        return res.observation, obs_ids, reward
+        if delta is not None:
+            row.chat.extend(delta)  # type: ignore[union-attr]
+        return obs_text, obs_ids, reward
+
+    def trajectory(self, i: int) -> ChatTrajectory | None:
+        """Row i's chat trajectory (its ids, loss mask and messages so far; the last
+        turn of a row that ended is not in it), or None without `chat`."""
+        return self._rows[i].chat
 
     def remaining_tokens_B(self) -> np.ndarray:
         """int32[B]: tokens a live row's next model turn may take before it reaches

@@ -16,6 +16,11 @@ order the calls appear, so the environment can answer it as an observation. Work
 linear in the text: `str.find` scans over at most `ToolFormat.max_text_chars`
 characters, and `json.loads` runs only on bodies under `max_call_chars` whose bracket
 nesting is under `max_depth`. NaN, infinities and floats that overflow (`1e999`) are refused.
+
+`parse_response_tool_calls` reads the calls with a Hugging Face tokenizer's own response
+parser instead (`tokenizer.parse_response`, driven by the `response_template` a model's
+tokenizer ships: Mistral's `[TOOL_CALLS]`, Llama's JSON, XML-style calls...) and checks
+each call it finds the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any, Union
 from rljax.rewards.limits import json_depth_ok
 
 __all__ = ["ToolFormat", "ToolCall", "ToolCallError", "ParsedCall", "parse_tool_calls",
-           "valid_tool_name"]
+           "parse_response_tool_calls", "valid_tool_name"]
 
 MAX_NAME_CHARS = 64
 
@@ -144,6 +149,11 @@ def _decode(body: str, fmt: ToolFormat) -> ParsedCall:
     return ToolCall(name, args)
 
 
+def _too_many(rest: int, fmt: ToolFormat) -> ToolCallError:
+    return ToolCallError(f"{rest} more tool calls in this turn were not run: at most "
+                         f"{fmt.max_calls} run per turn")
+
+
 def parse_tool_calls(text: object, fmt: ToolFormat = ToolFormat()) -> list[ParsedCall]:
     """The calls in a model turn, in order: `ToolCall`s and `ToolCallError`s.
 
@@ -164,9 +174,7 @@ def parse_tool_calls(text: object, fmt: ToolFormat = ToolFormat()) -> list[Parse
         b = s + len(fmt.call_open)
         e = text.find(fmt.call_close, b)
         if found > fmt.max_calls:
-            rest = text.count(fmt.call_open, s)
-            out.append(ToolCallError(f"{rest} more tool calls in this turn were not run: "
-                                     f"at most {fmt.max_calls} run per turn"))
+            out.append(_too_many(text.count(fmt.call_open, s), fmt))
             break
         if e < 0:
             out.append(ToolCallError(f"a tool call was opened with {fmt.call_open} and "
@@ -174,4 +182,47 @@ def parse_tool_calls(text: object, fmt: ToolFormat = ToolFormat()) -> list[Parse
             break
         out.append(_decode(text[b:e].strip(), fmt))
         pos = e + len(fmt.call_close)
+    return out
+
+
+def parse_response_tool_calls(tokenizer: Any, text: object, fmt: ToolFormat = ToolFormat(),
+                              *, prefix: str = "") -> list[ParsedCall]:
+    """The calls in a model turn as the tokenizer's response parser reads them.
+
+    `tokenizer.parse_response(text, prefix=prefix)` (transformers; it needs the
+    tokenizer's `response_template`) parses the first `fmt.max_text_chars` characters;
+    each entry of the message's `tool_calls` is then checked as a tagged call's JSON is
+    (name, arguments, `max_call_chars`, `max_depth`, at most `fmt.max_calls`). A turn
+    the parser cannot read (e.g. one call's JSON is broken) gives one `ToolCallError`
+    with its message: the parser reads a turn whole, so no call of it runs. Never
+    raises on `text`; a tokenizer without a response parser is a ValueError.
+    """
+    if getattr(tokenizer, "response_template", None) is None \
+            or not callable(getattr(tokenizer, "parse_response", None)):
+        raise ValueError(f"parse_response_tool_calls: tokenizer {type(tokenizer).__name__} has "
+                         "no response_template (transformers' parse_response); use "
+                         "parse_tool_calls with a ToolFormat for a tag format")
+    if not isinstance(text, str):
+        return []
+    try:
+        message = tokenizer.parse_response(text[:fmt.max_text_chars], prefix=prefix)
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+    except Exception as e:  # the parser's own errors on model text
+        return [ToolCallError(f"the tool calls could not be read ({type(e).__name__}: "
+                              f"{str(e)[:200]})")]
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        return [ToolCallError(f"the response parser gave tool_calls as a "
+                              f"{type(calls).__name__}, not a list")]
+    out: list[ParsedCall] = []
+    for call in calls[:fmt.max_calls]:
+        try:
+            body = json.dumps(call, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as e:
+            out.append(ToolCallError(f"the tool call is not JSON ({str(e)[:200]})"))
+            continue
+        out.append(_decode(body, fmt))
+    if len(calls) > fmt.max_calls:
+        out.append(_too_many(len(calls) - fmt.max_calls, fmt))
     return out

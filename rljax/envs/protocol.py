@@ -24,7 +24,8 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from rljax.envs.parse import ParsedCall, ToolFormat, parse_tool_calls
+from rljax.envs.parse import (ParsedCall, ToolFormat, parse_response_tool_calls,
+                              parse_tool_calls)
 from rljax.envs.tools import ToolRegistry, ToolResult
 
 __all__ = ["StepResult", "Environment", "ToolEnv", "EnvLimits", "RETURN_MODES",
@@ -61,10 +62,13 @@ class Environment(Protocol):
 class ToolEnv:
     """Base class for an environment with tools: subclasses set `self.tools` (a
     `ToolRegistry`) and may set `self.tool_format`, and implement `reset` and `step`.
-    `tool_calls` parses the model's turn with `parse_tool_calls`."""
+    `tool_calls` parses the model's turn with `parse_tool_calls`, or, when
+    `self.response_parser` is a tokenizer with a `response_template`, with
+    `parse_response_tool_calls` (the model's own call syntax)."""
 
     tools: ToolRegistry = ToolRegistry()
     tool_format: ToolFormat = ToolFormat()
+    response_parser: Any = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -72,7 +76,10 @@ class ToolEnv:
         return (self.tool_format.call_close,)
 
     def tool_calls(self, model_text: str) -> list[ParsedCall]:
-        """The calls in `model_text` (`rljax.envs.parse_tool_calls` with `tool_format`)."""
+        """The calls in `model_text` (`rljax.envs.parse_tool_calls` with `tool_format`, or
+        `parse_response_tool_calls` with `response_parser`)."""
+        if self.response_parser is not None:
+            return parse_response_tool_calls(self.response_parser, model_text, self.tool_format)
         return parse_tool_calls(model_text, self.tool_format)
 
     def reset(self, metadata: Mapping[str, Any]) -> str:

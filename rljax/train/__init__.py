@@ -25,7 +25,7 @@ Where the step (`rl.py`), the sampler call (`rollout.py`), the learning program 
 (`learn/`) and the configs (`config/`) live: docs/design.md, "Where things are in rljax/train".
 """
 
-from rljax.train.batching import decode_completions, encode_pairs, encode_prompts
+from rljax.train.batching import decode_completions, encode_pairs, encode_prompts, encode_traces
 from rljax.train.checkpoint import Checkpointer, abstract_like, pure_params
 from rljax.train.config import (ALGORITHMS, AlgorithmConfig, OptimConfig, RLConfig,
                                 SamplingConfig, SFTConfig, algorithm_preset)
@@ -45,7 +45,7 @@ __all__ = [
     "MultiTurnConfig", "MultiTurnRollouts", "NonFiniteError", "OptimConfig", "RLConfig", "RLTrainer", "Rollout", "Rollouts",
     "SFTConfig", "SFTTrainer", "SamplingConfig", "TrainState", "abstract_like",
     "accumulate", "algorithm_preset", "chunked_logprobs", "completion_hidden",
-    "decode_completions", "encode_pairs", "encode_prompts", "make_coef", "make_objective",
+    "decode_completions", "encode_pairs", "encode_prompts", "encode_traces", "make_coef", "make_objective",
     "make_optimizer", "make_schedule", "make_update", "new_train_state", "overlong_shaping",
     "policy_logprobs", "ppo_advantages", "pure_params", "rl_loss", "sequence_advantages",
     "sft_loss", "value_predictions",

@@ -4,7 +4,8 @@ Prompts are left-padded to width P, completions right-padded to width T (with EO
 appended when it fits), masks float32 0/1. A completion ends at any of the tokenizer's
 stop ids (``stop_ids``: EOS and generation_config.json's ``eos_token_id`` list). Every
 training and evaluation batch is a dict ``{"prompt_BxP", "prompt_mask_BxP",
-"completion_BxT", "completion_mask_BxT"}``.
+"completion_BxT", "completion_mask_BxT"}``; a multi-turn trace's batch
+(``encode_traces``) adds ``loss_mask_BxT``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,42 @@ def encode_pairs(tokenizer: Any, prompts: Sequence[str], completions: Sequence[s
     )
     return {"prompt_BxP": p_ids, "prompt_mask_BxP": p_mask,
             "completion_BxT": c_ids, "completion_mask_BxT": c_mask}
+
+
+def encode_traces(tokenizer: Any, prompts: Sequence[str],
+                  traces: Sequence[Sequence[tuple[str, bool]]], prompt_len: int,
+                  completion_len: int) -> dict:
+    """SFT batch from multi-turn traces: each trace a sequence of ``(text, trained)``
+    segments (the model's turns trained, a tool's or an environment's output not).
+
+    Each segment is encoded on its own, as a multi-turn rollout appends them (so the ids
+    are those a rollout of the same turns holds), and EOS ends the trace. The batch is
+    :func:`encode_pairs`' plus ``loss_mask_BxT``: 1 on trained segments and the EOS, 0 on
+    the others. Traces longer than ``completion_len`` are truncated (and lose their EOS).
+    """
+    if len(prompts) != len(traces):
+        raise ValueError(f"encode_traces: {len(prompts)} prompts but {len(traces)} traces")
+    pad, eos = special_ids(tokenizer)
+    ids, trained = [], []
+    for i, trace in enumerate(traces):
+        row_ids, row_trained = [], []
+        for j, seg in enumerate(trace):
+            if not (isinstance(seg, tuple) and len(seg) == 2 and isinstance(seg[0], str)):
+                raise ValueError(f"encode_traces: trace {i} segment {j} is {seg!r}; a "
+                                 "segment is a (text, trained) pair")
+            seg_ids = encode_text(tokenizer, seg[0])
+            row_ids += seg_ids
+            row_trained += [float(bool(seg[1]))] * len(seg_ids)
+        ids.append(row_ids + [eos])
+        trained.append(row_trained + [1.0])
+    p_ids, p_mask = pad_left([encode_text(tokenizer, p) for p in prompts], prompt_len, pad)
+    c_ids, c_mask = pad_right(ids, completion_len, pad)
+    loss = np.zeros_like(c_mask)
+    for i, t in enumerate(trained):
+        t = t[:completion_len]
+        loss[i, :len(t)] = t
+    return {"prompt_BxP": p_ids, "prompt_mask_BxP": p_mask, "completion_BxT": c_ids,
+            "completion_mask_BxT": c_mask, "loss_mask_BxT": loss}
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[str], prompt_len: int):

@@ -62,7 +62,9 @@ class MultiTurnConfig:
     pool: a ``rljax.rewards.RewardPool`` for tool calls (required when the environment
     has tools). return_mode, gamma: ``rljax.envs.episode_return`` (``"sum"`` of the
     turns' rewards, or ``"discounted"`` by ``gamma`` per turn). obs_multiple: the
-    observation widths' bucket.
+    observation widths' bucket. chat: a ``rljax.envs.ChatRenderer`` (the tokenizer's
+    chat template renders the prompt and each observation; the observation ids are the
+    template's delta after the sampled ids), or None (observation text as it is).
     """
 
     make_env: Callable[[], Any]
@@ -71,6 +73,7 @@ class MultiTurnConfig:
     return_mode: str = "sum"
     gamma: float = 1.0
     obs_multiple: int = 16
+    chat: Any = None
 
 
 def stop_sequences(tokenizer: Any, stop_strings) -> tuple[tuple[int, ...], ...]:
@@ -122,12 +125,14 @@ class MultiTurnRollouts:
       return_mode, gamma: the episode return that becomes ``rewards_B``
         (``rljax.envs.episode_return``: ``"sum"`` or ``"discounted"``).
       prompt_multiple, obs_multiple: bucket sizes of the prompt and observation widths.
+      chat: a ``rljax.envs.ChatRenderer`` for ``EnvBatch`` (see ``MultiTurnConfig``).
     """
 
     def __init__(self, graphdef, tokenizer, make_env: Callable[[], Any], *,
                  sampling: SamplingConfig, limits: EnvLimits, prompt_len: int,
                  group_size: int, mesh=None, pool=None, return_mode: str = "sum",
-                 gamma: float = 1.0, prompt_multiple: int = 16, obs_multiple: int = 16):
+                 gamma: float = 1.0, prompt_multiple: int = 16, obs_multiple: int = 16,
+                 chat=None):
         _check_mode(return_mode, gamma)
         if not isinstance(limits, EnvLimits):
             raise TypeError(f"MultiTurnRollouts: limits must be an EnvLimits, got "
@@ -136,6 +141,7 @@ class MultiTurnRollouts:
             raise ValueError(f"MultiTurnRollouts: prompt_len={prompt_len} is over "
                              f"limits.max_total_tokens={limits.max_total_tokens}")
         self.gd, self.tok, self.make_env, self.mesh = graphdef, tokenizer, make_env, mesh
+        self.chat = chat
         self.sampling, self.limits, self.pool = sampling, limits, pool
         self.prompt_len, self.group_size = prompt_len, group_size
         self.return_mode, self.gamma = return_mode, gamma
@@ -220,7 +226,7 @@ class MultiTurnRollouts:
         prompts, meta = source(pos + lo // g, (hi - lo) // g)
         rows = [{"prompt": p, **m} for p, m in zip(prompts, meta) for _ in range(g)]
         envs = EnvBatch(self.make_env, functools.partial(encode_text, self.tok), self.limits,
-                        pool=self.pool)
+                        pool=self.pool, chat=self.chat)
         first = envs.reset(rows)
         extra = [x for x in envs.stop_strings if x not in self.stop_strings]
         if extra:  # the programs' stop sequences are static, read from a probe environment
@@ -265,12 +271,15 @@ class MultiTurnRollouts:
         return self._output(envs, s, tok_BxP, mask_BxP, glob, lo, hi, turns, g)
 
     def _env_turn(self, envs: EnvBatch, turn_RxN, len_R, lo: int, hi: int):
-        """Own rows' turn: their tokens out, their text to the environments."""
+        """Own rows' turn: their tokens out, their text (stop ids left out) to the
+        environments; with a chat renderer also the ids, which its delta follows."""
         tokens, lens = hosts.turn_tokens_out((turn_RxN, len_R), lo, hi)
         stops = set(self.stop_ids)
-        texts = [self.tok.decode([int(t) for t in row[:n] if int(t) not in stops])
-                 for row, n in zip(tokens, lens)]
-        return envs.step(texts, model_tokens=[int(n) for n in lens])
+        ids = [[int(t) for t in row[:n]] for row, n in zip(tokens, lens)]
+        decode = self.tok.decode if self.chat is None else self.chat.decode
+        texts = [decode([t for t in x if t not in stops]) for x in ids]
+        return envs.step(texts, model_tokens=[len(x) for x in ids],
+                         model_ids=None if self.chat is None else ids)
 
     def _output(self, envs: EnvBatch, s, tok_BxP, mask_BxP, glob, lo, hi, turns, g):
         t = s.tokens_RxT.shape[1]

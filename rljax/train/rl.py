@@ -199,7 +199,7 @@ class RLTrainer:
             limits=multiturn.limits, prompt_len=prompt_len, group_size=algorithm.group_size,
             mesh=mesh, pool=multiturn.pool, return_mode=multiturn.return_mode,
             gamma=multiturn.gamma, prompt_multiple=prompt_multiple,
-            obs_multiple=multiturn.obs_multiple)
+            obs_multiple=multiturn.obs_multiple, chat=multiturn.chat)
         total = rl.steps * algorithm.num_epochs * algorithm.num_minibatches
         self.base_spec = StepSpec(
             algorithm.spec(), self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,

@@ -2,7 +2,9 @@
 
     L(θ) = - Σ_b Σ_t m_bt log π_θ(y_bt | x_b, y_b<t) / Σ_b Σ_t m_bt
 
-(token-mean over completion tokens; prompt tokens carry no loss). Uses the same
+(token-mean over completion tokens; prompt tokens carry no loss). ``m`` is the batch's
+``loss_mask_BxT`` where it has one (a multi-turn trace: a tool's output is attended to,
+not trained on; ``rljax.train.batching.encode_traces``), else its completion mask. Uses the same
 micro-batched, sharded, donated update step as RL (`rljax.train.learn.update.Learner`).
 """
 
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from rljax.sharding import mesh_context, output_shardings, place_outputs, put_on
 from rljax.train.config import SFTConfig
 from rljax.train.learn.logprobs import policy_logprobs
+from rljax.train.learn.micro import loss_mask
 from rljax.train.learn.update import (Learner, TrainState, batch_constrainer, make_optimizer,
                                       make_update, new_train_state)
 
@@ -30,7 +33,7 @@ def sft_loss(graphdef, params, mb: dict, coef=None, *, chunk: int = 256, remat: 
     accuracy without full logits) and ``entropy``.
     """
     logp_BxT, ent_BxT = policy_logprobs(graphdef, params["policy"], mb, chunk=chunk, remat=remat)
-    m_BxT = mb["completion_mask_BxT"]
+    m_BxT = loss_mask(mb)
     nll_sum = -jnp.sum(jnp.where(m_BxT > 0, logp_BxT, 0.0))
     count = jnp.sum(m_BxT)
     confident = jnp.sum(jnp.where(m_BxT > 0, (logp_BxT > jnp.log(0.5)).astype(jnp.float32), 0.0))
