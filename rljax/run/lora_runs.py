@@ -9,6 +9,11 @@ the same state, bit for bit, as the run had. A different base is refused with an
 An export or evaluation of the run reads its adapters the same way
 (`restore_lora_policy`).
 
+A several-seed run (`rljax.run.seed_runs`) saves its seeds' adapters stacked, with the
+stacked bases' fingerprint; reading one seed rebuilds every seed's base. A run whose
+warm-up trained the base (`sft.full_parameters`, through `base_model`) cannot rebuild it:
+its checkpoints hold the whole state (`lora_checkpoints` picks the kind).
+
 The fingerprint is a wrapping uint32 sum of each weight's bits times a position hash:
 integer addition is associative, so it is the same on any mesh or process count.
 """

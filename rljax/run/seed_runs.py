@@ -17,6 +17,8 @@ results before RL; `run.resume=true` continues from the latest checkpoint (no wa
 first evaluation again; a resumed run's SFT baseline replays the warm-up), and SIGTERM or
 Ctrl-C save the step reached first, as `run_experiment` does. One device (several-seed
 runs are for models that fit one chip many times over); no plots (they draw one run).
+With LoRA adapters each seed trains its own on its own base, and the checkpoints hold
+them as a one-seed run's do (`rljax.run.lora_runs.lora_checkpoints`).
 """
 
 from __future__ import annotations
