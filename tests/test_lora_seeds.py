@@ -20,7 +20,7 @@ from _train_common import tiny_config
 from rljax.models.lora import merge_trainable, split_trainable
 from rljax.models.tokenizer import build_char_tokenizer
 from rljax.rewards.device import DeviceReward
-from rljax.run.artifacts import restore_policy
+from rljax.run.artifacts import export_hf, restore_policy
 from rljax.run.builders import build_model
 from rljax.run.experiment import ExperimentConfig, RunConfig
 from rljax.run.lora_runs import AdapterCheckpoints, base_model, lora_checkpoints
@@ -139,6 +139,9 @@ def test_a_stacked_checkpoint_gives_each_seeds_policy_back(seed_runs, tmp_path, 
         ck = lora_checkpoints(exp, raw)
         assert isinstance(ck, AdapterCheckpoints) != warmed
         ck.save(1, stacked, {}, force=True)
+    if warmed:  # adapters of a base no folder holds
+        with pytest.raises(ValueError, match="trained its base"):
+            export_hf(tmp_path, tmp_path / "peft", adapters=True)
     for k, s in enumerate((5, 6)):
         _, _, policy, _ = restore_policy(tmp_path, None, run_seed=s)
         want, got = _flat(unstack(stacked.params["policy"], k)), _flat(policy)

@@ -248,6 +248,10 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
             _leaf(policy, *state_location(config, spath)), tiled=True)
     if adapters and config.lora is None:
         raise ValueError(f"export --adapters: {source} has no LoRA adapters (lora.rank is 0)")
+    if adapters and cfg is not None and cfg.warms_up_base:
+        raise ValueError(f"export --adapters: the warm-up of {source} trained its base "
+                         "(sft.full_parameters), which no folder holds for the adapters to "
+                         "load onto; export the merged weights (without --adapters)")
     primary = jax.process_index() == 0
 
     def write(folder: pathlib.Path) -> None:
