@@ -141,14 +141,12 @@ def restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = 
     config = _model_config(cfg)
     num_seeds = full.run.seeds
     if config.lora is not None:  # the checkpoints hold the adapters; the base is rebuilt
-        tok = run_tokenizer(run_dir, cfg)
-        where = mesh if num_seeds == 1 else None  # a stack of seeds: one device
+        tok, where = run_tokenizer(run_dir, cfg), mesh if num_seeds == 1 else None
         models = [build_model(seed_config(full, s), tok, where)  # every seed's base, stacked
-                  for s in range(full.run.seed, full.run.seed + num_seeds)]
+                  for s in range(full.run.seed, full.run.seed + num_seeds)]  # (on one device)
         with Checkpointer(ck_dir) as ck:
-            policy, meta = restore_lora_policy(ck, models, step, where,
-                                               index=cfg.run.seed - full.run.seed,
-                                               whole=full.warms_up_base)
+            policy, meta = restore_lora_policy(ck, models, step, where, whole=full.warms_up_base,
+                                               index=cfg.run.seed - full.run.seed)
         return cfg, config, policy, meta
     with Checkpointer(ck_dir) as ck:
         try:
