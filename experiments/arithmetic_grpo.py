@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from rljax.models import ModelConfig
+from rljax.models.lora import LoraConfig
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
 from rljax.run.experiment_files import load_experiment
@@ -116,6 +117,9 @@ def sft_baseline(cfg: ExperimentConfig, seconds: float, warm_state=None
     `SeedsResult.warm_state`) SFT continues from where the warm-up stopped, with its
     optimiser moments and each seed's next training examples: the point RL started from.
     Without it (a single-seed run) the warm-up's `sft.steps` are replayed first."""
+    if cfg.warms_up_base:  # a LoRA run whose warm-up trained every weight: so does this
+        cfg = dataclasses.replace(cfg, lora=LoraConfig(),
+                                  sft=dataclasses.replace(cfg.sft, full_parameters=False))
     tok = builders.build_tokenizer(cfg)
     per = seed_configs(cfg) if cfg.run.seeds > 1 else [cfg]
     split = [nnx.split(builders.build_model(c, tok, None))

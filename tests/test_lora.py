@@ -12,6 +12,8 @@ Tiny models throughout; every check is exact or at a stated float32 tolerance:
 - an RL step changes the adapters and leaves every base weight bitwise unchanged; the
   optimiser holds state for the adapters only; the reference is the base (adapters off);
   sampler and trainer log-probs agree to 1e-4 with nonzero adapters.
+
+Several seeds in one program with LoRA: tests/test_lora_seeds.py.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import transformers
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from _lora_common import LORA, randomise_adapters
 from _train_common import CharTok, random_seqs, tiny_config
 from rljax.cli import main
 from rljax.models import Decoder, ModelConfig
@@ -51,24 +54,10 @@ from rljax.train.rl import RLTrainer
 TOL_GRAD = 1e-5  # adapters' gradients vs the dense reference, float32
 TOL_GAP = 1e-4  # sampler vs learner log-probs, float32
 TOL_PARITY = 1e-4  # exported folders' logits in transformers / peft vs rljax's, float32
-LORA = LoraConfig(rank=4, alpha=8.0)
 
 
 def _model(scan: bool = False, lora: LoraConfig | None = LORA, seed: int = 0, **kw):
     return Decoder(tiny_config(scan_layers=scan, lora=lora, **kw), rngs=nnx.Rngs(seed))
-
-
-def _randomise_adapters(state, seed: int = 1, scale: float = 0.3):
-    """Every adapter leaf (A and B) drawn N(0, scale^2): nonzero, so a gradient test of
-    A could fail (with B = 0, dL/dA is identically 0)."""
-    keys = iter(jax.random.split(jax.random.key(seed), 1000))
-
-    def one(v):
-        if isinstance(v, nnx.LoRAParam):
-            return v.replace(scale * jax.random.normal(next(keys), v.get_value().shape))
-        return v
-
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def test_config_validates_and_the_cli_sets_it():
@@ -86,6 +75,10 @@ def test_config_validates_and_the_cli_sets_it():
     assert exp.lora == LoraConfig(rank=32, alpha=64.0, targets=("q", "v"))
     with pytest.raises(ValueError, match="model.lora"):
         ExperimentConfig(model=tiny_config(lora=LORA))
+    warm = ["sft.steps=2", "sft.full_parameters=true"]
+    assert apply_overrides(exp, warm).warms_up_base  # the warm-up trains the base
+    with pytest.raises(ValueError, match="sft.full_parameters.*without LoRA adapters"):
+        apply_overrides(ExperimentConfig(model=tiny_config()), warm)
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
@@ -142,7 +135,7 @@ def test_adapter_gradients_match_the_dense_reference(scan=True):
     model = _model(scan, LoraConfig(rank=3, alpha=5.0, targets=("q", "o", "down")),
                    num_layers=1)
     gd, state = nnx.split(model)
-    adapters, base = split_trainable(_randomise_adapters(state, scale=0.05))
+    adapters, base = split_trainable(randomise_adapters(state, scale=0.05))
     plain_gd = nnx.graphdef(nnx.eval_shape(lambda: _model(scan, None, num_layers=1)))
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(2, 19, (2, 6)), jnp.int32)
@@ -175,7 +168,7 @@ def _source(start, n):
 def rl_run():
     """One GRPO step (KL in the loss) of a LoRA policy with nonzero adapters."""
     gd, state = nnx.split(_model(False, num_layers=1))
-    state = _randomise_adapters(state, scale=0.1)
+    state = randomise_adapters(state, scale=0.1)
     keep = jax.tree.map(np.asarray, state)
     tr = RLTrainer(gd, TOK, _reward, algorithm=AlgorithmConfig(name="grpo", group_size=2),
                    optim=OptimConfig(lr=1e-2, warmup_steps=1),
@@ -269,7 +262,7 @@ def test_export_merged_and_peft_folder_match_rljax(tmp_path):
     RunDir(run_dir, exp).close()
     tok.save_pretrained(str(run_dir / "tokenizer"))
     gd, state = nnx.split(build_model(exp, tok))
-    state = _randomise_adapters(state, scale=0.2)  # stands for trained adapters
+    state = randomise_adapters(state, scale=0.2)  # stands for trained adapters
     with Checkpointer(run_dir / "checkpoints") as ck:
         AdapterCheckpoints(ck).save(2, new_train_state({"policy": state}, {}, 0), {}, force=True)
     assert main(["export", str(run_dir), str(tmp_path / "merged")]) == 0

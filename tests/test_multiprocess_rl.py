@@ -2,7 +2,8 @@
 --distributed --coordinator ...`), against one process x 8 devices, for GRPO, PPO (value
 model, GAE, KL in the reward, 2 epochs x 2 minibatches with the in-graph permutation) and
 DAPO (dynamic sampling with refill rounds of different prompt widths; its per-term reward
-means, over every process's rows and every round, equal too). GRPO is scored by a
+means, over every process's rows and every round, equal too), DAPO's policy with LoRA
+adapters (split over the mesh by the logical rules, the base frozen). GRPO is scored by a
 device reward (the whole step one program, `rljax.train.programs.fused`); PPO and DAPO by host
 rewards (rollout, scoring on the host, learning program):
 
@@ -10,13 +11,18 @@ rewards (rollout, scoring on the host, learning program):
 - PPO's SFT warm-up steps equal too (loss and gradient norm 1e-5);
 - GRPO and PPO save, exit and resume on 2x4 for steps 4..5, and the 2x4 checkpoint
   restores on 1x8 with equal steps and tokens;
-- only process 0 writes the run directory.
+- only process 0 writes the run directory;
+- LoRA (DAPO's run): steps 1..3 equal, the step-3 checkpoints hold equal adapters, and
+  each holds the fingerprint of the seed's initial base (the base never moved).
 
 The runs are described in tests/_multiprocess.py: one pair of processes runs all three
 algorithms and both resumes."""
 
 import _multiprocess as mp
+import numpy as np
 import pytest
+
+from rljax.run.artifacts import restore_policy
 
 pytestmark = pytest.mark.slow
 GRPO = ("loss", "grad_norm")
@@ -34,8 +40,12 @@ def runs(tmp_path_factory):
         "ppo": mp.Scenario(root, "mp_ppo", 'name="ppo", group_size=4, kl_coef=0.02, '
                            'num_epochs=2, num_minibatches=2', prompts=4,
                            sft="SFTConfig(steps=2, batch_size=8)"),
+        # With LoRA adapters on every projection (the update trains them alone): what it
+        # checks of the refills is independent of which weights train, and GRPO and PPO
+        # compare full-parameter updates; a scenario of its own cost the fixture ~45%.
         "dapo": mp.Scenario(root, "mp_dapo", 'name="dapo", group_size=4, max_refill_rounds=3',
-                            prompts=4, resume=False, widths=True),
+                            prompts=4, resume=False, widths=True,
+                            sets=("lora.rank=4", "lora.alpha=8")),
     }
     mp.run_all(root, list(scenarios.values()))
     return scenarios
@@ -97,3 +107,31 @@ def test_dapo_refills_prompts_of_other_widths_equally_on_both_topologies(runs):
         mp.assert_close(two[step], ref[step], ("reward/width", "reward/digits"),
                         mp.TOKEN_RTOL, f"reward terms of step {step}")
     assert ref[1]["reward/width"] == two[1]["reward/width"] == 0.75
+
+
+def _leaves(tree, path=()) -> dict:
+    """Nested dicts' leaves by path."""
+    if not isinstance(tree, dict):
+        return {path: np.asarray(tree)}
+    return {p: v for k, sub in tree.items() for p, v in _leaves(sub, (*path, k)).items()}
+
+
+def test_lora_adapters_equal_one_process(runs):
+    """DAPO's adapters split over 2 processes x 4 devices (fsdp 8 by the logical rules;
+    its steps equal 1 x 8's above): the step-3 checkpoints hold the same adapters, and
+    both restore onto the seed's rebuilt initial base (`restore_policy` checks the
+    fingerprint each saved of its base: the base did not move)."""
+    s = runs["dapo"]
+    policies = {}
+    for run in ("ref", "mp"):
+        _, config, policy, _ = restore_policy(s.dir(run), 3)
+        assert config.lora is not None and config.lora.rank == 4
+        policies[run] = _leaves(policy)
+    ref, two = policies["ref"], policies["mp"]
+    assert ref.keys() == two.keys()
+    adapters = [p for p in ref if any(k.endswith("_lora") for k in p)]
+    assert len(adapters) == 2 * 7  # A and B of the one layer's seven projections
+    for p in adapters:  # the adapters trained (B starts at zero) and equal across topologies
+        assert np.abs(ref[p]).max() > 0, p
+        np.testing.assert_allclose(two[p], ref[p], rtol=0, atol=mp.ADAPTER_ATOL,
+                                   err_msg=str(p))

@@ -141,9 +141,12 @@ def restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = 
     config = _model_config(cfg)
     num_seeds = full.run.seeds
     if config.lora is not None:  # the checkpoints hold the adapters; the base is rebuilt
-        model = build_model(cfg, run_tokenizer(run_dir, cfg), mesh)
+        tok, where = run_tokenizer(run_dir, cfg), mesh if num_seeds == 1 else None
+        models = [build_model(seed_config(full, s), tok, where)  # every seed's base, stacked
+                  for s in range(full.run.seed, full.run.seed + num_seeds)]  # (on one device)
         with Checkpointer(ck_dir) as ck:
-            policy, meta = restore_lora_policy(ck, model, step, mesh)
+            policy, meta = restore_lora_policy(ck, models, step, where, whole=full.warms_up_base,
+                                               index=cfg.run.seed - full.run.seed)
         return cfg, config, policy, meta
     with Checkpointer(ck_dir) as ck:
         try:
@@ -243,6 +246,10 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
             _leaf(policy, *state_location(config, spath)), tiled=True)
     if adapters and config.lora is None:
         raise ValueError(f"export --adapters: {source} has no LoRA adapters (lora.rank is 0)")
+    if adapters and cfg is not None and cfg.warms_up_base:
+        raise ValueError(f"export --adapters: the warm-up of {source} trained its base "
+                         "(sft.full_parameters), which no folder holds for the adapters to "
+                         "load onto; export the merged weights (without --adapters)")
     primary = jax.process_index() == 0
 
     def write(folder: pathlib.Path) -> None:

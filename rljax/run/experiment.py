@@ -336,6 +336,10 @@ class ExperimentConfig:
                 fail(c, field, getattr(self, field), f"a {cls.__name__}")
         if self.sft is not None and not isinstance(self.sft, SFTConfig):
             fail(c, "sft", self.sft, "a SFTConfig or None")
+        if self.sft is not None and self.sft.full_parameters and not self.lora.enabled:
+            fail(c, "sft.full_parameters", True, "False without LoRA adapters (lora.rank=0: "
+                 "a warm-up trains every weight anyway; the flag picks the base over the "
+                 "adapters when lora.rank > 0)")
         check_algorithm_sampling(self.algorithm, self.sampling)
         _check_str(c, "teacher", self.teacher, optional=True)
         if self.algorithm.needs_teacher != (self.teacher is not None):
@@ -348,9 +352,12 @@ class ExperimentConfig:
         check_bool(c, "scan_layers", self.scan_layers)
         check_choice(c, "remat", self.remat, REMAT_POLICIES)
         _check_str(c, "recipe", self.recipe, optional=True)
-        if self.lora.enabled and self.run.seeds > 1:
-            fail(c, "lora.rank", self.lora.rank, "0 when run.seeds > 1 (LoRA trains one "
-                 "run: set run.seeds=1)")
+
+    @property
+    def warms_up_base(self) -> bool:
+        """Whether the SFT warm-up trains a LoRA policy's base (`sft.full_parameters`): the
+        RL phase then starts from a base that is not the rebuildable initial one."""
+        return self.sft is not None and self.sft.steps > 0 and self.sft.full_parameters
 
     def policy_config(self, config: ModelConfig) -> ModelConfig:
         """``config`` (the run's model, random-init or read from `hf_path`) with this

@@ -9,6 +9,11 @@ the same state, bit for bit, as the run had. A different base is refused with an
 An export or evaluation of the run reads its adapters the same way
 (`restore_lora_policy`).
 
+A several-seed run (`rljax.run.seed_runs`) saves its seeds' adapters stacked, with the
+stacked bases' fingerprint; reading one seed rebuilds every seed's base. A run whose
+warm-up trained the base (`sft.full_parameters`, through `base_model`) cannot rebuild it:
+its checkpoints hold the whole state (`lora_checkpoints` picks the kind).
+
 The fingerprint is a wrapping uint32 sum of each weight's bits times a position hash:
 integer addition is associative, so it is the same on any mesh or process count.
 """
@@ -22,13 +27,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rljax.models import Decoder
 from rljax.models.lora import merge_trainable, split_trainable
 from rljax.sharding import state_shardings
 from rljax.train.checkpoint import pure_params
 from rljax.train.hosts import fetch_small
 from rljax.train.learn.reference import lora_base
+from rljax.train.seeds import stack_states
 
-__all__ = ["AdapterCheckpoints", "adapters_only", "base_fingerprint", "restore_lora_policy"]
+__all__ = ["AdapterCheckpoints", "adapters_only", "base_fingerprint", "base_model",
+           "lora_checkpoints", "restore_lora_policy"]
 
 BASE_KEY = "lora_base"  # the checkpoint metadata's fingerprint of the base
 
@@ -96,6 +104,23 @@ class AdapterCheckpoints:
         return _with_base(state, base), meta
 
 
+def lora_checkpoints(cfg, ck):
+    """``ck`` as a run of ``cfg`` checkpoints: `AdapterCheckpoints` for a LoRA policy on
+    its rebuildable base, else ``ck`` (the whole state: no adapters, or a base that its
+    warm-up trained, `sft.full_parameters`)."""
+    return AdapterCheckpoints(ck) if cfg.lora.enabled and not cfg.warms_up_base else ck
+
+
+def base_model(graphdef, params) -> tuple[Any, Any, Any]:
+    """``(graphdef, state, adapters)``: the model ``(graphdef, params)`` without its
+    adapters (its base as a model of its own, for a phase that trains every weight of it)
+    and the adapters set aside; ``merge_trainable(adapters, state)`` puts them back."""
+    adapters, base = split_trainable(params)
+    config = dataclasses.replace(nnx.merge(graphdef, params).config, lora=None)
+    plain = nnx.graphdef(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+    return plain, base, adapters
+
+
 def _tree_target(state, mesh) -> dict:
     """``state``'s leaves as saved (string keys, ``{"value": leaf}``), abstract, placed per
     the logical rules on ``mesh`` (or this process's first device)."""
@@ -124,16 +149,24 @@ def _pure(state) -> dict:
     return out
 
 
-def restore_lora_policy(ck, model, step: int | None, mesh=None) -> tuple[dict, dict]:
+def restore_lora_policy(ck, models: list, step: int | None, mesh=None, index: int = 0,
+                        whole: bool = False) -> tuple[dict, dict]:
     """``(policy as nested dicts, meta)``: the adapters of checkpoint ``step`` of ``ck`` on
-    the run's rebuilt ``model`` (its base as the run stored it, fingerprint checked)."""
-    graphdef, state = nnx.split(model)
-    state = lora_base(graphdef, state)
+    the run's rebuilt base (as the run stored it, fingerprint checked), or with ``whole``
+    (a run whose warm-up trained the base) base and adapters as saved. ``models``: the
+    run's model, or one per seed of a several-seed run (its checkpoint stacks them; read
+    on one device, ``mesh=None``), of which seed ``index`` is returned."""
+    states = [lora_base(*nnx.split(m)) for m in models]
+    state = states[0] if len(states) == 1 else stack_states(states)
     adapters, base = split_trainable(state)
-    raw, meta = ck.restore_subtree({"params": {"policy": _tree_target(adapters, mesh)}}, step)
-    _check_base(meta, base, f"the checkpoint in {ck.directory}")
+    target = _tree_target(state if whole else adapters, mesh)
+    raw, meta = ck.restore_subtree({"params": {"policy": target}}, step)
     policy = _pure(base)
+    if not whole:
+        _check_base(meta, base, f"the checkpoint in {ck.directory}")
     _deep_update(policy, pure_params(raw["params"]["policy"]))
+    if len(states) > 1:
+        policy = jax.jit(lambda tree: jax.tree.map(lambda x: x[index], tree))(policy)
     return policy, meta
 
 

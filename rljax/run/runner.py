@@ -42,9 +42,10 @@ from etils import epath
 from flax import nnx
 
 from rljax.models import ValueModel
+from rljax.models.lora import merge_trainable
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
-from rljax.run.lora_runs import AdapterCheckpoints
+from rljax.run.lora_runs import base_model, lora_checkpoints
 from rljax.run.preemption import StopSignal, save_interrupted, save_step
 from rljax.run.profiling import StepProfiler, parse_profile_steps
 from rljax.run.report import Progress, format_summary
@@ -106,10 +107,11 @@ def _save_tokenizer(tokenizer, dest: epath.Path) -> None:
 
 
 def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: TextIO,
-                warm: WarmupStop):
+                warm: WarmupStop, adapters=None):
     """SFT steps until `sft.steps`, or until a `stop_loss` / `stop_accuracy` target; a
     SIGTERM or Ctrl-C stops it at a step boundary with a checkpoint a resume continues
-    (`rljax.run.warmup_stop`)."""
+    (`rljax.run.warmup_stop`). ``adapters``: a LoRA policy's, set aside while its base
+    trains (`sft.full_parameters`); the validation runs the base with them."""
     c = cfg.sft
     sft = SFTTrainer(graphdef, c, mesh=mesh)
     state, first, loop = warm.restore(sft.init_state(params, seed=cfg.run.seed))
@@ -119,7 +121,7 @@ def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: 
         for i in range(first, 0 if loop.get("done") else c.steps):
             with warm.guard() as held:  # an update donates the state: never cut one
                 state, stop = _sft_step(cfg, sft, state, task, tokenizer, trainer, rd, bar,
-                                        i, recent)
+                                        i, recent, adapters)
             done = i + 1
             warm.after(done, state, {"recent": recent, "done": bool(stop)}, held)
             if stop:
@@ -131,7 +133,7 @@ def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: 
     return state.params["policy"]
 
 
-def _sft_step(cfg, sft, state, task, tokenizer, trainer, rd, bar, i, recent):
+def _sft_step(cfg, sft, state, task, tokenizer, trainer, rd, bar, i, recent, adapters):
     """Warm-up step `i + 1`: update, optional validation, log; returns `(state, why the
     warm-up stops or None)`. `recent` (the last 20 losses) is updated in place."""
     c, bs = cfg.sft, cfg.sft.batch_size
@@ -141,7 +143,10 @@ def _sft_step(cfg, sft, state, task, tokenizer, trainer, rd, bar, i, recent):
     state, m = sft.step(state, batch)
     stop = None
     if c.stop_accuracy > 0 and (i + 1) % c.stop_every == 0:
-        val = trainer.evaluate(state.params["policy"], task.val_prompts, task.val_metadata)
+        policy = state.params["policy"]
+        if adapters is not None:  # at their initialisation: they change nothing
+            policy = merge_trainable(adapters, policy)
+        val = trainer.evaluate(policy, task.val_prompts, task.val_metadata)
         m = {**m, "val_accuracy": val["accuracy"]}  # built-in tasks always verify
         if m["val_accuracy"] >= c.stop_accuracy:
             stop = (f"validation accuracy {m['val_accuracy']:.3f} >= "
@@ -237,8 +242,7 @@ def _train(cfg, rd, ck, mesh, warm, stop, out):
         _save_tokenizer(tokenizer, rd.path / "tokenizer")
     model = builders.build_model(cfg, tokenizer, mesh)
     graphdef, params = nnx.split(model)
-    if cfg.lora.enabled:  # checkpoints hold the adapters; the base is checked, not saved
-        ck = AdapterCheckpoints(ck)
+    ck = lora_checkpoints(cfg, ck)  # LoRA: the adapters; the base checked, not saved
     value_gd, value_params = _value_model(cfg, model, mesh)
     task = builders.build_task(cfg, tokenizer)
     reward_fns, accuracy_fn = builders.build_reward(cfg, task)
@@ -291,7 +295,11 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
     saved = warm.saved_step() if sft else None  # on every process alike
     if rd.resumed and saved is None:
         rd.truncate_metrics(-1, phase=None)  # no checkpoint yet: start over, clean record
-    if sft:
+    if sft and cfg.warms_up_base:  # every weight of the base; the adapters wait
+        plain, base, adapters = base_model(graphdef, params)
+        params = merge_trainable(adapters, _sft_warmup(
+            cfg, plain, base, task, tokenizer, mesh, rd, trainer, out, warm, adapters))
+    elif sft:
         params = _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out,
                              warm)
         if value_params is not None:  # the critic starts from the warmed-up backbone

@@ -17,6 +17,8 @@ results before RL; `run.resume=true` continues from the latest checkpoint (no wa
 first evaluation again; a resumed run's SFT baseline replays the warm-up), and SIGTERM or
 Ctrl-C save the step reached first, as `run_experiment` does. One device (several-seed
 runs are for models that fit one chip many times over); no plots (they draw one run).
+With LoRA adapters each seed trains its own on its own base, and the checkpoints hold
+them as a one-seed run's do (`rljax.run.lora_runs.lora_checkpoints`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from rljax.models.lora import merge_trainable
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
+from rljax.run.lora_runs import base_model, lora_checkpoints
 from rljax.run.preemption import StopSignal, save_interrupted, save_step
 from rljax.run.report import Progress, format_summary, result_line
 from rljax.run.run_dir import RunDir
@@ -41,7 +45,7 @@ from rljax.train.batching import encode_pairs
 from rljax.train.checkpoint import Checkpointer
 from rljax.train.learn.update import TrainState
 from rljax.train.rl import RLTrainer
-from rljax.train.seeds import SeedRL, SeedSFT
+from rljax.train.seeds import SeedRL, SeedSFT, stack_states
 
 __all__ = ["SeedsResult", "run_seeds", "seed_configs"]
 
@@ -83,11 +87,13 @@ def seed_configs(cfg: ExperimentConfig) -> list[ExperimentConfig]:
 
 
 def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out,
-            compiled: dict, warm: WarmupStop) -> tuple[list, Any]:
+            compiled: dict, warm: WarmupStop, adapters=None) -> tuple[list, Any]:
     """The vmapped SFT warm-up; each seed stops at its own validation target; SIGTERM or
     Ctrl-C stop it at a step boundary with a checkpoint a resume continues
     (`rljax.run.warmup_stop`). Returns each seed's policy params and the warm-up's last
-    (stacked) state."""
+    (stacked) state. ``adapters`` (stacked): the LoRA adapters set aside while the bases
+    train (`sft.full_parameters`); ``rl`` validates each base with them (at their
+    initialisation they change nothing)."""
     c = cfg.sft
     sft = SeedSFT(graphdef, c)
     seeds = [x.run.seed for x in seed_configs(cfg)]
@@ -99,7 +105,7 @@ def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out,
         for i in range(first, c.steps if any(active) else first):
             with warm.guard() as held:  # an update donates the state: never cut one
                 state = _warmup_step(cfg, sft, state, tasks, tok, rl, rd, out, active, seeds,
-                                     bar, i)
+                                     bar, i, adapters)
             done = i + 1
             warm.after(done, state, {"active": active}, held)
             if not any(active):
@@ -112,7 +118,7 @@ def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out,
             for k in range(len(params))], state
 
 
-def _warmup_step(cfg, sft, state, tasks, tok, rl, rd, out, active, seeds, bar, i):
+def _warmup_step(cfg, sft, state, tasks, tok, rl, rd, out, active, seeds, bar, i, adapters):
     """Warm-up step `i + 1` of every active seed, validation, logs; `active` is updated in
     place (a seed at its validation target stops)."""
     c, bs = cfg.sft, cfg.sft.batch_size
@@ -120,7 +126,10 @@ def _warmup_step(cfg, sft, state, tasks, tok, rl, rd, out, active, seeds, bar, i
                             cfg.sampling.max_new_tokens) for t in tasks]
     state, ms = sft.step(state, batches, active)
     if c.stop_accuracy > 0 and (i + 1) % c.stop_every == 0:
-        val = rl.evaluate(state.params["policy"], [t.val_prompts for t in tasks],
+        policy = state.params["policy"]
+        if adapters is not None:
+            policy = merge_trainable(adapters, policy)
+        val = rl.evaluate(policy, [t.val_prompts for t in tasks],
                           [t.val_metadata for t in tasks])
         for k, v in enumerate(val):
             ms[k]["val_accuracy"] = v["accuracy"]
@@ -168,6 +177,7 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
         every = cfg.run.save_every or max(cfg.rl.steps, 1)
         with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck, \
                 StopSignal() as stop:
+            ck = lora_checkpoints(cfg, ck)  # LoRA: the adapters; the bases checked, not saved
             run = _SeedRun(cfg, rd, ck, seeds, progress_out)
             run.phases["setup"] = time.perf_counter() - t0
             warm = WarmupStop(rd, stop, cfg.run.resume, progress_out)
@@ -244,7 +254,13 @@ class _SeedRun:
             rd.truncate_metrics(-1, phase=None)  # no checkpoint yet: start over, clean record
         t1 = time.perf_counter()
         params, warm_state = self.params, None
-        if sft:
+        if sft and cfg.warms_up_base:  # every weight of each base; the adapters wait
+            plain, bases, adapters = zip(*(base_model(self.graphdef, p) for p in params))
+            bases, warm_state = _warmup(cfg, plain[0], list(bases), self.tasks, self.tok,
+                                        self.rl, rd, self.out, self.compiled, warm,
+                                        adapters=stack_states(adapters))
+            params = [merge_trainable(a, b) for a, b in zip(adapters, bases)]
+        elif sft:
             params, warm_state = _warmup(cfg, self.graphdef, params, self.tasks, self.tok,
                                          self.rl, rd, self.out, self.compiled, warm)
         self.phases["warm-up"] = time.perf_counter() - t1

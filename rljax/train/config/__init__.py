@@ -196,6 +196,10 @@ class SFTConfig:
         training). It sets the starting ability directly: the loss at which a model
         reaches a given accuracy moves with the machine's rounding.
       stop_every, stop_prompts: how often the accuracy is checked, on how many prompts.
+      full_parameters: for a policy with LoRA adapters (an experiment's `lora.rank > 0`):
+        the warm-up trains every weight of the base instead of the adapters, as
+        pretraining would have made it, and RL then trains the adapters (at their
+        initialisation) on the warmed base; the run's checkpoints hold that base too.
     """
 
     steps: int = 100
@@ -213,9 +217,11 @@ class SFTConfig:
     stop_accuracy: float = 0.0
     stop_every: int = 10
     stop_prompts: int = 256
+    full_parameters: bool = False
 
     def __post_init__(self):
         c = "SFTConfig"
+        check_bool(c, "full_parameters", self.full_parameters)
         check_num(c, "stop_loss", self.stop_loss, lo=0)
         check_num(c, "stop_accuracy", self.stop_accuracy, lo=0, hi=1)
         check_num(c, "stop_every", self.stop_every, lo=1, integer=True)
