@@ -1,5 +1,6 @@
 """Fixed shapes: RL steps on prompts of random length compile nothing new once each
-prompt bucket has been seen (the sampler, log-prob and learning programs included)."""
+prompt bucket has been seen (the sampler, log-prob and learning programs included); with
+packed rows, once each (prompt bucket, micro-batch count) has been seen."""
 
 import numpy as np
 
@@ -47,3 +48,28 @@ def test_rl_steps_compile_once_per_prompt_bucket():
             assert np.isfinite(metrics["loss"])
     assert len(seen) >= 2, f"the prompts must cover several buckets: {log}"
     assert log[0][2] > 0  # the counter does see compilations
+
+
+def test_packed_rl_steps_compile_once_per_prompt_and_micro_batch_bucket():
+    """``rl.tokens_per_micro_batch``: the packed learning program's shape is (prompt width,
+    micro-batch count); a step whose pair was seen compiles nothing."""
+    gd, st = tiny_model()
+    tr = RLTrainer(gd, TOK, length_reward, algorithm=algorithm_preset("grpo", group_size=2),
+                   optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=3),
+                   rl=RLConfig(steps=8, prompts_per_step=N_PROMPTS, logp_chunk=2,
+                               tokens_per_micro_batch=64), prompt_len=60)
+    state = tr.init_state(st)
+    seen, log = set(), []
+    with CompileLog() as counter:
+        for step in range(8):
+            prompts, _ = source(step * N_PROMPTS, N_PROMPTS)
+            width = min(bucket_length(max(len(p) for p in prompts), 16), 60)
+            before = counter.count
+            state, metrics = tr.step(state, source)
+            bucket = (width, tr.last_packing.num_micro)
+            log.append((step, bucket, counter.count - before))
+            if bucket in seen:
+                assert counter.count == before, f"recompiled in a seen bucket: {log}"
+            seen.add(bucket)
+            assert np.isfinite(metrics["loss"]) and 0 < metrics["useful_token_frac"] <= 1
+    assert len(seen) >= 2, f"the steps must cover several buckets: {log}"

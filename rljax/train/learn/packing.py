@@ -47,7 +47,7 @@ from rljax.train.learn.micro import merge_micro, split_micro
 from rljax.train.learn.onepass import one_pass_head, padded_width
 
 Array = Any
-__all__ = ["PackSpec", "bins_needed", "choose_spec", "is_packed", "make_plan",
+__all__ = ["PackSpec", "bins_needed", "choose_spec", "pack_bins", "is_packed", "make_plan",
            "micro_logprobs", "micro_one_pass", "micro_values", "packed_logprobs",
            "packed_values", "split_packed", "this_micro", "unpack", "useful_token_frac"]
 
@@ -121,6 +121,10 @@ def bins_needed(seqs: dict, shards: int) -> Array:
     w = seqs["prompt_BxP"].shape[1] + seqs["completion_BxT"].shape[1]
     used = jax.vmap(lambda n: _first_fit(n, w)[2])(_by_shard(_lengths(seqs), shards))
     return jnp.max(used).astype(jnp.int32)
+
+
+#: :func:`bins_needed` as a program of its own (``shards`` static): the host's one read.
+pack_bins = jax.jit(bins_needed, static_argnums=1)
 
 
 def choose_spec(bins: int, rows_per_micro: int, shards: int) -> PackSpec:
