@@ -49,7 +49,7 @@ def test_plan_places_every_real_token_once_within_its_shard():
     rng = np.random.default_rng(0)
     s = {k: jnp.asarray(v) for k, v in _seqs(rng, 1).items()}
     bins = int(pack.bins_needed(s, 2))
-    spec = pack.choose_spec(bins, 2, 2)
+    spec = pack.choose_spec(bins, 2 * (P + T), P + T, 2)
     plan = pack.make_plan(s, spec)
     seg = np.asarray(plan["pack_segments_SxW"])
     tok = np.asarray(plan["pack_tokens_SxW"])
@@ -75,7 +75,7 @@ def test_packed_forward_equals_the_padded_one(impl):
     gradient equal the padded forward's."""
     model = Decoder(tiny_config(attention=impl), rngs=nnx.Rngs(0))
     s = {k: jnp.asarray(v) for k, v in _seqs(np.random.default_rng(1), 1).items()}
-    plan = pack.make_plan(s, pack.choose_spec(int(pack.bins_needed(s, 1)), 8, 1))
+    plan = pack.make_plan(s, pack.choose_spec(int(pack.bins_needed(s, 1)), 8 * (P + T), P + T, 1))
     ids = jnp.concatenate([s["prompt_BxP"], s["completion_BxT"]], axis=1)
     mask = jnp.concatenate([s["prompt_mask_BxP"], s["completion_mask_BxT"]], axis=1) > 0
 
@@ -134,7 +134,7 @@ def _compare(case: str, mesh, shards: int, rows_per_micro: int):
     assert tr.base_spec.paths.head == head
     ro = _rollout(np.random.default_rng(3), 1 if preset in ("ppo", "distill") else 2)
     bins = int(pack.bins_needed(ro.masked_by_weight().seqs(), shards))
-    packed = pack.choose_spec(bins, rows_per_micro, shards)
+    packed = pack.choose_spec(bins, rows_per_micro * (P + T), P + T, shards)
     assert packed.num_micro >= 2  # the packed program accumulates micro-batches
     results = []
     for spec in (tr.base_spec, dataclasses.replace(tr.base_spec, packing=packed)):

@@ -228,10 +228,9 @@ class RLTrainer:
         if not tokens:
             return None
         d = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        width = ro.prompt_BxP.shape[1] + ro.completion_BxT.shape[1]
-        rows = max(d, tokens // width // d * d)
         bins = hosts.fetch_scalars(pack_bins(ro.masked_by_weight().seqs(), d))
-        return choose_spec(int(bins), rows, d)
+        return choose_spec(int(bins), tokens, ro.prompt_BxP.shape[1] + ro.completion_BxT.shape[1],
+                           d)
 
     @property
     def _learn_fn(self):

@@ -127,11 +127,13 @@ def bins_needed(seqs: dict, shards: int) -> Array:
 pack_bins = jax.jit(bins_needed, static_argnums=1)
 
 
-def choose_spec(bins: int, rows_per_micro: int, shards: int) -> PackSpec:
-    """The bucket for a batch whose fullest shard needs ``bins`` packed rows: the fewest
-    micro-batches of ``rows_per_micro`` rows that hold it."""
-    per_shard = rows_per_micro // shards
-    return PackSpec(rows_per_micro, max(1, math.ceil(int(bins) / per_shard)), shards)
+def choose_spec(bins: int, tokens_per_micro_batch: int, width: int, shards: int) -> PackSpec:
+    """The bucket for a batch whose fullest shard needs ``bins`` packed rows of ``width``:
+    the fewest micro-batches of ``tokens_per_micro_batch`` slots (whole packed rows, at
+    least one per shard) that hold it. ``bins`` = the rows per shard: the largest bucket
+    (every row in a packed row of its own)."""
+    rows = max(shards, tokens_per_micro_batch // width // shards * shards)
+    return PackSpec(rows, max(1, math.ceil(int(bins) / (rows // shards))), shards)
 
 
 def _shard_plan(ids_RxL, mask_RxL, len_R, p: int, s: int, w: int, m: int):
