@@ -169,3 +169,18 @@ def test_packed_program_equals_the_padded_one(case):
 def test_packed_program_equals_the_padded_one_on_the_mesh(mesh8):
     """PPO (value model, reference, one-pass head) packed within each of 4 batch shards."""
     _compare("ppo-value", mesh8, 4, 4)
+
+
+@pytest.mark.parametrize("alg_kw,rl_kw,what", [
+    (dict(num_minibatches=2), {}, "num_minibatches=2"),
+    (dict(micro_batch_size=4), {}, "micro_batch_size=4"),
+    ({}, dict(share_prompts=True), "share_prompts=True"),
+])
+def test_trainer_refuses_what_packing_rules_out(alg_kw, rl_kw, what):
+    gd, _ = tiny_model(num_layers=1)
+    with pytest.raises(ValueError, match=f"rules out {what}; allowed: a host reward"):
+        RLTrainer(gd, CharTok(), lambda c, m: np.zeros(len(c)),
+                  algorithm=algorithm_preset("grpo", group_size=2, **alg_kw), optim=OPTIM,
+                  sampling=SamplingConfig(max_new_tokens=T),
+                  rl=RLConfig(prompts_per_step=4, tokens_per_micro_batch=22, **rl_kw),
+                  prompt_len=P)
