@@ -5,17 +5,20 @@ completion lengths log-normal with median 180 and sigma 0.6, capped at 1,024 (nu
 0); random tokens; shared prompts on where the program can take them.
 
 - padded: ``RLTrainer``'s learning program today (``max_new_tokens`` = 1,024: every row
-  is 1,024 completion slots; each group's prompt computed once, ``share_prompts``);
+  is 1,024 completion slots; each group's prompt computed once, ``share_prompts``), in
+  micro-batches of ``--micro-batch-size`` rows (16: under 10 GB of host memory);
 - packed: the same trainer with ``RLConfig.tokens_per_micro_batch`` (each row's real
   tokens packed into rows of ``120 + 1,024`` slots within each batch shard;
-  ``rljax.train.learn.packing``), its bucket from ``RLTrainer.packing_for``.
+  ``rljax.train.learn.packing``), ``--rows-per-micro`` packed rows a micro-batch, its
+  bucket from ``RLTrainer.packing_for``.
 
 Both run GRPO with beta 0.04 (the reference forward, group advantages, one AdamW update
 with the k3 KL in the loss) on the benchmark model (``_bench.REFERENCE``: random Qwen2,
 hidden 256, 4 layers, vocab 32,000, float32), calls alternating after one compiling call
 each; the times are medians of ``--reps`` calls.
 
-    python experiments/bench_packing.py [--prompts 8] [--reps 3] [--quick]
+    python experiments/bench_packing.py [--prompts 8] [--reps 3] [--rows-per-micro N]
+                                        [--micro-batch-size 16] [--quick]
 
 Last line: ``RESULT padded_s=<a> packed_s=<b> speedup=<a/b> useful_token_frac=<f>``
 (``useful_token_frac``: real tokens over packed slots).
@@ -91,12 +94,13 @@ class Side:
     """One learning program (padded, or packed with ``tokens_per_micro_batch``)."""
 
     def __init__(self, sizes: dict, w: Workload, ro: Rollout, steps: int,
-                 tokens_per_micro_batch: int = 0):
+                 tokens_per_micro_batch: int = 0, micro_batch_size: int = 0):
         config = B.model_config(sizes)
         graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
         self.tr = RLTrainer(
             graphdef, build_char_tokenizer(), lambda c, m: np.zeros(len(c), np.float32),
-            algorithm=AlgorithmConfig(name="grpo", group_size=w.group, kl_coef=0.04),
+            algorithm=AlgorithmConfig(name="grpo", group_size=w.group, kl_coef=0.04,
+                                      micro_batch_size=micro_batch_size),
             optim=OptimConfig(lr=1e-6),
             rl=RLConfig(steps=steps, prompts_per_step=w.prompts,
                         tokens_per_micro_batch=tokens_per_micro_batch),
@@ -121,11 +125,12 @@ class Side:
         return meter.wall
 
 
-def measure(sizes: dict, w: Workload, reps: int, rows_per_micro: int, log=print) -> dict:
+def measure(sizes: dict, w: Workload, reps: int, rows_per_micro: int, micro_batch_size: int,
+            log=print) -> dict:
     """Median seconds of the padded and the packed program, their calls alternating."""
     ro = workload_rollout(w, sizes["vocab_size"])
     width = w.prompt_len + w.max_new_tokens
-    sides = {"padded": Side(sizes, w, ro, reps + 1),
+    sides = {"padded": Side(sizes, w, ro, reps + 1, micro_batch_size=micro_batch_size),
              "packed": Side(sizes, w, ro, reps + 1, rows_per_micro * width)}
     log(f"rows {w.rows}, completion tokens {int(np.sum(ro.completion_mask_BxT))} of "
         f"{w.rows * w.max_new_tokens} slots; packed: {sides['packed'].packing}")
@@ -148,14 +153,19 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed calls per side (after one)")
     ap.add_argument("--rows-per-micro", type=int, default=0,
                     help="packed rows per micro-batch (tokens_per_micro_batch / 1,144); "
-                         "default: prompts / 2, at least 1")
+                         "default: prompts / 4, at least 1")
+    ap.add_argument("--micro-batch-size", type=int, default=16,
+                    help="the padded program's rows per micro-batch (0: the whole batch; "
+                         "16 keeps a CPU host's memory under 10 GB)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     args = ap.parse_args(argv)
     w = QUICK if args.quick else dataclasses.replace(Workload(), prompts=args.prompts)
     sizes = B.TINY if args.quick else B.REFERENCE
-    rows = args.rows_per_micro or max(1, w.prompts // 2)
-    print(f"backend {jax.default_backend()}, model {sizes}, workload {w}")
-    r = measure(sizes, w, args.reps, rows)
+    rows = args.rows_per_micro or max(1, w.prompts // 4)
+    micro = 0 if args.quick else args.micro_batch_size
+    print(f"backend {jax.default_backend()}, model {sizes}, workload {w}, padded "
+          f"micro_batch_size {micro}, packed rows per micro-batch {rows}")
+    r = measure(sizes, w, args.reps, rows, micro)
     print(" ".join(f"{k}={v:.4g}" for k, v in r.items()).join(("RESULT ", "")))
     return 0
 
