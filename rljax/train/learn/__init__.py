@@ -26,7 +26,9 @@ task-reward advantages are zeros.
 The package holds the program's pieces: ``loss`` (the micro-batch loss, ``rl_loss``),
 ``algorithms`` (config -> objective, coefficients, advantages), ``ppo``, ``logprobs`` and
 ``onepass`` (the output head), ``micro`` (micro-batch layout), ``reference`` (the frozen KL
-reference) and ``update`` (the jitted update and ``TrainState``, shared with SFT).
+reference), ``update`` (the jitted update and ``TrainState``, shared with SFT) and
+``packing`` (``spec.packing``: rows packed by real length, micro-batches by tokens; every
+forward on the packed rows, everything after them on the unpacked ``[B, T]``).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from rljax.train.learn.micro import merge_micro, split_micro
 from rljax.train.learn.onepass import one_pass_head, padded_width
 
 Array = Any
-__all__ = ["PackSpec", "bins_needed", "choose_spec", "pack_bins", "is_packed", "make_plan",
+__all__ = ["PackSpec", "bins_needed", "choose_spec", "pack_bins", "make_plan",
            "micro_logprobs", "micro_one_pass", "micro_values", "packed_logprobs",
            "packed_values", "split_packed", "this_micro", "unpack", "useful_token_frac"]
 
@@ -80,11 +80,6 @@ class PackSpec:
     def rows(self) -> int:
         """Packed rows in all."""
         return self.rows_per_micro * self.num_micro
-
-
-def is_packed(batch: dict) -> bool:
-    """Whether a learning batch carries a packing plan."""
-    return "pack_tokens_SxW" in batch
 
 
 def _lengths(seqs: dict) -> Array:
