@@ -155,7 +155,7 @@ class Scenario:
                  plots: bool = False, resume: bool = True, widths: bool = False,
                  sft: str = "None", reward: str = "_verifiers:digit_share", sets: tuple = ()):
         self.root, self.name, self.plots, self.resume = root / name, name, plots, resume
-        self.sets = sets  # `--set` overrides of every run
+        self.sets = sets  # `--set` overrides of every run (a run's own `sets` win)
         self.root.mkdir(parents=True)
         task = ARITHMETIC
         if widths:
@@ -172,8 +172,9 @@ class Scenario:
 
     def args(self, run: str, *sets: str) -> list[str]:
         plots = ("run.plots=true",) if self.plots and run == "mp" else ()
+        own = [s for s in self.sets if s.split("=")[0] not in {x.split("=")[0] for x in sets}]
         return ["train", str(self.exp), "--set", f"run.dir={self.dir(run)}",
-                *[a for s in (*self.sets, *sets, *plots) for a in ("--set", s)]]
+                *[a for s in (*own, *sets, *plots) for a in ("--set", s)]]
 
     def in_process(self, run: str, *sets: str) -> None:
         """A 1 x 8 run: `rljax train` in this process; its output kept in `logs[run]`."""
