@@ -74,7 +74,7 @@ def _one_pass_logprobs(policy_gd, policy_params, mb: dict, coef, values, *, obje
 def _packed_one_pass(policy_gd, policy_params, mb: dict, coef, values, *, objective, chunk,
                      temperature, remat, packing, **fields):
     """``_one_pass_logprobs`` on a packed micro-batch (``rljax.train.learn.packing``)."""
-    arrays = {k: v for k, v in mb.items() if k.endswith("_BxT")}
+    arrays = {k: v for k, v in mb.items() if k.endswith("_BxT") and not k.startswith("pack_")}
 
     def loss_of(aux, lp, en):
         arrays, values, coef = aux
