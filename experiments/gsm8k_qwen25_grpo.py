@@ -97,6 +97,13 @@ RECIPES = {
     "1.5b-v5e16": Recipe("Qwen2.5-1.5B-Instruct", "v5e-16", MeshConfig(1, 8, 2), 64,
                          why="fsdp 8 x tensor 2 (the 2 kv heads split): half the weight "
                              "gathers per decode step; micro 64 = 8 rows per fsdp shard"),
+    # Packed (docs/packing.md): each completion's real tokens packed into rows of 320 + 512
+    # slots; a micro-batch is 32 packed rows (26,624 slots, as micro 32 padded) that hold
+    # ~2-3 GSM8K completions each, so fewer micro-batches a step.
+    "0.5b-v5e8-packed": Recipe("Qwen2.5-0.5B-Instruct", "v5e-8", MeshConfig(1, 8, 1), 0,
+                               tokens_per_micro_batch=32 * 832,
+                               why="pure FSDP; packed rows, 26,624 token slots a micro-batch "
+                                   "= 4 packed rows/chip"),
     # LoRA (docs/lora.md): the base frozen in bfloat16 (3.1 GB), Adam for the adapters
     # only, the KL reference the base with adapters off (no copy). Set optim.lr for LoRA.
     "1.5b-lora-v5e4": Recipe("Qwen2.5-1.5B-Instruct", "v5e-4", MeshConfig(1, 2, 2), 32,

@@ -60,11 +60,13 @@ _MICRO = {"1.5b-v5e8": 16}
 
 def _recipes() -> dict:
     """The GRPO recipes' meshes with PPO's micro-batch of 32 (a quarter of a minibatch; 16
-    where `_MICRO` says); not the LoRA ones (compiled for GRPO only)."""
+    where `_MICRO` says); not the LoRA ones (compiled for GRPO only) nor the packed ones
+    (packing needs one minibatch; PPO takes 2)."""
     return {name: dataclasses.replace(r, micro_batch_size=_MICRO.get(name, 32),
                                       why=r.why.split(";")[0]
                                       + f"; micro {_MICRO.get(name, 32)} of 128")
-            for name, r in _grpo_recipe().RECIPES.items() if r.lora is None}
+            for name, r in _grpo_recipe().RECIPES.items()
+            if r.lora is None and not r.tokens_per_micro_batch}
 
 
 RECIPES = _recipes()

@@ -78,6 +78,7 @@ from rljax.sharding import (  # noqa: E402
     state_shardings,
 )
 from rljax.train.learn import _map_micro  # noqa: E402
+from rljax.train.learn.packing import choose_spec, make_plan, packed_logprobs  # noqa: E402
 from rljax.train.learn.logprobs import policy_logprobs  # noqa: E402
 from rljax.train.learn.reference import lora_base, reference_model  # noqa: E402
 from rljax.train.learn.update import opt_state_shardings, trainable  # noqa: E402
@@ -277,18 +278,27 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
         graphdef, spec, mesh, infer, head, s, cache).compile(), sampling_resident)
     # Reference log-probs over the batch (the learning program's first pass, alone).
     ro = _rollout(trainer, mesh, b, p, t)
-    spec_l = trainer.base_spec
+    d = mesh.shape["data"] * mesh.shape["fsdp"]  # packed: the largest bucket
+    spec_l = dataclasses.replace(trainer.base_spec, packing=choose_spec(
+        b // d, cfg.rl.tokens_per_micro_batch, p + t, d) if cfg.rl.tokens_per_micro_batch else None)
     logp = jax.jit(lambda w, seqs: _map_micro(  # LoRA: the policy's weights, adapters off
         lambda mb: policy_logprobs(*(reference_model(graphdef, w, None) if lora
                                      else (graphdef, w)), mb, chunk=spec_l.chunk,
                                    temperature=spec_l.temperature)[0],
         seqs, spec_l.num_micro))
+    if spec_l.packing is not None:  # packed rows, micro-batched by tokens
+        logp = jax.jit(lambda w, seqs: packed_logprobs(
+            *(reference_model(graphdef, w, None) if lora else (graphdef, w)),
+            {**seqs, **make_plan(seqs, spec_l.packing)}, spec_l.packing, chunk=spec_l.chunk,
+            temperature=spec_l.temperature))
     record("logprob", lambda: logp.lower(ref if ref is not None else policy, ro.seqs()).compile(),
            sum(state_bytes.values()) - per_chip_bytes(ref if ref is not None else policy))
     scalars = dict(updates=jnp.int32, nonfinite_run=jnp.int32, skipped=jnp.int32,
                    kl_coef=jnp.float32, step=jnp.int32)
     scalars = {k: jax.ShapeDtypeStruct((), v, sharding=rep) for k, v in scalars.items()}
-    spec = trainer.step_spec(types.SimpleNamespace(params=params, opt_state=opt))
+    spec = dataclasses.replace(trainer.step_spec(types.SimpleNamespace(params=params,
+                                                                       opt_state=opt)),
+                               packing=spec_l.packing)
 
     def learn():
         with mesh_context(mesh):

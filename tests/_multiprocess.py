@@ -166,10 +166,9 @@ class Scenario:
 
     def __init__(self, root: pathlib.Path, name: str, algorithm: str, prompts: int, *,
                  plots: bool = False, resume: bool = True, widths: bool = False,
-                 sft: str = "None", reward: str = "_verifiers:digit_share",
-                 sets: tuple[str, ...] = ()):
+                 sft: str = "None", reward: str = "_verifiers:digit_share", sets: tuple = ()):
         self.root, self.name, self.plots, self.resume = root / name, name, plots, resume
-        self.sets = sets  # `--set`s of every run (e.g. LoRA's)
+        self.sets = sets  # `--set` overrides of every run (a run's own `sets` win)
         self.root.mkdir(parents=True)
         task = ARITHMETIC
         if widths:
@@ -186,8 +185,9 @@ class Scenario:
 
     def args(self, run: str, *sets: str) -> list[str]:
         plots = ("run.plots=true",) if self.plots and run == "mp" else ()
+        own = [s for s in self.sets if s.split("=")[0] not in {x.split("=")[0] for x in sets}]
         return ["train", str(self.exp), "--set", f"run.dir={self.dir(run)}",
-                *[a for s in (*self.sets, *sets, *plots) for a in ("--set", s)]]
+                *[a for s in (*own, *sets, *plots) for a in ("--set", s)]]
 
     def in_process(self, run: str, *sets: str) -> None:
         """A 1 x 8 run: `rljax train` in this process; its output kept in `logs[run]`."""

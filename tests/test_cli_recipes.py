@@ -62,7 +62,14 @@ def test_tpu_recipes_cover_their_slice(experiment):
         assert rec.model_config().scan_layers and rec.model_config().remat == "full"
         a = cfg.algorithm.resolve()
         minibatch = cfg.rl.prompts_per_step * a.group_size // a.num_minibatches
-        assert minibatch % a.micro_batch_size == 0 and a.micro_batch_size % (data * fsdp) == 0
+        if rec.tokens_per_micro_batch:  # packed: whole packed rows per batch shard
+            width = cfg.task.max_prompt_tokens + cfg.sampling.max_new_tokens
+            assert a.micro_batch_size == 0 and a.num_minibatches == 1
+            assert cfg.rl.tokens_per_micro_batch == rec.tokens_per_micro_batch
+            assert (rec.tokens_per_micro_batch // width) % (data * fsdp) == 0
+        else:
+            assert minibatch % a.micro_batch_size == 0
+            assert a.micro_batch_size % (data * fsdp) == 0
         smoke = load_experiment(ROOT / f"experiments/{experiment}.py",
                                 [f"recipe={name}", "smoke=true"])
         assert smoke.attention == "xla" and 8 % smoke.mesh.tensor == 0

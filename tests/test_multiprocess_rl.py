@@ -16,7 +16,8 @@ rewards (rollout, scoring on the host, learning program):
   each holds the fingerprint of the seed's initial base (the base never moved).
 
 The runs are described in tests/_multiprocess.py: one pair of processes runs all three
-algorithms and both resumes."""
+algorithms and both resumes. Packed rows (`rl.tokens_per_micro_batch`, GRPO with a host
+reward): 2x4 equals 1x8, and step 1 equals the padded program's on 1x8."""
 
 import _multiprocess as mp
 import numpy as np
@@ -46,6 +47,9 @@ def runs(tmp_path_factory):
         "dapo": mp.Scenario(root, "mp_dapo", 'name="dapo", group_size=4, max_refill_rounds=3',
                             prompts=4, resume=False, widths=True,
                             sets=("lora.rank=4", "lora.alpha=8")),
+        # Packed rows (a host reward): 12-slot rows, one a micro-batch per batch shard
+        "packed": mp.Scenario(root, "mp_packed", 'name="grpo", group_size=4', prompts=4,
+                              resume=False, sets=("rl.tokens_per_micro_batch=12",)),
     }
     mp.run_all(root, list(scenarios.values()))
     return scenarios
@@ -135,3 +139,14 @@ def test_lora_adapters_equal_one_process(runs):
         assert np.abs(ref[p]).max() > 0, p
         np.testing.assert_allclose(two[p], ref[p], rtol=0, atol=mp.ADAPTER_ATOL,
                                    err_msg=str(p))
+
+
+def test_packed_steps_equal_one_process_and_the_padded_program(runs):
+    """The packing plan, made in the program from the masks, is the same on both processes:
+    2x4 equals 1x8; and step 1 (the same rollout) equals the padded program's."""
+    s = runs["packed"]
+    mp.check_steps_equal_one_process(s, GRPO, later=("kl_ref",))
+    s.in_process("padded", "rl.tokens_per_micro_batch=0")
+    packed, padded = mp.rl_rows(s.dir("ref"))[1], mp.rl_rows(s.dir("padded"))[1]
+    assert 0 < packed.pop("useful_token_frac") <= 1 and "useful_token_frac" not in padded
+    mp.assert_close(packed, padded, GRPO, mp.FIRST_RTOL, "packed vs padded")

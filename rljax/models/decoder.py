@@ -79,14 +79,22 @@ def _run_layer(layer, body, carry, remat: str):
     return fn(state, carry)
 
 
-def _causal_mask(config: ModelConfig, mask_BxT: jax.Array) -> jax.Array | SegmentMask:
-    """The mask of a full causal forward: `[B,T,T]` booleans for "xla", else segment ids."""
+def _causal_mask(config: ModelConfig, mask_BxT: jax.Array,
+                 segment_ids_BxT: jax.Array | None = None) -> jax.Array | SegmentMask:
+    """The mask of a full causal forward: `[B,T,T]` booleans for "xla", else segment ids.
+    With `segment_ids_BxT` (packed sequences: ids >= 0, negative on padding) a token sees
+    the earlier tokens of its own segment only."""
+    seg = segment_ids_from_mask(mask_BxT) if segment_ids_BxT is None else jnp.where(
+        mask_BxT, jnp.asarray(segment_ids_BxT, jnp.int32), -1)
     if config.attention != "xla":
-        return SegmentMask(segment_ids_from_mask(mask_BxT))
+        return SegmentMask(seg)
     i = jnp.arange(mask_BxT.shape[1])
     causal = i[None, :, None] >= i[None, None, :]
+    allowed = causal & mask_BxT[:, None, :]
+    if segment_ids_BxT is not None:
+        allowed = allowed & (seg[:, :, None] == seg[:, None, :])
     # A query may always see itself, so padding rows stay finite (their output is unused).
-    return (causal & mask_BxT[:, None, :]) | (i[:, None] == i[None, :])[None]
+    return allowed | (i[:, None] == i[None, :])[None]
 
 
 def default_positions(mask_BxT: jax.Array) -> jax.Array:
@@ -127,18 +135,24 @@ class Decoder(nnx.Module):
         return constrain_residual(jnp.take(self.embed[...], ids_BxT, axis=0))
 
     def hidden_states(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike | None = None,
-                      mask_BxT: ArrayLike | None = None, *, remat: bool = False) -> jax.Array:
+                      mask_BxT: ArrayLike | None = None, *, remat: bool = False,
+                      segment_ids_BxT: ArrayLike | None = None) -> jax.Array:
         """Final-norm hidden states `[B, T, D]` (float32) of a full (causal) forward.
 
         mask_BxT marks real tokens (padding left or right); padding slots are never
         attended to. positions_BxT defaults to `cumsum(mask) - 1`. remat: run each layer
         under `jax.checkpoint` (only layer inputs are kept for the backward pass) when
-        `config.remat` is "none"; `config.remat` otherwise decides.
+        `config.remat` is "none"; `config.remat` otherwise decides. segment_ids_BxT:
+        packed rows (``rljax.train.learn.packing``): a token attends to the earlier tokens
+        with its own id only (pass each segment's own positions).
         """
         ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
+        if segment_ids_BxT is not None and tuple(segment_ids_BxT.shape) != tuple(ids.shape):
+            raise ValueError(f"segment_ids_BxT has shape {tuple(segment_ids_BxT.shape)}; "
+                             f"expected {tuple(ids.shape)}")
         mask = jnp.ones(ids.shape, bool) if mask_BxT is None else jnp.asarray(mask_BxT, bool)
         pos = default_positions(mask) if positions_BxT is None else jnp.asarray(positions_BxT)
-        allowed = _causal_mask(self.config, mask)
+        allowed = _causal_mask(self.config, mask, segment_ids_BxT)
         cos_sin = rope_cos_sin(self.config, pos)
         x = self._apply_layers(lambda lyr, xx: lyr(xx, cos_sin, allowed)[0], self._embed(ids),
                                effective_remat(self.config.remat, remat))

@@ -37,9 +37,11 @@ class ValueModel(nnx.Module):
         self.head_bias = annotated_param(jnp.zeros(()), ())
 
     def hidden_states(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike | None = None,
-                      mask_BxT: ArrayLike | None = None, *, remat: bool = False) -> jax.Array:
+                      mask_BxT: ArrayLike | None = None, *, remat: bool = False,
+                      segment_ids_BxT: ArrayLike | None = None) -> jax.Array:
         """Backbone final-norm hidden states `[B, T, D]` (see `Decoder.hidden_states`)."""
-        return self.backbone.hidden_states(input_ids_BxT, positions_BxT, mask_BxT, remat=remat)
+        return self.backbone.hidden_states(input_ids_BxT, positions_BxT, mask_BxT, remat=remat,
+                                           segment_ids_BxT=segment_ids_BxT)
 
     def values_from_hidden(self, h_xD: jax.Array) -> jax.Array:
         """Scalar values `[...]` (float32) from hidden states `[..., D]`."""

@@ -93,6 +93,8 @@ class Recipe:
     lora: the run's adapters (`ExperimentConfig.lora`), or None for a full-parameter
       recipe; with them the base is frozen in the compute dtype and the KL reference is
       the base (no copy). Set `optim.lr` for LoRA (it usually wants ~10x a full run's).
+    tokens_per_micro_batch: > 0 packs the learning batch (`RLConfig.tokens_per_micro_batch`;
+      `micro_batch_size` must then be 0).
     why: one line on the choices, printed by the budget.
     """
 
@@ -105,6 +107,7 @@ class Recipe:
     logp_chunk: int = 128
     attention: str = "splash"
     lora: LoraConfig | None = None
+    tokens_per_micro_batch: int = 0
     why: str = ""
 
     def __post_init__(self):
@@ -136,4 +139,5 @@ def apply_recipe(cfg, recipe: Recipe, models_dir: str = "~/models"):
         mesh=recipe.mesh,
         algorithm=dataclasses.replace(cfg.algorithm, micro_batch_size=recipe.micro_batch_size),
         rl=dataclasses.replace(cfg.rl, remat=recipe.remat != "none",
-                               logp_chunk=recipe.logp_chunk))
+                               logp_chunk=recipe.logp_chunk,
+                               tokens_per_micro_batch=recipe.tokens_per_micro_batch))

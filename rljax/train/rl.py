@@ -35,6 +35,7 @@ from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, Sampling
                                 check_algorithm_sampling)
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
+from rljax.train.learn.packing import PackSpec, choose_spec, pack_bins
 from rljax.models.lora import has_adapters, split_trainable
 from rljax.train.learn.reference import lora_base, reference_copy
 from rljax.train.learn.update import (NonFiniteError, TrainState, init_opt_state, new_train_state,
@@ -181,9 +182,12 @@ class RLTrainer:
                          else ("sampler" if algorithm.old_logp == "sampler" else "recompute"))
         self.uses_ref = algorithm.kl_in != "none" and algorithm.kl_coef > 0
         overlong = alg.resolve_overlong_buffer(algorithm, sampling.max_new_tokens)
+        self._check_packing()
+        self.last_packing: PackSpec | None = None  # the latest step's (packing_for)
         self.paths = resolve_paths(
             policy_graphdef, objective=alg.make_objective(algorithm, sampling.max_new_tokens),
-            one_pass_head=rl.one_pass_head, share_prompts=rl.share_prompts,
+            one_pass_head=rl.one_pass_head,
+            share_prompts=False if rl.tokens_per_micro_batch else rl.share_prompts,
             group_size=algorithm.group_size, remat=rl.remat,
             rows_per_micro=self.batch_size // algorithm.num_minibatches // num_micro,
             other_gds=(self.teacher_gd,) if self.teacher_gd is not None else (),
@@ -227,6 +231,32 @@ class RLTrainer:
                              f"num_minibatches and micro_batch_size so they are a multiple "
                              f"of {n_dev}")
         return num_micro
+
+    def _check_packing(self):
+        rl, a = self.rl, self.alg
+        why = ("a device reward (the one-program step cannot size its packed batch)"
+               if self.device_reward is not None else
+               f"num_minibatches={a.num_minibatches}" if a.num_minibatches > 1 else
+               f"micro_batch_size={a.micro_batch_size}" if a.micro_batch_size else
+               "share_prompts=True" if rl.share_prompts else "")
+        if rl.tokens_per_micro_batch and why:
+            raise ValueError(f"RLConfig.tokens_per_micro_batch={rl.tokens_per_micro_batch} "
+                             f"packs the batch, which rules out {why}; allowed: a host "
+                             "reward, num_minibatches=1, micro_batch_size=0, share_prompts "
+                             "None/False (or tokens_per_micro_batch=0)")
+
+    def packing_for(self, ro: Rollout) -> PackSpec | None:
+        """The packed batch's shape for ``ro`` (``rl.tokens_per_micro_batch``; None:
+        padded rows): packed rows of width ``P + T``, ``tokens_per_micro_batch`` slots a
+        micro-batch (at least one row per batch shard), and the bucket, from the plan's
+        packed-row count: one replicated scalar, the step's one packing transfer."""
+        tokens = self.rl.tokens_per_micro_batch
+        if not tokens:
+            return None
+        d = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        bins = hosts.fetch_scalars(pack_bins(ro.masked_by_weight().seqs(), d))
+        return choose_spec(int(bins), tokens, ro.prompt_BxP.shape[1] + ro.completion_BxT.shape[1],
+                           d)
 
     @property
     def _learn_fn(self):
@@ -287,6 +317,8 @@ class RLTrainer:
         else:
             key, k_roll, k_learn = _split_key(state.key)
             ro, pos, extra = self._collect(state, source, pos, k_roll, ph)
+            self.last_packing = self.packing_for(ro)
+            spec = dataclasses.replace(spec, packing=self.last_packing)
             params, opt_state, out, m = ph.timed("learn", run, learn_step, spec, state.params,
                                                  state.opt_state, scalars, state.ref_params, ro,
                                                  k_learn, self.teacher_params)

@@ -143,6 +143,11 @@ class RLConfig:
       share_prompts and one_pass_head: None (the default) takes the fast path where it
         applies, else the other one, and the start-up line says why; True is an error where
         it does not apply (``rljax.train.programs.paths``; ``RLTrainer.paths`` says which).
+      tokens_per_micro_batch: > 0 packs each row's real tokens into rows of width ``P + T``
+        and sizes the learning program's micro-batches by this many token slots
+        (``rljax.train.learn.packing``; at least one packed row per batch shard); 0: padded
+        rows, ``micro_batch_size`` rows at a time. Needs a host reward and one minibatch;
+        the forwards then compute every row's prompt (no ``share_prompts``).
     """
 
     steps: int = 100
@@ -157,9 +162,11 @@ class RLConfig:
     ref_dtype: str = "float32"
     share_prompts: bool | None = None
     one_pass_head: bool | None = None
+    tokens_per_micro_batch: int = 0
 
     def __post_init__(self):
         c = "RLConfig"
+        check_num(c, "tokens_per_micro_batch", self.tokens_per_micro_batch, lo=0, integer=True)
         check_num(c, "prompts_per_step", self.prompts_per_step, lo=1, integer=True)
         check_num(c, "eval_prompts", self.eval_prompts, lo=1, integer=True)
         check_pass_options(c, self)

@@ -26,7 +26,9 @@ task-reward advantages are zeros.
 The package holds the program's pieces: ``loss`` (the micro-batch loss, ``rl_loss``),
 ``algorithms`` (config -> objective, coefficients, advantages), ``ppo``, ``logprobs`` and
 ``onepass`` (the output head), ``micro`` (micro-batch layout), ``reference`` (the frozen KL
-reference) and ``update`` (the jitted update and ``TrainState``, shared with SFT).
+reference), ``update`` (the jitted update and ``TrainState``, shared with SFT) and
+``packing`` (``spec.packing``: rows packed by real length, micro-batches by tokens; every
+forward on the packed rows, everything after them on the unpacked ``[B, T]``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 
 from rljax import objectives as obj
 from rljax.train.learn import algorithms as alg
+from rljax.train.learn import packing as pack
 from rljax.train.learn import ppo as ppo_lib
 from rljax.train.learn.logprobs import policy_logprobs
 from rljax.train.learn.micro import merge_micro, split_micro
@@ -59,7 +62,10 @@ def _map_micro(fn: Callable, seqs: dict, num_micro: int, group: int = 1) -> Arra
 
 def _logprobs(spec, graphdef, params, seqs: dict) -> Array:
     """The decoder ``(graphdef, params)``'s completion log-probs over ``seqs``,
-    ``spec.num_micro`` micro-batches at a time."""
+    ``spec.num_micro`` micro-batches at a time (packed rows with ``spec.packing``)."""
+    if spec.packing is not None:
+        return pack.packed_logprobs(graphdef, params, seqs, spec.packing, chunk=spec.chunk,
+                                    temperature=spec.temperature)
     g = spec.share_group
     return _map_micro(lambda s: policy_logprobs(graphdef, params, s, chunk=spec.chunk,
                                                 temperature=spec.temperature, group=g)[0],
@@ -70,10 +76,13 @@ def _prepare(spec, params, ref_params, ro: Rollout, kl_coef, teacher_params=None
     """Reference / old / value / teacher forwards and advantages -> ``(batch, extra
     metrics)``."""
     a, g = spec.alg, spec.share_group
+    extra: dict = {}
     seqs = ro.seqs()
+    if spec.packing is not None:  # the plan: from the masks, the same on every process
+        seqs.update(pack.make_plan(seqs, spec.packing))
+        extra["useful_token_frac"] = pack.useful_token_frac(seqs)
     mask_BxT = ro.loss_mask()  # what is trained on; seqs' completion mask is what is attended
     batch = dict(seqs, sampler_logp_BxT=ro.sampler_logp_BxT, loss_mask_BxT=mask_BxT)
-    extra: dict = {}
     if spec.uses_ref:  # a LoRA policy's reference: its base, adapters off (no copy)
         batch["ref_logp_BxT"] = _logprobs(spec, *reference_model(
             spec.policy_gd, params["policy"], ref_params), seqs)
@@ -88,7 +97,8 @@ def _prepare(spec, params, ref_params, ro: Rollout, kl_coef, teacher_params=None
         rewards_B = rewards_B + alg.overlong_shaping(ro.lengths_B, spec.max_new_tokens,
                                                  spec.overlong, a.overlong_penalty)
     if a.needs_value_model:  # advantage_estimator="gae"
-        values_BxT = _map_micro(
+        values_BxT = pack.packed_values(spec.value_gd, params["value"], seqs, spec.packing) if (
+            spec.packing is not None) else _map_micro(
             lambda s: ppo_lib.value_predictions(spec.value_gd, params["value"], s), seqs,
             spec.num_micro, g)
         adv, ret, _ = ppo_lib.ppo_advantages(
@@ -131,8 +141,8 @@ def _cov_selector(spec) -> Callable | None:
         return None
 
     def select(params, mb: dict, key) -> Array:
-        seqs = {k: mb[k] for k in ("prompt_BxP", "prompt_mask_BxP", "completion_BxT",
-                                   "completion_mask_BxT")}
+        seqs = {k: v for k, v in mb.items() if k.startswith("pack_") or k in (
+            "prompt_BxP", "prompt_mask_BxP", "completion_BxT", "completion_mask_BxT")}
         logp_BxT = _logprobs(spec, spec.policy_gd, params["policy"], seqs)
         return alg.cov_tokens(spec.alg, logp_BxT, mb, key)
 
@@ -182,7 +192,16 @@ def make_learn(spec, loss_fn, txs: dict, schedules: dict, constrain: Callable | 
     With ``spec.teacher_gd`` (on-policy distillation) ``teacher_params`` is the teacher's
     frozen state, global arrays like ``ref_params``.
     """
-    update = make_update(loss_fn, txs, schedules, spec.num_micro, constrain, spec.share_group)
+    if spec.packing is not None and spec.alg.num_minibatches > 1:
+        raise ValueError(f"make_learn: packed rows (RLConfig.tokens_per_micro_batch) need "
+                         f"num_minibatches=1, got {spec.alg.num_minibatches}: the plan packs "
+                         "the whole batch once")
+    if spec.packing is None:
+        update = make_update(loss_fn, txs, schedules, spec.num_micro, constrain,
+                             spec.share_group)
+    else:
+        update = make_update(loss_fn, txs, schedules, spec.packing.num_micro, constrain,
+                             split=pack.split_packed)
     select = _cov_selector(spec)
 
     def learn(params, opt_state, counters, ref_params, ro: Rollout, kl_coef, key,

@@ -4,10 +4,9 @@ The trainer never materialises float32 logits ``[B, T, V]`` for a whole batch: t
 decoder returns hidden states ``[B, T, D]`` and the output projection, log-softmax and
 gather run over ``chunk`` positions at a time inside ``jax.checkpoint``, so the backward
 pass recomputes one chunk's ``[B, chunk, V]`` logits instead of storing all of them.
-A decoder's linear head (tied embedding or ``lm_head``) goes through
-:func:`linear_logprobs`, whose hand-written backward forms each chunk's logits gradient
-once and issues ``dh`` and ``dW`` on it (see there); other heads through
-:func:`chunked_logprobs` and plain autodiff.
+A linear head (tied embedding or ``lm_head``) goes through :func:`linear_logprobs` (a
+hand-written backward forms each chunk's logits gradient once, for ``dh`` and ``dW``);
+other heads through :func:`chunked_logprobs` and plain autodiff.
 
 Sequence layout (shared by SFT and RL): prompts are left-padded to a common width P and
 completions right-padded to width T; the model reads ``concat(prompt, completion)`` and the
@@ -368,11 +367,7 @@ def _grouped_completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_Bx
 
 def head_logits(model_graphdef):
     """A ``(params, h) -> logits`` function for ``chunked_logprobs`` from a decoder graphdef."""
-
-    def fn(params, h):
-        return nnx.merge(model_graphdef, params).logits_from_hidden(h)
-
-    return fn
+    return lambda params, h: nnx.merge(model_graphdef, params).logits_from_hidden(h)
 
 
 def policy_logprobs(graphdef, params, seqs: dict, *, chunk: int, temperature: float = 1.0,
@@ -385,16 +380,19 @@ def policy_logprobs(graphdef, params, seqs: dict, *, chunk: int, temperature: fl
     at masked positions are finite but meaningless.
     """
     model = nnx.merge(graphdef, params)
-    h_BxTxD = completion_hidden(
-        model, seqs["prompt_BxP"], seqs["prompt_mask_BxP"], seqs["completion_BxT"],
-        seqs["completion_mask_BxT"], remat=remat, group=group,
-    )
-    targets_BxT = seqs["completion_BxT"].astype(jnp.int32)
-    head = head_weight(model)
+    h_BxTxD = completion_hidden(model, seqs["prompt_BxP"], seqs["prompt_mask_BxP"],
+                                seqs["completion_BxT"], seqs["completion_mask_BxT"],
+                                remat=remat, group=group)
+    return hidden_logprobs(graphdef, params, model, h_BxTxD, seqs["completion_BxT"],
+                           chunk=chunk, temperature=temperature)
+
+
+def hidden_logprobs(graphdef, params, model, h_BxTxD, targets_BxT, *, chunk, temperature):
+    """``(logp_BxT, entropy_BxT)`` of ``targets_BxT`` from the hidden states of ``model``
+    (merged from ``(graphdef, params)``): :func:`linear_logprobs` for a linear head."""
+    targets_BxT, head = targets_BxT.astype(jnp.int32), head_weight(model)
     if head is not None:  # the linear head: log-probs with the hand-written backward
-        w, vocab_major = head
-        return linear_logprobs(w, h_BxTxD, targets_BxT, vocab_major=vocab_major, chunk=chunk,
+        return linear_logprobs(head[0], h_BxTxD, targets_BxT, vocab_major=head[1], chunk=chunk,
                                temperature=temperature, compute_dtype=_compute_dtype(model.config))
-    return chunked_logprobs(
-        head_logits(graphdef), params, h_BxTxD, targets_BxT, chunk=chunk, temperature=temperature,
-    )
+    return chunked_logprobs(head_logits(graphdef), params, h_BxTxD, targets_BxT, chunk=chunk,
+                            temperature=temperature)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax import objectives as obj
+from rljax.train.learn import packing as pack
 from rljax.train.learn import ppo as ppo_lib
 from rljax.train.learn.logprobs import policy_logprobs
 from rljax.train.learn.micro import loss_mask
@@ -70,29 +71,68 @@ def _one_pass_logprobs(policy_gd, policy_params, mb: dict, coef, values, *, obje
     return out
 
 
+def _packed_one_pass(policy_gd, policy_params, mb: dict, coef, values, *, objective, chunk,
+                     temperature, remat, packing, **fields):
+    """``_one_pass_logprobs`` on a packed micro-batch (``rljax.train.learn.packing``)."""
+    arrays = {k: v for k, v in mb.items() if k.endswith("_BxT") and not k.startswith("pack_")}
+
+    def loss_of(aux, lp, en):
+        arrays, values, coef = aux
+        return objective(_objective_batch(arrays, lp, en, values, **fields), coef)[0]
+
+    out = pack.micro_one_pass(policy_gd, policy_params, mb, packing, loss_of,
+                              (arrays, sg(values), coef), chunk=chunk, temperature=temperature,
+                              remat=remat, with_entropy=fields["entropy_grad"])
+    if out is None:
+        raise ValueError("rl_loss: one_pass=True, but the policy has no linear output head")
+    return out
+
+
+def _current(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, temperature,
+             remat, group, one_pass, packing, **fields):
+    """``(values, surrogate, logp, ent)`` of the current parameters on a micro-batch."""
+    values = None
+    if packing is not None:  # a packed micro-batch: forwards on its packed rows
+        if value_gd is not None:
+            values = pack.micro_values(value_gd, params["value"], mb, packing, remat=remat)
+        if one_pass:
+            return (values, *_packed_one_pass(
+                policy_gd, params["policy"], mb, coef, values, objective=objective, chunk=chunk,
+                temperature=temperature, remat=remat, packing=packing, **fields))
+        return (values, 0.0, *pack.micro_logprobs(policy_gd, params["policy"], mb, packing,
+                                                  chunk=chunk, temperature=temperature,
+                                                  remat=remat))
+    if value_gd is not None:
+        values = ppo_lib.value_predictions(value_gd, params["value"], mb, remat=remat)
+    if one_pass:  # log-probs as values; their gradient enters through the surrogate
+        return (values, *_one_pass_logprobs(
+            policy_gd, params["policy"], mb, coef, values, objective=objective, chunk=chunk,
+            temperature=temperature, remat=remat, group=group, **fields))
+    logp, ent = policy_logprobs(policy_gd, params["policy"], mb, chunk=chunk,
+                                temperature=temperature, remat=remat, group=group)
+    return values, 0.0, logp, ent
+
+
 def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, temperature,
             remat, self_old: bool, use_sampler: bool, entropy_grad: bool, group: int = 1,
-            one_pass: bool = False):
+            one_pass: bool = False, packing=None):
     """The RL micro-batch loss: current log-probs (and values) -> ``ObjectiveBatch`` ->
     the objective's ``(loss_sum, count, metrics)`` plus the sampler-gap metric. ``group``:
     the micro-batch's rows share prompts in groups of that many (``policy_logprobs``).
     ``one_pass``: the head form "one-pass" (``rljax.train.programs.paths.ForwardPaths.head``: the
     objective is token-separable and the policy has a linear head); the head then forms
     its gradient in the forward pass
-    (``rljax.train.learn.onepass``): the same loss and, to rounding, the same gradients."""
+    (``rljax.train.learn.onepass``): the same loss and, to rounding, the same gradients.
+    ``packing``: the batch's ``rljax.train.learn.packing.PackSpec`` (None: padded rows);
+    ``mb`` is then one packed micro-batch and its loss terms are its rows'."""
+    if packing is not None:
+        mb = pack.this_micro(mb, packing)
     m = loss_mask(mb)
-    values = None
-    if value_gd is not None:
-        values = ppo_lib.value_predictions(value_gd, params["value"], mb, remat=remat)
     fields = dict(self_old=self_old, use_sampler=use_sampler, entropy_grad=entropy_grad)
-    if one_pass:  # log-probs as values; their gradient enters through the surrogate
-        surrogate, logp, ent = _one_pass_logprobs(
-            policy_gd, params["policy"], mb, coef, values, objective=objective, chunk=chunk,
-            temperature=temperature, remat=remat, group=group, **fields)
-    else:
-        logp, ent = policy_logprobs(policy_gd, params["policy"], mb, chunk=chunk,
-                                    temperature=temperature, remat=remat, group=group)
-        surrogate = 0.0
+    values, surrogate, logp, ent = _current(
+        params, mb, coef, policy_gd=policy_gd, value_gd=value_gd, objective=objective,
+        chunk=chunk, temperature=temperature, remat=remat, group=group, one_pass=one_pass,
+        packing=packing, **fields)
     loss_sum, count, metrics = objective(_objective_batch(mb, logp, ent, values, **fields), coef)
     n = jnp.sum(m)
     gap = jnp.where(m > 0, jnp.abs(sg(logp) - mb["sampler_logp_BxT"]), 0.0)

@@ -101,12 +101,15 @@ def _add_metrics(acc: dict, new: dict) -> dict:
 
 
 def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
-               constrain: Callable | None = None, group: int = 1):
+               constrain: Callable | None = None, group: int = 1,
+               split: Callable | None = None):
     """Sum of loss sums, counts, metric pairs and loss-sum gradients over micro-batches.
 
     Returns ``(grads_sum, loss_sum, count, metrics)`` (all sums; divide once).
     ``constrain`` re-applies the batch sharding to each micro-batch slice; ``group``
-    keeps groups of that many consecutive rows whole (:func:`split_micro`).
+    keeps groups of that many consecutive rows whole (:func:`split_micro`). ``split``:
+    ``(batch, num_micro) -> (micro-batches stacked, arrays every micro-batch sees whole)``
+    in place of splitting every array (a packed batch: ``rljax.train.learn.packing``).
     """
 
     def one(mb):
@@ -124,14 +127,17 @@ def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
 
     if num_micro == 1:
         return one(batch)
-    micro = jax.tree.map(lambda x: split_micro(x, num_micro, group), batch)
+    if split is None:
+        micro, shared = jax.tree.map(lambda x: split_micro(x, num_micro, group), batch), {}
+    else:
+        micro, shared = split(batch, num_micro)
     first = jax.tree.map(lambda x: x[0], micro)
     rest = jax.tree.map(lambda x: x[1:], micro)
-    init = one(first)
+    init = one({**shared, **first})
 
     def body(carry, mb):
         g, ls, c, m = carry
-        g2, ls2, c2, m2 = one(mb)
+        g2, ls2, c2, m2 = one({**shared, **mb})
         return (jax.tree.map(jnp.add, g, g2), ls + ls2, c + c2, _add_metrics(m, m2)), None
 
     out, _ = jax.lax.scan(body, init, rest)
@@ -152,7 +158,8 @@ def with_frozen(train: dict, frozen: dict) -> dict:
 
 
 def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
-                constrain: Callable | None = None, group: int = 1):
+                constrain: Callable | None = None, group: int = 1,
+                split: Callable | None = None):
     """Build ``update(params, opt_state, counters, batch, coef) -> (params, opt_state,
     counters, metrics)``, the pure function the trainer jits with donation.
 
@@ -161,7 +168,8 @@ def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
     ``updates``, increments ``nonfinite_run`` and ``skipped``; a finite one resets
     ``nonfinite_run``. Metrics: ``loss``, ``grad_norm`` (before clipping), ``lr`` (of the
     first model), ``skipped_update``, and each loss metric's mean. ``group``: micro-batches
-    keep groups of that many consecutive rows whole (:func:`split_micro`).
+    keep groups of that many consecutive rows whole (:func:`split_micro`); ``split`` as in
+    :func:`accumulate`.
     """
 
     def update(all_params, opt_state, counters, batch, coef):
@@ -169,7 +177,7 @@ def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
         params, frozen = trainable(all_params)
         loss = lambda p, mb, c: loss_fn(with_frozen(p, frozen), mb, c)
         grads, loss_sum, count, msums = accumulate(loss, params, batch, coef, num_micro,
-                                                   constrain, group)
+                                                   constrain, group, split)
         denom = jnp.where(count > 0, count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss = loss_sum / denom

@@ -26,6 +26,7 @@ from rljax.train.config.algorithm import AlgorithmSpec
 from rljax.train.learn import make_learn
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
+from rljax.train.learn.packing import PackSpec
 from rljax.train.learn.update import batch_constrainer, make_optimizer
 from rljax.train.programs.fused import device_rollout, split_step_key
 from rljax.train.programs.paths import ForwardPaths
@@ -60,6 +61,8 @@ class StepSpec:
     out_shardings: on a mesh, ``(treedef, leaves)`` of the ``(params, opt_state)``
       shardings the program returns (those of the state it updates, so the next step's
       arguments match and their buffers are donated in place).
+    packing: the packed batch's shape (``rljax.train.learn.packing.PackSpec``: rows packed
+      into sequences, micro-batches by token budget); None: padded rows.
     """
 
     alg: AlgorithmSpec
@@ -81,6 +84,7 @@ class StepSpec:
     device_reward: Any = None
     mesh: Any = None
     out_shardings: tuple | None = None
+    packing: PackSpec | None = None
 
     @property
     def share_group(self) -> int:
@@ -117,7 +121,7 @@ def learn_fn(spec: StepSpec):
         objective=alg.make_objective(a, spec.max_new_tokens), chunk=spec.chunk,
         temperature=spec.temperature, remat=spec.remat, self_old=spec.old_mode == "self",
         use_sampler=alg.uses_sampler_logp(a), entropy_grad=a.entropy_coef != 0.0,
-        group=spec.share_group, one_pass=spec.paths.head == "one-pass")
+        group=spec.share_group, one_pass=spec.paths.head == "one-pass", packing=spec.packing)
     optims = optimizers(spec)
     return make_learn(spec, loss, {k: v[0] for k, v in optims.items()},
                       {k: v[1] for k, v in optims.items()}, batch_constrainer(spec.mesh))
