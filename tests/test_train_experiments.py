@@ -84,3 +84,16 @@ def test_full_demo_configs_are_valid():
     ppo = load_experiment("arithmetic_ppo")
     assert ppo.algorithm.resolve().kl_in == "reward" and ppo.algorithm.name == "ppo"
     assert ppo.sampling.temperature == 1.0  # PPO keeps its measured setting
+
+
+@pytest.mark.slow
+def test_arithmetic_tool_quick_runs_the_seed_and_the_control(capsys):
+    """experiments/arithmetic_tool.py end to end at its smoke size: warm-up on tool-use
+    traces, multi-turn GRPO with the calculator, the control without it, the RESULT line."""
+    tool = experiment_module("arithmetic_tool")
+    assert tool.main(["--seeds", "1", "--quick"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].startswith("RESULT seeds=1 success_before=") and "control_success=" in lines[-1]
+    assert any(ln.startswith("CONTROL ") for ln in lines) and any(ln.startswith("SEED ") for ln in lines)
+    with pytest.raises(SystemExit):
+        tool.main(["--seeds", "0"])
