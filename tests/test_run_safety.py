@@ -172,9 +172,15 @@ def test_sigterm_and_ctrl_c_in_the_warm_up_save_and_resume_continues(exp, capsys
         assert ck.latest_step() == 2
     assert _sft_losses(cut)[0] == [1, 2]
     out = io.StringIO()
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(KeyboardInterrupt):
-        mp.setattr(SFTTrainer, "step", _stopping_at(1, signal.SIGINT, []))  # its step 3
-        run_experiment(_cfg(exp, "cut", "run.resume=true"), out=out)
+    # Python's own Ctrl-C handler: a suite started in the background ignores SIGINT (and
+    # a run keeps ignoring it, by design)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.MonkeyPatch.context() as mp, pytest.raises(KeyboardInterrupt):
+            mp.setattr(SFTTrainer, "step", _stopping_at(1, signal.SIGINT, []))  # its step 3
+            run_experiment(_cfg(exp, "cut", "run.resume=true"), out=out)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert "resumed the SFT warm-up" in out.getvalue() and "at step 2" in out.getvalue()
     with Checkpointer(cut / "sft_checkpoints") as ck:
         assert ck.latest_step() == 3

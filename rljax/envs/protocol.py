@@ -134,7 +134,8 @@ class EnvLimits:
                              f"got {t!r}")
 
 
-def _check_mode(mode: str, gamma: float) -> None:
+def check_return_mode(mode: str, gamma: float) -> None:
+    """ValueError unless ``mode`` is one of ``RETURN_MODES`` and ``gamma`` is in [0, 1]."""
     if mode not in RETURN_MODES:
         raise ValueError(f"return mode must be one of {RETURN_MODES}, got {mode!r}")
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
@@ -143,7 +144,7 @@ def _check_mode(mode: str, gamma: float) -> None:
 
 def returns_to_go(rewards_T: Sequence[float], gamma: float = 1.0) -> np.ndarray:
     """float32[T]: `G_t = r_t + gamma * G_{t+1}`, the discounted reward-to-go of each turn."""
-    _check_mode("discounted", gamma)
+    check_return_mode("discounted", gamma)
     r_T = np.asarray(rewards_T, np.float64).reshape(-1)
     g_T = np.zeros_like(r_T)
     acc = 0.0
@@ -157,7 +158,7 @@ def episode_return(rewards_T: Sequence[float], mode: str = "sum", gamma: float =
     """One episode's return from its per-turn rewards: `"sum"` is `sum_t r_t`,
     `"discounted"` is `sum_t gamma^t r_t` (t = 0 at the first model turn). A
     trajectory-level reward (0 until the last turn) is its own return under `"sum"`."""
-    _check_mode(mode, gamma)
+    check_return_mode(mode, gamma)
     if mode == "sum":
         return float(np.sum(np.asarray(rewards_T, np.float64)))
     g_T = returns_to_go(rewards_T, gamma)

@@ -133,7 +133,8 @@ class DecodeState:
     sampling_logp_RxN: jax.Array
 
 
-def _constrain(x, mesh, names):
+def constrain(x, mesh, names):
+    """``x`` constrained to the logical axes ``names`` on ``mesh`` (as is for None)."""
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, logical_sharding(names, x.shape, mesh))
@@ -145,7 +146,7 @@ def _constrain_state(s: DecodeState, mesh) -> DecodeState:
     cache = s.cache if s.cache is None else jax.lax.with_sharding_constraint(
         s.cache, kv_cache_shardings(s.cache, mesh))
     rows = {
-        f.name: _constrain(getattr(s, f.name), mesh, ("batch",) + (None,) * (getattr(s, f.name).ndim - 1))
+        f.name: constrain(getattr(s, f.name), mesh, ("batch",) + (None,) * (getattr(s, f.name).ndim - 1))
         for f in dataclasses.fields(s)
         if f.name.endswith(("_R", "_RxN"))
     }
@@ -193,7 +194,7 @@ def inference_layout(params, head_VxD, mesh, place=jax.lax.with_sharding_constra
     return params, head_VxD
 
 
-def _decode_model(graphdef, params, head_VxD, mesh):
+def decode_model(graphdef, params, head_VxD, mesh):
     """The decoder the sampler runs: matmul weights in the compute dtype
     (``rljax.models.layers.cast_matmul_weights``: the values each forward casts to
     anyway, so the same results; cast before the layout change, so an FSDP gather moves
@@ -227,7 +228,7 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
     holding its rows on a mesh: the decode's read-only prefix) and the prompt arrays
     repeated for the rows.
     """
-    model, head_VxD = _decode_model(graphdef, params, head_VxD, mesh)
+    model, head_VxD = decode_model(graphdef, params, head_VxD, mesh)
     b, p = tokens_BxP.shape
     cache = model.init_cache(b, p)
     if mesh is not None:
@@ -267,7 +268,7 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, 
     ``cached_vocab_major_weight`` (or None). The parameters are constrained to the
     inference layout here, outside the loops.
     """
-    model, head_VxD = _decode_model(graphdef, params, head_VxD, mesh)
+    model, head_VxD = decode_model(graphdef, params, head_VxD, mesh)
     r, p = s.last_R.shape[0], prefix.max_len
     ones_Rx1 = jnp.ones((r, 1), bool)
     head = vocab_major_head(model, head_VxD)
@@ -300,7 +301,7 @@ def compiled_count() -> int:
     return _prefill._cache_size() + _decode._cache_size()
 
 
-def _mesh_of(params):
+def mesh_of(params):
     """The mesh the parameters live on (None for a single device / unsharded)."""
     for leaf in jax.tree.leaves(params):
         sh = getattr(leaf, "sharding", None)
@@ -320,7 +321,7 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
     inference layout first (module docstring), and the output weight is built from (and
     cached with) that copy.
     """
-    mesh = _mesh_of(params) if mesh is None else mesh
+    mesh = mesh_of(params) if mesh is None else mesh
     host = (prompts.tokens_BxP, prompts.mask_BxP, prompts.positions_BxP)
     cast = (lambda p: p) if config is None else (
         lambda p: cast_matmul_weights(p, compute_dtype(config)))

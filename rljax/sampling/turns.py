@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from rljax.models import kv_cache_shardings
 from rljax.sampling.head import vocab_major_head
 from rljax.sampling.ops import SamplingParams
-from rljax.sampling.sampler import _constrain, _decode_model
+from rljax.sampling.sampler import constrain, decode_model
 from rljax.sampling.vocab_shards import sample_tokens_sharded
 
 __all__ = ["TurnSpec", "TurnState", "start", "observe", "decode_turn", "turn_flags",
@@ -106,7 +106,7 @@ class TurnState:
 def _constrain_rows(s: TurnState, mesh) -> TurnState:
     if mesh is None:
         return s
-    rows = {f.name: _constrain(getattr(s, f.name), mesh,
+    rows = {f.name: constrain(getattr(s, f.name), mesh,
                                ("batch",) + (None,) * (getattr(s, f.name).ndim - 1))
             for f in dataclasses.fields(s) if f.name.endswith(("_R", "_RxT", "_RxL"))}
     cache = jax.lax.with_sharding_constraint(s.cache, kv_cache_shardings(s.cache, mesh))
@@ -167,7 +167,7 @@ def _step_key(s: TurnState):
 def start(graphdef, spec: TurnSpec, mesh, params, head_VxD, prompt_RxP, mask_RxP, budget_R,
           key) -> TurnState:
     """Prefill the left-padded prompts at slot 0 and draw each row's first token."""
-    model, head_VxD = _decode_model(graphdef, params, head_VxD, mesh)
+    model, head_VxD = decode_model(graphdef, params, head_VxD, mesh)
     r, p = prompt_RxP.shape
     t = spec.completion_len
     mask_RxP = jnp.asarray(mask_RxP, bool)
@@ -194,7 +194,7 @@ def observe(graphdef, spec: TurnSpec, mesh, params, head_VxD, s: TurnState, obs_
     """Append each continuing row's last drawn token and its observation to the cache
     (``obs_RxW`` left-padded, ``obs_len_R`` real ids each), write the observation into
     the completion (loss mask 0), and begin the next turn with ``budget_R``."""
-    model, head_VxD = _decode_model(graphdef, params, head_VxD, mesh)
+    model, head_VxD = decode_model(graphdef, params, head_VxD, mesh)
     w = obs_RxW.shape[1]
     t = spec.completion_len
     cont_R = jnp.asarray(continue_R, bool)
@@ -224,7 +224,7 @@ def decode_turn(graphdef, spec: TurnSpec, mesh, params, head_VxD, s: TurnState):
     """Decode until every row's turn has ended. Returns ``(state, turn_RxN, turn_len_R)``:
     this turn's tokens of each row (``N = turn_tokens``, ``pad_id`` after them) and
     their count."""
-    model, head_VxD = _decode_model(graphdef, params, head_VxD, mesh)
+    model, head_VxD = decode_model(graphdef, params, head_VxD, mesh)
     head = vocab_major_head(model, head_VxD)
 
     def body(s):
@@ -242,7 +242,7 @@ def decode_turn(graphdef, spec: TurnSpec, mesh, params, head_VxD, s: TurnState):
     cols_RxN = s.turn_start_R[:, None] + jnp.arange(n)[None]
     turn_RxN = jnp.take_along_axis(s.tokens_RxT, jnp.clip(cols_RxN, 0, t - 1), 1)
     turn_RxN = jnp.where(jnp.arange(n)[None] < len_R[:, None], turn_RxN, spec.pad_id)
-    return s, _constrain(turn_RxN, mesh, ("batch", None)), len_R
+    return s, constrain(turn_RxN, mesh, ("batch", None)), len_R
 
 
 @jax.jit

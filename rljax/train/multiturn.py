@@ -34,13 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.envs import EnvBatch, EnvLimits
-from rljax.envs.protocol import _check_mode
+from rljax.envs.protocol import check_return_mode
 from rljax.models.layers import cast_matmul_weights, compute_dtype
 from rljax.sampling.generate import config_of
 from rljax.sampling.head import cached_vocab_major_weight
 from rljax.sampling.ops import SamplingParams
 from rljax.sampling.prompts import bucket_length
-from rljax.sampling.sampler import _mesh_of, inference_layout
+from rljax.sampling.sampler import inference_layout, mesh_of
 from rljax.sampling.turns import (TurnSpec, cache_slots, decode_turn, observe, start,
                                   turn_flags)
 from rljax.sharding import logical_sharding, mesh_context
@@ -133,7 +133,7 @@ class MultiTurnRollouts:
                  group_size: int, mesh=None, pool=None, return_mode: str = "sum",
                  gamma: float = 1.0, prompt_multiple: int = 16, obs_multiple: int = 16,
                  chat=None):
-        _check_mode(return_mode, gamma)
+        check_return_mode(return_mode, gamma)
         if not isinstance(limits, EnvLimits):
             raise TypeError(f"MultiTurnRollouts: limits must be an EnvLimits, got "
                             f"{type(limits).__name__}")
@@ -240,7 +240,7 @@ class MultiTurnRollouts:
         tok_BxP, mask_BxP = self._prompts(first, lo, b, g)
         spec = self.spec(tok_BxP.shape[1], greedy)
         glob = functools.partial(hosts.to_global, n_rows=b, mesh=self.mesh)
-        mesh = _mesh_of(params) if self.mesh is None else self.mesh
+        mesh = mesh_of(params) if self.mesh is None else self.mesh
         config = config_of(self.gd, params)
         params = cast_matmul_weights(params, compute_dtype(config))  # as the sampler's run
         with jax.transfer_guard("allow"):  # the inference copy of the weights (no host data)
