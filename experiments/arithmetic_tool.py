@@ -67,17 +67,17 @@ class ToolRun:
     sft_max_steps: int = 400
     sft_batch: int = 64
     sft_lr: float = 2e-3
-    stop_success: float = 0.3
+    stop_success: float = 0.4
     stop_every: int = 5
     rl_steps: int = 80
     prompts_per_step: int = 16
     group_size: int = 8
     lr: float = 4e-4
-    temperature: float = 0.7
+    temperature: float = 0.5
     turn_tokens: int = 96
     max_turns: int = 3
     total_tokens: int = 224
-    val_problems: int = 64
+    val_problems: int = 128
     eval_problems: int = 256
 
 
