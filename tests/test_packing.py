@@ -1,7 +1,7 @@
 """Packed learning batches (`rljax.train.learn.packing`): the plan, the packed forward, and
 the packed learning program against the padded one: the same loss, metrics and
-gradients for GRPO (one-pass head), PPO with a value model, GSPO (sequence ratio) and
-distillation, on one device and on the 8-device mesh."""
+gradients for GRPO (one-pass head; also with a multi-turn loss mask), PPO with a value
+model, GSPO (sequence ratio) and distillation, on one device and on the 8-device mesh."""
 
 import dataclasses
 
@@ -34,15 +34,21 @@ def _seqs(rng, g: int) -> dict:
     return s
 
 
-def _rollout(rng, g: int) -> Rollout:
+def _rollout(rng, g: int, gaps: bool = False) -> Rollout:
+    """``gaps``: a multi-turn episode's loss mask, 0 at the observation tokens inside the
+    completion (the second and third)."""
     s = _seqs(rng, g)
     weight = np.ones(B, np.float32)
     weight[-g:] = 0.0  # a padding group (DAPO's): not packed, changes nothing
+    loss = None
+    if gaps:
+        loss = s["completion_mask_BxT"].copy()
+        loss[:, 1:3] = 0.0
     return Rollout(s["prompt_BxP"], s["prompt_mask_BxP"], s["completion_BxT"],
                    s["completion_mask_BxT"], -rng.random((B, T), dtype=np.float32),
                    (s["completion_mask_BxT"][:, -1] > 0).astype(np.float32),
                    rng.random(B).astype(np.float32), np.zeros(B, np.float32), weight,
-                   group_size=g)
+                   loss_mask_BxT=loss, group_size=g)
 
 
 def test_plan_places_every_real_token_once_within_its_shard():
@@ -118,7 +124,9 @@ CASES = {  # name -> (preset, its overrides, the head form it must take)
 }
 
 
-def _compare(case: str, mesh, shards: int, rows_per_micro: int):
+def _compare(case: str, mesh, shards: int, rows_per_micro: int, gaps: bool = False):
+    """The packed program's metrics and parameter updates equal the padded one's; returns
+    the padded one's ``(metrics, updates)``."""
     preset, kw, head = CASES[case]
     gd, st = tiny_model(num_layers=1)
     kw = dict(kw)
@@ -132,7 +140,7 @@ def _compare(case: str, mesh, shards: int, rows_per_micro: int):
         st, vst = (None if x is None else shard_params(x, mesh) for x in (st, vst))
     tr = _trainer(preset, gd, mesh, **kw)
     assert tr.base_spec.paths.head == head
-    ro = _rollout(np.random.default_rng(3), 1 if preset in ("ppo", "distill") else 2)
+    ro = _rollout(np.random.default_rng(3), 1 if preset in ("ppo", "distill") else 2, gaps)
     bins = int(pack.bins_needed(ro.masked_by_weight().seqs(), shards))
     packed = pack.choose_spec(bins, rows_per_micro * (P + T), P + T, shards)
     assert packed.num_micro >= 2  # the packed program accumulates micro-batches
@@ -159,11 +167,22 @@ def _compare(case: str, mesh, shards: int, rows_per_micro: int):
     assert scale > 0
     for x, y in zip(leaves0, leaves1):
         np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5 * scale)
+    return m0, d0
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_program_equals_the_padded_one(case):
     _compare(case, None, 1, 2)
+
+
+def test_packed_program_keeps_a_multiturn_loss_mask():
+    """Multi-turn episodes packed: observation tokens (loss mask 0 inside the completion)
+    are attended to and not trained on, packed as padded; the control: the mask changes
+    the padded program's update, so the packed one had a mask to keep."""
+    _, d_gaps = _compare("grpo-one-pass", None, 1, 2, gaps=True)
+    _, d = _compare("grpo-one-pass", None, 1, 2)
+    assert max(float(np.abs(x - y).max())
+               for x, y in zip(jax.tree.leaves(d_gaps), jax.tree.leaves(d))) > 1e-4
 
 
 def test_packed_program_equals_the_padded_one_on_the_mesh(mesh8):

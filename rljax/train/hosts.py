@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rljax.sharding import batch_sharding, replicated
+from rljax.sharding import batch_sharding, logical_sharding, replicated
 
 Array = Any
 
@@ -116,6 +116,16 @@ def put_replicated(value, mesh, dtype) -> jax.Array:
     with jax.transfer_guard("allow"):
         x = np.asarray(value, dtype)
         return jnp.asarray(x) if mesh is None else jax.device_put(x, replicated(mesh))
+
+
+def put_rows(x: np.ndarray, mesh) -> jax.Array:
+    """Identical host rows on every process (every process's prompt ids or task arrays)
+    -> a global array split by rows."""
+    with jax.transfer_guard("allow"):
+        if mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, logical_sharding(("batch",) + (None,) * (x.ndim - 1),
+                                                  x.shape, mesh))
 
 
 def gather_rows(local_NxW: np.ndarray) -> np.ndarray:

@@ -43,7 +43,7 @@ from rljax.sampling.prompts import bucket_length
 from rljax.sampling.sampler import inference_layout, mesh_of
 from rljax.sampling.turns import (TurnSpec, cache_slots, decode_turn, observe, start,
                                   turn_flags)
-from rljax.sharding import logical_sharding, mesh_context
+from rljax.sharding import mesh_context
 from rljax.train import hosts
 from rljax.train.batching import encode_text, pad_left, special_ids, stop_ids
 from rljax.train.config import SamplingConfig
@@ -162,13 +162,6 @@ class MultiTurnRollouts:
                         cache_slots(prompt_width, self.limits.max_turns, n, self.obs_width),
                         self.pad_id)
 
-    def _put_rows(self, x: np.ndarray) -> jax.Array:
-        """Identical host rows on every process -> a global array split by rows."""
-        if self.mesh is None:
-            return jnp.asarray(x)
-        return jax.device_put(x, logical_sharding(("batch",) + (None,) * (x.ndim - 1),
-                                                  x.shape, self.mesh))
-
     def _prompts(self, first, lo: int, b: int, g: int):
         """Own rows' first observations -> every process's prompts (``b`` rows in groups
         of ``g``), left-padded to their bucket, placed by rows: ``(tokens, mask)``
@@ -187,9 +180,8 @@ class MultiTurnRollouts:
         mask_all = hosts.gather_blocks(mask, lo, b)
         longest = int(mask_all.sum(axis=1).max())
         p = min(bucket_length(longest, self.prompt_multiple), self.prompt_len)
-        with jax.transfer_guard("allow"):
-            return (self._put_rows(tok_all[:, -p:].astype(np.int32)),
-                    self._put_rows(mask_all[:, -p:] > 0))
+        return (hosts.put_rows(tok_all[:, -p:].astype(np.int32), self.mesh),
+                hosts.put_rows(mask_all[:, -p:] > 0, self.mesh))
 
     def _budget(self, envs: EnvBatch, n: int) -> np.ndarray:
         return np.minimum(envs.remaining_tokens_B(), n).astype(np.int32)

@@ -19,12 +19,10 @@ count out, and the metrics dict out.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rljax.rewards.device import is_device_reward
@@ -32,7 +30,7 @@ from rljax.sharding import check_process_blocks, output_shardings, put_on
 from rljax.train import hosts
 from rljax.train import throughput
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
-                                check_algorithm_sampling)
+                                check_algorithm_sampling, check_packing)
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
 from rljax.train.learn.packing import PackSpec, choose_spec, pack_bins
@@ -45,7 +43,8 @@ from rljax.train.programs.paths import resolve_paths
 from rljax.train.programs.step import (StepSpec, fused_step, learn_fn, learn_step, optimizers,
                                        run, schedule_updates, state_scalars)
 from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts
-from rljax.train.rollout import PromptSource, Rollout, Rollouts, zero_variance_groups
+from rljax.train.dynamic import sample_until_full
+from rljax.train.rollout import PromptSource, Rollout, Rollouts
 
 __all__ = ["PromptSource", "RLTrainer", "rl_loss"]
 
@@ -65,36 +64,6 @@ class PhaseTimes:
 
 
 _split_key = jax.jit(split_step_key)
-
-
-@functools.partial(jax.jit, static_argnums=(1,))
-def _round_counts(ro: Rollout, group_size: int):
-    """A DAPO round's host numbers: kept groups (verifier outcomes differ), and the
-    completion and prompt tokens it sampled (for the step's FLOPs and token rates)."""
-    kept = jnp.sum(~zero_variance_groups(ro.rewards_B, group_size)).astype(jnp.int32)
-    return kept, jnp.sum(ro.completion_mask_BxT), jnp.sum(ro.prompt_mask_BxP)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _assemble(rounds: tuple, n_groups: int, pad_id: int) -> Rollout:
-    """DAPO's batch from its sampling rounds: groups whose outcomes differ first (in
-    sampling order), then zero-variance groups as padding with weight 0; prompts
-    left-padded to the widest round's bucket."""
-    g = rounds[0].group_size
-    width = max(r.prompt_BxP.shape[1] for r in rounds)
-
-    def widen(r: Rollout) -> Rollout:
-        pad = ((0, 0), (width - r.prompt_BxP.shape[1], 0))
-        return dataclasses.replace(r, prompt_BxP=jnp.pad(r.prompt_BxP, pad, constant_values=pad_id),
-                                   prompt_mask_BxP=jnp.pad(r.prompt_mask_BxP, pad))
-
-    cat = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[widen(r) for r in rounds])
-    zv_G = zero_variance_groups(cat.rewards_B, g)
-    take_N = jnp.argsort(zv_G, stable=True)[:n_groups]
-    rows = (take_N[:, None] * g + jnp.arange(g)[None]).reshape(-1)
-    out = jax.tree.map(lambda x: x[rows], cat)
-    weight_B = jnp.repeat(jnp.where(zv_G[take_N], 0.0, 1.0), g)
-    return dataclasses.replace(out, weight_B=weight_B)
 
 
 def _check_multiturn(multiturn, reward_fns, algorithm) -> None:
@@ -182,7 +151,7 @@ class RLTrainer:
                          else ("sampler" if algorithm.old_logp == "sampler" else "recompute"))
         self.uses_ref = algorithm.kl_in != "none" and algorithm.kl_coef > 0
         overlong = alg.resolve_overlong_buffer(algorithm, sampling.max_new_tokens)
-        self._check_packing()
+        check_packing(rl, algorithm, self.device_reward is not None)
         self.last_packing: PackSpec | None = None  # the latest step's (packing_for)
         self.paths = resolve_paths(
             policy_graphdef, objective=alg.make_objective(algorithm, sampling.max_new_tokens),
@@ -231,19 +200,6 @@ class RLTrainer:
                              f"num_minibatches and micro_batch_size so they are a multiple "
                              f"of {n_dev}")
         return num_micro
-
-    def _check_packing(self):
-        rl, a = self.rl, self.alg
-        why = ("a device reward (the one-program step cannot size its packed batch)"
-               if self.device_reward is not None else
-               f"num_minibatches={a.num_minibatches}" if a.num_minibatches > 1 else
-               f"micro_batch_size={a.micro_batch_size}" if a.micro_batch_size else
-               "share_prompts=True" if rl.share_prompts else "")
-        if rl.tokens_per_micro_batch and why:
-            raise ValueError(f"RLConfig.tokens_per_micro_batch={rl.tokens_per_micro_batch} "
-                             f"packs the batch, which rules out {why}; allowed: a host "
-                             "reward, num_minibatches=1, micro_batch_size=0, share_prompts "
-                             "None/False (or tokens_per_micro_batch=0)")
 
     def packing_for(self, ro: Rollout) -> PackSpec | None:
         """The packed batch's shape for ``ro`` (``rl.tokens_per_micro_batch``; None:
@@ -347,36 +303,20 @@ class RLTrainer:
         return m
 
     def _collect(self, state, source, pos: int, key, ph):
-        """Rollouts and rewards; DAPO's dynamic sampling keeps groups whose verifier
-        outcomes differ and samples further prompts until the batch is full (or rounds
-        run out); every process takes the same decision from the global kept count."""
+        """Rollouts and rewards of ``rl.prompts_per_step`` prompts from ``pos``: multi-turn
+        episodes, one sampling round, or DAPO's rounds (``rljax.train.dynamic``)."""
         n, params = self.rl.prompts_per_step, state.params["policy"]
-        rounds, kept, sampled = [], [], np.zeros(2)
         if self.multiturn is not None:
             t0 = time.perf_counter()
             out = self.multiturn.sample(params, source, pos, n, key)
             jax.block_until_ready(out.rollout)
             ph.times["rollout"] = time.perf_counter() - t0
             return out.rollout, pos + n, dict(out.metrics)
-        while True:
-            key, k = jax.random.split(key)
-            ro = self.rollouts.sample(params, source, pos, n, k, ph)
-            pos += n
-            if not self.alg.dynamic_sampling:
-                return ro, pos, {}
-            rounds.append(ro)
-            k, *tokens = hosts.fetch_scalars(_round_counts(ro, ro.group_size))
-            kept.append(int(k))
-            sampled += tokens
-            if sum(kept) >= n or len(rounds) > self.alg.max_refill_rounds:
-                break
-        ro = _assemble(tuple(rounds), n, self.rollouts.pad_id)
-        return ro, pos, {"zero_var_frac": 1.0 - kept[0] / n,
-                         "dyn_refill_rounds": float(len(rounds) - 1),
-                         "dyn_dropped_groups": float(len(rounds) * n - sum(kept)),
-                         "dyn_short_groups": float(max(0, n - sum(kept))),
-                         "dyn_sampled_tokens": float(sampled[0]),
-                         "dyn_sampled_prompt_tokens": float(sampled[1])}
+        sample = lambda p, k: self.rollouts.sample(params, source, p, n, k, ph)
+        if self.alg.dynamic_sampling:
+            return sample_until_full(sample, pos, n, key, pad_id=self.rollouts.pad_id,
+                                     max_refill_rounds=self.alg.max_refill_rounds)
+        return sample(pos, jax.random.split(key)[1]), pos + n, {}
 
     def add_throughput(self, m: dict, ph: PhaseTimes, params: dict | None = None) -> None:
         """Tokens/s (whole mesh and per chip), phase times, model FLOP/s and MFU

@@ -26,11 +26,11 @@ from rljax.rewards.device import is_device_reward
 from rljax.rewards.pooled import score_batch_fn
 from rljax.sampling import generate
 from rljax.sampling.generate import config_of, prepare
-from rljax.sampling.sampler import sample_arrays
-from rljax.sharding import logical_sharding
 from rljax.train import hosts
 from rljax.train.batching import decode_completions, encode_text, pad_left, special_ids, stop_ids
 from rljax.train.config import SamplingConfig
+from rljax.train.programs import program_signature
+from rljax.train.programs.evaluate import device_scores, seeds_evaluate
 
 log = logging.getLogger(__name__)
 Array = Any
@@ -215,16 +215,8 @@ class Rollouts:
         arrays = (batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP)
         if on_host:
             return spec, arrays, task
-        with jax.transfer_guard("allow"):
-            return spec, tuple(self._put_rows(x) for x in arrays), \
-                {k: self._put_rows(v) for k, v in task.items()}
-
-    def _put_rows(self, x: np.ndarray) -> jax.Array:
-        """Identical host rows on every process -> a global array split by rows."""
-        if self.mesh is None:
-            return jnp.asarray(x)
-        names = ("batch",) + (None,) * (x.ndim - 1)
-        return jax.device_put(x, logical_sharding(names, x.shape, self.mesh))
+        return (spec, tuple(hosts.put_rows(x, self.mesh) for x in arrays),
+                {k: hosts.put_rows(v, self.mesh) for k, v in task.items()})
 
     def _own_groups(self, b: int) -> tuple[int, int]:
         """This process's rows ``[lo, hi)`` of a ``b``-row batch; whole groups only."""
@@ -349,7 +341,7 @@ class Rollouts:
             rewards = self.score(texts, metadata[lo:hi], 1, first + lo)
         else:
             with jax.transfer_guard("allow"):
-                all_rows = _device_scores(self.reward_fns, out,
+                all_rows = device_scores(self.reward_fns, out,
                                           self.reward_fns.task_arrays(metadata))
             rewards = hosts.host_rows(all_rows, lo, hi)
         return [rewards], [self._verify(texts, metadata[lo:hi], 1, first + lo)]
@@ -367,29 +359,6 @@ class Rollouts:
         self.seed_programs.add(program_signature(spec, (params_S, args, task)))
         r_Sxb = np.asarray(seeds_evaluate(self.gd, self.reward_fns, spec, params_S, *args, task))
         return r_Sxb, r_Sxb > 0
-
-
-def program_signature(static, args) -> tuple:
-    """What a jitted program is compiled for besides its static arguments' identity:
-    ``static`` and every argument's shape and dtype."""
-    leaves, treedef = jax.tree.flatten(args)
-    return static, treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def seeds_evaluate(graphdef, reward, decode_spec, params, tok, mask, pos, task):
-    """Each seed's device-reward scores of its greedy completions (leading seed axis)."""
-    def one(params, tok, mask, pos, task):
-        out = sample_arrays(graphdef, params, tok, mask, pos, decode_spec, jax.random.key(0))
-        return reward(out.tokens, out.completion_mask.astype(jnp.float32), task)
-
-    return jax.vmap(one)(params, tok, mask, pos, task)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _device_scores(reward, out, task: dict):
-    """A device reward on the sampler's output (all rows, one per prompt)."""
-    return reward(out.tokens, out.completion_mask.astype(jnp.float32), task)
 
 
 def _eval_rows(n: int, mesh) -> tuple[int, int]:

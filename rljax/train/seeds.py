@@ -28,9 +28,9 @@ import numpy as np
 from rljax.train import hosts
 from rljax.train.config import SFTConfig
 from rljax.train.learn.update import TrainState, num_micro_batches
+from rljax.train.programs import program_signature
 from rljax.train.programs.step import seeds_step, state_scalars
 from rljax.train.rl import PhaseTimes, RLTrainer
-from rljax.train.rollout import program_signature
 from rljax.train.sft import SFTTrainer, sft_update_fn
 
 __all__ = ["SeedRL", "SeedSFT", "stack_states", "unstack"]

@@ -1,10 +1,10 @@
 """Frozen, validated configuration dataclasses for SFT and the RL loop.
 
 Every config validates itself in ``__post_init__``; an error names the field, the bad
-value and what is allowed. Checks that need two configs are in
-:func:`check_algorithm_sampling`. The package: ``algorithm`` (``AlgorithmConfig`` and
-``algorithm_preset``, public here too), ``presets`` (the algorithm registry), ``checks``
-(field checks), ``dicts`` (configs to JSON dicts and back).
+value and what is allowed. Checks that need two configs are
+:func:`check_algorithm_sampling` and :func:`check_packing`. The package: ``algorithm``
+(``AlgorithmConfig`` and ``algorithm_preset``, public here too), ``presets`` (the
+algorithm registry), ``checks`` (field checks), ``dicts`` (configs to JSON dicts and back).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 from rljax.train.config.algorithm import (ADV_STDS, AGGREGATIONS, ALGORITHMS,  # noqa: F401
                                           GROUP_BASELINES, KL_IN, KL_KINDS, OLD_LOGP,
                                           AlgorithmConfig, algorithm_preset)
-from rljax.train.config.checks import check_algorithm_sampling  # noqa: F401 (public here too)
+from rljax.train.config.checks import check_algorithm_sampling, check_packing  # noqa: F401
 from rljax.train.config.checks import (check_bool, check_choice, check_micro_batch, check_num,
                                        check_pass_options, fail)
 

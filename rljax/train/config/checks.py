@@ -183,3 +183,24 @@ def check_algorithm_sampling(algorithm, sampling) -> None:
                 "weight would be the kept probability mass, not a correction near 1. "
                 "Allowed: tis_cap=inf and is_low=0, or top_k=0 and top_p=1.0")
     a.overlong_tokens(sampling.max_new_tokens)
+
+
+def check_packing(rl, algorithm, device_reward: bool) -> None:
+    """Reject ``RLConfig.tokens_per_micro_batch`` (packing the batch) beside what it rules
+    out: a device reward (the one-program step cannot size its packed batch), several
+    minibatches, a fixed micro-batch size, shared prompts.
+
+    Raises:
+      ValueError: naming the setting that conflicts and what is allowed.
+    """
+    a = algorithm
+    why = ("a device reward (the one-program step cannot size its packed batch)"
+           if device_reward else
+           f"num_minibatches={a.num_minibatches}" if a.num_minibatches > 1 else
+           f"micro_batch_size={a.micro_batch_size}" if a.micro_batch_size else
+           "share_prompts=True" if rl.share_prompts else "")
+    if rl.tokens_per_micro_batch and why:
+        raise ValueError(f"RLConfig.tokens_per_micro_batch={rl.tokens_per_micro_batch} "
+                         f"packs the batch, which rules out {why}; allowed: a host "
+                         "reward, num_minibatches=1, micro_batch_size=0, share_prompts "
+                         "None/False (or tokens_per_micro_batch=0)")

@@ -4,7 +4,8 @@ functions of frozen specs (``rljax.train.programs.step``): JAX's cache shares th
 trainers with equal specs.
 
 The package: ``step`` (the step's programs and their ``StepSpec``), ``fused`` (sample ->
-score -> learn as one program, with a device reward), ``paths`` (the forward paths a
+score -> learn as one program, with a device reward), ``evaluate`` (the held-out
+evaluation's device-reward programs), ``paths`` (the forward paths a
 program takes, resolved once per trainer).
 """
 
@@ -13,8 +14,16 @@ from __future__ import annotations
 import collections
 
 import jax
+import jax.numpy as jnp
 
-__all__ = ["CompileLog"]
+__all__ = ["CompileLog", "program_signature"]
+
+
+def program_signature(static, args) -> tuple:
+    """What a jitted program is compiled for besides its static arguments' identity:
+    ``static`` and every argument's shape and dtype."""
+    leaves, treedef = jax.tree.flatten(args)
+    return static, treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
 
 
 class CompileLog:
