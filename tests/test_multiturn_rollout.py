@@ -231,6 +231,7 @@ def test_grpo_step_on_episodes(model, tr):
     assert m["env/turns"] == 2.25 and m["env/rollout_turns"] == 3.0
     assert m["env/truncated"] == 0.25 and m["truncation_rate"] == 0.25
     assert m["reward_std"] > 0 and "env/tool_calls" in m and "env/env_s" in m
+    assert m["model_flops_s"] > 0  # the policy's parameters counted on episodes too
 
 
 def test_gae_steps_over_observations():

@@ -202,15 +202,18 @@ def test_model_flops_count_each_shared_prompt_once():
     the token rates count every row's."""
     from rljax.train.rl import PhaseTimes
 
-    gd, _ = tiny_model()
+    gd, params = tiny_model()
+    n = sum(x.size for x in jax.tree.leaves(params))
     m = {}
     for share in (True, False):
         tr = _trainer(gd, share, group_size=4)
+        tr.num_params = n
         row = {"completion_tokens": 100.0, "prompt_tokens": 400.0}
         tr.add_throughput(row, PhaseTimes({"rollout": 1.0, "learn": 1.0}))
         m[share] = row
     assert m[True]["train_tok_s"] == m[False]["train_tok_s"] == 500.0
-    n = _trainer(gd, True, group_size=4).rollouts.num_params
-    # no KL reference, one epoch: 2N per generated token + 6N per computed sequence token
-    assert m[True]["model_flops_s"] == pytest.approx((2 * 100 + 6 * (100 + 100)) * n / 2.0)
-    assert m[False]["model_flops_s"] == pytest.approx((2 * 100 + 6 * (100 + 400)) * n / 2.0)
+    assert tr.uses_ref and tr.old_mode == "self"  # GRPO: a KL reference forward, one epoch
+    # 2N per generated token and per prefilled prompt token (each group's prompt once,
+    # 400 / 4), 2N (reference) + 6N (update) per computed sequence token, over 2 s
+    for share, seq in ((True, 100 + 100), (False, 100 + 400)):
+        assert m[share]["model_flops_s"] == pytest.approx((2 * (100 + 100) + 8 * seq) * n / 2.0)

@@ -111,7 +111,7 @@ def _flops(name, value=False, **alg):
                    optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=4),
                    rl=RLConfig(steps=1, prompts_per_step=4, share_prompts=False),
                    prompt_len=8, value_graphdef=vgd if value else None)
-    tr.rollouts.num_params = n = sum(x.size for x in jax.tree.leaves(p))
+    tr.num_params = n = sum(x.size for x in jax.tree.leaves(p))
     nv = sum(x.size for x in jax.tree.leaves(params.get("value", {})))
     m = {"completion_tokens": 100.0, "prompt_tokens": 40.0}
     tr.add_throughput(m, PhaseTimes({"rollout": 1.5, "learn": 0.5}), params)

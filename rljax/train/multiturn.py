@@ -151,7 +151,6 @@ class MultiTurnRollouts:
         self.stop_strings = tuple(getattr(make_env(), "stop_strings", ()))
         self.stop_seqs = stop_sequences(tokenizer, self.stop_strings)
         self.obs_width = bucket_length(limits.max_obs_tokens, obs_multiple)
-        self.num_params = 0
 
     def spec(self, prompt_width: int, greedy: bool = False) -> TurnSpec:
         """The programs' static settings for prompts ``prompt_width`` wide."""
@@ -212,8 +211,6 @@ class MultiTurnRollouts:
         (default: the trainer's) rows each; ``greedy``: temperature 0."""
         g = self.group_size if group_size is None else group_size
         b = n_prompts * g
-        if not self.num_params:
-            self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
         lo, hi = hosts.own_groups(b, g, self.mesh)
         prompts, meta = source(pos + lo // g, (hi - lo) // g)
         rows = [{"prompt": p, **m} for p, m in zip(prompts, meta) for _ in range(g)]

@@ -153,6 +153,7 @@ class RLTrainer:
         overlong = alg.resolve_overlong_buffer(algorithm, sampling.max_new_tokens)
         check_packing(rl, algorithm, self.device_reward is not None)
         self.last_packing: PackSpec | None = None  # the latest step's (packing_for)
+        self.num_params = 0  # the policy's parameter count (init_state): the step's FLOPs
         self.paths = resolve_paths(
             policy_graphdef, objective=alg.make_objective(algorithm, sampling.max_new_tokens),
             one_pass_head=rl.one_pass_head,
@@ -238,6 +239,7 @@ class RLTrainer:
         has no reference copy (its reference is the base: adapters off).
         The state takes ownership of ``policy_params`` / ``value_params``: updates donate
         their buffers, so do not use the passed arrays afterwards (copy them first)."""
+        self.num_params = sum(x.size for x in jax.tree.leaves(policy_params))
         params = {"policy": lora_base(self.gd, policy_params)}  # with adapters: the base in cd
         if self.value_gd is not None:
             if value_params is None:
@@ -337,7 +339,7 @@ class RLTrainer:
         policy = None if params is None else params.get("policy")
         lora = policy is not None and has_adapters(policy)  # weight gradients: adapters only
         flops = throughput.step_model_flops(
-            self.rollouts.num_params, gen_tokens=gen, seq_tokens=computed, extra_forwards=fwd,
+            self.num_params or size(policy), gen_tokens=gen, seq_tokens=computed, extra_forwards=fwd,
             epochs=self.alg.num_epochs, teacher_params=size(self.teacher_params),
             prefill_tokens=prefill,
             value_params=size(None if params is None else params.get("value")),

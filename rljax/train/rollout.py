@@ -158,16 +158,13 @@ class Rollouts:
         self.reward_timeout_s = reward_timeout_s if reward_pool is not None else None
         self.pad_id, self.eos_id = special_ids(tokenizer)
         self.stop_ids = stop_ids(tokenizer)
-        self.num_params = 0
         self._terms: dict[str, list] = {}  # reward term -> [sum, rows] since term_means
         self.seed_programs: set = set()  # the seed form's evaluation programs (signatures)
 
-    def _own_prompts(self, params, source: PromptSource, pos: int, n: int):
+    def _own_prompts(self, source: PromptSource, pos: int, n: int):
         """This process's block of prompts ``pos .. pos + n`` (whole groups of its rows
         ``[lo, hi)``) -> ``(lo, hi, own metadata, ids [n, prompt_len], masks)``, the ids and
-        masks every process's, placed by position. Counts the policy's parameters once."""
-        if not self.num_params:
-            self.num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+        masks every process's, placed by position."""
         g = self.group_size
         lo, hi = self._own_groups(n * g)
         prompts, meta = source(pos + lo // g, (hi - lo) // g)
@@ -207,7 +204,7 @@ class Rollouts:
         mask, positions), task arrays)``, the arrays placed on the mesh by rows (numpy,
         every process's rows, with ``on_host``)."""
         g = self.group_size
-        lo, _, meta, tok, mask = self._own_prompts(params, source, pos, n_prompts)
+        lo, _, meta, tok, mask = self._own_prompts(source, pos, n_prompts)
         task = {k: hosts.gather_blocks(np.asarray(v), lo // g, n_prompts)
                 for k, v in self.reward_fns.task_arrays(meta).items()}
         batch, spec = prepare(config_of(self.gd, params), tok, prompt_mask=mask > 0,
@@ -283,7 +280,7 @@ class Rollouts:
         block), scored on its own rows."""
         g = self.group_size
         b = n_prompts * g
-        lo, hi, meta, tok, mask = self._own_prompts(params, source, pos, n_prompts)
+        lo, hi, meta, tok, mask = self._own_prompts(source, pos, n_prompts)
         out = ph.timed("rollout", self.generate, params, tok, mask, key, num_samples=g)
         t0 = time.perf_counter()
         texts = self._own_texts(out, lo, hi)
