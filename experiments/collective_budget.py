@@ -44,6 +44,7 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rljax.models import Decoder  # noqa: E402
+from rljax.train.learn.packing import choose_spec  # noqa: E402
 from rljax.sharding.collectives import (Expectation, classify, group_axes,  # noqa: E402
                                         parse_collectives, state_parameter_sizes)
 
@@ -89,6 +90,9 @@ def expectations(cfg, model_cfg, mesh) -> dict[str, Expectation]:
     minibatch = b // alg.num_minibatches
     micro_rows = alg.micro_batch_size or minibatch
     num_micro = minibatch // micro_rows
+    if cfg.rl.tokens_per_micro_batch:  # packed: memory_budget's largest bucket
+        pack = choose_spec(b // shards, cfg.rl.tokens_per_micro_batch, p + t, shards)
+        micro_rows, num_micro = pack.rows_per_micro, pack.num_micro
     heads = model_cfg.num_heads * model_cfg.head_dim
     width = max(model_cfg.hidden_size, model_cfg.intermediate_size, heads)
     sizes = _param_sizes(model_cfg, mesh)
