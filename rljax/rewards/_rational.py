@@ -116,10 +116,7 @@ class _Parser:
     def frac_arg(self) -> Fraction:
         c = self.peek()
         if c == "{":
-            self.i += 1
-            x = self.expr()
-            self.eat("}")
-            return x
+            return self.atom()
         if c.isdigit() and c.isascii():
             self.i += 1
             return Fraction(int(c))
