@@ -42,14 +42,6 @@ Metrics = dict[str, tuple[Array, Array]]
 sg = jax.lax.stop_gradient
 
 
-def _check_options(aggregation: str, kl_kind: str | None, is_level: str, is_mode: str) -> None:
-    check_choice("aggregation", aggregation, AGGREGATIONS)
-    check_choice("is_level", is_level, IS_LEVELS)
-    check_choice("is_mode", is_mode, IS_MODES)
-    if kl_kind is not None:
-        check_choice("kl_kind", kl_kind, KL_KINDS + (None,))
-
-
 def _clean(batch: ObjectiveBatch) -> tuple[ObjectiveBatch, Array]:
     """Validate shapes; zero every field at masked positions; return (batch, bool mask)."""
     batch.validate()
@@ -139,7 +131,11 @@ def objective_frame(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm
     negative, plus ``extra(t, b)`` (the value loss for PPO), the common KL / entropy
     terms, then aggregation.
     """
-    _check_options(aggregation, kl_kind, is_level, is_mode)
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    check_choice("is_level", is_level, IS_LEVELS)
+    check_choice("is_mode", is_mode, IS_MODES)
+    if kl_kind is not None:
+        check_choice("kl_kind", kl_kind, KL_KINDS + (None,))
     b, m = _clean(batch)
     t = _Terms(m, (is_level, is_mode))
     t.loss = -surrogate(t, b)
