@@ -60,8 +60,7 @@ class BatchStep:
 
     `observations`: text per row ("" for rows that are done); `observation_ids`: their
     token ids from `encode` (empty for done rows): what the rollout appends; `rewards_B`
-    float32 (this turn's reward; 0 for rows already done); `done_B`, `truncated_B` bool;
-    `all_done`: every row of this process is done.
+    float32 (this turn's reward; 0 for rows already done); `done_B`, `truncated_B` bool.
     """
 
     observations: list[str]
