@@ -224,14 +224,17 @@ class ValidJson:
 
 
 @dataclasses.dataclass(frozen=True)
-class AllOf:
-    """Every constraint holds."""
-
+class _Group:
     constraints: tuple[Any, ...]
 
     def __post_init__(self):
-        _check_members("AllOf", self.constraints)
+        _check_members(type(self).__name__, self.constraints)
         object.__setattr__(self, "constraints", tuple(self.constraints))
+
+
+@dataclasses.dataclass(frozen=True)
+class AllOf(_Group):
+    """Every constraint holds."""
 
     @property
     def description(self) -> str:
@@ -243,14 +246,8 @@ class AllOf:
 
 
 @dataclasses.dataclass(frozen=True)
-class AnyOf:
+class AnyOf(_Group):
     """At least one constraint holds."""
-
-    constraints: tuple[Any, ...]
-
-    def __post_init__(self):
-        _check_members("AnyOf", self.constraints)
-        object.__setattr__(self, "constraints", tuple(self.constraints))
 
     @property
     def description(self) -> str:
