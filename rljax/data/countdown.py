@@ -152,11 +152,10 @@ class CountdownTask:
 
     def _combine(self, x: int, y: int, rng) -> tuple[int, str] | None:
         op = "+-*/"[int(rng.integers(4))]
+        x, y = max(x, y), min(x, y)
         if op == "-":
-            x, y = max(x, y), min(x, y)
             return (x - y, op) if x - y > 0 else None
         if op == "/":
-            x, y = max(x, y), min(x, y)
             return (x // y, op) if y > 1 and x % y == 0 else None
         return (x + y if op == "+" else x * y), op
 

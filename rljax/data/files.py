@@ -88,11 +88,6 @@ def _check_bom(first_line: bytes, path: str) -> bytes:
     return first_line
 
 
-def _no_records(path: str, lines: int) -> ValueError:
-    what = "the file is empty" if lines == 0 else f"its {lines} lines are blank"
-    return ValueError(f"{path}: no records ({what})")
-
-
 def load_jsonl(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
                transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
                optional: Sequence[str] = ()) -> list[dict[str, Any]]:
@@ -125,7 +120,8 @@ def load_jsonl(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
             rec = map_record(raw, mapping, where, optional=optional)
             out.append(transform(rec) if transform else rec)
     if not out:
-        raise _no_records(path, lineno)
+        what = "the file is empty" if lineno == 0 else f"its {lineno} lines are blank"
+        raise ValueError(f"{path}: no records ({what})")
     return out
 
 

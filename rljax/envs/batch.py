@@ -41,13 +41,17 @@ class EnvError(RuntimeError):
     """An environment broke its contract (raised, or returned a bad value); names the row."""
 
 
-def _call(i: int, env: Any, method: str, *args: Any) -> Any:
-    """`env.method(*args)`; an exception becomes an `EnvError` naming row `i`."""
+def _call(i: int, row: _Row, method: str, *args: Any) -> Any:
+    """`row.env.method(*args)`, its time added to `row.env_s`; an exception becomes an
+    `EnvError` naming row `i`."""
+    t0 = time.perf_counter()
     try:
-        return getattr(env, method)(*args)
+        return getattr(row.env, method)(*args)
     except Exception as e:
-        raise EnvError(f"row {i}: {type(env).__name__}.{method} raised "
+        raise EnvError(f"row {i}: {type(row.env).__name__}.{method} raised "
                        f"{type(e).__name__}: {e}"[:2000]) from e
+    finally:
+        row.env_s += time.perf_counter() - t0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +60,7 @@ class BatchStep:
 
     `observations`: text per row ("" for rows that are done); `observation_ids`: their
     token ids from `encode` (empty for done rows): what the rollout appends; `rewards_B`
-    float32 (this turn's reward; 0 for rows already done); `done_B`, `truncated_B` bool;
-    `all_done`: every row of this process is done.
+    float32 (this turn's reward; 0 for rows already done); `done_B`, `truncated_B` bool.
     """
 
     observations: list[str]
@@ -156,9 +159,7 @@ class EnvBatch:
                 if self.pool is None:
                     raise ValueError(f"EnvBatch: row {i}'s environment has tools but no pool "
                                      "was given; pass pool=rljax.rewards.RewardPool(...)")
-            t0 = time.perf_counter()
-            text = _call(i, row.env, "reset", meta)
-            row.env_s += time.perf_counter() - t0
+            text = _call(i, row, "reset", meta)
             if not isinstance(text, str):
                 raise EnvError(f"row {i}: {type(row.env).__name__}.reset returned a "
                                f"{type(text).__name__}, not a str")
@@ -187,9 +188,7 @@ class EnvBatch:
             row = self._rows[i]
             if not hasattr(row.env, "tool_calls"):
                 continue
-            t0 = time.perf_counter()
-            parsed = _call(i, row.env, "tool_calls", texts[i])
-            row.env_s += time.perf_counter() - t0
+            parsed = _call(i, row, "tool_calls", texts[i])
             calls += [(row.env.tools, c) for c in parsed]
             owner += [i] * len(parsed)
         if not calls:
@@ -254,9 +253,7 @@ class EnvBatch:
     def _step_row(self, i: int, text: str, n_model: int, results: list[ToolResult],
                   sampled: Sequence[int] | None = None) -> tuple[str, list[int], float]:
         row = self._rows[i]
-        t0 = time.perf_counter()
-        res = _call(i, row.env, "step", text, results)
-        row.env_s += time.perf_counter() - t0
+        res = _call(i, row, "step", text, results)
         if not isinstance(res, StepResult) or not isinstance(res.observation, str) \
                 or isinstance(res.reward, bool) or not isinstance(res.reward, (int, float)):
             raise EnvError(f"row {i}: {type(row.env).__name__}.step must return a StepResult "

@@ -8,12 +8,10 @@ method (`ToolEnv` gives both); `rljax.envs.EnvBatch` then runs the calls of all 
 in a worker pool and hands each row its results in `step`. An optional `stop_strings`
 attribute names the text that ends a model turn (`EnvBatch.stop_strings` collects them).
 
-Rewards are per turn. A trajectory-level task returns 0 until its last step; under
-`"sum"` the episode's return is then that reward, and `"discounted"` weighs it by
-`gamma^(T-1)` (a shorter episode earns more). `episode_return` sums the
-turn rewards (`"sum"`) or discounts them, `sum_t gamma^t r_t` with t counted from 0 at
-the first model turn (`"discounted"`); `returns_to_go` gives each turn its discounted
-reward-to-go, `G_t = sum_{k>=t} gamma^(k-t) r_k`, for per-turn credit.
+Rewards are per turn: `episode_return` makes an episode's return of them, `returns_to_go`
+each turn's discounted reward-to-go (per-turn credit). A trajectory-level task returns 0
+until its last step; `"discounted"` then weighs its reward by `gamma^(T-1)` (a shorter
+episode earns more).
 """
 
 from __future__ import annotations
@@ -91,11 +89,6 @@ class ToolEnv:
         raise NotImplementedError(f"{type(self).__name__}.step")
 
 
-def _positive_int(owner: str, name: str, v: object) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{owner}.{name} must be an int >= 1, got {v!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class EnvLimits:
     """Bounds on one row's episode and its tool calls.
@@ -127,7 +120,9 @@ class EnvLimits:
     def __post_init__(self):
         for f in ("max_turns", "max_obs_tokens", "max_total_tokens", "max_tool_result_chars",
                   "max_tool_error_chars"):
-            _positive_int("EnvLimits", f, getattr(self, f))
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"EnvLimits.{f} must be an int >= 1, got {v!r}")
         t = self.tool_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
             raise ValueError(f"EnvLimits.tool_timeout_s must be a finite number > 0 (seconds), "

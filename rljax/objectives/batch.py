@@ -20,7 +20,8 @@ from rljax.objectives._validate import check_ndim
 Array = Any
 
 _REQUIRED = ("logp_BxT", "old_logp_BxT", "mask_BxT", "adv_BxT")
-_OPTIONAL = (
+#: The fields that may be None (the trainer fills each only when the run uses it).
+OPTIONAL_FIELDS = (
     "ref_logp_BxT",
     "sampler_logp_BxT",
     "values_BxT",
@@ -30,8 +31,6 @@ _OPTIONAL = (
     "cov_select_BxT",
     "teacher_logp_BxT",
 )
-#: The fields that may be None (the trainer fills each only when the run uses it).
-OPTIONAL_FIELDS = _OPTIONAL
 #: Fields an objective may differentiate (the others are data from the rollout).
 DIFFERENTIABLE_FIELDS = ("logp_BxT", "values_BxT", "entropy_BxT")
 
@@ -81,7 +80,7 @@ class ObjectiveBatch:
         """
         check_ndim("ObjectiveBatch.logp_BxT", self.logp_BxT, 2, "[B, T]")
         shape = tuple(self.logp_BxT.shape)
-        for name in _REQUIRED + _OPTIONAL:
+        for name in _REQUIRED + OPTIONAL_FIELDS:
             x = getattr(self, name)
             if x is None:
                 if name in _REQUIRED:
@@ -160,21 +159,14 @@ class Coef:
             v = getattr(self, name)
             return float(v) if isinstance(v, (np.floating, np.ndarray)) and np.ndim(v) == 0 else None
 
-        for name in ("kl", "clip_low", "clip_high", "entropy", "value", "value_clip", "is_low",
-                     "kl_cov"):
+        rules = [(n, lambda v: v >= 0, "must be >= 0") for n in (
+            "kl", "clip_low", "clip_high", "entropy", "value", "value_clip", "is_low", "kl_cov")]
+        rules += [("clip_low", lambda v: v <= 1, "must be in [0, 1] (1 = no lower clip)"),
+                  ("sapo_tau_pos", lambda v: v > 0, "must be > 0"),
+                  ("sapo_tau_neg", lambda v: v > 0, "must be > 0"),
+                  ("dual_clip", lambda v: v > 1, "must be > 1 (inf turns it off)"),
+                  ("tis_cap", lambda v: v > 0, "must be > 0 (inf turns it off)")]
+        for name, ok, rule in rules:
             v = num(name)
-            if v is not None and not v >= 0:
-                raise ValueError(f"Coef.{name} must be >= 0; got {v}")
-        v = num("clip_low")
-        if v is not None and not v <= 1:
-            raise ValueError(f"Coef.clip_low must be in [0, 1] (1 = no lower clip); got {v}")
-        for name in ("sapo_tau_pos", "sapo_tau_neg"):
-            v = num(name)
-            if v is not None and not v > 0:
-                raise ValueError(f"Coef.{name} must be > 0; got {v}")
-        v = num("dual_clip")
-        if v is not None and not v > 1:
-            raise ValueError(f"Coef.dual_clip must be > 1 (inf turns it off); got {v}")
-        v = num("tis_cap")
-        if v is not None and not v > 0:
-            raise ValueError(f"Coef.tis_cap must be > 0 (inf turns it off); got {v}")
+            if v is not None and not ok(v):
+                raise ValueError(f"Coef.{name} {rule}; got {v}")

@@ -83,10 +83,8 @@ def sampler_correction(
                                - jnp.asarray(sampler_logp_BxT, jnp.float32), 0.0))
     has_B = m.any(axis=1)
     seq_log_rho_B = log_rho_BxT.sum(axis=1)
-    if level == "token":
-        log_w, unit = log_rho_BxT, m
-    else:
-        log_w, unit = jnp.broadcast_to(seq_log_rho_B[:, None], m.shape), has_B
+    log_w = (log_rho_BxT if level == "token"
+             else jnp.broadcast_to(seq_log_rho_B[:, None], m.shape))
     log_high = jnp.log(jnp.asarray(high, jnp.float32))
     log_low = jnp.log(jnp.asarray(low, jnp.float32))  # -inf for low = 0
     if mode == "truncate":
@@ -101,10 +99,8 @@ def sampler_correction(
     n_tok = m.sum().astype(jnp.float32)
     n_seq = has_B.sum().astype(jnp.float32)
     tok_sum = lambda x: jnp.where(m, x, 0.0).sum()  # noqa: E731
-    if level == "token":
-        frac = (tok_sum(changed.astype(jnp.float32)), n_tok)
-    else:
-        frac = ((changed[:, 0] & unit).sum().astype(jnp.float32), n_seq)
+    frac = ((tok_sum(changed.astype(jnp.float32)), n_tok) if level == "token"
+            else ((changed[:, 0] & has_B).sum().astype(jnp.float32), n_seq))
     metrics = {
         "is_ratio": (tok_sum(jnp.exp(log_rho_BxT)), n_tok),
         f"is_{'truncated' if mode == 'truncate' else 'masked'}_frac": frac,

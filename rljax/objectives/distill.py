@@ -40,7 +40,7 @@ from rljax.objectives._validate import check_same_shape
 from rljax.objectives.advantages import gae
 from rljax.objectives.batch import Coef, ObjectiveBatch
 from rljax.objectives.kl import kl_estimate
-from rljax.objectives.library import clipped_surrogate, objective_frame, tis_weighted
+from rljax.objectives.library import clipped_surrogate, objective_frame
 
 Array = Any
 Metrics = dict[str, tuple[Array, Array]]
@@ -118,8 +118,7 @@ def distill(
         t.metric("teacher_kl", kl_estimate(b.old_logp_BxT, b.teacher_logp_BxT, "k1"))
         t.metric("teacher_kl_k3", kl_estimate(b.old_logp_BxT, b.teacher_logp_BxT, "k3"))
         t.metric("teacher_logp", b.teacher_logp_BxT)
-        ratio = jnp.exp(b.logp_BxT - b.old_logp_BxT)
-        return tis_weighted(t, b, coef, clipped_surrogate(t, b, coef, ratio))
+        return clipped_surrogate(t, b, coef)
 
-    return objective_frame(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const),
-                      correction=(is_level, is_mode))
+    return objective_frame(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const,
+                           is_level, is_mode)

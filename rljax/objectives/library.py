@@ -42,14 +42,6 @@ Metrics = dict[str, tuple[Array, Array]]
 sg = jax.lax.stop_gradient
 
 
-def _check_options(aggregation: str, kl_kind: str | None, correction: tuple[str, str]) -> None:
-    check_choice("aggregation", aggregation, AGGREGATIONS)
-    check_choice("is_level", correction[0], IS_LEVELS)
-    check_choice("is_mode", correction[1], IS_MODES)
-    if kl_kind is not None:
-        check_choice("kl_kind", kl_kind, KL_KINDS + (None,))
-
-
 def _clean(batch: ObjectiveBatch) -> tuple[ObjectiveBatch, Array]:
     """Validate shapes; zero every field at masked positions; return (batch, bool mask)."""
     batch.validate()
@@ -112,8 +104,15 @@ def tis_weighted(t: _Terms, b: ObjectiveBatch, coef: Coef, obj: Array) -> Array:
     return obj * w
 
 
-def clipped_surrogate(t: _Terms, b: ObjectiveBatch, coef: Coef, ratio: Array) -> Array:
-    """PPO clipped surrogate with Coef's clip range and dual clip, plus clip metrics."""
+def token_ratio(b: ObjectiveBatch) -> Array:
+    """The token ratio r = pi / pi_old, exp(logp - old_logp)."""
+    return jnp.exp(b.logp_BxT - b.old_logp_BxT)
+
+
+def clipped_surrogate(t: _Terms, b: ObjectiveBatch, coef: Coef, ratio: Array = None) -> Array:
+    """PPO clipped surrogate of ``ratio`` (default `token_ratio`) with Coef's clip range and
+    dual clip, plus clip metrics, then weighted by `tis_weighted`."""
+    ratio = token_ratio(b) if ratio is None else ratio
     opts = dict(eps_low=coef.clip_low, eps_high=coef.clip_high, dual_clip=coef.dual_clip)
     obj = ppo_clip_objective(ratio, b.adv_BxT, **opts)
     low, high, dual = clip_indicators(ratio, b.adv_BxT, **opts)
@@ -121,32 +120,29 @@ def clipped_surrogate(t: _Terms, b: ObjectiveBatch, coef: Coef, ratio: Array) ->
     t.metric("clip_frac_high", high)
     t.metric("dual_clip_frac", dual)
     t.metric("ratio", ratio)
-    return obj
+    return tis_weighted(t, b, coef, obj)
 
 
-def objective_frame(batch, coef, surrogate, options, extra=None,
-               correction=("token", "truncate")) -> tuple[Array, Array, Metrics]:
-    """The shared frame of every library objective.
+def objective_frame(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const,
+                    is_level, is_mode, extra=None) -> tuple[Array, Array, Metrics]:
+    """The shared frame of every library objective, given its options.
 
     ``surrogate(t, b) -> obj_BxT`` is the per-token objective to maximise; the loss is its
     negative, plus ``extra(t, b)`` (the value loss for PPO), the common KL / entropy
-    terms, then aggregation. ``options`` = (aggregation, kl_kind, kl_clamp, norm_const);
-    ``correction`` = (is_level, is_mode) of the sampler-gap correction.
+    terms, then aggregation.
     """
-    aggregation, kl_kind, kl_clamp, norm_const = options
-    _check_options(aggregation, kl_kind, correction)
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    check_choice("is_level", is_level, IS_LEVELS)
+    check_choice("is_mode", is_mode, IS_MODES)
+    if kl_kind is not None:
+        check_choice("kl_kind", kl_kind, KL_KINDS + (None,))
     b, m = _clean(batch)
-    t = _Terms(m, correction)
+    t = _Terms(m, (is_level, is_mode))
     t.loss = -surrogate(t, b)
     if extra is not None:
         extra(t, b)
     _common_terms(t, b, coef, kl_kind, kl_clamp)
     return t.finish(aggregation, norm_const)
-
-
-def _ratio_clipped(coef: Coef):
-    """Surrogate of GRPO / PPO: the clipped token ratio pi / pi_old (TIS-weighted)."""
-    return lambda t, b: tis_weighted(t, b, coef, clipped_surrogate(t, b, coef, jnp.exp(b.logp_BxT - b.old_logp_BxT)))
 
 
 def reinforce(
@@ -172,8 +168,8 @@ def reinforce(
         t.metric("pg_objective", obj)
         return obj
 
-    return objective_frame(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const),
-                      correction=(is_level, is_mode))
+    return objective_frame(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const,
+                           is_level, is_mode)
 
 
 def grpo(
@@ -200,9 +196,8 @@ def grpo(
     ("seq-mean-token-sum-norm" with `norm_const` and group_advantages(std="none");
     arXiv:2503.20783), dual clip via `coef.dual_clip`, TIS via `sampler_logp_BxT`.
     """
-    return objective_frame(batch, coef, _ratio_clipped(coef),
-                      (aggregation, kl_kind, kl_clamp, norm_const),
-                      correction=(is_level, is_mode))
+    return objective_frame(batch, coef, lambda t, b: clipped_surrogate(t, b, coef), aggregation,
+                           kl_kind, kl_clamp, norm_const, is_level, is_mode)
 
 
 def gspo(
@@ -227,10 +222,10 @@ def gspo(
     """
     def surrogate(t, b):
         ratio = gspo_token_ratio(b.logp_BxT, b.old_logp_BxT, b.mask_BxT)
-        return tis_weighted(t, b, coef, clipped_surrogate(t, b, coef, ratio))
+        return clipped_surrogate(t, b, coef, ratio)
 
-    return objective_frame(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const),
-                      correction=(is_level, is_mode))
+    return objective_frame(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const,
+                           is_level, is_mode)
 
 
 def _value_terms(t: _Terms, b: ObjectiveBatch, coef: Coef) -> None:
@@ -267,7 +262,6 @@ def ppo(
     is only reported; `kl_kind` adds it as a loss term too. Metrics include the pieces
     of the value model's explained variance (`explained_variance_from_sums`).
     """
-    return objective_frame(batch, coef, _ratio_clipped(coef),
-                      (aggregation, kl_kind, kl_clamp, norm_const),
-                      extra=lambda t, b: _value_terms(t, b, coef),
-                      correction=(is_level, is_mode))
+    return objective_frame(batch, coef, lambda t, b: clipped_surrogate(t, b, coef), aggregation,
+                           kl_kind, kl_clamp, norm_const, is_level, is_mode,
+                           extra=lambda t, b: _value_terms(t, b, coef))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from rljax.objectives._validate import check_same_shape
 from rljax.objectives.batch import Coef, ObjectiveBatch
-from rljax.objectives.library import clipped_surrogate, objective_frame, tis_weighted
+from rljax.objectives.library import clipped_surrogate, objective_frame, tis_weighted, token_ratio
 
 Array = Any
 Metrics = dict[str, tuple[Array, Array]]
@@ -86,15 +86,6 @@ def gmpo_token_ratio(logp_BxT: Array, old_logp_BxT: Array, adv_BxT: Array, mask_
     return jnp.broadcast_to(s_B[:, None], m.shape), clipped.astype(jnp.float32)
 
 
-def _ratio(b: ObjectiveBatch) -> Array:
-    return jnp.exp(b.logp_BxT - b.old_logp_BxT)
-
-
-def _run(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const, is_level, is_mode):
-    return objective_frame(batch, coef, surrogate, (aggregation, kl_kind, kl_clamp, norm_const),
-                      correction=(is_level, is_mode))
-
-
 def cispo(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "token-mean",
           kl_kind: str | None = None, kl_clamp: float | None = None,
           norm_const: float | None = None, is_level: str = "token",
@@ -108,15 +99,15 @@ def cispo(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "token-mean",
     `is_weight_clip_frac`, the fraction of tokens whose weight the clip bounds.
     """
     def surrogate(t, b):
-        r = _ratio(b)
+        r = token_ratio(b)
         t.metric("ratio", r)
         t.metric("is_weight_clip_frac", (r < 1.0 - coef.clip_low) | (r > 1.0 + coef.clip_high))
         obj = cispo_objective(b.logp_BxT, r, b.adv_BxT, eps_low=coef.clip_low,
                               eps_high=coef.clip_high)
         return tis_weighted(t, b, coef, obj)
 
-    return _run(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const, is_level,
-                is_mode)
+    return objective_frame(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const,
+                           is_level, is_mode)
 
 
 def sapo(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "seq-mean-token-mean",
@@ -132,7 +123,7 @@ def sapo(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "seq-mean-toke
     of f'(r) = 4 s (1 - s) (1 = an unattenuated on-policy gradient).
     """
     def surrogate(t, b):
-        r = _ratio(b)
+        r = token_ratio(b)
         t.metric("ratio", r)
         tau = jnp.where(b.adv_BxT > 0, coef.sapo_tau_pos, coef.sapo_tau_neg)
         s = jax.nn.sigmoid(tau * (r - 1.0))
@@ -140,8 +131,8 @@ def sapo(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "seq-mean-toke
         obj = sapo_objective(r, b.adv_BxT, tau_pos=coef.sapo_tau_pos, tau_neg=coef.sapo_tau_neg)
         return tis_weighted(t, b, coef, obj)
 
-    return _run(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const, is_level,
-                is_mode)
+    return objective_frame(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const,
+                           is_level, is_mode)
 
 
 def gmpo(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "seq-mean-token-mean",
@@ -164,8 +155,8 @@ def gmpo(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "seq-mean-toke
         t.metric("clip_frac", clipped)
         return tis_weighted(t, b, coef, s * sg(b.adv_BxT))
 
-    return _run(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const, is_level,
-                is_mode)
+    return objective_frame(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const,
+                           is_level, is_mode)
 
 
 def _selected(t, b: ObjectiveBatch, by: str) -> Array:
@@ -187,11 +178,10 @@ def clip_cov(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "token-mea
     """
     def surrogate(t, b):
         sel = _selected(t, b, "clip_cov")
-        obj = tis_weighted(t, b, coef, clipped_surrogate(t, b, coef, _ratio(b)))
-        return jnp.where(sel, 0.0, obj)
+        return jnp.where(sel, 0.0, clipped_surrogate(t, b, coef))
 
-    return _run(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const, is_level,
-                is_mode)
+    return objective_frame(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const,
+                           is_level, is_mode)
 
 
 def kl_cov(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "token-mean",
@@ -214,12 +204,12 @@ def kl_cov(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "token-mean"
     """
     def surrogate(t, b):
         sel = _selected(t, b, "kl_cov")
-        r = _ratio(b)
+        r = token_ratio(b)
         t.metric("ratio", r)
         log_r = b.logp_BxT - b.old_logp_BxT
         penalty = jnp.where(sel, log_r * jnp.sign(sg(log_r)), 0.0)
         t.metric("kl_cov_penalty", penalty)
         return tis_weighted(t, b, coef, r * sg(b.adv_BxT)) - coef.kl_cov * penalty
 
-    return _run(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const, is_level,
-                is_mode)
+    return objective_frame(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm_const,
+                           is_level, is_mode)

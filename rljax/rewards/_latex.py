@@ -109,9 +109,7 @@ def normalize_answer(s: str, *, strip_units: bool = False) -> str:
         s = _strip_units(s)
     s = _drop_assignment(s)
     s = "".join(s.split())
-    while s.endswith(".") or s.endswith(","):
-        s = s[:-1]
-    return s.replace("\u221e", "\\infty")
+    return s.rstrip(".,").replace("\u221e", "\\infty")
 
 
 def _drop_assignment(s: str) -> str:

@@ -43,11 +43,7 @@ class _Worker:
             self.proc.wait(timeout=2)
         except (OSError, subprocess.TimeoutExpired):
             pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.send.close()
-        self.recv.close()
+        self.kill()  # a no-op on the process if it has exited
 
 
 class RewardPool:

@@ -20,6 +20,7 @@ and recursion depth (`MAX_DEPTH`). Anything outside the grammar or the bounds is
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Callable
 
 from rljax.rewards.limits import MAX_BITS, MAX_DEPTH, MAX_DIGITS, MAX_EXPONENT
 
@@ -50,20 +51,22 @@ class _Parser:
             raise _Fail(f"expected {c!r}")
         self.i += 1
 
-    def enter(self) -> None:
+    def nested(self, parse: Callable[[], Fraction]) -> Fraction:
+        """`parse()` one level deeper, refusing more than MAX_DEPTH levels."""
         self.depth += 1
         if self.depth > MAX_DEPTH:
             raise _Fail("nested too deeply")
+        x = parse()
+        self.depth -= 1
+        return x
 
     def expr(self) -> Fraction:
-        self.enter()
         x = self.term()
         while self.peek() in ("+", "-") and self.peek():
             op = self.s[self.i]
             self.i += 1
             y = self.term()
             x = _check(x + y if op == "+" else x - y)
-        self.depth -= 1
         return x
 
     def term(self) -> Fraction:
@@ -81,9 +84,7 @@ class _Parser:
         c = self.peek()
         if c in ("+", "-") and c:
             self.i += 1
-            self.enter()
-            x = self.unary()
-            self.depth -= 1
+            x = self.nested(self.unary)
             return -x if c == "-" else x
         return self.power()
 
@@ -92,16 +93,13 @@ class _Parser:
         if self.peek() != "^":
             return base
         self.i += 1
-        self.enter()
-        exp = self.unary()
-        self.depth -= 1
-        return _pow(base, exp)
+        return _pow(base, self.nested(self.unary))
 
     def atom(self) -> Fraction:
         c = self.peek()
         if c in ("(", "{"):
             self.i += 1
-            x = self.expr()
+            x = self.nested(self.expr)
             self.eat(")" if c == "(" else "}")
             return x
         if self.s.startswith("\\frac", self.i):
@@ -116,10 +114,7 @@ class _Parser:
     def frac_arg(self) -> Fraction:
         c = self.peek()
         if c == "{":
-            self.i += 1
-            x = self.expr()
-            self.eat("}")
-            return x
+            return self.atom()
         if c.isdigit() and c.isascii():
             self.i += 1
             return Fraction(int(c))
@@ -191,7 +186,7 @@ def parse_value(s: str) -> Fraction | float | None:
         return _INF_WORDS[s]
     p = _Parser(s)
     try:
-        x = p.expr()
+        x = p.nested(p.expr)
     except (_Fail, ValueError, ZeroDivisionError, OverflowError, RecursionError):
         return None
     return x if p.i == len(s) else None

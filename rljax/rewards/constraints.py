@@ -74,7 +74,6 @@ class WordCount:
             f"Answer with at most {hi} words."
 
     def check(self, text: str) -> bool:
-        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         if t is None:
             return False
@@ -97,7 +96,6 @@ class IncludeKeywords:
         return "Include the keywords " + ", ".join(repr(k) for k in self.keywords) + "."
 
     def check(self, text: str) -> bool:
-        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         return t is not None and all(_has_word(t, k) for k in self.keywords)
 
@@ -116,7 +114,6 @@ class ForbiddenKeywords:
         return "Do not use the words " + ", ".join(repr(k) for k in self.keywords) + "."
 
     def check(self, text: str) -> bool:
-        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         return t is not None and not any(_has_word(t, k) for k in self.keywords)
 
@@ -128,7 +125,6 @@ class NoCommas:
     description: str = "Do not use any commas in your response."
 
     def check(self, text: str) -> bool:
-        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         return t is not None and "," not in t and "\uff0c" not in t
 
@@ -140,7 +136,6 @@ class AllLowercase:
     description: str = "Your entire response must be in lowercase letters."
 
     def check(self, text: str) -> bool:
-        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         return t is not None and t == t.lower() and any(c.isalpha() for c in t)
 
@@ -163,7 +158,6 @@ class BulletCount:
         return f"Your answer must contain exactly {self.count} bullet points."
 
     def check(self, text: str) -> bool:
-        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         if t is None:
             return False
@@ -186,7 +180,6 @@ class EndsWith:
         return f"Finish your response with this exact phrase: {self.phrase!r}."
 
     def check(self, text: str) -> bool:
-        """True if `text` satisfies the constraint (see the class docstring)."""
         t = _bounded(text)
         return t is not None and t.rstrip().endswith(self.phrase.strip())
 
@@ -231,14 +224,17 @@ class ValidJson:
 
 
 @dataclasses.dataclass(frozen=True)
-class AllOf:
-    """Every constraint holds."""
-
+class _Group:
     constraints: tuple[Any, ...]
 
     def __post_init__(self):
-        _check_members("AllOf", self.constraints)
+        _check_members(type(self).__name__, self.constraints)
         object.__setattr__(self, "constraints", tuple(self.constraints))
+
+
+@dataclasses.dataclass(frozen=True)
+class AllOf(_Group):
+    """Every constraint holds."""
 
     @property
     def description(self) -> str:
@@ -250,14 +246,8 @@ class AllOf:
 
 
 @dataclasses.dataclass(frozen=True)
-class AnyOf:
+class AnyOf(_Group):
     """At least one constraint holds."""
-
-    constraints: tuple[Any, ...]
-
-    def __post_init__(self):
-        _check_members("AnyOf", self.constraints)
-        object.__setattr__(self, "constraints", tuple(self.constraints))
 
     @property
     def description(self) -> str:

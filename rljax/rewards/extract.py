@@ -61,11 +61,8 @@ def _boxed_at(text: str, k: int, cmd: str) -> str | None:
 
 
 def _last_boxed(text: str) -> str | None:
-    hits = [(text.rfind(c), c) for c in _BOX_COMMANDS]
-    k, cmd = max(hits)
-    if k < 0:
-        return None
-    return _boxed_at(text, k, cmd)
+    k, cmd = max((text.rfind(c), c) for c in _BOX_COMMANDS)
+    return _boxed_at(text, k, cmd) if k >= 0 else None
 
 
 def _line_after(text: str, k: int) -> str:
@@ -85,15 +82,12 @@ def _clean(ans: str) -> str | None:
 
 def _gsm8k(text: str) -> str | None:
     k = text.rfind("####")
-    if k < 0:
-        return None
-    return _clean(_line_after(text, k + 4))
+    return _clean(_line_after(text, k + 4)) if k >= 0 else None
 
 
 def _answer_is(text: str) -> str | None:
     low = text.lower()
-    best = max(((low.rfind(p), p) for p in _ANSWER_PHRASES), key=lambda t: t[0])
-    k, phrase = best
+    k, phrase = max(((low.rfind(p), p) for p in _ANSWER_PHRASES), key=lambda t: t[0])
     if k < 0:
         return None
     rest = _line_after(text, k + len(phrase)).lstrip(" :")

@@ -81,15 +81,12 @@ def load_function(path: str, field: str = "function", *, search_dir: str | None 
     search_dir = os.getcwd() if search_dir is None else search_dir
     try:
         module = _module(name, search_dir, file)
-    except ModuleNotFoundError as e:
-        if e.name in (name, name.split(".")[0]):
+    except Exception as e:  # the user's module raised while importing: show where
+        if isinstance(e, ModuleNotFoundError) and e.name in (name, name.split(".")[0]):
             raise ImportError(
                 f"{field}={path!r}: no module {name!r} in the current directory "
                 f"({search_dir}) or on the module search path; a function in "
                 f"./my_reward.py is 'my_reward:NAME'") from None
-        raise ImportError(f"{field}={path!r}: importing {name!r} failed:\n"
-                          f"{_user_traceback(e)}") from None
-    except Exception as e:  # the user's module raised while importing: show where
         raise ImportError(f"{field}={path!r}: importing {name!r} failed:\n"
                           f"{_user_traceback(e)}") from None
     fn = getattr(module, attr, None)

@@ -25,8 +25,8 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from rljax.objectives.batch import DIFFERENTIABLE_FIELDS, OPTIONAL_FIELDS, Coef, ObjectiveBatch
-from rljax.testing._compare import (F32_EPS, compare_grads, compare_outputs, check_failure,
-                                    scalar_values, float32_rtol)
+from rljax.testing._compare import (F32_EPS, compare_outputs, check_failure, scalar_values,
+                                    float32_rtol)
 
 __all__ = ["F32_EPS", "check_objective", "default_batch", "float32_rtol"]
 
@@ -159,8 +159,8 @@ def _check_padding(h: _Harness, batch, coef, ref, pad: int, seed: int, rtol: flo
                    scale: dict) -> None:
     T = batch.logp_BxT.shape[1]
     got = h(_pad(batch, pad, seed), coef)
-    compare_outputs("padding", ref, got, rtol, scale)
-    compare_grads("padding", ref[3], {k: g[:, :T] for k, g in got[3].items()}, rtol)
+    unpadded = {k: g[:, :T] for k, g in got[3].items()}
+    compare_outputs("padding", ref, (*got[:3], unpadded), rtol, scale)
     if any(np.any(g[:, T:] != 0) for g in got[3].values()):
         raise check_failure("padding", "padded (masked) columns get nonzero gradient")
 
@@ -174,16 +174,13 @@ def _micro_outputs(h: _Harness, batch, coef, n_micro: int) -> list:
 
 
 def _check_micro_batches(ref, outs: list, rtol: float, scale: dict) -> None:
-    n_micro = len(outs)
     total = (
         sum(o[0] for o in outs),
         sum(o[1] for o in outs),
         {k: (sum(o[2][k][0] for o in outs), sum(o[2][k][1] for o in outs)) for k in ref[2]},
         {k: np.concatenate([o[3][k] for o in outs], axis=0) for k in ref[3]},
     )
-    check = f"micro-batch x{n_micro}"
-    compare_outputs(check, ref, total, rtol, scale)
-    compare_grads(check, ref[3], total[3], rtol)
+    compare_outputs(f"micro-batch x{len(outs)}", ref, total, rtol, scale)
 
 
 def _perturb_leaf(x: Any) -> Any:
@@ -231,10 +228,7 @@ def _check_mesh(h: _Harness, batch, coef, ref, mesh, rtol: float, scale: dict) -
         raise ValueError(f"batch size B={B} must be divisible by the mesh's {mesh.size} devices")
     rows = NamedSharding(mesh, P(tuple(mesh.axis_names)))
     sharded = (jax.device_put(batch, rows), jax.device_put(coef, NamedSharding(mesh, P())))
-    got = h(*sharded)
-    check = f"mesh ({mesh.size} devices)"
-    compare_outputs(check, ref, got, rtol, scale)
-    compare_grads(check, ref[3], got[3], rtol)
+    compare_outputs(f"mesh ({mesh.size} devices)", ref, h(*sharded), rtol, scale)
 
 
 #: Why the trainer leaves each optional field None (the message of a failed variant).

@@ -35,7 +35,8 @@ def scalar_values(out) -> dict[str, float]:
 
 
 def compare_outputs(check: str, ref, got, rtol: float, scale: dict[str, float]) -> None:
-    """Loss sum, count and every metric pair must agree to rtol times their magnitude."""
+    """Loss sum, count and every metric pair must agree to rtol times their magnitude, and
+    the gradients as `compare_grads` says."""
     a, b = scalar_values(ref), scalar_values(got)
     if set(ref[2]) != set(got[2]):
         raise check_failure(check, f"metric names differ: {sorted(ref[2])} vs {sorted(got[2])}")
@@ -44,6 +45,7 @@ def compare_outputs(check: str, ref, got, rtol: float, scale: dict[str, float]) 
         if not abs(a[name] - b[name]) <= rtol * size:
             raise check_failure(check, f"{name} is {b[name]!r}, expected {a[name]!r} (allowed "
                         f"{rtol:.3g} x magnitude {size:.4g})")
+    compare_grads(check, ref[3], got[3], rtol)
 
 
 def compare_grads(check: str, g_ref: dict, g: dict, rtol: float) -> None:
