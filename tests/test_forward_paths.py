@@ -94,6 +94,15 @@ def test_attention_and_layers_are_the_models_with_a_note_off_their_backend():
     assert "cuDNN needs a gpu backend" in dict(_resolve(CUDNN).notes)["attention"]
 
 
+def test_a_packed_batch_is_its_prompt_layout():
+    """rl.tokens_per_micro_batch packs rows (every row's prompt in its packed row): the
+    line and the record say so, with no note (packing is asked for, not a fallback)."""
+    p = _resolve(tokens_per_micro_batch=64)
+    assert (p.prompt_group, p.prompt_layout, p.notes) == (1, "packed(tokens=64)", ())
+    assert "prompts=packed(tokens=64)" in p.line()
+    assert p.record()["prompts"] == "packed(tokens=64)" and p != _resolve(share=False)
+
+
 def test_notes_do_not_split_programs_and_the_record_is_json():
     a, b = ForwardPaths(head="chunked"), ForwardPaths(head="chunked", notes=(("head", "x"),))
     assert a == b and hash(a) == hash(b)

@@ -157,7 +157,7 @@ class RLTrainer:
         self.paths = resolve_paths(
             policy_graphdef, objective=alg.make_objective(algorithm, sampling.max_new_tokens),
             one_pass_head=rl.one_pass_head,
-            share_prompts=False if rl.tokens_per_micro_batch else rl.share_prompts,
+            share_prompts=rl.share_prompts, tokens_per_micro_batch=rl.tokens_per_micro_batch,
             group_size=algorithm.group_size, remat=rl.remat,
             rows_per_micro=self.batch_size // algorithm.num_minibatches // num_micro,
             other_gds=(self.teacher_gd,) if self.teacher_gd is not None else (),

@@ -6,8 +6,9 @@ Four choices decide which forward and backward a learning program runs
 - attention: ``ModelConfig.attention`` of the policy ("xla", "splash", "cudnn");
 - head: "one-pass" (``rljax.train.learn.onepass``: the head's gradient formed in the forward)
   or "chunked" (log-prob chunks recomputed in the backward), from ``RLConfig.one_pass_head``;
-- prompt layout: each group's prompt computed once (``prompt_group`` G > 1) or every
-  row's (1), from ``RLConfig.share_prompts``;
+- prompt layout: each group's prompt computed once (``prompt_group`` G > 1), every
+  row's (1), from ``RLConfig.share_prompts``, or rows packed into sequences by a token
+  budget (``RLConfig.tokens_per_micro_batch``, ``rljax.train.learn.packing``);
 - layers: scanned (``ModelConfig.scan_layers``) or unrolled, and what each layer keeps
   for the backward (``ModelConfig.remat``, or "full" where only ``RLConfig.remat`` asks).
 
@@ -45,6 +46,9 @@ class ForwardPaths:
     head: "one-pass" or "chunked".
     prompt_group: G > 1 when the learning program's forwards share each group's prompt
       (``StepSpec.share_group``); 1: every row computes its prompt.
+    packed_tokens: > 0 when rows are packed into sequences, this many token slots a
+      micro-batch (``RLConfig.tokens_per_micro_batch``; each step's bucket is
+      ``StepSpec.packing``); 0: padded rows.
     layers: "scanned" or "unrolled".
     remat: what each layer keeps for the backward pass ("none", "full", "dots_saveable").
     notes: ``(choice, why)`` pairs for the defaults that fell back (or run other than
@@ -54,6 +58,7 @@ class ForwardPaths:
     attention: str = "xla"
     head: str = "chunked"
     prompt_group: int = 1
+    packed_tokens: int = 0
     layers: str = "unrolled"
     remat: str = "none"
     notes: tuple = dataclasses.field(default=(), compare=False)
@@ -67,7 +72,9 @@ class ForwardPaths:
 
     @property
     def prompt_layout(self) -> str:
-        """``"shared(G=4)"`` or ``"per-row"``."""
+        """``"shared(G=4)"``, ``"per-row"`` or ``"packed(tokens=1144)"``."""
+        if self.packed_tokens:
+            return f"packed(tokens={self.packed_tokens})"
         return f"shared(G={self.prompt_group})" if self.prompt_group > 1 else "per-row"
 
     def choices(self) -> dict:
@@ -147,13 +154,15 @@ def _prompt_group(group_size: int, rows_per_micro: int, graphdefs: list,
 def resolve_paths(policy_gd, *, objective: Callable, one_pass_head: bool | None,
                   share_prompts: bool | None, group_size: int, rows_per_micro: int,
                   remat: bool = False, other_gds: tuple = (), backend: str = "cpu",
-                  ) -> ForwardPaths:
+                  tokens_per_micro_batch: int = 0) -> ForwardPaths:
     """The forward paths of a trainer (see the module docstring).
 
     policy_gd: the policy's graphdef; other_gds: the other models whose forwards the
     learning program runs on the same rows (the teacher), which must share prompts too.
     objective: the algorithm's objective (``rljax.train.learn.algorithms.make_objective``).
-    one_pass_head, share_prompts, remat: ``RLConfig``'s fields (None: auto).
+    one_pass_head, share_prompts, remat, tokens_per_micro_batch: ``RLConfig``'s fields
+    (None: auto; packed rows compute every row's prompt: ``share_prompts`` must not be
+    True, ``rljax.train.config.check_packing``).
     group_size: completions per prompt; rows_per_micro: rows in one micro-batch.
     backend: ``jax.default_backend()`` (only a note depends on it).
     Raises ValueError when an explicit choice (True) cannot be taken, saying why.
@@ -170,10 +179,11 @@ def resolve_paths(policy_gd, *, objective: Callable, one_pass_head: bool | None,
     if why:
         notes.append(("head", why))
     group, why = _prompt_group(group_size, rows_per_micro, [policy_gd, *other_gds],
-                               share_prompts)
+                               False if tokens_per_micro_batch else share_prompts)
     if why:
         notes.append(("prompts", why))
     layers = "scanned" if getattr(config, "scan_layers", False) else "unrolled"
-    return ForwardPaths(attention=attention, head=head, prompt_group=group, layers=layers,
+    return ForwardPaths(attention=attention, head=head, prompt_group=group,
+                        packed_tokens=tokens_per_micro_batch, layers=layers,
                         remat=effective_remat(getattr(config, "remat", "none"), remat),
                         notes=tuple(notes))
