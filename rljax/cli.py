@@ -183,15 +183,6 @@ def _launch_args(args) -> dict | None:
             "process_id": args.process_id, **beat}
 
 
-def _init_distributed(kwargs: dict) -> None:
-    """`jax.distributed.initialize`, with gloo collectives when the devices are CPUs
-    (set before the backend starts; devices per process come from XLA_FLAGS)."""
-    platforms = (jax.config.jax_platforms or "cpu").split(",")  # unset: may fall back to CPU
-    if "cpu" in platforms:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**kwargs)
-
-
 def _exit_failed_process(command: str, err: Exception) -> None:
     """In a multi-process run: say why this process fails, then leave at once, so that
     the peers' collectives fail too instead of waiting for this process (and so that JAX's
@@ -209,12 +200,16 @@ def _exit_failed_process(command: str, err: Exception) -> None:
 
 
 def _distributed(args) -> bool:
-    """Parse the launch flags and initialise `jax.distributed` when asked; True if so."""
+    """Parse the launch flags and, when asked, call `jax.distributed.initialize` before
+    anything starts a JAX backend, with gloo collectives when the devices are CPUs (devices
+    per process come from XLA_FLAGS); True if so."""
     launch = _launch_args(args)
-    if launch is not None and not getattr(args, "dry_run", False):
-        _init_distributed(launch)  # before anything starts a JAX backend
-        return True
-    return False
+    if launch is None or getattr(args, "dry_run", False):
+        return False
+    if "cpu" in (jax.config.jax_platforms or "cpu").split(","):  # unset: may fall back to CPU
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**launch)
+    return True
 
 
 def _cmd_train(args) -> int:
