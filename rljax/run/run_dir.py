@@ -132,7 +132,6 @@ class RunDir:
         self.primary = primary
         self.changed: list[str] = []  # the config fields a resume changes
         self.resolved: dict[str, Any] = {}  # config.json's "resolved" (record_resolved)
-        self._lines: list[str] | None = None  # a bucket's metrics (no appends there)
         self._lock: RunLock | None = None
         self._made = self._logged = False  # made the directory; wrote a metric line
         self._tb = self._wandb = self._metrics = None
@@ -245,8 +244,8 @@ class RunDir:
         path = self.path / METRICS_FILE
         if is_local(path):
             return open(path, "a", encoding="utf-8")
-        self._lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-        return BucketLines(self._lines, path)
+        return BucketLines(path.read_text().splitlines(keepends=True) if path.exists() else [],
+                           path)
 
     def _open_wandb(self, project: str):
         try:
@@ -263,11 +262,6 @@ class RunDir:
     def checkpoint_dir(self) -> epath.Path:
         """Where the run's orbax checkpoints go."""
         return self.path / "checkpoints"
-
-    @property
-    def plots_dir(self) -> epath.Path:
-        """Where `plot()` writes PNGs."""
-        return self.path / "plots"
 
     # -- writing --------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, Any], *, phase: str = "rl") -> None:
@@ -336,7 +330,7 @@ class RunDir:
         """Draw the PNG plots of the metrics so far into `plots/`."""
         if not self.primary:
             return []
-        return _plots.plot_metrics(self.metrics(), self.plots_dir)
+        return _plots.plot_metrics(self.metrics(), self.path / "plots")
 
     def close(self, *, failed: bool = False) -> None:
         """Flush and close the metric writers and release the lock (idempotent). `failed`
