@@ -171,11 +171,6 @@ def policy_split(config, policy: dict) -> tuple:
     return graphdef, state
 
 
-def _policy_from_run(run_dir: pathlib.Path, step: int | None, run_seed: int | None):
-    cfg, config, policy, _ = restore_policy(run_dir, step, run_seed=run_seed)
-    return nnx.merge(*policy_split(config, policy)), run_tokenizer(run_dir, cfg), cfg
-
-
 def load_policy(source: str | pathlib.Path, *, step: int | None = None,
                 run_seed: int | None = None):
     """`(Decoder, tokenizer, ExperimentConfig or None)` from a run directory or HF folder.
@@ -187,7 +182,8 @@ def load_policy(source: str | pathlib.Path, *, step: int | None = None,
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is neither a run directory nor a model folder")
     if is_run_dir(source):
-        return _policy_from_run(source, step, run_seed)
+        cfg, config, policy, _ = restore_policy(source, step, run_seed=run_seed)
+        return nnx.merge(*policy_split(config, policy)), run_tokenizer(source, cfg), cfg
     for name, value in (("step", step), ("seed", run_seed)):
         if value is not None:
             raise ValueError(f"{name}={value} applies to run directories; {source} is a "
