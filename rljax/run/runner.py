@@ -208,9 +208,10 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
         every = cfg.run.save_every or max(cfg.rl.steps, 1)
         with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck, \
                 StopSignal() as stop:
-            # Every process reports its first RL step to JAX now, so that a SIGTERM during
-            # the setup below stops the run after that step (JAX ignores earlier notices).
-            stop.reached(_first_step(cfg, ck))
+            # Every process reports its first RL step (the latest checkpoint's when resuming)
+            # to JAX now, so that a SIGTERM during the setup below stops the run after that
+            # step (JAX ignores earlier notices).
+            stop.reached((ck.latest_step() if cfg.run.resume else None) or 0)
             warm = WarmupStop(rd, stop, cfg.run.resume, progress_out)
             try:
                 acc_before, after, verifier = _train(cfg, rd, ck, mesh, warm, stop,
@@ -225,12 +226,6 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
     finally:
         rd.close()
     return _finish(cfg, rd, acc_before, after, t0, out, verifier)
-
-
-def _first_step(cfg, ck) -> int:
-    """The step the RL loop starts from: the latest checkpoint's when resuming, else 0."""
-    latest = ck.latest_step() if cfg.run.resume else None
-    return 0 if latest is None else latest
 
 
 def _train(cfg, rd, ck, mesh, warm, stop, out):
