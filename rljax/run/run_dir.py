@@ -224,6 +224,14 @@ class RunDir:
         if self.primary and self._metrics is not None:
             self._write_config()
 
+    def restore(self, ck, fresh) -> tuple:
+        """`ck.restore(fresh)` for a resume: a checkpoint that does not fit `fresh` (this
+        config's state) raises `mismatch`'s error, before anything is written."""
+        try:
+            return ck.restore(fresh)
+        except (ValueError, KeyError, TypeError) as e:
+            raise self.mismatch(e) from e
+
     def mismatch(self, err: BaseException) -> RunDirError:
         """The error of a resume whose checkpoint does not fit this config (`err`, e.g.
         orbax's shape error), naming the config fields that differ."""

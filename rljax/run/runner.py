@@ -278,10 +278,7 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
     A restore that does not fit this config raises before the run directory is written."""
     if cfg.run.resume and ck.latest_step() is not None:
         fresh = trainer.init_state(params, seed=cfg.run.seed, value_params=value_params)
-        try:
-            state, meta = ck.restore(fresh)
-        except (ValueError, KeyError, TypeError) as e:
-            raise rd.mismatch(e) from e
+        state, meta = rd.restore(ck, fresh)
         rd.begin()
         rd.truncate_metrics(int(meta["step"]))
         print(f"[rljax] resumed {rd.path} at step {meta['step']}", file=out)

@@ -235,10 +235,7 @@ class _SeedRun:
         before the run directory is written."""
         cfg, rd, ck = self.cfg, self.rd, self.ck
         if cfg.run.resume and ck.latest_step() is not None:
-            try:
-                state, meta = ck.restore(self.rl.init_state(self.params, self.seeds))
-            except (ValueError, KeyError, TypeError) as e:
-                raise rd.mismatch(e) from e
+            state, meta = rd.restore(ck, self.rl.init_state(self.params, self.seeds))
             if meta.get("seeds") != self.seeds:
                 raise rd.mismatch(ValueError(
                     f"it holds seeds {meta.get('seeds')}, this config runs {self.seeds}"))
