@@ -62,8 +62,6 @@ def _split_tuple_text(text: str) -> list[str]:
     inner = text.strip()
     if inner[:1] in "([" and inner[-1:] in ")]":
         inner = inner[1:-1]
-    if not inner.strip():
-        return []
     return [p.strip() for p in inner.split(",") if p.strip()]
 
 
