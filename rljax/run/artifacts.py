@@ -44,7 +44,7 @@ from rljax.run.lora_runs import restore_lora_policy
 from rljax.run.experiment import ExperimentConfig, config_from_dict
 from rljax.run.experiment_files import load_experiment
 from rljax.run.overrides import apply_overrides
-from rljax.run.run_writers import is_local, run_path
+from rljax.run.run_writers import is_local, run_path, write_folder
 from rljax.run.user_reward import shared_reward_pool
 from rljax.rewards import score_batch
 from rljax.sampling import generate
@@ -191,19 +191,6 @@ def load_policy(source: str | pathlib.Path, *, step: int | None = None,
     return from_pretrained(source), load_tokenizer(source), None
 
 
-def _write_folder(out: epath.Path, write) -> None:
-    """`write(local_folder)`, then, for a bucket (`gs://...`), copy the files up."""
-    if is_local(out):
-        write(pathlib.Path(out))
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        write(pathlib.Path(tmp) / "out")
-        out.mkdir(parents=True, exist_ok=True)
-        files = sorted((pathlib.Path(tmp) / "out").iterdir(), key=lambda f: f.name == "config.json")
-        for f in files:  # config.json last: a reader never sees a folder without weights
-            epath.Path(f).copy(out / f.name, overwrite=True)
-
-
 def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
               step: int | None = None, dtype: str = "float32",
               max_shard_bytes: int | None = None, run_seed: int | None = None,
@@ -260,7 +247,7 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
             tokenizer.save_pretrained(str(folder))
 
     if primary:
-        _write_folder(out, write)
+        write_folder(out, write)
     else:
         write(out)  # gathers without writing
     return out

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import sys
-import tempfile
 import time
 from typing import TextIO
 
@@ -50,6 +49,7 @@ from rljax.run.preemption import StopSignal, save_interrupted, save_step
 from rljax.run.profiling import StepProfiler, parse_profile_steps
 from rljax.run.report import Progress, format_summary
 from rljax.run.run_dir import RunDir, is_local
+from rljax.run.run_writers import write_folder
 from rljax.run.seed_runs import SeedsResult, run_seeds
 from rljax.run.startup import startup_summary
 from rljax.run.teacher import load_teacher
@@ -92,18 +92,14 @@ def _save_tokenizer(tokenizer, dest: epath.Path) -> None:
     Locally it writes a sibling folder and renames it into place, so a run killed while
     saving leaves no half-written `tokenizer/` (which a resumed run would keep: it only
     saves when the folder is absent)."""
-    if is_local(dest):
-        tmp = dest.parent / f"{dest.name}.partial"
-        if tmp.exists():  # a previous attempt was killed while writing it
-            tmp.rmtree()
-        tokenizer.save_pretrained(str(tmp))
-        tmp.rename(dest)
+    if not is_local(dest):
+        write_folder(dest, lambda folder: tokenizer.save_pretrained(str(folder)))
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        dest.mkdir(parents=True, exist_ok=True)
-        for f in epath.Path(tmp).iterdir():  # save_pretrained writes flat files
-            f.copy(dest / f.name, overwrite=True)
+    tmp = dest.parent / f"{dest.name}.partial"
+    if tmp.exists():  # a previous attempt was killed while writing it
+        tmp.rmtree()
+    tokenizer.save_pretrained(str(tmp))
+    tmp.rename(dest)
 
 
 def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: TextIO,
