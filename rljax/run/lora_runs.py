@@ -65,11 +65,6 @@ def adapters_only(state):
     return dataclasses.replace(state, params=dict(state.params, policy=adapters))
 
 
-def _with_base(state, base):
-    policy = merge_trainable(state.params["policy"], base)
-    return dataclasses.replace(state, params=dict(state.params, policy=policy))
-
-
 def _check_base(meta: dict, base, where: str) -> None:
     want, got = meta.get(BASE_KEY), base_fingerprint(base)
     if want != got:
@@ -101,7 +96,8 @@ class AdapterCheckpoints:
         base = split_trainable(target.params["policy"])[1]
         state, meta = self._ck.restore(adapters_only(target), step)
         _check_base(meta, base, f"resume from {self._ck.directory}")
-        return _with_base(state, base), meta
+        policy = merge_trainable(state.params["policy"], base)
+        return dataclasses.replace(state, params=dict(state.params, policy=policy)), meta
 
 
 def lora_checkpoints(cfg, ck):
