@@ -104,10 +104,9 @@ def _save_tokenizer(tokenizer, dest: epath.Path) -> None:
 
 def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: TextIO,
                 warm: WarmupStop, adapters=None):
-    """SFT steps until `sft.steps`, or until a `stop_loss` / `stop_accuracy` target; a
-    SIGTERM or Ctrl-C stops it at a step boundary with a checkpoint a resume continues
-    (`rljax.run.warmup_stop`). ``adapters``: a LoRA policy's, set aside while its base
-    trains (`sft.full_parameters`); the validation runs the base with them."""
+    """SFT steps until `sft.steps`, or until a `stop_loss` / `stop_accuracy` target (SIGTERM
+    and Ctrl-C: the module docstring). ``adapters``: a LoRA policy's, set aside while its
+    base trains (`sft.full_parameters`); the validation runs the base with them."""
     c = cfg.sft
     sft = SFTTrainer(graphdef, c, mesh=mesh)
     state, first, loop = warm.restore(sft.init_state(params, seed=cfg.run.seed))
@@ -179,10 +178,9 @@ def _meta(cfg, rd, state, phase: str, acc_before: float) -> dict:
 
 
 def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunResult:
-    """Run `cfg` end to end (see the module docstring); prints progress and the summary to
-    `out` (default stderr for progress, stdout for the summary) and returns a `RunResult`.
-    Raises `rljax.run.preemption.Preempted` after a SIGTERM, once the step every process
-    stopped at is saved."""
+    """Run `cfg` end to end (see the module docstring: SIGTERM raises `Preempted`); prints
+    progress and the summary to `out` (default stderr for progress, stdout for the summary)
+    and returns a `RunResult`."""
     if not isinstance(cfg, ExperimentConfig):
         raise TypeError(f"run_experiment: cfg must be an ExperimentConfig, got {type(cfg).__name__}")
     cfg = cfg.resolved()  # the algorithm's preset filled in: what runs is what is saved
@@ -270,8 +268,7 @@ def _headline(res: dict) -> float:
 
 def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer, mesh, out,
            warm):
-    """Restore the latest checkpoint (resume) or warm up, evaluate and build a fresh state.
-    A restore that does not fit this config raises before the run directory is written."""
+    """Restore the latest checkpoint (resume) or warm up, evaluate and build a fresh state."""
     if cfg.run.resume and ck.latest_step() is not None:
         fresh = trainer.init_state(params, seed=cfg.run.seed, value_params=value_params)
         state, meta = rd.restore(ck, fresh)
