@@ -300,15 +300,6 @@ def sample_texts(source: str | pathlib.Path, prompts: Sequence[str], *, num_samp
     return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 
 
-def _experiment_for(source_cfg, experiment, overrides):
-    if experiment is not None:
-        return load_experiment(experiment, overrides)
-    if source_cfg is None:
-        raise ValueError("eval of a model folder needs --experiment EXP to name the task and "
-                         "its verifier (a run directory carries its own)")
-    return apply_overrides(source_cfg, overrides)
-
-
 def _correct(accuracy_fn, texts, metadata, reward) -> np.ndarray:
     """The verifier's outcomes (0/1): in the reward pool under `reward.timeout_s` when the
     run's reward uses workers (a call past the limit counts wrong, and is logged), else
@@ -344,7 +335,11 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
     model, tokenizer, run_cfg = load_policy(source, step=step, run_seed=run_seed)
-    cfg = _experiment_for(run_cfg, experiment, overrides)
+    if experiment is None and run_cfg is None:
+        raise ValueError("eval of a model folder needs --experiment EXP to name the task and "
+                         "its verifier (a run directory carries its own)")
+    cfg = (apply_overrides(run_cfg, overrides) if experiment is None
+           else load_experiment(experiment, overrides))
     task = build_task(cfg, tokenizer)
     n = len(task.eval_prompts) if num_prompts is None else num_prompts
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(task.eval_prompts):
