@@ -105,17 +105,15 @@ class RunDir:
     Args:
       path: the directory (created if absent).
       config: the resolved config (dataclass or dict), written to `config.json`.
-      resume: True: continue the run already in `path` (its metrics are kept; an error
-        when there is none); "auto": continue it if there is one, else start one.
-      overwrite: delete the run already in `path` first.
+      resume, overwrite: continue (its metrics are kept) or delete the run already in
+        `path`, as the module docstring says.
       tensorboard: write tensorboardX event files under `tb/`.
       wandb_project: also log to Weights & Biases under this project (needs `wandb`).
       hash_exclude: config keys left out of the hash.
       primary: False on the non-first processes of a multi-host run: they apply no refusal
-        rule and write nothing (the first process owns the directory's files; checkpoints
-        are written by every process through orbax). On several processes all of them
-        wait here for process 0's verdict: an `overwrite` has cleared the directory before
-        any process goes on, and a refusal stops every process.
+        rule and write nothing (module docstring). On several processes all of them wait
+        here for process 0's verdict: an `overwrite` has cleared the directory before any
+        process goes on, and a refusal stops every process.
     """
 
     def __init__(self, path: str | pathlib.Path, config: Any, *, resume: bool | str = False,
