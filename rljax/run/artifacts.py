@@ -30,17 +30,16 @@ import numpy as np
 from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import SingleDeviceSharding
 
 from rljax.models import Decoder
 from rljax.models.hf_config import config_from_hf
-from rljax.models.hf_io import (from_pretrained, special_token_ids, state_location, weight_map,
+from rljax.models.hf_io import (from_pretrained, special_token_ids, state_location,
                                 write_pretrained)
 from rljax.models.peft_io import merged_getter, write_peft
 from rljax.models.tokenizer import (build_char_tokenizer, encode_prompts, load_tokenizer,
                                     stop_token_ids)
 from rljax.run.builders import build_model, build_reward, build_task, model_prompt
-from rljax.run.lora_runs import restore_lora_policy
+from rljax.run.lora_runs import restore_lora_policy, saved_target
 from rljax.run.experiment import ExperimentConfig, config_from_dict
 from rljax.run.experiment_files import load_experiment
 from rljax.run.overrides import apply_overrides
@@ -48,7 +47,7 @@ from rljax.run.run_writers import is_local, run_path, write_folder
 from rljax.run.user_reward import shared_reward_pool
 from rljax.rewards import score_batch
 from rljax.sampling import generate
-from rljax.sharding import MeshConfig, make_mesh, state_shardings
+from rljax.sharding import MeshConfig, make_mesh
 from rljax.train.checkpoint import Checkpointer, pure_params
 from rljax.train.config import SamplingConfig
 
@@ -93,26 +92,12 @@ def _model_config(cfg):
 
 
 def _policy_target(config, mesh, num_seeds: int = 1) -> dict:
-    """`{"params": {"policy": ...}}` as saved (string keys, `{"value": leaf}`), with
-    ShapeDtypeStruct leaves sharded over `mesh` (or on this process's first device); a
-    several-seed run's leaves are stacked `[num_seeds, ...]` (one device, no mesh)."""
+    """`{"params": {"policy": ...}}` of a `Decoder(config)` as saved (`saved_target`: over
+    `mesh` or on this process's first device); a several-seed run's leaves are stacked
+    `[num_seeds, ...]` (one device, no mesh)."""
     abs_state = nnx.state(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))), nnx.Param)
-    flat = dict(nnx.to_flat_state(abs_state))
-    if mesh is not None:
-        shardings = {k: v.get_value() for k, v in
-                     nnx.to_flat_state(state_shardings(abs_state, mesh))}
-    tree: dict = {}
-    for _, per_layer, _, _ in weight_map(config):
-        spath, _ = state_location(config, per_layer)  # a scanned model's [L, ...] stacks
-        leaf = flat[spath].get_value()
-        node = tree
-        for key in spath:
-            node = node.setdefault(str(key), {})
-        sharding = shardings[spath] if mesh is not None else SingleDeviceSharding(
-            jax.local_devices()[0])
-        shape = leaf.shape if num_seeds == 1 else (num_seeds, *leaf.shape)
-        node["value"] = jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding)
-    return {"params": {"policy": tree}}
+    lead = () if num_seeds == 1 else (num_seeds,)
+    return {"params": {"policy": saved_target(abs_state, mesh, lead)}}
 
 
 def seed_config(cfg: ExperimentConfig, run_seed: int | None) -> ExperimentConfig:
