@@ -124,25 +124,24 @@ def restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = 
     if not ck_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} has no checkpoints/ to load a policy from")
     config = _model_config(cfg)
-    num_seeds = full.run.seeds
+    num_seeds, k = full.run.seeds, cfg.run.seed - full.run.seed  # seed k of the stack
+    where = mesh if num_seeds == 1 else None  # a several-seed stack: on one device
     if config.lora is not None:  # the checkpoints hold the adapters; the base is rebuilt
-        tok, where = run_tokenizer(run_dir, cfg), mesh if num_seeds == 1 else None
+        tok = run_tokenizer(run_dir, cfg)
         models = [build_model(seed_config(full, s), tok, where)  # every seed's base, stacked
-                  for s in range(full.run.seed, full.run.seed + num_seeds)]  # (on one device)
+                  for s in range(full.run.seed, full.run.seed + num_seeds)]
         with Checkpointer(ck_dir) as ck:
             policy, meta = restore_lora_policy(ck, models, step, where, whole=full.warms_up_base,
-                                               index=cfg.run.seed - full.run.seed)
+                                               index=k)
         return cfg, config, policy, meta
     with Checkpointer(ck_dir) as ck:
         try:
-            raw, meta = ck.restore_subtree(
-                _policy_target(config, mesh if num_seeds == 1 else None, num_seeds), step)
+            raw, meta = ck.restore_subtree(_policy_target(config, where, num_seeds), step)
         except (KeyError, ValueError) as e:
             raise ValueError(f"a checkpoint in {ck_dir} holds no params['policy'] of this "
                              f"run's model: {e}") from None
     policy = raw["params"]["policy"]
     if num_seeds > 1:  # seed k of the stack is run.seed + k (one program, not one a leaf)
-        k = cfg.run.seed - full.run.seed
         policy = jax.jit(lambda tree: jax.tree.map(lambda x: x[k], tree))(policy)
     return cfg, config, pure_params(policy), meta
 
