@@ -159,11 +159,8 @@ def _value_model(cfg, model, mesh):
     `(None, None)` for other algorithms."""
     if not cfg.algorithm.needs_value_model:
         return None, None
-    vm = ValueModel.from_policy(model, rngs=nnx.Rngs(cfg.run.seed + 1))
-    if mesh is not None:
-        graphdef, state = nnx.split(vm)
-        return graphdef, shard_params(state, mesh)
-    return nnx.split(vm)
+    graphdef, state = nnx.split(ValueModel.from_policy(model, rngs=nnx.Rngs(cfg.run.seed + 1)))
+    return graphdef, state if mesh is None else shard_params(state, mesh)
 
 
 def _evaluate(trainer, params, task, rd, name: str) -> dict:
