@@ -86,13 +86,11 @@ class AdapterCheckpoints:
         return getattr(self._ck, name)
 
     def save(self, step: int, state, meta: dict | None = None, **kw):
-        """Save ``state``'s adapters, optimiser state and counters; ``meta`` + fingerprint."""
         base = split_trainable(state.params["policy"])[1]
         meta = dict(meta or {}, **{BASE_KEY: base_fingerprint(base)})
         return self._ck.save(step, adapters_only(state), meta, **kw)
 
     def restore(self, target, step: int | None = None):
-        """``(state, meta)``: the checkpoint's adapters and state on ``target``'s base."""
         base = split_trainable(target.params["policy"])[1]
         state, meta = self._ck.restore(adapters_only(target), step)
         _check_base(meta, base, f"resume from {self._ck.directory}")
