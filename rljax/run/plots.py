@@ -49,8 +49,7 @@ PANELS: tuple[tuple[str, str, Callable[[str], bool]], ...] = (
 )
 
 
-# Phases whose records count their own steps (``RunDir.log(..., phase="sft")``): their
-# plots and TensorBoard curves are kept apart from the RL steps' (``RunDir.log`` uses this).
+# Phases whose records count their own steps (``RunDir.log(..., phase="sft")``): plotted apart.
 OWN_STEP_PHASES: tuple[str, ...] = ("sft",)
 
 
@@ -148,11 +147,8 @@ def _save(fig, path: epath.Path) -> epath.Path:
 
 def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
                  *, step_key: str = "step") -> list[epath.Path]:
-    """Write one PNG per metric family present in `records` (per phase of
-    ``OWN_STEP_PHASES`` too) and `overview.png`.
-
-    Returns the written paths (empty when no known metric is present).
-    """
+    """Write the PNGs of the module docstring into `out_dir`; returns their paths (none when
+    no known metric is present)."""
     # Figures made directly, not through pyplot: no GUI backend and no global state to
     # switch. Imported here, where a plot is drawn: matplotlib takes ~0.3 s to import.
     from matplotlib.figure import Figure
