@@ -21,19 +21,6 @@ __all__ = ["check_data_files", "filtered_split", "needs_answer", "read_split",
            "require_answers", "split_file"]
 
 
-class _Mapped:
-    """A random-access sequence seen through `fn` (records transformed when read)."""
-
-    def __init__(self, seq, fn):
-        self.seq, self.fn = seq, fn
-
-    def __len__(self) -> int:
-        return len(self.seq)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.fn(self.seq[i])
-
-
 def needs_answer(cfg: ExperimentConfig) -> bool:
     """Whether the reward checks a reference answer (then every record must have one)."""
     return cfg.reward.kind in ("accuracy", "accuracy+format") or cfg.task.name == "gsm8k"
@@ -81,7 +68,7 @@ def read_split(cfg: ExperimentConfig, split: str, role: str = "split") -> Sequen
     if t.name == "tfds":
         src = TfdsPromptSource(split=split, name=t.dataset, data_dir=t.path, mapping=mapping)
         # GSM8K keeps "#### answer" at the end of its solution field, on TFDS too.
-        return _Mapped(src, gsm8k_transform) if t.dataset == "gsm8k" else src
+        return [gsm8k_transform(r) for r in src] if t.dataset == "gsm8k" else src
     transform = gsm8k_transform if t.name == "gsm8k" else None
     # The answer is read when present; `require_answers` names a missing one if the
     # reward checks it (GSM8K's transform splits it, so it must be there).
