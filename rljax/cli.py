@@ -16,10 +16,12 @@ layer over one Python call (named in its help), so everything here is also a lib
 A run of several seeds (`run.seeds`) keeps them in one checkpoint: `--seed S` picks one for
 eval / sample / export (default the run's first seed, `run.seed`); `plot` draws one curve
 per seed (or only `--seed S`'s).
-Bad input (missing experiment, unknown or mistyped override, a run directory that holds
-another run or is in use) prints one clear error line and exits with status 2 (argparse's
-usage errors too); any other failure prints its traceback and exits 1. A run stopped by SIGTERM
-(preemption: every process saves the same step) exits 0 with the step and the resume hint.
+Bad input (ValueError, TypeError, FileNotFoundError, FileExistsError: a missing experiment,
+an unknown or mistyped override, a run directory that holds another run or is in use) prints
+one line `rljax <command>: error: ...` and exits with status 2 (argparse's usage errors too);
+any other failure prints its traceback and that line and exits 1; Ctrl-C exits 130. A run
+stopped by SIGTERM (preemption: every process saves the same step) exits 0 with the step and
+the resume hint.
 With --distributed, a process whose run fails (typically because another process died:
 its collectives fail) prints why and exits 1 at once instead of waiting in JAX's shutdown;
 one that hangs in a collective is ended by JAX's coordination service after
@@ -50,7 +52,7 @@ __all__ = ["HEARTBEAT_TIMEOUT_S", "build_parser", "main"]
 # Seconds without heartbeats after which JAX's coordination service declares a process dead
 # and ends the others (JAX's default, 100 s, is longer than a preemption notice lasts).
 HEARTBEAT_TIMEOUT_S = 30
-# Configuration and input errors: one line and status 2.
+# Configuration and input errors: one line and status 2 (module docstring).
 _INPUT_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
 
 
@@ -183,15 +185,6 @@ def _launch_args(args) -> dict | None:
             "process_id": args.process_id, **beat}
 
 
-def _init_distributed(kwargs: dict) -> None:
-    """`jax.distributed.initialize`, with gloo collectives when the devices are CPUs
-    (set before the backend starts; devices per process come from XLA_FLAGS)."""
-    platforms = (jax.config.jax_platforms or "cpu").split(",")  # unset: may fall back to CPU
-    if "cpu" in platforms:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**kwargs)
-
-
 def _exit_failed_process(command: str, err: Exception) -> None:
     """In a multi-process run: say why this process fails, then leave at once, so that
     the peers' collectives fail too instead of waiting for this process (and so that JAX's
@@ -209,12 +202,16 @@ def _exit_failed_process(command: str, err: Exception) -> None:
 
 
 def _distributed(args) -> bool:
-    """Parse the launch flags and initialise `jax.distributed` when asked; True if so."""
+    """Parse the launch flags and, when asked, call `jax.distributed.initialize` before
+    anything starts a JAX backend, with gloo collectives when the devices are CPUs (devices
+    per process come from XLA_FLAGS); True if so."""
     launch = _launch_args(args)
-    if launch is not None and not getattr(args, "dry_run", False):
-        _init_distributed(launch)  # before anything starts a JAX backend
-        return True
-    return False
+    if launch is None or getattr(args, "dry_run", False):
+        return False
+    if "cpu" in (jax.config.jax_platforms or "cpu").split(","):  # unset: may fall back to CPU
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**launch)
+    return True
 
 
 def _cmd_train(args) -> int:
@@ -315,13 +312,8 @@ _COMMANDS = {"train": _cmd_train, "eval": _cmd_eval, "sample": _cmd_sample,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `rljax` command with `argv` (default `sys.argv[1:]`); returns the exit status.
-
-    Configuration and input errors (ValueError, TypeError, FileNotFoundError,
-    FileExistsError) are printed as `rljax <command>: error: ...` and give status 2, as
-    argparse's usage errors do; any other failure prints its traceback and the same one
-    line, and gives status 1; Ctrl-C gives 130.
-    """
+    """Run the `rljax` command with `argv` (default `sys.argv[1:]`); returns the exit status
+    (the module docstring says which)."""
     args = build_parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)

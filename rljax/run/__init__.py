@@ -36,6 +36,7 @@ _HOME = {
     "ArithmeticReward": "tasks", "CountdownReward": "tasks", "check_arithmetic": "tasks",
     "Preempted": "preemption", "load_teacher": "teacher",
 }
+__all__ = sorted(_HOME)
 
 
 def __getattr__(name: str):
@@ -43,10 +44,3 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'rljax.run' has no attribute {name!r}")
     return getattr(importlib.import_module(f"rljax.run.{_HOME[name]}"), name)
 
-
-__all__ = [
-    "ArithmeticReward", "CountdownReward", "ExperimentConfig", "OverrideError", "Preempted",
-    "RewardConfig", "RunConfig", "RunDir", "RunDirError", "RunResult", "TaskConfig",
-    "apply_overrides", "check_arithmetic", "format_summary", "load_experiment",
-    "load_run_config", "load_teacher", "plot_metrics", "read_metrics", "result_line", "run_experiment",
-]

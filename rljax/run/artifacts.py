@@ -30,25 +30,24 @@ import numpy as np
 from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import SingleDeviceSharding
 
 from rljax.models import Decoder
 from rljax.models.hf_config import config_from_hf
-from rljax.models.hf_io import (from_pretrained, special_token_ids, state_location, weight_map,
+from rljax.models.hf_io import (from_pretrained, special_token_ids, state_location,
                                 write_pretrained)
 from rljax.models.peft_io import merged_getter, write_peft
 from rljax.models.tokenizer import (build_char_tokenizer, encode_prompts, load_tokenizer,
                                     stop_token_ids)
 from rljax.run.builders import build_model, build_reward, build_task, model_prompt
-from rljax.run.lora_runs import restore_lora_policy
+from rljax.run.lora_runs import restore_lora_policy, saved_target
 from rljax.run.experiment import ExperimentConfig, config_from_dict
 from rljax.run.experiment_files import load_experiment
 from rljax.run.overrides import apply_overrides
-from rljax.run.run_writers import is_local, run_path
+from rljax.run.run_writers import is_local, run_path, write_folder
 from rljax.run.user_reward import shared_reward_pool
 from rljax.rewards import score_batch
 from rljax.sampling import generate
-from rljax.sharding import MeshConfig, make_mesh, state_shardings
+from rljax.sharding import MeshConfig, make_mesh
 from rljax.train.checkpoint import Checkpointer, pure_params
 from rljax.train.config import SamplingConfig
 
@@ -93,26 +92,12 @@ def _model_config(cfg):
 
 
 def _policy_target(config, mesh, num_seeds: int = 1) -> dict:
-    """`{"params": {"policy": ...}}` as saved (string keys, `{"value": leaf}`), with
-    ShapeDtypeStruct leaves sharded over `mesh` (or on this process's first device); a
-    several-seed run's leaves are stacked `[num_seeds, ...]` (one device, no mesh)."""
+    """`{"params": {"policy": ...}}` of a `Decoder(config)` as saved (`saved_target`: over
+    `mesh` or on this process's first device); a several-seed run's leaves are stacked
+    `[num_seeds, ...]` (one device, no mesh)."""
     abs_state = nnx.state(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))), nnx.Param)
-    flat = dict(nnx.to_flat_state(abs_state))
-    if mesh is not None:
-        shardings = {k: v.get_value() for k, v in
-                     nnx.to_flat_state(state_shardings(abs_state, mesh))}
-    tree: dict = {}
-    for _, per_layer, _, _ in weight_map(config):
-        spath, _ = state_location(config, per_layer)  # a scanned model's [L, ...] stacks
-        leaf = flat[spath].get_value()
-        node = tree
-        for key in spath:
-            node = node.setdefault(str(key), {})
-        sharding = shardings[spath] if mesh is not None else SingleDeviceSharding(
-            jax.local_devices()[0])
-        shape = leaf.shape if num_seeds == 1 else (num_seeds, *leaf.shape)
-        node["value"] = jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding)
-    return {"params": {"policy": tree}}
+    lead = () if num_seeds == 1 else (num_seeds,)
+    return {"params": {"policy": saved_target(abs_state, mesh, lead)}}
 
 
 def seed_config(cfg: ExperimentConfig, run_seed: int | None) -> ExperimentConfig:
@@ -139,25 +124,24 @@ def restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = 
     if not ck_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} has no checkpoints/ to load a policy from")
     config = _model_config(cfg)
-    num_seeds = full.run.seeds
+    num_seeds, k = full.run.seeds, cfg.run.seed - full.run.seed  # seed k of the stack
+    where = mesh if num_seeds == 1 else None  # a several-seed stack: on one device
     if config.lora is not None:  # the checkpoints hold the adapters; the base is rebuilt
-        tok, where = run_tokenizer(run_dir, cfg), mesh if num_seeds == 1 else None
+        tok = run_tokenizer(run_dir, cfg)
         models = [build_model(seed_config(full, s), tok, where)  # every seed's base, stacked
-                  for s in range(full.run.seed, full.run.seed + num_seeds)]  # (on one device)
+                  for s in range(full.run.seed, full.run.seed + num_seeds)]
         with Checkpointer(ck_dir) as ck:
             policy, meta = restore_lora_policy(ck, models, step, where, whole=full.warms_up_base,
-                                               index=cfg.run.seed - full.run.seed)
+                                               index=k)
         return cfg, config, policy, meta
     with Checkpointer(ck_dir) as ck:
         try:
-            raw, meta = ck.restore_subtree(
-                _policy_target(config, mesh if num_seeds == 1 else None, num_seeds), step)
+            raw, meta = ck.restore_subtree(_policy_target(config, where, num_seeds), step)
         except (KeyError, ValueError) as e:
             raise ValueError(f"a checkpoint in {ck_dir} holds no params['policy'] of this "
                              f"run's model: {e}") from None
     policy = raw["params"]["policy"]
     if num_seeds > 1:  # seed k of the stack is run.seed + k (one program, not one a leaf)
-        k = cfg.run.seed - full.run.seed
         policy = jax.jit(lambda tree: jax.tree.map(lambda x: x[k], tree))(policy)
     return cfg, config, pure_params(policy), meta
 
@@ -171,11 +155,6 @@ def policy_split(config, policy: dict) -> tuple:
     return graphdef, state
 
 
-def _policy_from_run(run_dir: pathlib.Path, step: int | None, run_seed: int | None):
-    cfg, config, policy, _ = restore_policy(run_dir, step, run_seed=run_seed)
-    return nnx.merge(*policy_split(config, policy)), run_tokenizer(run_dir, cfg), cfg
-
-
 def load_policy(source: str | pathlib.Path, *, step: int | None = None,
                 run_seed: int | None = None):
     """`(Decoder, tokenizer, ExperimentConfig or None)` from a run directory or HF folder.
@@ -187,25 +166,13 @@ def load_policy(source: str | pathlib.Path, *, step: int | None = None,
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is neither a run directory nor a model folder")
     if is_run_dir(source):
-        return _policy_from_run(source, step, run_seed)
+        cfg, config, policy, _ = restore_policy(source, step, run_seed=run_seed)
+        return nnx.merge(*policy_split(config, policy)), run_tokenizer(source, cfg), cfg
     for name, value in (("step", step), ("seed", run_seed)):
         if value is not None:
             raise ValueError(f"{name}={value} applies to run directories; {source} is a "
                              "model folder")
     return from_pretrained(source), load_tokenizer(source), None
-
-
-def _write_folder(out: epath.Path, write) -> None:
-    """`write(local_folder)`, then, for a bucket (`gs://...`), copy the files up."""
-    if is_local(out):
-        write(pathlib.Path(out))
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        write(pathlib.Path(tmp) / "out")
-        out.mkdir(parents=True, exist_ok=True)
-        files = sorted((pathlib.Path(tmp) / "out").iterdir(), key=lambda f: f.name == "config.json")
-        for f in files:  # config.json last: a reader never sees a folder without weights
-            epath.Path(f).copy(out / f.name, overwrite=True)
 
 
 def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
@@ -264,7 +231,7 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
             tokenizer.save_pretrained(str(folder))
 
     if primary:
-        _write_folder(out, write)
+        write_folder(out, write)
     else:
         write(out)  # gathers without writing
     return out
@@ -317,15 +284,6 @@ def sample_texts(source: str | pathlib.Path, prompts: Sequence[str], *, num_samp
     return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 
 
-def _experiment_for(source_cfg, experiment, overrides):
-    if experiment is not None:
-        return load_experiment(experiment, overrides)
-    if source_cfg is None:
-        raise ValueError("eval of a model folder needs --experiment EXP to name the task and "
-                         "its verifier (a run directory carries its own)")
-    return apply_overrides(source_cfg, overrides)
-
-
 def _correct(accuracy_fn, texts, metadata, reward) -> np.ndarray:
     """The verifier's outcomes (0/1): in the reward pool under `reward.timeout_s` when the
     run's reward uses workers (a call past the limit counts wrong, and is logged), else
@@ -361,7 +319,11 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
     model, tokenizer, run_cfg = load_policy(source, step=step, run_seed=run_seed)
-    cfg = _experiment_for(run_cfg, experiment, overrides)
+    if experiment is None and run_cfg is None:
+        raise ValueError("eval of a model folder needs --experiment EXP to name the task and "
+                         "its verifier (a run directory carries its own)")
+    cfg = (apply_overrides(run_cfg, overrides) if experiment is None
+           else load_experiment(experiment, overrides))
     task = build_task(cfg, tokenizer)
     n = len(task.eval_prompts) if num_prompts is None else num_prompts
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(task.eval_prompts):

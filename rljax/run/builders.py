@@ -198,6 +198,7 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
     """Training, held-out and SFT sources of `cfg.task` (see the module docstring)."""
     t = cfg.task
     n_val = cfg.sft.stop_prompts if cfg.sft is not None and cfg.sft.stop_accuracy > 0 else 0
+    known: dict = {}  # a file task's size, length-filter counts, answers (else the defaults)
     if t.name in ("arithmetic", "countdown"):
         draw = _procedural(cfg)
         eval_records = draw(_EVAL_STREAM, 0, cfg.rl.eval_prompts)
@@ -225,6 +226,8 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         # repeat the RL order ([seed, epoch]) for seed 0.
         sft_records = _epoch_order(train, lambda epoch: np.random.default_rng(
             [_SFT_FILE_ORDER, cfg.run.seed, epoch]).permutation(len(train)))
+        known = dict(train_size=len(train), splits=done.get("_splits", {}),
+                     has_answers=all("answer" in r for r in (*train, *held)))
 
     def texts(recs):
         return [_prompt_text(cfg, tokenizer, r) for r in recs]
@@ -237,13 +240,8 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         recs = sft_records(start, n)
         return texts(recs), [_fill(t.sft_template, r, "task.sft_template") for r in recs]
 
-    splits = done.get("_splits", {}) if t.name not in ("arithmetic", "countdown") else {}
-    answers = t.name in ("arithmetic", "countdown") or all(
-        "answer" in r for r in (*train, *held))
     return TaskData(rl_source, texts(eval_records), list(eval_records), sft_source,
-                    texts(val_records), list(val_records),
-                    train_size=None if t.name in ("arithmetic", "countdown") else len(train),
-                    splits=splits, has_answers=answers)
+                    texts(val_records), list(val_records), **known)
 
 
 def check_inputs(cfg: ExperimentConfig) -> None:

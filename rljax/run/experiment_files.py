@@ -80,28 +80,24 @@ def load_experiment(name_or_path: str | pathlib.Path,
     """
     path = _resolve(name_or_path)
     module = _import_file(path)
-    make = getattr(module, "config", None)
-    if not callable(make):
+    if not callable(getattr(module, "config", None)):
         raise TypeError(f"experiment file {path} must define config() -> ExperimentConfig")
-    cfg = make()
-    if not isinstance(cfg, ExperimentConfig):
-        raise TypeError(f"{path}: config() returned {type(cfg).__name__}, not ExperimentConfig")
-    cfg = apply_overrides(cfg, overrides)
+
+    def call(hook: str, *args) -> ExperimentConfig:  # the file's function, then the overrides
+        cfg = getattr(module, hook)(*args)
+        if not isinstance(cfg, ExperimentConfig):
+            raise TypeError(f"{path}: {hook}() returned {type(cfg).__name__}, not ExperimentConfig")
+        return apply_overrides(cfg, overrides)
+
+    cfg = call("config")
     if cfg.recipe is not None:
-        hook = getattr(module, "recipe", None)
-        if not callable(hook):
+        if not callable(getattr(module, "recipe", None)):
             raise TypeError(f"recipe={cfg.recipe!r}: experiment file {path} has no recipe(cfg) "
                             "hook (it offers no named recipes)")
-        cfg = hook(cfg)
-        if not isinstance(cfg, ExperimentConfig):
-            raise TypeError(f"{path}: recipe() returned {type(cfg).__name__}")
-        cfg = apply_overrides(cfg, overrides)
+        cfg = call("recipe", cfg)
     if cfg.smoke:
-        smoke = getattr(module, "smoke", None)
-        if callable(smoke):
-            cfg = smoke(cfg)
-            if not isinstance(cfg, ExperimentConfig):
-                raise TypeError(f"{path}: smoke() returned {type(cfg).__name__}")
+        if callable(getattr(module, "smoke", None)):
+            cfg = call("smoke", cfg)
         # A two-step check draws no end-of-run plots (about 5 s of matplotlib);
         # `rljax plot RUN` draws them, and `--set run.plots=true` keeps them.
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, plots=False))

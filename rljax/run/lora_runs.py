@@ -36,7 +36,7 @@ from rljax.train.learn.reference import lora_base
 from rljax.train.seeds import stack_states
 
 __all__ = ["AdapterCheckpoints", "adapters_only", "base_fingerprint", "base_model",
-           "lora_checkpoints", "restore_lora_policy"]
+           "lora_checkpoints", "restore_lora_policy", "saved_target"]
 
 BASE_KEY = "lora_base"  # the checkpoint metadata's fingerprint of the base
 
@@ -65,11 +65,6 @@ def adapters_only(state):
     return dataclasses.replace(state, params=dict(state.params, policy=adapters))
 
 
-def _with_base(state, base):
-    policy = merge_trainable(state.params["policy"], base)
-    return dataclasses.replace(state, params=dict(state.params, policy=policy))
-
-
 def _check_base(meta: dict, base, where: str) -> None:
     want, got = meta.get(BASE_KEY), base_fingerprint(base)
     if want != got:
@@ -91,17 +86,16 @@ class AdapterCheckpoints:
         return getattr(self._ck, name)
 
     def save(self, step: int, state, meta: dict | None = None, **kw):
-        """Save ``state``'s adapters, optimiser state and counters; ``meta`` + fingerprint."""
         base = split_trainable(state.params["policy"])[1]
         meta = dict(meta or {}, **{BASE_KEY: base_fingerprint(base)})
         return self._ck.save(step, adapters_only(state), meta, **kw)
 
     def restore(self, target, step: int | None = None):
-        """``(state, meta)``: the checkpoint's adapters and state on ``target``'s base."""
         base = split_trainable(target.params["policy"])[1]
         state, meta = self._ck.restore(adapters_only(target), step)
         _check_base(meta, base, f"resume from {self._ck.directory}")
-        return _with_base(state, base), meta
+        policy = merge_trainable(state.params["policy"], base)
+        return dataclasses.replace(state, params=dict(state.params, policy=policy)), meta
 
 
 def lora_checkpoints(cfg, ck):
@@ -121,9 +115,10 @@ def base_model(graphdef, params) -> tuple[Any, Any, Any]:
     return plain, base, adapters
 
 
-def _tree_target(state, mesh) -> dict:
+def saved_target(state, mesh, lead: tuple[int, ...] = ()) -> dict:
     """``state``'s leaves as saved (string keys, ``{"value": leaf}``), abstract, placed per
-    the logical rules on ``mesh`` (or this process's first device)."""
+    the logical rules on ``mesh`` (or this process's first device), with the leading axes
+    ``lead`` (a several-seed checkpoint's stack) before each leaf's own."""
     flat = nnx.to_flat_state(state)
     sh = dict(nnx.to_flat_state(state_shardings(state, mesh))) if mesh is not None else {}
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -133,7 +128,7 @@ def _tree_target(state, mesh) -> dict:
         for key in path:
             node = node.setdefault(str(key), {})
         leaf = var.get_value()
-        node["value"] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+        node["value"] = jax.ShapeDtypeStruct((*lead, *leaf.shape), leaf.dtype,
                                              sharding=sh[path].get_value() if sh else one)
     return tree
 
@@ -159,7 +154,7 @@ def restore_lora_policy(ck, models: list, step: int | None, mesh=None, index: in
     states = [lora_base(*nnx.split(m)) for m in models]
     state = states[0] if len(states) == 1 else stack_states(states)
     adapters, base = split_trainable(state)
-    target = _tree_target(state if whole else adapters, mesh)
+    target = saved_target(state if whole else adapters, mesh)
     raw, meta = ck.restore_subtree({"params": {"policy": target}}, step)
     policy = _pure(base)
     if not whole:

@@ -62,8 +62,6 @@ def _split_tuple_text(text: str) -> list[str]:
     inner = text.strip()
     if inner[:1] in "([" and inner[-1:] in ")]":
         inner = inner[1:-1]
-    if not inner.strip():
-        return []
     return [p.strip() for p in inner.split(",") if p.strip()]
 
 
@@ -119,10 +117,8 @@ def _admits_str(tp: Any) -> bool:
 
 
 def parse_value(tp: Any, text: str) -> Any:
-    """Parse `text` as a value of annotated type `tp`; raise ValueError/TypeError if it is not one.
-
-    Quoted text (`"none"`, `'3'`) is that string where `tp` accepts strings; otherwise it is
-    parsed without its quotes."""
+    """Parse `text` as a value of annotated type `tp` (quoted text: the module docstring);
+    raise ValueError/TypeError if it is not one."""
     inner = _unquote(text)
     if inner is not None and typing.get_origin(tp) is not tuple and tp is not tuple:
         if _admits_str(tp):
@@ -256,13 +252,9 @@ def _parse_preset_field(tp: Any, text: str, where: str) -> Any:
 
 
 def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
-    """Return `cfg` (a frozen dataclass) with each `"a.b=value"` override applied.
-
-    Values are parsed by the annotated field type; an empty override list returns `cfg`
-    unchanged. Raises `OverrideError` (a ValueError) for unknown keys (listing the valid ones),
-    values of the wrong type (naming key, expected type and text), a key given twice, and
-    combinations that the configs' `__post_init__` validation rejects.
-    """
+    """Return `cfg` (a frozen dataclass) with each `"a.b=value"` override applied (see the
+    module docstring; an empty list returns `cfg` unchanged). Raises `OverrideError` (a
+    ValueError) for the errors the module docstring names and for a key given twice."""
     if not (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)):
         raise TypeError(f"cfg must be a dataclass instance, got {type(cfg).__name__}")
     if isinstance(overrides, str):

@@ -111,11 +111,11 @@ class StopSignal:
             signal.signal(signum, handler)
         self._previous.clear()
 
-    def guard(self) -> DeferredInterrupt | _Unguarded:
+    def guard(self) -> DeferredInterrupt:
         """The block around one RL step: on one process a `DeferredInterrupt` (Ctrl-C held
         to the step's end); on several, none (Ctrl-C is an agreed stop, or, without JAX's
         service, a KeyboardInterrupt that saves nothing), with the same `hit` attribute."""
-        return _Unguarded() if self.distributed else DeferredInterrupt()
+        return DeferredInterrupt(hold=not self.distributed)
 
     def reached(self, step: int) -> bool:
         """True at the boundary after `step` where every process stops. Call it at every
@@ -131,27 +131,17 @@ class StopSignal:
         return self._flag
 
 
-class _Unguarded:
-    """`StopSignal.guard()` on several processes: a block that holds nothing."""
-
-    hit = False
-
-    def __enter__(self) -> _Unguarded:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
 class DeferredInterrupt:
     """A block that Ctrl-C must not cut (an update that donates the state's buffers):
     a SIGINT inside it only sets `hit` (the caller raises KeyboardInterrupt at its next
     step boundary, once the step is logged); a second SIGINT raises at once. Only from
-    the main thread (a no-op elsewhere, where Python delivers no signals)."""
+    the main thread (a no-op elsewhere, where Python delivers no signals), and only with
+    `hold` (without it a block that holds nothing: `StopSignal.guard()` on several
+    processes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: bool = True) -> None:
         self.hit = False
-        self._installed = False
+        self._hold, self._installed = hold, False
         self._previous = signal.default_int_handler
 
     def _handle(self, signum, frame) -> None:
@@ -162,7 +152,7 @@ class DeferredInterrupt:
 
     def __enter__(self) -> DeferredInterrupt:
         # A process that ignores SIGINT (started in the background) keeps ignoring it.
-        if (threading.current_thread() is threading.main_thread()
+        if (self._hold and threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):
             previous = signal.signal(signal.SIGINT, self._handle)
             # None: a handler not set from Python; Python's own takes its place after.

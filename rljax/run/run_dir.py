@@ -105,17 +105,15 @@ class RunDir:
     Args:
       path: the directory (created if absent).
       config: the resolved config (dataclass or dict), written to `config.json`.
-      resume: True: continue the run already in `path` (its metrics are kept; an error
-        when there is none); "auto": continue it if there is one, else start one.
-      overwrite: delete the run already in `path` first.
+      resume, overwrite: continue (its metrics are kept) or delete the run already in
+        `path`, as the module docstring says.
       tensorboard: write tensorboardX event files under `tb/`.
       wandb_project: also log to Weights & Biases under this project (needs `wandb`).
       hash_exclude: config keys left out of the hash.
       primary: False on the non-first processes of a multi-host run: they apply no refusal
-        rule and write nothing (the first process owns the directory's files; checkpoints
-        are written by every process through orbax). On several processes all of them
-        wait here for process 0's verdict: an `overwrite` has cleared the directory before
-        any process goes on, and a refusal stops every process.
+        rule and write nothing (module docstring). On several processes all of them wait
+        here for process 0's verdict: an `overwrite` has cleared the directory before any
+        process goes on, and a refusal stops every process.
     """
 
     def __init__(self, path: str | pathlib.Path, config: Any, *, resume: bool | str = False,
@@ -132,7 +130,6 @@ class RunDir:
         self.primary = primary
         self.changed: list[str] = []  # the config fields a resume changes
         self.resolved: dict[str, Any] = {}  # config.json's "resolved" (record_resolved)
-        self._lines: list[str] | None = None  # a bucket's metrics (no appends there)
         self._lock: RunLock | None = None
         self._made = self._logged = False  # made the directory; wrote a metric line
         self._tb = self._wandb = self._metrics = None
@@ -225,6 +222,14 @@ class RunDir:
         if self.primary and self._metrics is not None:
             self._write_config()
 
+    def restore(self, ck, fresh) -> tuple:
+        """`ck.restore(fresh)` for a resume: a checkpoint that does not fit `fresh` (this
+        config's state) raises `mismatch`'s error, before anything is written."""
+        try:
+            return ck.restore(fresh)
+        except (ValueError, KeyError, TypeError) as e:
+            raise self.mismatch(e) from e
+
     def mismatch(self, err: BaseException) -> RunDirError:
         """The error of a resume whose checkpoint does not fit this config (`err`, e.g.
         orbax's shape error), naming the config fields that differ."""
@@ -245,8 +250,8 @@ class RunDir:
         path = self.path / METRICS_FILE
         if is_local(path):
             return open(path, "a", encoding="utf-8")
-        self._lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-        return BucketLines(self._lines, path)
+        return BucketLines(path.read_text().splitlines(keepends=True) if path.exists() else [],
+                           path)
 
     def _open_wandb(self, project: str):
         try:
@@ -263,11 +268,6 @@ class RunDir:
     def checkpoint_dir(self) -> epath.Path:
         """Where the run's orbax checkpoints go."""
         return self.path / "checkpoints"
-
-    @property
-    def plots_dir(self) -> epath.Path:
-        """Where `plot()` writes PNGs."""
-        return self.path / "plots"
 
     # -- writing --------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, Any], *, phase: str = "rl") -> None:
@@ -336,7 +336,7 @@ class RunDir:
         """Draw the PNG plots of the metrics so far into `plots/`."""
         if not self.primary:
             return []
-        return _plots.plot_metrics(self.metrics(), self.plots_dir)
+        return _plots.plot_metrics(self.metrics(), self.path / "plots")
 
     def close(self, *, failed: bool = False) -> None:
         """Flush and close the metric writers and release the lock (idempotent). `failed`

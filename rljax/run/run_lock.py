@@ -49,7 +49,6 @@ class RunLock:
     def __init__(self, directory: str | os.PathLike):
         self.path = os.path.join(os.fspath(directory), LOCK_FILE)
         self._fd: int | None = None
-        self.took_over: dict | None = None  # the previous (dead) owner, when taken over
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -73,7 +72,6 @@ class RunLock:
         self._fd = fd
         old = _owner(os.pread(fd, 65536, 0).decode("utf-8", "replace"))
         if old:
-            self.took_over = old
             print(f"[rljax] {directory}: taking over the stale lock of {_describe(old)}, "
                   "which is gone (killed?)", file=sys.stderr, flush=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(),

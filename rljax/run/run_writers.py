@@ -8,12 +8,13 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 from typing import Any
 
 from etils import epath
 
 __all__ = ["BucketLines", "TensorBoardRuns", "is_local", "read_metrics", "run_path",
-           "write_atomic"]
+           "write_atomic", "write_folder"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -60,6 +61,19 @@ def write_atomic(path: epath.Path, text: str) -> None:
     tmp = path.parent / (path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_folder(out: epath.Path, write) -> None:
+    """`write(local_folder)`, then, for a bucket (`gs://...`), copy the files up."""
+    if is_local(out):
+        write(pathlib.Path(out))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        write(pathlib.Path(tmp) / "out")
+        out.mkdir(parents=True, exist_ok=True)
+        files = sorted((pathlib.Path(tmp) / "out").iterdir(), key=lambda f: f.name == "config.json")
+        for f in files:  # config.json last: a reader never sees a folder without weights
+            epath.Path(f).copy(out / f.name, overwrite=True)
 
 
 class TensorBoardRuns:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import sys
-import tempfile
 import time
 from typing import TextIO
 
@@ -50,6 +49,7 @@ from rljax.run.preemption import StopSignal, save_interrupted, save_step
 from rljax.run.profiling import StepProfiler, parse_profile_steps
 from rljax.run.report import Progress, format_summary
 from rljax.run.run_dir import RunDir, is_local
+from rljax.run.run_writers import write_folder
 from rljax.run.seed_runs import SeedsResult, run_seeds
 from rljax.run.startup import startup_summary
 from rljax.run.teacher import load_teacher
@@ -92,26 +92,21 @@ def _save_tokenizer(tokenizer, dest: epath.Path) -> None:
     Locally it writes a sibling folder and renames it into place, so a run killed while
     saving leaves no half-written `tokenizer/` (which a resumed run would keep: it only
     saves when the folder is absent)."""
-    if is_local(dest):
-        tmp = dest.parent / f"{dest.name}.partial"
-        if tmp.exists():  # a previous attempt was killed while writing it
-            tmp.rmtree()
-        tokenizer.save_pretrained(str(tmp))
-        tmp.rename(dest)
+    if not is_local(dest):
+        write_folder(dest, lambda folder: tokenizer.save_pretrained(str(folder)))
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        dest.mkdir(parents=True, exist_ok=True)
-        for f in epath.Path(tmp).iterdir():  # save_pretrained writes flat files
-            f.copy(dest / f.name, overwrite=True)
+    tmp = dest.parent / f"{dest.name}.partial"
+    if tmp.exists():  # a previous attempt was killed while writing it
+        tmp.rmtree()
+    tokenizer.save_pretrained(str(tmp))
+    tmp.rename(dest)
 
 
 def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: TextIO,
                 warm: WarmupStop, adapters=None):
-    """SFT steps until `sft.steps`, or until a `stop_loss` / `stop_accuracy` target; a
-    SIGTERM or Ctrl-C stops it at a step boundary with a checkpoint a resume continues
-    (`rljax.run.warmup_stop`). ``adapters``: a LoRA policy's, set aside while its base
-    trains (`sft.full_parameters`); the validation runs the base with them."""
+    """SFT steps until `sft.steps`, or until a `stop_loss` / `stop_accuracy` target (SIGTERM
+    and Ctrl-C: the module docstring). ``adapters``: a LoRA policy's, set aside while its
+    base trains (`sft.full_parameters`); the validation runs the base with them."""
     c = cfg.sft
     sft = SFTTrainer(graphdef, c, mesh=mesh)
     state, first, loop = warm.restore(sft.init_state(params, seed=cfg.run.seed))
@@ -164,11 +159,8 @@ def _value_model(cfg, model, mesh):
     `(None, None)` for other algorithms."""
     if not cfg.algorithm.needs_value_model:
         return None, None
-    vm = ValueModel.from_policy(model, rngs=nnx.Rngs(cfg.run.seed + 1))
-    if mesh is not None:
-        graphdef, state = nnx.split(vm)
-        return graphdef, shard_params(state, mesh)
-    return nnx.split(vm)
+    graphdef, state = nnx.split(ValueModel.from_policy(model, rngs=nnx.Rngs(cfg.run.seed + 1)))
+    return graphdef, state if mesh is None else shard_params(state, mesh)
 
 
 def _evaluate(trainer, params, task, rd, name: str) -> dict:
@@ -183,10 +175,9 @@ def _meta(cfg, rd, state, phase: str, acc_before: float) -> dict:
 
 
 def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunResult:
-    """Run `cfg` end to end (see the module docstring); prints progress and the summary to
-    `out` (default stderr for progress, stdout for the summary) and returns a `RunResult`.
-    Raises `rljax.run.preemption.Preempted` after a SIGTERM, once the step every process
-    stopped at is saved."""
+    """Run `cfg` end to end (see the module docstring: SIGTERM raises `Preempted`); prints
+    progress and the summary to `out` (default stderr for progress, stdout for the summary)
+    and returns a `RunResult`."""
     if not isinstance(cfg, ExperimentConfig):
         raise TypeError(f"run_experiment: cfg must be an ExperimentConfig, got {type(cfg).__name__}")
     cfg = cfg.resolved()  # the algorithm's preset filled in: what runs is what is saved
@@ -208,9 +199,10 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
         every = cfg.run.save_every or max(cfg.rl.steps, 1)
         with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck, \
                 StopSignal() as stop:
-            # Every process reports its first RL step to JAX now, so that a SIGTERM during
-            # the setup below stops the run after that step (JAX ignores earlier notices).
-            stop.reached(_first_step(cfg, ck))
+            # Every process reports its first RL step (the latest checkpoint's when resuming)
+            # to JAX now, so that a SIGTERM during the setup below stops the run after that
+            # step (JAX ignores earlier notices).
+            stop.reached((ck.latest_step() if cfg.run.resume else None) or 0)
             warm = WarmupStop(rd, stop, cfg.run.resume, progress_out)
             try:
                 acc_before, after, verifier = _train(cfg, rd, ck, mesh, warm, stop,
@@ -225,12 +217,6 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
     finally:
         rd.close()
     return _finish(cfg, rd, acc_before, after, t0, out, verifier)
-
-
-def _first_step(cfg, ck) -> int:
-    """The step the RL loop starts from: the latest checkpoint's when resuming, else 0."""
-    latest = ck.latest_step() if cfg.run.resume else None
-    return 0 if latest is None else latest
 
 
 def _train(cfg, rd, ck, mesh, warm, stop, out):
@@ -279,14 +265,10 @@ def _headline(res: dict) -> float:
 
 def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer, mesh, out,
            warm):
-    """Restore the latest checkpoint (resume) or warm up, evaluate and build a fresh state.
-    A restore that does not fit this config raises before the run directory is written."""
+    """Restore the latest checkpoint (resume) or warm up, evaluate and build a fresh state."""
     if cfg.run.resume and ck.latest_step() is not None:
         fresh = trainer.init_state(params, seed=cfg.run.seed, value_params=value_params)
-        try:
-            state, meta = ck.restore(fresh)
-        except (ValueError, KeyError, TypeError) as e:
-            raise rd.mismatch(e) from e
+        state, meta = rd.restore(ck, fresh)
         rd.begin()
         rd.truncate_metrics(int(meta["step"]))
         print(f"[rljax] resumed {rd.path} at step {meta['step']}", file=out)

@@ -15,8 +15,9 @@ gain_mean=... gain_min=... wall_s=...`.
 is checkpointed every `run.save_every` steps (and at the end), with each seed's held-out
 results before RL; `run.resume=true` continues from the latest checkpoint (no warm-up or
 first evaluation again; a resumed run's SFT baseline replays the warm-up), and SIGTERM or
-Ctrl-C save the step reached first, as `run_experiment` does. One device (several-seed
-runs are for models that fit one chip many times over); no plots (they draw one run).
+Ctrl-C save the step reached first (a warm-up step: `rljax.run.warmup_stop`, which a resume
+continues), as `run_experiment` does. One device (several-seed runs are for models that
+fit one chip many times over); no plots (they draw one run).
 With LoRA adapters each seed trains its own on its own base, and the checkpoints hold
 them as a one-seed run's do (`rljax.run.lora_runs.lora_checkpoints`).
 """
@@ -88,12 +89,10 @@ def seed_configs(cfg: ExperimentConfig) -> list[ExperimentConfig]:
 
 def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out,
             compiled: dict, warm: WarmupStop, adapters=None) -> tuple[list, Any]:
-    """The vmapped SFT warm-up; each seed stops at its own validation target; SIGTERM or
-    Ctrl-C stop it at a step boundary with a checkpoint a resume continues
-    (`rljax.run.warmup_stop`). Returns each seed's policy params and the warm-up's last
-    (stacked) state. ``adapters`` (stacked): the LoRA adapters set aside while the bases
-    train (`sft.full_parameters`); ``rl`` validates each base with them (at their
-    initialisation they change nothing)."""
+    """The vmapped SFT warm-up (stops: the module docstring); returns each seed's policy
+    params and the warm-up's last (stacked) state. ``adapters`` (stacked): the LoRA adapters
+    set aside while the bases train (`sft.full_parameters`); ``rl`` validates each base
+    with them (at their initialisation they change nothing)."""
     c = cfg.sft
     sft = SeedSFT(graphdef, c)
     seeds = [x.run.seed for x in seed_configs(cfg)]
@@ -235,10 +234,7 @@ class _SeedRun:
         before the run directory is written."""
         cfg, rd, ck = self.cfg, self.rd, self.ck
         if cfg.run.resume and ck.latest_step() is not None:
-            try:
-                state, meta = ck.restore(self.rl.init_state(self.params, self.seeds))
-            except (ValueError, KeyError, TypeError) as e:
-                raise rd.mismatch(e) from e
+            state, meta = rd.restore(ck, self.rl.init_state(self.params, self.seeds))
             if meta.get("seeds") != self.seeds:
                 raise rd.mismatch(ValueError(
                     f"it holds seeds {meta.get('seeds')}, this config runs {self.seeds}"))
@@ -272,10 +268,9 @@ class _SeedRun:
         return state, before, warm_state
 
     def rl_loop(self, state, before, stop) -> tuple[TrainState, float]:
-        """RL steps from ``state``'s step to ``rl.steps``, each seed's metrics logged and
-        the stacked state checkpointed every ``run.save_every`` steps; SIGTERM saves and
-        raises ``Preempted``, Ctrl-C saves and re-raises. Returns the state and the steps'
-        device time."""
+        """RL steps from ``state``'s step to ``rl.steps``, each seed's metrics logged
+        (checkpoints, SIGTERM and Ctrl-C: the module docstring); returns the state and the
+        steps' device time."""
         cfg, ck = self.cfg, self.ck
         done = int(np.asarray(state.step)[0])
         bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=self.out, desc="rl",

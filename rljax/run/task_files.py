@@ -21,19 +21,6 @@ __all__ = ["check_data_files", "filtered_split", "needs_answer", "read_split",
            "require_answers", "split_file"]
 
 
-class _Mapped:
-    """A random-access sequence seen through `fn` (records transformed when read)."""
-
-    def __init__(self, seq, fn):
-        self.seq, self.fn = seq, fn
-
-    def __len__(self) -> int:
-        return len(self.seq)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.fn(self.seq[i])
-
-
 def needs_answer(cfg: ExperimentConfig) -> bool:
     """Whether the reward checks a reference answer (then every record must have one)."""
     return cfg.reward.kind in ("accuracy", "accuracy+format") or cfg.task.name == "gsm8k"
@@ -81,22 +68,12 @@ def read_split(cfg: ExperimentConfig, split: str, role: str = "split") -> Sequen
     if t.name == "tfds":
         src = TfdsPromptSource(split=split, name=t.dataset, data_dir=t.path, mapping=mapping)
         # GSM8K keeps "#### answer" at the end of its solution field, on TFDS too.
-        return _Mapped(src, gsm8k_transform) if t.dataset == "gsm8k" else src
+        return [gsm8k_transform(r) for r in src] if t.dataset == "gsm8k" else src
     transform = gsm8k_transform if t.name == "gsm8k" else None
-    # The answer is read when present; `_require_answers` names a missing one if the
+    # The answer is read when present; `require_answers` names a missing one if the
     # reward checks it (GSM8K's transform splits it, so it must be there).
     return load_prompts(split_file(cfg, role), mapping, transform=transform,
                         optional=() if t.name == "gsm8k" else ("answer",))
-
-
-def _filter_length(cfg: ExperimentConfig, length_fn, records: Sequence[dict], where: str):
-    kept, report = filter_by_length(
-        [dict(r) for r in records], LengthPolicy(cfg.task.max_prompt_tokens, action="drop"),
-        length_fn=length_fn, name=where)
-    if not kept:
-        raise ValueError(f"{where}: every prompt is longer than task.max_prompt_tokens="
-                         f"{cfg.task.max_prompt_tokens} ({report})")
-    return kept, report
 
 
 def filtered_split(cfg: ExperimentConfig, length_fn: Callable[[dict], int], role: str,
@@ -108,8 +85,13 @@ def filtered_split(cfg: ExperimentConfig, length_fn: Callable[[dict], int], role
     name = getattr(t, role)
     file = str(split_file(cfg, role)) if t.name != "tfds" else f"tfds:{t.dataset}/{name}"
     if file not in done:
-        kept, rep = _filter_length(cfg, length_fn, read_split(cfg, name, role),
-                                   f"split {name!r}")
+        kept, rep = filter_by_length(
+            [dict(r) for r in read_split(cfg, name, role)],
+            LengthPolicy(t.max_prompt_tokens, action="drop"), length_fn=length_fn,
+            name=f"split {name!r}")
+        if not kept:
+            raise ValueError(f"split {name!r}: every prompt is longer than "
+                             f"task.max_prompt_tokens={t.max_prompt_tokens} ({rep})")
         done[file] = kept
         done.setdefault("_splits", {})[name] = dict(
             file=file, records=rep.total, kept=rep.kept, dropped=len(rep.dropped),

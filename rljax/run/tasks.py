@@ -20,7 +20,6 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-
 from rljax.data import check_countdown, reverse_digits
 from rljax.rewards import TagFormat, extract_answer, follows_format, math_equal, tagged_answer
 
@@ -56,8 +55,6 @@ def check_arithmetic(completion: object, answer: str, *, style: str = "plain") -
     if style == "reversed":
         token = reverse_digits(token)
     return token.lstrip("+") == answer and any(c.isdigit() for c in token)
-
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,18 +27,6 @@ from rljax.run.run_writers import run_path
 __all__ = ["load_teacher"]
 
 
-def _from_run(path, mesh):
-    """`(graphdef, params, tokenizer, model config)` of a run directory's latest policy."""
-    run_dir = run_path(path)
-    cfg, config, policy, _ = restore_policy(run_dir, None, mesh)
-    if mesh is None:
-        # One device, one process: orbax restores onto device 0 *committed*, which would
-        # commit the learning program's outputs and recompile the next step's sampler and
-        # learning programs; uncommitted like the policy's weights, nothing recompiles.
-        policy = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), policy)
-    return (*policy_split(config, policy), run_tokenizer(run_dir, cfg), config)
-
-
 def load_teacher(path: str | os.PathLike, tokenizer, mesh=None, *,
                  dtype: str = "float32") -> tuple:
     """The teacher at `path` as `(graphdef, params)`, sharded over `mesh` (None: one device).
@@ -59,8 +47,15 @@ def load_teacher(path: str | os.PathLike, tokenizer, mesh=None, *,
         student's token ids (each error names the teacher's path).
     """
     where = f"teacher {os.fspath(path)!r}"
-    if is_run_dir(path):
-        graphdef, params, teacher_tok, config = _from_run(path, mesh)
+    if is_run_dir(path):  # its latest policy
+        cfg, config, policy, _ = restore_policy(run_path(path), None, mesh)
+        if mesh is None:
+            # One device, one process: orbax restores onto device 0 *committed*, which would
+            # commit the learning program's outputs and recompile the next step's sampler
+            # and learning programs; uncommitted like the policy's weights, nothing recompiles.
+            policy = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), policy)
+        graphdef, params = policy_split(config, policy)
+        teacher_tok = run_tokenizer(run_path(path), cfg)
     elif (pathlib.Path(path) / "config.json").is_file():
         teacher_tok = load_tokenizer(path)
         config = config_from_hf(json.loads((pathlib.Path(path) / "config.json").read_text()))

@@ -50,10 +50,7 @@ class WarmupStop:
         step = self.saved_step()
         if step is None:
             return fresh, 0, {}
-        try:
-            state, meta = self._checkpointer().restore(fresh)
-        except (ValueError, KeyError, TypeError) as e:
-            raise self.rd.mismatch(e) from e
+        state, meta = self.rd.restore(self._checkpointer(), fresh)
         self.rd.begin()
         self.rd.truncate_metrics(step, phase="sft")
         print(f"[rljax] resumed the SFT warm-up of {self.rd.path} at step {step}",
