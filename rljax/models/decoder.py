@@ -57,13 +57,14 @@ class Block(nnx.Module):
         return constrain_residual(x + self.mlp(self.mlp_norm(x))), kv
 
 
-def _check_ids(input_ids_BxT, positions_BxT, mask_BxT):
+def _check_ids(input_ids_BxT, positions_BxT, mask_BxT, segment_ids_BxT=None):
     ids = jnp.asarray(input_ids_BxT)
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(
             f"input_ids_BxT must be an integer array of rank 2, got {ids.dtype}{ids.shape}"
         )
-    for name, a in (("positions_BxT", positions_BxT), ("mask_BxT", mask_BxT)):
+    for name, a in (("positions_BxT", positions_BxT), ("mask_BxT", mask_BxT),
+                    ("segment_ids_BxT", segment_ids_BxT)):
         if a is not None and tuple(a.shape) != tuple(ids.shape):
             raise ValueError(f"{name} has shape {tuple(a.shape)}; expected {tuple(ids.shape)}")
     return ids
@@ -120,11 +121,8 @@ class Decoder(nnx.Module):
         self.embed = normal_param(rngs, (v, d), ("vocab", "embed"))
         lr = lora_rngs(rngs) if config.lora is not None else None
         if config.scan_layers:  # one Block with parameters [L, ...]; see rljax/models/scanned.py
-            if lr is None:
-                self.layers = stacked(lambda r: Block(config, r), config.num_layers, rngs)
-            else:
-                self.layers = stacked(lambda r, lr: Block(config, r, lr), config.num_layers,
-                                      rngs, lr)
+            self.layers = stacked(lambda *r: Block(config, *r), config.num_layers, rngs,
+                                  *(() if lr is None else (lr,)))
         else:
             self.layers = nnx.List([Block(config, rngs, lr) for _ in range(config.num_layers)])
         self.final_norm = RMSNorm(d, config.rms_norm_eps)
@@ -146,10 +144,7 @@ class Decoder(nnx.Module):
         packed rows (``rljax.train.learn.packing``): a token attends to the earlier tokens
         with its own id only (pass each segment's own positions).
         """
-        ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
-        if segment_ids_BxT is not None and tuple(segment_ids_BxT.shape) != tuple(ids.shape):
-            raise ValueError(f"segment_ids_BxT has shape {tuple(segment_ids_BxT.shape)}; "
-                             f"expected {tuple(ids.shape)}")
+        ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT, segment_ids_BxT)
         mask = jnp.ones(ids.shape, bool) if mask_BxT is None else jnp.asarray(mask_BxT, bool)
         pos = default_positions(mask) if positions_BxT is None else jnp.asarray(positions_BxT)
         allowed = _causal_mask(self.config, mask, segment_ids_BxT)

@@ -64,14 +64,10 @@ def init_kv_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, 
     k = jnp.zeros((batch, num_kv_heads, head_dim, max_len), dtype)
     v = jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype)
     if stacked:
-        return KVCache(keys=jnp.zeros((num_layers, *k.shape), dtype),
-                       values=jnp.zeros((num_layers, *v.shape), dtype),
-                       valid_BxS=jnp.zeros((batch, max_len), bool))
-    return KVCache(
-        keys=tuple(k for _ in range(num_layers)),
-        values=tuple(v for _ in range(num_layers)),
-        valid_BxS=jnp.zeros((batch, max_len), bool),
-    )
+        k, v = jnp.zeros((num_layers, *k.shape), dtype), jnp.zeros((num_layers, *v.shape), dtype)
+    else:
+        k, v = (k,) * num_layers, (v,) * num_layers
+    return KVCache(keys=k, values=v, valid_BxS=jnp.zeros((batch, max_len), bool))
 
 
 def grow_kv_cache(cache: KVCache, max_len: int) -> KVCache:
