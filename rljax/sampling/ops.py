@@ -262,7 +262,7 @@ def token_logprobs(x_BxV: jax.Array, tokens_B: jax.Array, axis: int = 1) -> jax.
 
 
 def sample_tokens(
-    key: jax.Array, logits_BxV: jax.Array, params: SamplingParams
+    key: jax.Array, logits_BxV: jax.Array, params: SamplingParams, axis: int = 1
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sample one token per row and return ``(tokens_B, logp_B, sampling_logp_B)``.
 
@@ -270,16 +270,18 @@ def sample_tokens(
     ``log softmax(logits)[token]`` (what the trainer recomputes). ``sampling_logp_B`` is
     its log-prob under the distribution actually sampled from (temperature and filters
     applied); for greedy decoding that distribution is a point mass, so it is 0.
+    ``axis=0``: vocab-major logits ``[V, R]`` (:func:`sample_tokens_VxR`).
     """
-    logits_BxV = logits_BxV.astype(jnp.float32)
+    x = logits_BxV.astype(jnp.float32)
+    if params.filters and axis == 0:  # top-k / top-p run on [R, V]
+        x, axis = x.T, 1
     if params.is_greedy:
-        tokens_B = greedy(logits_BxV)
-        return tokens_B, token_logprobs(logits_BxV, tokens_B), jnp.zeros(tokens_B.shape)
-    x_BxV = filter_logits(logits_BxV, params)
-    tokens_B, sampling_logp_B = _sample_with_logp(key, x_BxV)
+        tokens_B = _first_index_of_max(x, axis)
+        return tokens_B, token_logprobs(x, tokens_B, axis), jnp.zeros(tokens_B.shape)
+    tokens_B, sampling_logp_B = _sample_with_logp(key, filter_logits(x, params), axis)
     if params.is_plain:  # the sampling distribution is the policy: reuse the exp pass
         return tokens_B, sampling_logp_B, sampling_logp_B
-    return tokens_B, token_logprobs(logits_BxV, tokens_B), sampling_logp_B
+    return tokens_B, token_logprobs(x, tokens_B, axis), sampling_logp_B
 
 
 # --- Vocab-major layout: logits_VxR = W_VxD . h_RxD, for the decode loop. -------------
@@ -295,14 +297,4 @@ def sample_tokens_VxR(
 
     Temperature and greedy run in this layout; top-k / top-p transpose to ``[R, V]``.
     """
-    x_VxR = logits_VxR.astype(jnp.float32)
-    if params.filters:
-        return sample_tokens(key, x_VxR.T, params)
-    if params.is_greedy:
-        tok_R = _first_index_of_max(x_VxR, axis=0)
-        return tok_R, token_logprobs(x_VxR, tok_R, axis=0), jnp.zeros(tok_R.shape)
-    scaled_VxR = x_VxR if params.temperature == 1.0 else x_VxR / params.temperature
-    tok_R, sampling_logp_R = _sample_with_logp(key, scaled_VxR, 0)
-    if params.temperature == 1.0:
-        return tok_R, sampling_logp_R, sampling_logp_R
-    return tok_R, token_logprobs(x_VxR, tok_R, axis=0), sampling_logp_R
+    return sample_tokens(key, logits_VxR, params, axis=0)

@@ -51,7 +51,6 @@ from rljax.sampling.ops import (
     ordered_key,
     pick_along,
     sample_tokens,
-    sample_tokens_VxR,
 )
 from rljax.sharding import fitted_spec
 
@@ -254,7 +253,7 @@ def sample_tokens_sharded(key: jax.Array, logits: jax.Array, params: SamplingPar
     v, rows = x.shape[axis], x.shape[1 - axis]
     t = vocab_shards(mesh, v)
     if t == 1:
-        return (sample_tokens_VxR if axis == 0 else sample_tokens)(key, x, params)
+        return sample_tokens(key, x, params, axis)
     plan = _Plan.make(v, t)
     if plan.L * t != v:  # pad to whole slices; -inf is never drawn nor counted
         widths = [(0, 0), (0, 0)]
