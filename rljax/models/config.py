@@ -142,8 +142,3 @@ class ModelConfig:
         for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per kv head (G = N / K)."""
-        return self.num_heads // self.num_kv_heads
