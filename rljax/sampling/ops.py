@@ -246,12 +246,8 @@ def _sample_with_logp(key: jax.Array, x: jax.Array, axis: int = 1,
 
 
 def inverse_cdf_sample(key: jax.Array, x_BxV: jax.Array) -> jax.Array:
-    """Draw one token per row from ``softmax(x_BxV)`` exactly, by two-level inverse CDF.
-
-    ``w = exp(x - max x)``; choose a block of about ``sqrt(V)`` tokens by the cumulative
-    block sums, then a token inside it by the cumulative weights of that block. Uses two
-    uniforms per row. ``-inf`` entries get zero weight and are never drawn.
-    """
+    """Draw one token per row from ``softmax(x_BxV)`` exactly, by two-level inverse CDF
+    (module docstring). ``-inf`` entries get zero weight and are never drawn."""
     return _sample_with_logp(key, x_BxV)[0]
 
 
