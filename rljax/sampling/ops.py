@@ -168,11 +168,14 @@ def _top_p_mask(x_BxV: jax.Array, keep_BxV: jax.Array, p: float) -> jax.Array:
     return keep_BxV & (bits_BxV >= thresh_B[:, None])
 
 
-def filter_logits(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
+def filter_logits(logits_BxV: jax.Array, params: SamplingParams, *, top_k_mask=_top_k_mask,
+                  top_p_mask=_top_p_mask) -> jax.Array:
     """Logits of the sampling distribution: ``logits / T``, then top-k, then top-p.
 
     Removed tokens get ``-inf``; ``softmax`` of the result is the distribution
     :func:`sample_tokens` draws from. Not defined for greedy (temperature 0).
+    top_k_mask, top_p_mask: the masks' functions (``rljax.sampling.vocab_shards`` passes
+    its vocabulary-split ones).
     """
     if params.is_greedy:
         raise ValueError("filter_logits: temperature 0 is greedy and has no distribution")
@@ -181,14 +184,11 @@ def filter_logits(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
         x_BxV = x_BxV / params.temperature
     keep_BxV = None
     if params.top_k is not None:
-        keep_BxV = _top_k_mask(x_BxV, params.top_k)
+        keep_BxV = top_k_mask(x_BxV, params.top_k)
     if params.top_p is not None and params.top_p < 1.0:
-        if keep_BxV is None:
-            keep_BxV = jnp.ones(x_BxV.shape, bool)
-        keep_BxV = _top_p_mask(x_BxV, keep_BxV, params.top_p)
-    if keep_BxV is None:
-        return x_BxV
-    return jnp.where(keep_BxV, x_BxV, -jnp.inf)
+        keep_BxV = top_p_mask(x_BxV, jnp.ones(x_BxV.shape, bool) if keep_BxV is None else keep_BxV,
+                              params.top_p)
+    return x_BxV if keep_BxV is None else jnp.where(keep_BxV, x_BxV, -jnp.inf)
 
 
 def vocab_block_size(v: int) -> int:
