@@ -201,10 +201,8 @@ def inference_layout(params, head_VxD, mesh, place=jax.lax.with_sharding_constra
 
 
 def decode_model(graphdef, params, head_VxD, mesh):
-    """The decoder the sampler runs: matmul weights in the compute dtype
-    (``rljax.models.layers.cast_matmul_weights``: the values each forward casts to
-    anyway, so the same results; cast before the layout change, so an FSDP gather moves
-    that dtype), in the inference layout; and the head weight in that layout."""
+    """The decoder the sampler runs and its head weight, in the inference layout with the
+    matmul weights cast to the compute dtype before the layout change (module docstring)."""
     cd = compute_dtype(nnx.merge(graphdef, params).config)
     params, head_VxD = inference_layout(cast_matmul_weights(params, cd), head_VxD, mesh)
     return nnx.merge(graphdef, params), head_VxD
@@ -264,12 +262,9 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
 def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, prefix):
     """Decode until ``max_new_tokens`` or every row stopped; the state is donated.
 
-    ``prefix``: the prompts' cache (``C`` rows, ``P`` slots), read by every step and
-    never copied per row; each row's own cache holds only its completion (slot ``j`` of
-    it is the sequence's slot ``P + j``), starts inside the program and grows to each
-    phase's length. ``s.cache`` is None on the way in and out. ``head_VxD``:
-    ``cached_vocab_major_weight`` (or None). The parameters are constrained to the
-    inference layout here, outside the loops.
+    ``prefix``: the prompts' cache (``C`` rows, ``P`` slots); slot ``j`` of a row's own
+    cache is the sequence's slot ``P + j`` (module docstring). ``s.cache`` is None on the
+    way in and out. ``head_VxD``: ``cached_vocab_major_weight`` (or None).
     """
     model, head_VxD = decode_model(graphdef, params, head_VxD, mesh)
     r, p = s.last_R.shape[0], prefix.max_len
