@@ -37,13 +37,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def _linear(*out_dims):
     """HF `[prod(out_dims), in]` <-> rljax `[in, *out_dims]`."""
-    def to_ours(w):
-        return w.T.reshape(w.shape[1], *out_dims)
-
-    def to_hf(w):
-        return w.reshape(w.shape[0], -1).T
-
-    return to_ours, to_hf
+    return ((lambda w: w.T.reshape(w.shape[1], *out_dims)),
+            (lambda w: w.reshape(w.shape[0], -1).T))
 
 
 def _out_proj(n, h):
