@@ -163,10 +163,9 @@ def splash_attend_prefix(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: 
     """`splash_attend` for T new queries against a prefix of P keys and the T new keys.
 
     k/v hold S = P + T positions: the prefix (e.g. a shared prompt's keys) first, then the
-    new tokens'. New token t attends to prefix slot j where the prefix's segment id equals
-    its own, and to new slot s <= t with the same id (negative ids mark padding, isolated
-    as in `splash_attend`). The prefix and T are each padded up to a multiple of 128.
-    Returns `[B, T, N, H]` in q's dtype.
+    new tokens'; the mask is `PrefixSegmentMask`'s (padding isolated as in `splash_attend`).
+    The prefix and T are each padded up to a multiple of 128. Returns `[B, T, N, H]` in
+    q's dtype.
     """
     t, p = q_BxTxNxH.shape[1], prefix_segment_ids_BxP.shape[1]
     if k_BxSxKxH.shape[1] != p + t:
