@@ -259,14 +259,13 @@ class Decoder(nnx.Module):
             )
         cos_sin = rope_cos_sin(self.config, jnp.asarray(positions_BxT))
         x = self._embed(ids)
-        gp = None if prefix is None else lambda i: (prefix.keys[i], prefix.values[i],
-                                                     prefix.valid_BxS)
+        gp = lambda i: None if prefix is None else (prefix.keys[i], prefix.values[i],
+                                                    prefix.valid_BxS)
         if self.config.scan_layers:
             return self._forward_cached_scanned(x, cos_sin, allowed, cache, slot, valid, gp)
         keys, values = [], []
         for i, (layer, ck, cv) in enumerate(zip(self.layers, cache.keys, cache.values)):
-            x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot,
-                              group_prefix=None if gp is None else gp(i))
+            x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot, group_prefix=gp(i))
             keys.append(k)
             values.append(v)
         new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid_BxS=valid)
@@ -282,8 +281,7 @@ class Decoder(nnx.Module):
 
         def body(layer, i, carry):
             h, k_L, v_L = carry
-            h, (k, v) = layer(h, cos_sin, allowed, (k_L[i], v_L[i]), slot,
-                              group_prefix=None if gp is None else gp(i))
+            h, (k, v) = layer(h, cos_sin, allowed, (k_L[i], v_L[i]), slot, group_prefix=gp(i))
             return h, k_L.at[i].set(k), v_L.at[i].set(v)
 
         x, k_L, v_L = scan_apply_indexed(self.layers, body, (x, cache.keys, cache.values),
