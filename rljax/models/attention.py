@@ -114,21 +114,19 @@ class Attention(nnx.Module):
         self.attention = config.attention
         self.dtype = compute_dtype(config)
 
-    def _project(self, x: jax.Array, name: str, bias_name: str) -> jax.Array:
+    def _project(self, x: jax.Array, name: str) -> jax.Array:
         y = dense(x, getattr(self, name)[...].astype(self.dtype),
                   preferred_element_type=jnp.float32,
                   adapter=adapter_arrays(self, name, self.dtype))
         if self.qkv_bias:
-            y = y + getattr(self, bias_name)[...]
+            y = y + getattr(self, f"{name}_bias")[...]
         return y
 
     def qkv(self, x_BxTxD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries `[B,T,N,H]`, keys and values `[B,T,K,H]` (rotated, compute dtype)."""
         x = x_BxTxD.astype(self.dtype)
-        q = self._project(x, "q", "q_bias")
-        k = self._project(x, "k", "k_bias")
-        v = self._project(x, "v", "v_bias")
+        q, k, v = (self._project(x, name) for name in ("q", "k", "v"))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos_sin).astype(self.dtype)

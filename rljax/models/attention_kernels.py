@@ -133,7 +133,8 @@ def _on_mesh(fn, q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg_BxT, kv_seg_BxS):
                          check_vma=False)(*args)
 
 
-def _pad_time(x, axis, t_to, value=0):
+def pad_axis(x, axis, t_to, value=0):
+    """``x`` padded with ``value`` at the end of ``axis`` to ``t_to`` entries."""
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, t_to - x.shape[axis])
     return jnp.pad(x, pad, constant_values=value)
@@ -152,7 +153,7 @@ def splash_attend(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Arr
     """
     t = q_BxTxNxH.shape[1]
     tp = -(-t // _LANES) * _LANES
-    seg = _isolate_padding(_pad_time(jnp.asarray(segment_ids_BxT, jnp.int32), 1, tp, -1))
+    seg = _isolate_padding(pad_axis(jnp.asarray(segment_ids_BxT, jnp.int32), 1, tp, -1))
     return _splash_run(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, seg, seg, interpret)
 
 
@@ -162,10 +163,9 @@ def splash_attend_prefix(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: 
     """`splash_attend` for T new queries against a prefix of P keys and the T new keys.
 
     k/v hold S = P + T positions: the prefix (e.g. a shared prompt's keys) first, then the
-    new tokens'. New token t attends to prefix slot j where the prefix's segment id equals
-    its own, and to new slot s <= t with the same id (negative ids mark padding, isolated
-    as in `splash_attend`). The prefix and T are each padded up to a multiple of 128.
-    Returns `[B, T, N, H]` in q's dtype.
+    new tokens'; the mask is `PrefixSegmentMask`'s (padding isolated as in `splash_attend`).
+    The prefix and T are each padded up to a multiple of 128. Returns `[B, T, N, H]` in
+    q's dtype.
     """
     t, p = q_BxTxNxH.shape[1], prefix_segment_ids_BxP.shape[1]
     if k_BxSxKxH.shape[1] != p + t:
@@ -173,10 +173,10 @@ def splash_attend_prefix(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: 
                          f"expected prefix {p} + new {t}")
     tp, pp = (-(-n // _LANES) * _LANES for n in (t, p))
     seg_kv = jnp.concatenate(
-        [_pad_time(jnp.asarray(prefix_segment_ids_BxP, jnp.int32), 1, pp, -1),
-         _pad_time(jnp.asarray(segment_ids_BxT, jnp.int32), 1, tp, -1)], axis=1)
+        [pad_axis(jnp.asarray(prefix_segment_ids_BxP, jnp.int32), 1, pp, -1),
+         pad_axis(jnp.asarray(segment_ids_BxT, jnp.int32), 1, tp, -1)], axis=1)
     seg_kv = _isolate_padding(seg_kv)
-    k, v = (jnp.concatenate([_pad_time(x[:, :p], 1, pp), _pad_time(x[:, p:], 1, tp)], axis=1)
+    k, v = (jnp.concatenate([pad_axis(x[:, :p], 1, pp), pad_axis(x[:, p:], 1, tp)], axis=1)
             for x in (k_BxSxKxH, v_BxSxKxH))
     return _splash_run(q_BxTxNxH, k, v, seg_kv[:, pp:], seg_kv, interpret)
 
@@ -188,9 +188,9 @@ def _splash_run(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxTp, kv_seg_BxS, interpr
     tp, s = q_seg_BxTp.shape[1], kv_seg_BxS.shape[1]
     if interpret is None:
         interpret = jax.default_backend() != "tpu" and not _FORCE_TPU_KERNEL
-    q = _pad_time((q_BxTxNxH * jnp.asarray(h**-0.5, q_BxTxNxH.dtype)).transpose(0, 2, 1, 3),
+    q = pad_axis((q_BxTxNxH * jnp.asarray(h**-0.5, q_BxTxNxH.dtype)).transpose(0, 2, 1, 3),
                   2, tp)  # splash does not scale
-    k, v = (_pad_time(x.transpose(0, 2, 1, 3), 2, s) for x in (k_BxSxKxH, v_BxSxKxH))
+    k, v = (pad_axis(x.transpose(0, 2, 1, 3), 2, s) for x in (k_BxSxKxH, v_BxSxKxH))
 
     def per_device(q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg, kv_seg):
         kernel = _splash_kernel(q_BxNxTxH.shape[1], tp, s, bool(interpret))

@@ -126,25 +126,15 @@ class ModelConfig:
                 "ModelConfig.rope_scaling must be None or Llama3RopeScaling, got "
                 f"{type(self.rope_scaling).__name__}"
             )
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(
-                f"ModelConfig.compute_dtype={self.compute_dtype!r}; allowed: {COMPUTE_DTYPES}"
-            )
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(
-                f"ModelConfig.architecture={self.architecture!r}; allowed: {ARCHITECTURES}"
-            )
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(
-                f"ModelConfig.attention={self.attention!r}; allowed: {ATTENTION_IMPLS}"
-            )
+        for name, allowed in (("compute_dtype", COMPUTE_DTYPES), ("architecture", ARCHITECTURES),
+                              ("attention", ATTENTION_IMPLS), ("remat", REMAT_POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; allowed: {allowed}")
         if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
             raise ValueError(
                 "ModelConfig.attention='cudnn' needs compute_dtype='bfloat16' (cuDNN flash "
                 f"attention takes float16 / bfloat16 inputs), got {self.compute_dtype!r}"
             )
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"ModelConfig.remat={self.remat!r}; allowed: {REMAT_POLICIES}")
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise TypeError(f"ModelConfig.lora must be None or a LoraConfig, got {self.lora!r}")
         if self.lora is not None and not self.lora.enabled:
@@ -152,8 +142,3 @@ class ModelConfig:
         for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per kv head (G = N / K)."""
-        return self.num_heads // self.num_kv_heads

@@ -57,13 +57,14 @@ class Block(nnx.Module):
         return constrain_residual(x + self.mlp(self.mlp_norm(x))), kv
 
 
-def _check_ids(input_ids_BxT, positions_BxT, mask_BxT):
+def _check_ids(input_ids_BxT, positions_BxT, mask_BxT, segment_ids_BxT=None):
     ids = jnp.asarray(input_ids_BxT)
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(
             f"input_ids_BxT must be an integer array of rank 2, got {ids.dtype}{ids.shape}"
         )
-    for name, a in (("positions_BxT", positions_BxT), ("mask_BxT", mask_BxT)):
+    for name, a in (("positions_BxT", positions_BxT), ("mask_BxT", mask_BxT),
+                    ("segment_ids_BxT", segment_ids_BxT)):
         if a is not None and tuple(a.shape) != tuple(ids.shape):
             raise ValueError(f"{name} has shape {tuple(a.shape)}; expected {tuple(ids.shape)}")
     return ids
@@ -120,11 +121,8 @@ class Decoder(nnx.Module):
         self.embed = normal_param(rngs, (v, d), ("vocab", "embed"))
         lr = lora_rngs(rngs) if config.lora is not None else None
         if config.scan_layers:  # one Block with parameters [L, ...]; see rljax/models/scanned.py
-            if lr is None:
-                self.layers = stacked(lambda r: Block(config, r), config.num_layers, rngs)
-            else:
-                self.layers = stacked(lambda r, lr: Block(config, r, lr), config.num_layers,
-                                      rngs, lr)
+            self.layers = stacked(lambda *r: Block(config, *r), config.num_layers, rngs,
+                                  *(() if lr is None else (lr,)))
         else:
             self.layers = nnx.List([Block(config, rngs, lr) for _ in range(config.num_layers)])
         self.final_norm = RMSNorm(d, config.rms_norm_eps)
@@ -146,10 +144,7 @@ class Decoder(nnx.Module):
         packed rows (``rljax.train.learn.packing``): a token attends to the earlier tokens
         with its own id only (pass each segment's own positions).
         """
-        ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
-        if segment_ids_BxT is not None and tuple(segment_ids_BxT.shape) != tuple(ids.shape):
-            raise ValueError(f"segment_ids_BxT has shape {tuple(segment_ids_BxT.shape)}; "
-                             f"expected {tuple(ids.shape)}")
+        ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT, segment_ids_BxT)
         mask = jnp.ones(ids.shape, bool) if mask_BxT is None else jnp.asarray(mask_BxT, bool)
         pos = default_positions(mask) if positions_BxT is None else jnp.asarray(positions_BxT)
         allowed = _causal_mask(self.config, mask, segment_ids_BxT)
@@ -264,14 +259,13 @@ class Decoder(nnx.Module):
             )
         cos_sin = rope_cos_sin(self.config, jnp.asarray(positions_BxT))
         x = self._embed(ids)
-        gp = None if prefix is None else lambda i: (prefix.keys[i], prefix.values[i],
-                                                     prefix.valid_BxS)
+        gp = lambda i: None if prefix is None else (prefix.keys[i], prefix.values[i],
+                                                    prefix.valid_BxS)
         if self.config.scan_layers:
             return self._forward_cached_scanned(x, cos_sin, allowed, cache, slot, valid, gp)
         keys, values = [], []
         for i, (layer, ck, cv) in enumerate(zip(self.layers, cache.keys, cache.values)):
-            x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot,
-                              group_prefix=None if gp is None else gp(i))
+            x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot, group_prefix=gp(i))
             keys.append(k)
             values.append(v)
         new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid_BxS=valid)
@@ -287,8 +281,7 @@ class Decoder(nnx.Module):
 
         def body(layer, i, carry):
             h, k_L, v_L = carry
-            h, (k, v) = layer(h, cos_sin, allowed, (k_L[i], v_L[i]), slot,
-                              group_prefix=None if gp is None else gp(i))
+            h, (k, v) = layer(h, cos_sin, allowed, (k_L[i], v_L[i]), slot, group_prefix=gp(i))
             return h, k_L.at[i].set(k), v_L.at[i].set(v)
 
         x, k_L, v_L = scan_apply_indexed(self.layers, body, (x, cache.keys, cache.values),

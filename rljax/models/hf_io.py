@@ -27,7 +27,7 @@ from rljax.models.adapters import init_adapters
 from rljax.models.config import ModelConfig
 from rljax.models.decoder import Decoder
 from rljax.models.hf_config import config_from_hf, config_to_hf
-from rljax.models.peft_io import merged_getter, write_peft
+from rljax.models.peft_io import merged_getter
 from rljax.models.safetensors_io import SafetensorsFile, write_safetensors
 from rljax.models.writes import atomic_dir
 from rljax.sharding import state_shardings
@@ -37,13 +37,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def _linear(*out_dims):
     """HF `[prod(out_dims), in]` <-> rljax `[in, *out_dims]`."""
-    def to_ours(w):
-        return w.T.reshape(w.shape[1], *out_dims)
-
-    def to_hf(w):
-        return w.reshape(w.shape[0], -1).T
-
-    return to_ours, to_hf
+    return ((lambda w: w.T.reshape(w.shape[1], *out_dims)),
+            (lambda w: w.reshape(w.shape[0], -1).T))
 
 
 def _out_proj(n, h):
@@ -238,21 +233,6 @@ def special_token_ids(tokenizer) -> dict[str, int]:
     return {k: int(v) for k, v in ids.items() if isinstance(v, (int, np.integer))}
 
 
-def _model_getter(model: Decoder, caller: str):
-    """``get(per-layer state path) -> host array`` over ``model``'s parameters (adapters
-    included), one layer of a stacked parameter at a time."""
-    if not isinstance(model, Decoder):
-        raise TypeError(f"{caller}: model must be a Decoder, got {type(model).__name__}")
-    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-
-    def get(spath):
-        path, i = state_location(model.config, spath)
-        value = flat[path].get_value()
-        return jax.device_get(value if i is None else value[i])
-
-    return get
-
-
 def save_pretrained(model: Decoder, path: str | os.PathLike, *,
                     max_shard_bytes: int | None = None, dtype: str = "float32",
                     special_ids: dict[str, int] | None = None) -> None:
@@ -265,17 +245,17 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *,
       generation_config.json, so transformers' `generate` stops at EOS and pads.
     Atomic: everything is written to a temporary folder first (see `atomic_dir`).
     """
-    get = _model_getter(model, "save_pretrained")  # nnx.Param: the adapters too
+    if not isinstance(model, Decoder):
+        raise TypeError(f"save_pretrained: model must be a Decoder, got {type(model).__name__}")
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))  # nnx.Param: the adapters too
+
+    def get(spath):  # one layer of a stacked parameter at a time
+        path, i = state_location(model.config, spath)
+        value = flat[path].get_value()
+        return jax.device_get(value if i is None else value[i])
+
     write_pretrained(model.config, merged_getter(model.config, get, get), path,
                      max_shard_bytes=max_shard_bytes, dtype=dtype, special_ids=special_ids)
-
-
-def save_peft(model: Decoder, path: str | os.PathLike, *, base_model: str | None = None) -> None:
-    """Write `model`'s LoRA adapters as a PEFT folder (adapter_config.json +
-    adapter_model.safetensors; `rljax.models.peft_io.write_peft`) that
-    ``peft.PeftModel.from_pretrained`` loads onto the base's transformers model.
-    base_model: the base's name or folder, recorded in adapter_config.json."""
-    write_peft(model.config, _model_getter(model, "save_peft"), path, base_model=base_model)
 
 
 def write_pretrained(config: ModelConfig, get_tensor, path: str | os.PathLike | None, *,

@@ -4,8 +4,7 @@ Layout (per layer): keys `[B, K, H, S]` and values `[B, K, S, H]` -- the sequenc
 last for keys and second-to-last for values, so both attention dots (q.k over H, p.v over
 S) contract without transposing the cache; with `[B, S, K, H]` XLA:CPU spent most of a
 decode step on transposes (measured, see docs/design.md). A scanned decoder
-(`ModelConfig.scan_layers`) keeps one stacked array each, `[L, B, K, H, S]` and
-`[L, B, K, S, H]`, instead of a tuple over layers.
+(`ModelConfig.scan_layers`) stacks the layers (`KVCache`).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.typing import DTypeLike
 
+from rljax.models.attention_kernels import pad_axis
 from rljax.sharding import fitted_spec
 
 KEY_AXES = ("batch", "kv_heads", "head_dim", "cache_length")
@@ -64,14 +64,10 @@ def init_kv_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, 
     k = jnp.zeros((batch, num_kv_heads, head_dim, max_len), dtype)
     v = jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype)
     if stacked:
-        return KVCache(keys=jnp.zeros((num_layers, *k.shape), dtype),
-                       values=jnp.zeros((num_layers, *v.shape), dtype),
-                       valid_BxS=jnp.zeros((batch, max_len), bool))
-    return KVCache(
-        keys=tuple(k for _ in range(num_layers)),
-        values=tuple(v for _ in range(num_layers)),
-        valid_BxS=jnp.zeros((batch, max_len), bool),
-    )
+        k, v = jnp.zeros((num_layers, *k.shape), dtype), jnp.zeros((num_layers, *v.shape), dtype)
+    else:
+        k, v = (k,) * num_layers, (v,) * num_layers
+    return KVCache(keys=k, values=v, valid_BxS=jnp.zeros((batch, max_len), bool))
 
 
 def grow_kv_cache(cache: KVCache, max_len: int) -> KVCache:
@@ -85,19 +81,12 @@ def grow_kv_cache(cache: KVCache, max_len: int) -> KVCache:
             f"grow_kv_cache: max_len must be an int >= the current {cache.max_len} slots, "
             f"got {max_len!r}"
         )
-    extra = max_len - cache.max_len
-    if extra == 0:
+    if max_len == cache.max_len:
         return cache
-
-    def pad(x, axis):
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, extra)
-        return jnp.pad(x, widths)
-
     return KVCache(
-        keys=_per_layer(lambda k: pad(k, k.ndim - 1), cache.keys),
-        values=_per_layer(lambda v: pad(v, v.ndim - 2), cache.values),
-        valid_BxS=pad(cache.valid_BxS, 1),
+        keys=_per_layer(lambda k: pad_axis(k, k.ndim - 1, max_len), cache.keys),
+        values=_per_layer(lambda v: pad_axis(v, v.ndim - 2, max_len), cache.values),
+        valid_BxS=pad_axis(cache.valid_BxS, 1, max_len),
     )
 
 

@@ -170,13 +170,12 @@ class MLP(nnx.Module):
         """``lora_rngs``: the adapters' key stream (`rljax.models.lora.lora_rngs`), used
         when ``config.lora`` targets an MLP projection."""
         d, f = config.hidden_size, config.intermediate_size
-        self.gate = normal_param(rngs, (d, f), ("embed", "mlp"))
-        self.up = normal_param(rngs, (d, f), ("embed", "mlp"))
-        self.down = normal_param(rngs, (f, d), ("mlp", "embed"))
+        shapes = {"gate": ((d, f), ("embed", "mlp"), 1), "up": ((d, f), ("embed", "mlp"), 1),
+                  "down": ((f, d), ("mlp", "embed"), 1)}
+        for name, (shape, names, _) in shapes.items():
+            setattr(self, name, normal_param(rngs, shape, names))
         self.dtype = compute_dtype(config)
-        make_pairs(self, config.lora, lora_rngs,
-                   {"gate": ((d, f), ("embed", "mlp"), 1), "up": ((d, f), ("embed", "mlp"), 1),
-                    "down": ((f, d), ("mlp", "embed"), 1)})
+        make_pairs(self, config.lora, lora_rngs, shapes)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         """Float32 output ``[B, T, D]``."""

@@ -198,9 +198,8 @@ def has_adapters(state) -> bool:
 def count_pairs(state) -> int:
     """Adapter pairs in an NNX state: one per `LoraPair` (stacked layers count each
     layer: a scanned model's ``[L, ...]`` pair is L pairs)."""
-    flat = nnx.to_flat_state(state)
     n = 0
-    for path, var in flat:
+    for path, var in nnx.to_flat_state(state):
         if isinstance(var, nnx.LoRAParam) and path[-1] == "a":
             value = var.get_value()
             n += value.shape[0] if path[0] == "layers" and isinstance(path[1], str) else 1

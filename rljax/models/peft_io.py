@@ -84,7 +84,7 @@ def write_peft(config: ModelConfig, get_adapter: Callable, path: str | os.PathLi
     r, specs = lora.rank, []
     for i in range(config.num_layers):
         for p in lora.targets:
-            w_path, a_path, b_path = adapter_paths(config, i, p)
+            _, a_path, b_path = adapter_paths(config, i, p)
             key = f"base_model.model.model.layers.{i}.{HF_PROJECTION_NAMES[p]}"
             for which, spath, to_peft in (("A", a_path, lambda a: a.reshape(-1, r).T),
                                           ("B", b_path, lambda b: b.reshape(r, -1).T)):

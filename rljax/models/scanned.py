@@ -46,12 +46,8 @@ def stacked(factory: Callable[..., nnx.Module], num_layers: int,
     stacked arrays with the layer axis replicated.
     """
 
-    @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=(0,) * len(rngs), out_axes=0)
-    def make(*r):
-        return factory(*r)
-
-    module = make(*rngs)
+    make = nnx.vmap(factory, in_axes=(0,) * len(rngs), out_axes=0)
+    module = nnx.split_rngs(splits=num_layers)(make)(*rngs)
     for _, var in nnx.iter_graph(module):
         if isinstance(var, nnx.Variable):
             names = var.get_metadata("logical_axes", None)

@@ -67,9 +67,8 @@ class ValueModel(nnx.Module):
         config = dataclasses.replace(policy.config, lora=None)
         abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
         graphdef, state = nnx.split(abstract)
-        src = nnx.state(policy, nnx.Param)
         flat = dict(nnx.to_flat_state(state))
-        src_flat = dict(nnx.to_flat_state(src))
+        src_flat = dict(nnx.to_flat_state(nnx.state(policy, nnx.Param)))
         for path in flat:
             if path[0] == "backbone":
                 flat[path] = flat[path].replace(jnp.copy(src_flat[path[1:]].get_value()))

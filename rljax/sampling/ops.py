@@ -168,11 +168,14 @@ def _top_p_mask(x_BxV: jax.Array, keep_BxV: jax.Array, p: float) -> jax.Array:
     return keep_BxV & (bits_BxV >= thresh_B[:, None])
 
 
-def filter_logits(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
+def filter_logits(logits_BxV: jax.Array, params: SamplingParams, *, top_k_mask=_top_k_mask,
+                  top_p_mask=_top_p_mask) -> jax.Array:
     """Logits of the sampling distribution: ``logits / T``, then top-k, then top-p.
 
     Removed tokens get ``-inf``; ``softmax`` of the result is the distribution
     :func:`sample_tokens` draws from. Not defined for greedy (temperature 0).
+    top_k_mask, top_p_mask: the masks' functions (``rljax.sampling.vocab_shards`` passes
+    its vocabulary-split ones).
     """
     if params.is_greedy:
         raise ValueError("filter_logits: temperature 0 is greedy and has no distribution")
@@ -181,14 +184,11 @@ def filter_logits(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
         x_BxV = x_BxV / params.temperature
     keep_BxV = None
     if params.top_k is not None:
-        keep_BxV = _top_k_mask(x_BxV, params.top_k)
+        keep_BxV = top_k_mask(x_BxV, params.top_k)
     if params.top_p is not None and params.top_p < 1.0:
-        if keep_BxV is None:
-            keep_BxV = jnp.ones(x_BxV.shape, bool)
-        keep_BxV = _top_p_mask(x_BxV, keep_BxV, params.top_p)
-    if keep_BxV is None:
-        return x_BxV
-    return jnp.where(keep_BxV, x_BxV, -jnp.inf)
+        keep_BxV = top_p_mask(x_BxV, jnp.ones(x_BxV.shape, bool) if keep_BxV is None else keep_BxV,
+                              params.top_p)
+    return x_BxV if keep_BxV is None else jnp.where(keep_BxV, x_BxV, -jnp.inf)
 
 
 def vocab_block_size(v: int) -> int:
@@ -246,12 +246,8 @@ def _sample_with_logp(key: jax.Array, x: jax.Array, axis: int = 1,
 
 
 def inverse_cdf_sample(key: jax.Array, x_BxV: jax.Array) -> jax.Array:
-    """Draw one token per row from ``softmax(x_BxV)`` exactly, by two-level inverse CDF.
-
-    ``w = exp(x - max x)``; choose a block of about ``sqrt(V)`` tokens by the cumulative
-    block sums, then a token inside it by the cumulative weights of that block. Uses two
-    uniforms per row. ``-inf`` entries get zero weight and are never drawn.
-    """
+    """Draw one token per row from ``softmax(x_BxV)`` exactly, by two-level inverse CDF
+    (module docstring). ``-inf`` entries get zero weight and are never drawn."""
     return _sample_with_logp(key, x_BxV)[0]
 
 
@@ -262,7 +258,7 @@ def token_logprobs(x_BxV: jax.Array, tokens_B: jax.Array, axis: int = 1) -> jax.
 
 
 def sample_tokens(
-    key: jax.Array, logits_BxV: jax.Array, params: SamplingParams
+    key: jax.Array, logits_BxV: jax.Array, params: SamplingParams, axis: int = 1
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sample one token per row and return ``(tokens_B, logp_B, sampling_logp_B)``.
 
@@ -270,16 +266,18 @@ def sample_tokens(
     ``log softmax(logits)[token]`` (what the trainer recomputes). ``sampling_logp_B`` is
     its log-prob under the distribution actually sampled from (temperature and filters
     applied); for greedy decoding that distribution is a point mass, so it is 0.
+    ``axis=0``: vocab-major logits ``[V, R]`` (:func:`sample_tokens_VxR`).
     """
-    logits_BxV = logits_BxV.astype(jnp.float32)
+    x = logits_BxV.astype(jnp.float32)
+    if params.filters and axis == 0:  # top-k / top-p run on [R, V]
+        x, axis = x.T, 1
     if params.is_greedy:
-        tokens_B = greedy(logits_BxV)
-        return tokens_B, token_logprobs(logits_BxV, tokens_B), jnp.zeros(tokens_B.shape)
-    x_BxV = filter_logits(logits_BxV, params)
-    tokens_B, sampling_logp_B = _sample_with_logp(key, x_BxV)
+        tokens_B = _first_index_of_max(x, axis)
+        return tokens_B, token_logprobs(x, tokens_B, axis), jnp.zeros(tokens_B.shape)
+    tokens_B, sampling_logp_B = _sample_with_logp(key, filter_logits(x, params), axis)
     if params.is_plain:  # the sampling distribution is the policy: reuse the exp pass
         return tokens_B, sampling_logp_B, sampling_logp_B
-    return tokens_B, token_logprobs(logits_BxV, tokens_B), sampling_logp_B
+    return tokens_B, token_logprobs(x, tokens_B, axis), sampling_logp_B
 
 
 # --- Vocab-major layout: logits_VxR = W_VxD . h_RxD, for the decode loop. -------------
@@ -295,14 +293,4 @@ def sample_tokens_VxR(
 
     Temperature and greedy run in this layout; top-k / top-p transpose to ``[R, V]``.
     """
-    x_VxR = logits_VxR.astype(jnp.float32)
-    if params.filters:
-        return sample_tokens(key, x_VxR.T, params)
-    if params.is_greedy:
-        tok_R = _first_index_of_max(x_VxR, axis=0)
-        return tok_R, token_logprobs(x_VxR, tok_R, axis=0), jnp.zeros(tok_R.shape)
-    scaled_VxR = x_VxR if params.temperature == 1.0 else x_VxR / params.temperature
-    tok_R, sampling_logp_R = _sample_with_logp(key, scaled_VxR, 0)
-    if params.temperature == 1.0:
-        return tok_R, sampling_logp_R, sampling_logp_R
-    return tok_R, token_logprobs(x_VxR, tok_R, axis=0), sampling_logp_R
+    return sample_tokens(key, logits_VxR, params, axis=0)

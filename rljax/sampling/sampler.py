@@ -140,17 +140,23 @@ def constrain(x, mesh, names):
     return jax.lax.with_sharding_constraint(x, logical_sharding(names, x.shape, mesh))
 
 
-def _constrain_state(s: DecodeState, mesh) -> DecodeState:
+def constrain_cache(cache, mesh):
+    """``cache`` constrained to ``kv_cache_shardings`` on ``mesh`` (as is for None)."""
+    if mesh is None or cache is None:
+        return cache
+    return jax.lax.with_sharding_constraint(cache, kv_cache_shardings(cache, mesh))
+
+
+def constrain_rows(s, mesh):
+    """A loop state (``DecodeState``, ``rljax.sampling.turns.TurnState``) with its cache
+    constrained (``constrain_cache``) and every per-row field (``*_R``, ``*_RxN``, ...)
+    split over the batch axes; as is without a mesh."""
     if mesh is None:
         return s
-    cache = s.cache if s.cache is None else jax.lax.with_sharding_constraint(
-        s.cache, kv_cache_shardings(s.cache, mesh))
-    rows = {
-        f.name: constrain(getattr(s, f.name), mesh, ("batch",) + (None,) * (getattr(s, f.name).ndim - 1))
-        for f in dataclasses.fields(s)
-        if f.name.endswith(("_R", "_RxN"))
-    }
-    return dataclasses.replace(s, cache=cache, **rows)
+    rows = {f.name: constrain(getattr(s, f.name), mesh,
+                              ("batch",) + (None,) * (getattr(s, f.name).ndim - 1))
+            for f in dataclasses.fields(s) if f.name.endswith(("_R", "_RxN", "_RxT", "_RxL"))}
+    return dataclasses.replace(s, cache=constrain_cache(s.cache, mesh), **rows)
 
 
 def _record(s: DecodeState, spec: DecodeSpec, cache, tok_R, logp_R, slogp_R) -> DecodeState:
@@ -195,10 +201,8 @@ def inference_layout(params, head_VxD, mesh, place=jax.lax.with_sharding_constra
 
 
 def decode_model(graphdef, params, head_VxD, mesh):
-    """The decoder the sampler runs: matmul weights in the compute dtype
-    (``rljax.models.layers.cast_matmul_weights``: the values each forward casts to
-    anyway, so the same results; cast before the layout change, so an FSDP gather moves
-    that dtype), in the inference layout; and the head weight in that layout."""
+    """The decoder the sampler runs and its head weight, in the inference layout with the
+    matmul weights cast to the compute dtype before the layout change (module docstring)."""
     cd = compute_dtype(nnx.merge(graphdef, params).config)
     params, head_VxD = inference_layout(cast_matmul_weights(params, cd), head_VxD, mesh)
     return nnx.merge(graphdef, params), head_VxD
@@ -230,15 +234,12 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
     """
     model, head_VxD = decode_model(graphdef, params, head_VxD, mesh)
     b, p = tokens_BxP.shape
-    cache = model.init_cache(b, p)
-    if mesh is not None:
-        cache = jax.lax.with_sharding_constraint(cache, kv_cache_shardings(cache, mesh))
+    cache = constrain_cache(model.init_cache(b, p), mesh)
     h_BxPxD, cache = model.forward_cached(tokens_BxP, pos_BxP, mask_BxP, cache, 0)
     logits_VxB = vocab_major_head(model, head_VxD)(h_BxPxD[:, -1])
     g, n = spec.num_samples, spec.max_new_tokens
-    prefix = _repeat_cache_rows(cache, 1 if mesh is None else prompt_copies(b, g, mesh))
-    if mesh is not None:
-        prefix = jax.lax.with_sharding_constraint(prefix, kv_cache_shardings(prefix, mesh))
+    prefix = constrain_cache(
+        _repeat_cache_rows(cache, 1 if mesh is None else prompt_copies(b, g, mesh)), mesh)
     r = b * g
     plen_R = _repeat_rows(jnp.sum(mask_BxP, axis=1, dtype=jnp.int32), g)
     zeros_RxN = jnp.zeros((r, n), jnp.float32)
@@ -252,7 +253,7 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
     logits_VxR = logits_VxB if g == 1 else jnp.repeat(logits_VxB, g, axis=1)
     tok, lp, slp = sample_tokens_sharded(jax.random.fold_in(key, 0), logits_VxR, spec.params,
                                          mesh)
-    s = _constrain_state(_record(s, spec, None, tok, lp, slp), mesh)
+    s = constrain_rows(_record(s, spec, None, tok, lp, slp), mesh)
     prompt = tuple(_repeat_rows(x, g) for x in (tokens_BxP, mask_BxP, pos_BxP))
     return s, prefix, prompt
 
@@ -261,12 +262,9 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
 def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, prefix):
     """Decode until ``max_new_tokens`` or every row stopped; the state is donated.
 
-    ``prefix``: the prompts' cache (``C`` rows, ``P`` slots), read by every step and
-    never copied per row; each row's own cache holds only its completion (slot ``j`` of
-    it is the sequence's slot ``P + j``), starts inside the program and grows to each
-    phase's length. ``s.cache`` is None on the way in and out. ``head_VxD``:
-    ``cached_vocab_major_weight`` (or None). The parameters are constrained to the
-    inference layout here, outside the loops.
+    ``prefix``: the prompts' cache (``C`` rows, ``P`` slots); slot ``j`` of a row's own
+    cache is the sequence's slot ``P + j`` (module docstring). ``s.cache`` is None on the
+    way in and out. ``head_VxD``: ``cached_vocab_major_weight`` (or None).
     """
     model, head_VxD = decode_model(graphdef, params, head_VxD, mesh)
     r, p = s.last_R.shape[0], prefix.max_len
@@ -281,13 +279,13 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, 
         )
         tok, lp, slp = sample_tokens_sharded(jax.random.fold_in(s.key, s.step),
                                              head(h_Rx1xD[:, 0]), spec.params, mesh)
-        return _constrain_state(_record(s, spec, cache, tok, lp, slp), mesh)
+        return constrain_rows(_record(s, spec, cache, tok, lp, slp), mesh)
 
     for end_step, cache_len in spec.phases:
         s = dataclasses.replace(s, cache=grow_kv_cache(s.cache, own_len(cache_len)))
         s = jax.lax.while_loop(
             lambda s, end=end_step: (s.step < end) & ~jnp.all(s.done_R), body,
-            _constrain_state(s, mesh)
+            constrain_rows(s, mesh)
         )
     return dataclasses.replace(s, cache=None)
 

@@ -34,10 +34,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from rljax.models import kv_cache_shardings
 from rljax.sampling.head import vocab_major_head
 from rljax.sampling.ops import SamplingParams
-from rljax.sampling.sampler import constrain, decode_model
+from rljax.sampling.sampler import constrain, constrain_cache, constrain_rows, decode_model
 from rljax.sampling.vocab_shards import sample_tokens_sharded
 
 __all__ = ["TurnSpec", "TurnState", "start", "observe", "decode_turn", "turn_flags",
@@ -103,16 +102,6 @@ class TurnState:
     loss_RxT: jax.Array
 
 
-def _constrain_rows(s: TurnState, mesh) -> TurnState:
-    if mesh is None:
-        return s
-    rows = {f.name: constrain(getattr(s, f.name), mesh,
-                               ("batch",) + (None,) * (getattr(s, f.name).ndim - 1))
-            for f in dataclasses.fields(s) if f.name.endswith(("_R", "_RxT", "_RxL"))}
-    cache = jax.lax.with_sharding_constraint(s.cache, kv_cache_shardings(s.cache, mesh))
-    return dataclasses.replace(s, cache=cache, **rows)
-
-
 def _stop_hit(spec: TurnSpec, tok_R, window_RxL):
     hit = jnp.zeros(tok_R.shape, bool)
     if spec.stop_ids:
@@ -156,7 +145,7 @@ def _begin_turn(s: TurnState, spec: TurnSpec, mesh, logits_VxR, budget_R) -> Tur
                             active_R=(budget_R > 0) & (s.cursor_R < t),
                             window_RxL=jnp.full_like(s.window_RxL, -2))
     tok, _, slp = sample_tokens_sharded(_step_key(s), logits_VxR, spec.params, mesh)
-    return _constrain_rows(_record(s, spec, tok, slp), mesh)
+    return constrain_rows(_record(s, spec, tok, slp), mesh)
 
 
 def _step_key(s: TurnState):
@@ -171,9 +160,7 @@ def start(graphdef, spec: TurnSpec, mesh, params, head_VxD, prompt_RxP, mask_RxP
     r, p = prompt_RxP.shape
     t = spec.completion_len
     mask_RxP = jnp.asarray(mask_RxP, bool)
-    cache = model.init_cache(r, spec.cache_len)
-    if mesh is not None:
-        cache = jax.lax.with_sharding_constraint(cache, kv_cache_shardings(cache, mesh))
+    cache = constrain_cache(model.init_cache(r, spec.cache_len), mesh)
     pos_RxP = jnp.maximum(jnp.cumsum(mask_RxP, axis=1, dtype=jnp.int32) - 1, 0)
     h_RxPxD, cache = model.forward_cached(prompt_RxP, pos_RxP, mask_RxP, cache, 0)
     width = max([len(q) for q in spec.stop_seqs] + [1])
@@ -232,10 +219,10 @@ def decode_turn(graphdef, spec: TurnSpec, mesh, params, head_VxD, s: TurnState):
                                               s.active_R[:, None], s.cache, s.slot)
         s = dataclasses.replace(s, cache=cache, slot=s.slot + 1, step=s.step + 1)
         tok, _, slp = sample_tokens_sharded(_step_key(s), head(h_Rx1xD[:, 0]), spec.params, mesh)
-        return _constrain_rows(_record(s, spec, tok, slp), mesh)
+        return constrain_rows(_record(s, spec, tok, slp), mesh)
 
     s = jax.lax.while_loop(lambda s: jnp.any(s.active_R) & (s.slot < spec.cache_len), body,
-                           _constrain_rows(s, mesh))
+                           constrain_rows(s, mesh))
     s = dataclasses.replace(s, active_R=jnp.zeros_like(s.active_R))
     n, t = spec.turn_tokens, spec.completion_len
     len_R = s.cursor_R - s.turn_start_R

@@ -37,6 +37,7 @@ multiple of it; the block size is the one-device one, ``ops.vocab_block_size(V)`
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,13 +46,13 @@ from jax.sharding import Mesh, PartitionSpec
 
 from rljax.sampling.ops import (
     SamplingParams,
+    filter_logits,
     vocab_block_size,
     inverse_cdf,
     largest_key_where,
     ordered_key,
     pick_along,
     sample_tokens,
-    sample_tokens_VxR,
 )
 from rljax.sharding import fitted_spec
 
@@ -214,17 +215,6 @@ def _top_p_mask(plan: _Plan, x_RxL, keep_RxL, p: float) -> jax.Array:
     return keep_RxL & (bits_RxL >= thresh_R[:, None])
 
 
-def _filter(plan: _Plan, x_RxL, params: SamplingParams):
-    """``ops.filter_logits`` on this slice (``x`` already divided by the temperature)."""
-    keep = None
-    if params.top_k is not None:
-        keep = _top_k_mask(plan, x_RxL, params.top_k)
-    if params.top_p is not None and params.top_p < 1.0:
-        keep = _top_p_mask(plan, x_RxL, jnp.ones(x_RxL.shape, bool) if keep is None else keep,
-                           params.top_p)
-    return x_RxL if keep is None else jnp.where(keep, x_RxL, -jnp.inf)
-
-
 def _sample_slice(plan: _Plan, params: SamplingParams, axis: int, x, u_Rx2):
     """The body of :func:`sample_tokens_sharded` on one slice; mirrors
     ``ops.sample_tokens`` / ``ops.sample_tokens_VxR`` step by step."""
@@ -233,9 +223,8 @@ def _sample_slice(plan: _Plan, params: SamplingParams, axis: int, x, u_Rx2):
     if params.is_greedy:
         tok = _greedy(plan, x, axis)
         return tok, _token_logprobs(plan, x, tok, axis), jnp.zeros(tok.shape)
-    scaled = x if params.temperature == 1.0 else x / params.temperature
-    if params.filters:
-        scaled = _filter(plan, scaled, params)
+    scaled = filter_logits(x, params, top_k_mask=functools.partial(_top_k_mask, plan),
+                           top_p_mask=functools.partial(_top_p_mask, plan))
     tok, slogp = _sample_with_logp(plan, u_Rx2, scaled, axis)
     if params.is_plain:
         return tok, slogp, slogp
@@ -254,7 +243,7 @@ def sample_tokens_sharded(key: jax.Array, logits: jax.Array, params: SamplingPar
     v, rows = x.shape[axis], x.shape[1 - axis]
     t = vocab_shards(mesh, v)
     if t == 1:
-        return (sample_tokens_VxR if axis == 0 else sample_tokens)(key, x, params)
+        return sample_tokens(key, x, params, axis)
     plan = _Plan.make(v, t)
     if plan.L * t != v:  # pad to whole slices; -inf is never drawn nor counted
         widths = [(0, 0), (0, 0)]

@@ -69,18 +69,10 @@ class Collective:
     unpadded_shapes: tuple = ()
 
     @property
-    def operand_bytes(self) -> int:
-        return shapes_bytes(self.operand_shapes)
-
-    @property
-    def result_bytes(self) -> int:
-        return shapes_bytes(self.result_shapes)
-
-    @property
     def bytes(self) -> int:
         """Bytes on one chip per execution: the larger of operand and result (what an
         all-gather ends with, what a reduce-scatter starts from)."""
-        return max(self.operand_bytes, self.result_bytes)
+        return max(shapes_bytes(self.operand_shapes), shapes_bytes(self.result_shapes))
 
     @property
     def executions(self) -> int:
@@ -240,7 +232,7 @@ def _op_name(line: str) -> str:
 def _unpad(name: str, defs: dict) -> str:
     """The instruction a ``pad`` pads (its first operand); ``name`` itself otherwise."""
     op, rest = defs.get(name, ("", ""))
-    args = re.findall(r"%([\w.\-]+)", rest.split(")")[0]) if op == "pad" else []
+    args = _args(rest) if op == "pad" else []
     return args[0] if args else name
 
 
@@ -277,7 +269,7 @@ def parse_collectives(hlo: str) -> list[Collective]:
             name, rtype, op, rest = m.groups()
             base = op[:-6] if op.endswith("-start") else op
             if base in KINDS and not op.endswith("-done"):
-                args = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+                args = _args(rest)
                 operands = tuple(s for a in args for s in _shapes(shapes.get(a, "")))
                 unpadded = tuple(s for a in args for s in _shapes(shapes.get(_unpad(a, defs), "")))
                 result = _shapes(done_of.get(name, rtype)) if op.endswith("-start") else (

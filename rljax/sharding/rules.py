@@ -155,11 +155,10 @@ def state_shardings(state, mesh: Mesh, drop: tuple[str, ...] = ()):
     def one(x):
         if isinstance(x, nnx.Variable):
             names = logical_axes(x)
-            val = x.get_value() if hasattr(x, "get_value") else x[...]
-            shape = getattr(val, "shape", ())
+            shape = getattr(x.get_value(), "shape", ())
             spec = fitted_spec(names, shape, mesh, drop) if names else PartitionSpec()
             return x.replace(NamedSharding(mesh, spec))
-        return NamedSharding(mesh, PartitionSpec())
+        return replicated(mesh)
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -180,5 +179,4 @@ def inference_shardings(state, mesh: Mesh):
 
 def shard_params(state, mesh: Mesh):
     """Place every array of an NNX state on `mesh` per its logical annotations."""
-    shardings = state_shardings(state, mesh)
-    return jax.device_put(state, shardings)
+    return jax.device_put(state, state_shardings(state, mesh))
