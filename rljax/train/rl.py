@@ -318,7 +318,8 @@ class RLTrainer:
         if self.alg.dynamic_sampling:
             return sample_until_full(sample, pos, n, key, pad_id=self.rollouts.pad_id,
                                      max_refill_rounds=self.alg.max_refill_rounds)
-        return sample(pos, jax.random.split(key)[1]), pos + n, {}
+        _, k = jax.random.split(key)  # as each round of dynamic sampling splits it
+        return sample(pos, k), pos + n, {}
 
     def add_throughput(self, m: dict, ph: PhaseTimes, params: dict | None = None) -> None:
         """Tokens/s (whole mesh and per chip), phase times, model FLOP/s and MFU
