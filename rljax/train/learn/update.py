@@ -96,10 +96,6 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, lr_scale: float = 1.0):
     return optax.chain(*parts), schedule
 
 
-def _add_metrics(acc: dict, new: dict) -> dict:
-    return {k: (acc[k][0] + new[k][0], acc[k][1] + new[k][1]) for k in acc}
-
-
 def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
                constrain: Callable | None = None, group: int = 1,
                split: Callable | None = None):
@@ -136,9 +132,7 @@ def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
     init = one({**shared, **first})
 
     def body(carry, mb):
-        g, ls, c, m = carry
-        g2, ls2, c2, m2 = one({**shared, **mb})
-        return (jax.tree.map(jnp.add, g, g2), ls + ls2, c + c2, _add_metrics(m, m2)), None
+        return jax.tree.map(jnp.add, carry, one({**shared, **mb})), None
 
     out, _ = jax.lax.scan(body, init, rest)
     return out
