@@ -230,14 +230,8 @@ def batch_constrainer(mesh):
     """A function re-applying the batch sharding to a micro-batch dict (None without mesh)."""
     if mesh is None:
         return None
-
-    def constrain(mb):
-        return jax.tree.map(
-            lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, max(x.ndim, 1))),
-            mb,
-        )
-
-    return constrain
+    return lambda mb: jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, max(x.ndim, 1))), mb)
 
 
 def opt_state_shardings(txs: dict, params: dict, mesh) -> dict:
@@ -291,10 +285,7 @@ def new_train_state(params: dict, opt_state: dict, seed: int, *, ref_params=None
                     kl_coef: float = 0.0, mesh=None) -> TrainState:
     """A fresh ``TrainState`` at step 0 with PRNG key ``seed``; with a ``mesh`` its
     scalars are replicated global arrays (what orbax saves on every process)."""
-    if mesh is None:
-        put = jnp.asarray
-    else:
-        put = lambda x: jax.device_put(x, replicated(mesh))
+    put = jnp.asarray if mesh is None else lambda x: jax.device_put(x, replicated(mesh))
     z = lambda: put(np.zeros((), np.int32))
     return TrainState(
         params=params, opt_state=opt_state, step=z(), updates=z(), nonfinite_run=z(),
