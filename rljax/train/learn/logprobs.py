@@ -319,10 +319,8 @@ def head_weight(model) -> tuple[Array, bool] | None:
     """``(W, vocab_major)`` of a decoder's linear output projection (the tied embedding
     ``[V, D]`` or the ``lm_head`` ``[D, V]``), or None for a model without one."""
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", None)
-    if tied is None:
-        return None
     name = "embed" if tied else "lm_head"
-    if not hasattr(model, name):
+    if tied is None or not hasattr(model, name):
         return None
     return getattr(model, name)[...], bool(tied)
 

@@ -191,9 +191,8 @@ def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
             loss=loss, grad_norm=gnorm, lr=jnp.asarray(schedules[first](updates), jnp.float32),
             skipped_update=(~finite).astype(jnp.float32),
         )
-        for name in params:
-            if len(params) > 1:
-                metrics[f"grad_norm_{name}"] = optax.tree.norm(grads[name])
+        if len(params) > 1:
+            metrics.update({f"grad_norm_{k}": optax.tree.norm(grads[k]) for k in params})
         counters = (
             updates + finite.astype(jnp.int32),
             jnp.where(finite, 0, run + 1).astype(jnp.int32),
