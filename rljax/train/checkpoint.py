@@ -157,9 +157,8 @@ class Checkpointer:
         Returns `(state, meta)`. Raises FileNotFoundError when there is nothing to restore.
         """
         state, meta = self._read(step, ocp.args.StandardRestore(abstract_like(target)))
-        # A live target leaf that was never placed explicitly (uncommitted, e.g. a PRNG key
-        # or a counter made with jnp) comes back uncommitted too, so jit may move it next to
-        # sharded arguments exactly as it did before the checkpoint.
+        # Uncommitted as its target leaf (e.g. a PRNG key or a counter made with jnp), so
+        # jit may move it next to sharded arguments exactly as it did before the checkpoint.
         state = jax.tree.map(
             lambda r, t: jax.numpy.asarray(np.asarray(r))
             if isinstance(t, jax.Array) and not t.committed else r,
@@ -225,5 +224,4 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        # Also on KeyboardInterrupt: the in-flight save completes before we leave.
         self.close()
