@@ -139,12 +139,9 @@ class Checkpointer:
     # -- reading --------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
         """Steps with a complete (finalised) checkpoint, ascending."""
-        steps = []
         self._mgr.reload()  # see steps written by another process (or before a restart)
-        for step in self._mgr.all_steps():
-            if (self.directory / str(step) / _FINAL_MARKER).exists():
-                steps.append(int(step))
-        return sorted(steps)
+        return sorted(int(step) for step in self._mgr.all_steps()
+                      if (self.directory / str(step) / _FINAL_MARKER).exists())
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when there is none."""
@@ -159,22 +156,18 @@ class Checkpointer:
         (a live array that was never explicitly placed comes back likewise uncommitted).
         Returns `(state, meta)`. Raises FileNotFoundError when there is nothing to restore.
         """
-        step = self._step_to_read(step)
-        args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_like(target)), meta=ocp.args.JsonRestore()
-        )
-        out = self._mgr.restore(step, args=args)
-        # A live target leaf that was never placed explicitly (uncommitted, e.g. a PRNG key
-        # or a counter made with jnp) comes back uncommitted too, so jit may move it next to
-        # sharded arguments exactly as it did before the checkpoint.
+        state, meta = self._read(step, ocp.args.StandardRestore(abstract_like(target)))
+        # Uncommitted as its target leaf (e.g. a PRNG key or a counter made with jnp), so
+        # jit may move it next to sharded arguments exactly as it did before the checkpoint.
         state = jax.tree.map(
             lambda r, t: jax.numpy.asarray(np.asarray(r))
             if isinstance(t, jax.Array) and not t.committed else r,
-            out["state"], target)
-        return state, dict(out["meta"])
+            state, target)
+        return state, meta
 
-    def _step_to_read(self, step: int | None) -> int:
-        """`step`, or the latest complete one; FileNotFoundError when it is not complete."""
+    def _read(self, step: int | None, state_args) -> tuple[Any, dict[str, Any]]:
+        """`(state, meta)` of checkpoint `step` (default: the latest complete one), the state
+        read with orbax's `state_args`; FileNotFoundError when the step is not complete."""
         self.wait_until_finished()
         steps = self.all_steps()
         step = (steps[-1] if steps else None) if step is None else step
@@ -182,7 +175,9 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"no complete checkpoint {'' if step is None else f'for step {step} '}"
                 f"in {self.directory}; have {steps}")
-        return step
+        out = self._mgr.restore(step, args=ocp.args.Composite(state=state_args,
+                                                              meta=ocp.args.JsonRestore()))
+        return out["state"], dict(out["meta"])
 
     def restore_raw(self, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Read checkpoint `step` (default latest) without a target: nested dicts of arrays.
@@ -191,10 +186,7 @@ class Checkpointer:
         the pure dicts `flax.nnx.replace_by_pure_dict` takes. Use `restore` with a target
         when the layout (shardings, dtypes) matters.
         """
-        step = self._step_to_read(step)
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
-        out = self._mgr.restore(step, args=args)
-        return out["state"], dict(out["meta"])
+        return self._read(step, ocp.args.StandardRestore())
 
     def restore_subtree(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Read only the arrays named by `target` from checkpoint `step` (default latest).
@@ -205,14 +197,9 @@ class Checkpointer:
         topology, e.g. all devices of all processes). Nothing else is read: an export reads
         the policy without the optimiser moments. Returns `(subtree, meta)`.
         """
-        step = self._step_to_read(step)
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-        args = ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
-                                         partial_restore=True),
-            meta=ocp.args.JsonRestore())
-        out = self._mgr.restore(step, args=args)
-        return out["state"], dict(out["meta"])
+        return self._read(step, ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                                       partial_restore=True))
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """Only the JSON metadata of checkpoint `step` (default latest), without the arrays."""
@@ -237,5 +224,4 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        # Also on KeyboardInterrupt: the in-flight save completes before we leave.
         self.close()

@@ -204,10 +204,8 @@ def load_reward_model(path: str | pathlib.Path):
     state = nnx.state(model)
     nnx.replace_by_pure_dict(state, pure_params(raw))
     nnx.update(model, state)
-    tokenizer = None
-    if (path / "tokenizer").is_dir():
-        tokenizer = load_tokenizer(path / "tokenizer")
-    return model, tokenizer
+    tok = path / "tokenizer"
+    return model, (load_tokenizer(tok) if tok.is_dir() else None)
 
 
 class RewardModelScorer:

@@ -109,8 +109,7 @@ class SFTTrainer:
         if not isinstance(cfg, SFTConfig):
             raise TypeError(f"SFTTrainer: cfg must be an SFTConfig, got {type(cfg).__name__}")
         self.graphdef, self.cfg, self.mesh = graphdef, cfg, mesh
-        self.loss_fn = sft_loss_fn(graphdef, cfg)
-        self.learner = Learner(self.loss_fn, sft_optimizers(cfg),
+        self.learner = Learner(sft_loss_fn(graphdef, cfg), sft_optimizers(cfg),
                                micro_batch_size=cfg.micro_batch_size,
                                max_nonfinite=cfg.max_nonfinite_steps, mesh=mesh,
                                program_for=self._program)

@@ -72,8 +72,8 @@ def check_import_path(cls, field, value):
 
 
 def check_algorithm_extras(cfg) -> None:
-    """``AlgorithmConfig``'s value, KL-controller, sampler-correction, SAPO and Clip-Cov /
-    KL-Cov fields (the checks ``__post_init__`` delegates here)."""
+    """``AlgorithmConfig``'s value, KL-controller, sampler-correction, SAPO, Clip-Cov / KL-Cov
+    and ratio-free update-count checks (``__post_init__`` delegates them here)."""
     c = "AlgorithmConfig"
     check_num(c, "entropy_coef", cfg.entropy_coef)
     check_num(c, "value_coef", cfg.value_coef, lo=0.0)
@@ -110,21 +110,9 @@ def check_algorithm_extras(cfg) -> None:
     if cfg.resolved("kl_kind") == "k3_ratio" and cfg.resolved("kl_in") == "reward":
         fail(c, "kl_kind", "k3_ratio", "'k1', 'k2' or 'k3' with kl_in='reward' (the ratio "
              "weights a gradient; a reward penalty has none)")
-    _check_on_policy_only(cfg)
-
-
-#: Objectives without an importance ratio: every update after a batch's first would use
-#: samples of an older policy, uncorrected.
-NO_RATIO = tuple(n for n, o in OBJECTIVES.items() if not o.ratio)
-
-
-def _check_on_policy_only(cfg) -> None:
-    """A loss without a ratio (``reinforce`` / ``rloo``'s A log pi) takes one update per
-    batch."""
-    if cfg.loss.ratio or cfg.objective is not None:
-        return
+    # A loss without a ratio (``reinforce`` / ``rloo``'s A log pi) takes one update per batch.
     epochs, minibatches = cfg.resolved("num_epochs"), cfg.resolved("num_minibatches")
-    if epochs * minibatches > 1:
+    if not cfg.loss.ratio and cfg.objective is None and epochs * minibatches > 1:
         field = "num_epochs" if epochs > 1 else "num_minibatches"
         raise ValueError(
             f"AlgorithmConfig.{field}={cfg.resolved(field)} is invalid for name={cfg.name!r}: "
@@ -134,6 +122,11 @@ def _check_on_policy_only(cfg) -> None:
             f"num_minibatches=1; for several updates per batch use PPO's or GRPO's clipped "
             f"ratio: name='grpo' (adv_std='none' for REINFORCE's group-mean baseline, "
             f"advantages='rljax.objectives:rloo_advantages' for RLOO's) or name='ppo'")
+
+
+#: Objectives without an importance ratio: every update after a batch's first would use
+#: samples of an older policy, uncorrected.
+NO_RATIO = tuple(n for n, o in OBJECTIVES.items() if not o.ratio)
 
 
 def corrects_sampler(cfg) -> bool:

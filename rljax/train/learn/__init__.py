@@ -217,11 +217,10 @@ def make_learn(spec, loss_fn, txs: dict, schedules: dict, constrain: Callable | 
         coef = alg.make_coef(spec.alg, kl_coef)
         params, opt_state, counters, metrics = _updates(spec, update, params, opt_state,
                                                         counters, batch, coef, key, select)
-        b = ro.rewards_B.shape[0]
         seq_kl = extra.pop("seq_kl", None)
         new_kl = kl_coef if seq_kl is None else ppo_lib.adaptive_kl_coef(
             kl_coef, seq_kl, target=spec.alg.adaptive_kl_target,
-            horizon=spec.alg.adaptive_kl_horizon, batch_size=b)
+            horizon=spec.alg.adaptive_kl_horizon, batch_size=ro.rewards_B.shape[0])
         metrics.update(extra)
         metrics.update(ro.metrics())
         metrics["kl_coef"] = kl_coef

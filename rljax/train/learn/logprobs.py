@@ -319,10 +319,8 @@ def head_weight(model) -> tuple[Array, bool] | None:
     """``(W, vocab_major)`` of a decoder's linear output projection (the tied embedding
     ``[V, D]`` or the ``lm_head`` ``[D, V]``), or None for a model without one."""
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", None)
-    if tied is None:
-        return None
     name = "embed" if tied else "lm_head"
-    if not hasattr(model, name):
+    if tied is None or not hasattr(model, name):
         return None
     return getattr(model, name)[...], bool(tied)
 
@@ -337,25 +335,15 @@ def completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT, comple
     decoder once (``Decoder.grouped_hidden_states``; the rows' last slot, which predicts
     nothing, is left out): the same values on real positions.
     """
-    p = prompt_BxP.shape[1]
-    t = completion_BxT.shape[1]
-    if group > 1:
-        return _grouped_completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT,
-                                          completion_mask_BxT, remat, group)
-    ids = jnp.concatenate([prompt_BxP, completion_BxT], axis=1).astype(jnp.int32)
-    mask = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT], axis=1) > 0
-    h = model.hidden_states(ids, mask_BxT=mask, remat=remat)
-    return h[:, p - 1 : p + t - 1]
-
-
-def _grouped_completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT,
-                               completion_mask_BxT, remat: bool, g: int) -> Array:
-    b, p = prompt_BxP.shape
+    (b, p), t, g = prompt_BxP.shape, completion_BxT.shape[1], group
+    if g <= 1:
+        ids = jnp.concatenate([prompt_BxP, completion_BxT], axis=1).astype(jnp.int32)
+        mask = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT], axis=1) > 0
+        return model.hidden_states(ids, mask_BxT=mask, remat=remat)[:, p - 1 : p + t - 1]
     if b % g:
         raise ValueError(f"completion_hidden: {b} rows do not split into groups of {g}")
     prompt_NxP = prompt_BxP.reshape(b // g, g, p)[:, 0].astype(jnp.int32)
     pmask_NxP = prompt_mask_BxP.reshape(b // g, g, p)[:, 0] > 0
-    t = completion_BxT.shape[1]
     if t == 1:
         h_NxPxD = model.hidden_states(prompt_NxP, mask_BxT=pmask_NxP, remat=remat)
         return jnp.repeat(h_NxPxD[:, -1:], g, axis=0)

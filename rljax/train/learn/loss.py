@@ -38,78 +38,64 @@ def _objective_batch(mb: dict, logp, ent, values, *, self_old: bool, use_sampler
     )
 
 
-def _one_pass_logprobs(policy_gd, policy_params, mb: dict, coef, values, *, objective, chunk,
-                       temperature, remat, group, **fields):
+def _one_pass_logprobs(policy_gd, policy_params, mb: dict, loss_of, aux, *, chunk,
+                       temperature, remat, group, with_entropy):
     """``(surrogate, logp, ent)`` by ``rljax.train.learn.onepass.policy_one_pass`` (the
-    objective is token-separable; the policy has a linear head). Each
-    chunk's derivatives come from the objective on the whole micro-batch with that
+    objective is token-separable; the policy has a linear head), or None without a linear
+    head. Each chunk's derivatives come from ``loss_of`` on the whole micro-batch with that
     chunk's values in place (the other columns hold the sampler's log-probs: any finite
     values do for a separable objective), at the chunks' padded width."""
     b, t = mb["completion_mask_BxT"].shape
     c, width = min(chunk, t), padded_width(t, chunk)
     pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, width - t)))
-    wide = {k: pad(v) for k, v in mb.items() if k.endswith("_BxT")}
-    aux = (wide, sg(pad(values)), coef)
+    arrays, values, coef = aux
+    wide = ({k: pad(v) for k, v in arrays.items()}, pad(values), coef)
 
-    def token_grads(aux, logp_BxC, ent_BxC, start):
-        wide, values, coef = aux
+    def token_grads(wide, logp_BxC, ent_BxC, start):
         put = lambda full, x: jax.lax.dynamic_update_slice(full, x, (0, start))
-        loss = lambda lp, en: objective(
-            _objective_batch(wide, lp, en, values, **fields), coef)[0]
-        a, e = jax.grad(loss, argnums=(0, 1))(put(wide["sampler_logp_BxT"], logp_BxC),
-                                              put(jnp.zeros((b, width), jnp.float32), ent_BxC))
+        a, e = jax.grad(lambda lp, en: loss_of(wide, lp, en), argnums=(0, 1))(
+            put(wide[0]["sampler_logp_BxT"], logp_BxC),
+            put(jnp.zeros((b, width), jnp.float32), ent_BxC))
         cut = lambda x: jax.lax.dynamic_slice(x, (0, start), (b, c))
         return cut(a), cut(e)
 
-    out = policy_one_pass(policy_gd, policy_params, mb, token_grads, aux, chunk=chunk,
-                          temperature=temperature, remat=remat, group=group,
-                          with_entropy=fields["entropy_grad"])
-    if out is None:  # the head form was resolved with the trainer (rljax.train.programs.paths)
-        raise ValueError("rl_loss: one_pass=True, but the policy has no linear output head; "
-                         "the head form is resolved by rljax.train.programs.paths.resolve_paths, "
-                         "which would have chosen 'chunked'")
-    return out
-
-
-def _packed_one_pass(policy_gd, policy_params, mb: dict, coef, values, *, objective, chunk,
-                     temperature, remat, packing, **fields):
-    """``_one_pass_logprobs`` on a packed micro-batch (``rljax.train.learn.packing``)."""
-    arrays = {k: v for k, v in mb.items() if k.endswith("_BxT") and not k.startswith("pack_")}
-
-    def loss_of(aux, lp, en):
-        arrays, values, coef = aux
-        return objective(_objective_batch(arrays, lp, en, values, **fields), coef)[0]
-
-    out = pack.micro_one_pass(policy_gd, policy_params, mb, packing, loss_of,
-                              (arrays, sg(values), coef), chunk=chunk, temperature=temperature,
-                              remat=remat, with_entropy=fields["entropy_grad"])
-    if out is None:
-        raise ValueError("rl_loss: one_pass=True, but the policy has no linear output head")
-    return out
+    return policy_one_pass(policy_gd, policy_params, mb, token_grads, wide, chunk=chunk,
+                           temperature=temperature, remat=remat, group=group,
+                           with_entropy=with_entropy)
 
 
 def _current(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, temperature,
              remat, group, one_pass, packing, **fields):
-    """``(values, surrogate, logp, ent)`` of the current parameters on a micro-batch."""
-    values = None
-    if packing is not None:  # a packed micro-batch: forwards on its packed rows
-        if value_gd is not None:
-            values = pack.micro_values(value_gd, params["value"], mb, packing, remat=remat)
-        if one_pass:
-            return (values, *_packed_one_pass(
-                policy_gd, params["policy"], mb, coef, values, objective=objective, chunk=chunk,
-                temperature=temperature, remat=remat, packing=packing, **fields))
-        return (values, 0.0, *pack.micro_logprobs(policy_gd, params["policy"], mb, packing,
-                                                  chunk=chunk, temperature=temperature,
-                                                  remat=remat))
-    if value_gd is not None:
+    """``(values, surrogate, logp, ent)`` of the current parameters on a micro-batch (a
+    packed one with ``packing``: forwards on its packed rows)."""
+    policy, values = params["policy"], None
+    if value_gd is not None and packing is None:
         values = ppo_lib.value_predictions(value_gd, params["value"], mb, remat=remat)
+    elif value_gd is not None:
+        values = pack.micro_values(value_gd, params["value"], mb, packing, remat=remat)
     if one_pass:  # log-probs as values; their gradient enters through the surrogate
-        return (values, *_one_pass_logprobs(
-            policy_gd, params["policy"], mb, coef, values, objective=objective, chunk=chunk,
-            temperature=temperature, remat=remat, group=group, **fields))
-    logp, ent = policy_logprobs(policy_gd, params["policy"], mb, chunk=chunk,
-                                temperature=temperature, remat=remat, group=group)
+        def loss_of(aux, lp, en):
+            arrays, values, coef = aux
+            return objective(_objective_batch(arrays, lp, en, values, **fields), coef)[0]
+
+        arrays = {k: v for k, v in mb.items() if k.endswith("_BxT") and not k.startswith("pack_")}
+        aux = (arrays, sg(values), coef)
+        kw = dict(chunk=chunk, temperature=temperature, remat=remat,
+                  with_entropy=fields["entropy_grad"])
+        if packing is None:
+            out = _one_pass_logprobs(policy_gd, policy, mb, loss_of, aux, group=group, **kw)
+        else:
+            out = pack.micro_one_pass(policy_gd, policy, mb, packing, loss_of, aux, **kw)
+        if out is None:  # the head form was resolved with the trainer
+            raise ValueError("rl_loss: one_pass=True, but the policy has no linear output "
+                             "head; the head form is resolved by rljax.train.programs.paths."
+                             "resolve_paths, which would have chosen 'chunked'")
+        return (values, *out)
+    if packing is not None:
+        return (values, 0.0, *pack.micro_logprobs(policy_gd, policy, mb, packing, chunk=chunk,
+                                                  temperature=temperature, remat=remat))
+    logp, ent = policy_logprobs(policy_gd, policy, mb, chunk=chunk, temperature=temperature,
+                                remat=remat, group=group)
     return values, 0.0, logp, ent
 
 
@@ -119,10 +105,8 @@ def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, te
     """The RL micro-batch loss: current log-probs (and values) -> ``ObjectiveBatch`` ->
     the objective's ``(loss_sum, count, metrics)`` plus the sampler-gap metric. ``group``:
     the micro-batch's rows share prompts in groups of that many (``policy_logprobs``).
-    ``one_pass``: the head form "one-pass" (``rljax.train.programs.paths.ForwardPaths.head``: the
-    objective is token-separable and the policy has a linear head); the head then forms
-    its gradient in the forward pass
-    (``rljax.train.learn.onepass``): the same loss and, to rounding, the same gradients.
+    ``one_pass``: the head form "one-pass" (``rljax.train.programs.paths.ForwardPaths.head``;
+    module docstring): the same loss and, to rounding, the same gradients.
     ``packing``: the batch's ``rljax.train.learn.packing.PackSpec`` (None: padded rows);
     ``mb`` is then one packed micro-batch and its loss terms are its rows'."""
     if packing is not None:

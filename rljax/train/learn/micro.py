@@ -2,7 +2,8 @@
 
 Micro-batch i holds rows i, i+M, i+2M, ... (or whole groups of G consecutive rows, when
 the forwards share each group's prompt), so every micro-batch stays spread across the
-devices a batch-sharded array lives on.
+devices a batch-sharded array lives on (contiguous blocks would put a small micro-batch on
+a single device).
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ def loss_mask(mb: dict) -> Array:
 def split_micro(x_BxN: Array, num_micro: int, group: int = 1) -> Array:
     """``[B, ...] -> [M, B/M, ...]`` with micro-batch i = rows i, i+M, i+2M, ...; with
     ``group`` G > 1, whole groups of G consecutive rows: groups i, i+M, i+2M, ...
-
-    Strided rows keep every micro-batch spread across the devices a batch-sharded array
-    lives on (contiguous blocks would put a small micro-batch on a single device).
     """
     b, rest = x_BxN.shape[0], x_BxN.shape[1:]
     x = x_BxN.reshape(b // (num_micro * group), num_micro, group, *rest).swapaxes(0, 1)

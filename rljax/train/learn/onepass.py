@@ -15,10 +15,7 @@ Dr.GRPO, REINFORCE / RLOO, PPO's policy term, CISPO, SAPO, Clip-Cov and KL-Cov, 
 token-level importance weights (``rljax.objectives.token_separable``). Then a chunk's
 ``a`` and ``e`` are known as soon as its log-probs are, and :func:`one_pass_head` forms the
 chunk's ``dh`` and ``dW`` right there from the logits still in hand: three products and
-one pass of exponentials a chunk instead of four and two. It returns the log-probs and
-entropies as values and a zero-valued *surrogate* whose gradient with respect to the
-head weight and the hidden states is the loss's; the caller adds it to the loss it
-computes from those values under stop-gradient.
+one pass of exponentials a chunk instead of four and two.
 """
 
 from __future__ import annotations
@@ -104,8 +101,7 @@ def _one_pass(w, h_BxTxD, tgt_BxT, aux, *static):
 
 
 def _one_pass_fwd(w, h_BxTxD, tgt_BxT, aux, *static):
-    # symbolic_zeros=True: primals arrive as CustomVJPPrimal (value, perturbed). A weight
-    # that is not differentiated (a frozen head: LoRA's base) gets no dW formed.
+    # symbolic_zeros=True: primals arrive as CustomVJPPrimal (value, perturbed).
     w_grad = bool(w.perturbed)
     w, h_BxTxD, tgt_BxT = w.value, h_BxTxD.value, tgt_BxT.value
     aux = jax.tree.map(lambda x: x.value, aux, is_leaf=lambda x: hasattr(x, "perturbed"))

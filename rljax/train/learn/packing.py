@@ -131,6 +131,10 @@ def choose_spec(bins: int, tokens_per_micro_batch: int, width: int, shards: int)
     return PackSpec(rows, max(1, math.ceil(int(bins) / (rows // shards))), shards)
 
 
+_PACKED = ("pack_tokens_SxW", "pack_segments_SxW", "pack_positions_SxW", "pack_targets_SxW",
+           "pack_dst_SxW", "pack_micro_S")
+
+
 def _shard_plan(ids_RxL, mask_RxL, len_R, p: int, s: int, w: int, m: int):
     r, length = ids_RxL.shape
     t = length - p
@@ -170,8 +174,7 @@ def make_plan(seqs: dict, spec: PackSpec) -> dict:
     plan = jax.vmap(lambda i, msk, n: _shard_plan(i, msk, n, p, spec.rows // d, w,
                                                   spec.num_micro))(
         _by_shard(ids, d), _by_shard(mask, d), _by_shard(_lengths(seqs), d))
-    names = ("pack_tokens_SxW", "pack_segments_SxW", "pack_positions_SxW", "pack_targets_SxW",
-             "pack_dst_SxW", "pack_micro_S", "pack_bin_B", "pack_col_BxT")
+    names = _PACKED + ("pack_bin_B", "pack_col_BxT")
     return {k: x.reshape(-1, *x.shape[2:]) for k, x in zip(names, plan)}
 
 
@@ -220,10 +223,6 @@ def _token_logprobs(graphdef, params, pk: dict, *, chunk, temperature, remat=Fal
 def _token_values(graphdef, params, pk: dict, remat=False):
     model = nnx.merge(graphdef, params)
     return model.values_from_hidden(_hidden(model, pk, remat)).astype(jnp.float32)
-
-
-_PACKED = ("pack_tokens_SxW", "pack_segments_SxW", "pack_positions_SxW", "pack_targets_SxW",
-           "pack_dst_SxW", "pack_micro_S")
 
 
 def _over_micro(fn: Callable, batch: dict, m: int) -> Array:

@@ -96,10 +96,6 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, lr_scale: float = 1.0):
     return optax.chain(*parts), schedule
 
 
-def _add_metrics(acc: dict, new: dict) -> dict:
-    return {k: (acc[k][0] + new[k][0], acc[k][1] + new[k][1]) for k in acc}
-
-
 def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
                constrain: Callable | None = None, group: int = 1,
                split: Callable | None = None):
@@ -136,9 +132,7 @@ def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
     init = one({**shared, **first})
 
     def body(carry, mb):
-        g, ls, c, m = carry
-        g2, ls2, c2, m2 = one({**shared, **mb})
-        return (jax.tree.map(jnp.add, g, g2), ls + ls2, c + c2, _add_metrics(m, m2)), None
+        return jax.tree.map(jnp.add, carry, one({**shared, **mb})), None
 
     out, _ = jax.lax.scan(body, init, rest)
     return out
@@ -197,9 +191,8 @@ def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
             loss=loss, grad_norm=gnorm, lr=jnp.asarray(schedules[first](updates), jnp.float32),
             skipped_update=(~finite).astype(jnp.float32),
         )
-        for name in params:
-            if len(params) > 1:
-                metrics[f"grad_norm_{name}"] = optax.tree.norm(grads[name])
+        if len(params) > 1:
+            metrics.update({f"grad_norm_{k}": optax.tree.norm(grads[k]) for k in params})
         counters = (
             updates + finite.astype(jnp.int32),
             jnp.where(finite, 0, run + 1).astype(jnp.int32),
@@ -236,14 +229,8 @@ def batch_constrainer(mesh):
     """A function re-applying the batch sharding to a micro-batch dict (None without mesh)."""
     if mesh is None:
         return None
-
-    def constrain(mb):
-        return jax.tree.map(
-            lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, max(x.ndim, 1))),
-            mb,
-        )
-
-    return constrain
+    return lambda mb: jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, max(x.ndim, 1))), mb)
 
 
 def opt_state_shardings(txs: dict, params: dict, mesh) -> dict:
@@ -297,10 +284,7 @@ def new_train_state(params: dict, opt_state: dict, seed: int, *, ref_params=None
                     kl_coef: float = 0.0, mesh=None) -> TrainState:
     """A fresh ``TrainState`` at step 0 with PRNG key ``seed``; with a ``mesh`` its
     scalars are replicated global arrays (what orbax saves on every process)."""
-    if mesh is None:
-        put = jnp.asarray
-    else:
-        put = lambda x: jax.device_put(x, replicated(mesh))
+    put = jnp.asarray if mesh is None else lambda x: jax.device_put(x, replicated(mesh))
     z = lambda: put(np.zeros((), np.int32))
     return TrainState(
         params=params, opt_state=opt_state, step=z(), updates=z(), nonfinite_run=z(),
