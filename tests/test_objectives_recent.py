@@ -322,6 +322,7 @@ def test_learning_program_wires_kl_cov_truncation_masking_and_sequence_is():
     acts (with one update per batch it would be exactly 0)."""
     from _train_common import CharTok, random_seqs, tiny_model
     from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
+    from rljax.train.programs.step import learn_fn
     from rljax.train.rl import RLTrainer
     from rljax.train.rollout import Rollout
 
@@ -337,7 +338,7 @@ def test_learning_program_wires_kl_cov_truncation_masking_and_sequence_is():
     sampler = (np.log(1 / 19) + 0.05 * rng.standard_normal((8, 4))).astype(np.float32)
     other = s["completion_BxT"].copy()
     other[trunc_B > 0] = (other[trunc_B > 0] + 3) % 17 + 2
-    learn = jax.jit(tr._learn_fn)
+    learn = jax.jit(learn_fn(tr.base_spec))
     outs = []
     for comp in (s["completion_BxT"], other):
         ro_ = Rollout(s["prompt_BxP"], s["prompt_mask_BxP"], comp, s["completion_mask_BxT"],

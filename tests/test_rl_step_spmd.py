@@ -16,6 +16,7 @@ from rljax import objectives as obj
 from rljax.rewards import RewardPool
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
 from rljax.train.learn import algorithms as alg
+from rljax.train.programs.step import learn_fn
 from rljax.train.rl import RLTrainer
 from rljax.train.rollout import Rollout
 
@@ -70,7 +71,7 @@ def test_padding_groups_change_neither_loss_nor_gradient_of_the_learning_program
     kept, both = _padded_pair(np.random.default_rng(1))
     state = tr.init_state(st)
     counters = (state.updates, state.nonfinite_run, state.skipped)
-    learn = jax.jit(tr._learn_fn)
+    learn = jax.jit(learn_fn(tr.base_spec))
     out = [learn(state.params, state.opt_state, counters, None, ro, state.kl_coef,
                  jax.random.key(0)) for ro in (kept, both)]
     (p0, _, _, _, m0), (p1, _, _, _, m1) = out

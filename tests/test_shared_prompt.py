@@ -16,6 +16,7 @@ from rljax.models import Decoder, ModelConfig
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
 from rljax.train.learn import _minibatch_rows
 from rljax.train.learn.micro import merge_micro, split_micro
+from rljax.train.programs.step import learn_fn
 from rljax.train.rl import RLTrainer
 from rljax.train.rollout import Rollout
 
@@ -154,8 +155,9 @@ def test_learning_program_with_shared_prompts_equals_per_row_prompts(micro):
         assert tr.share_group == (2 if share else 1)
         state = tr.init_state(st)
         counters = (state.updates, state.nonfinite_run, state.skipped)
-        outs.append(jax.jit(tr._learn_fn)(state.params, state.opt_state, counters,
-                                          state.ref_params, ro, state.kl_coef, jax.random.key(0)))
+        outs.append(jax.jit(learn_fn(tr.base_spec))(state.params, state.opt_state, counters,
+                                                      state.ref_params, ro, state.kl_coef,
+                                                      jax.random.key(0)))
     (p_s, _, _, _, m_s), (p_r, _, _, _, m_r) = outs
     for k in ("loss", "grad_norm", "kl_ref"):
         np.testing.assert_allclose(m_s[k], m_r[k], rtol=2e-5, err_msg=k)

@@ -40,8 +40,8 @@ from rljax.train.learn.update import (NonFiniteError, TrainState, init_opt_state
                                       num_micro_batches)
 from rljax.train.programs.fused import split_step_key
 from rljax.train.programs.paths import resolve_paths
-from rljax.train.programs.step import (StepSpec, fused_step, learn_fn, learn_step, optimizers,
-                                       run, schedule_updates, state_scalars)
+from rljax.train.programs.step import (StepSpec, fused_step, learn_step, optimizers, run,
+                                       schedule_updates, state_scalars)
 from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts
 from rljax.train.dynamic import sample_until_full
 from rljax.train.rollout import PromptSource, Rollout, Rollouts
@@ -214,12 +214,6 @@ class RLTrainer:
         bins = hosts.fetch_scalars(pack_bins(ro.masked_by_weight().seqs(), d))
         return choose_spec(int(bins), tokens, ro.prompt_BxP.shape[1] + ro.completion_BxT.shape[1],
                            d)
-
-    @property
-    def _learn_fn(self):
-        """The pure learning function of the trainer's spec (``programs.step.learn_fn``),
-        built on demand: the steps run the jitted programs, tests call it directly."""
-        return learn_fn(self.base_spec)
 
     def step_spec(self, state: TrainState) -> StepSpec:
         """The spec of this trainer's step programs for ``state``: ``base_spec`` with, on a

@@ -226,11 +226,18 @@ class Rollouts:
                             "program (rljax.train.programs.fused), not texts")
         if callable(self.reward_fns):
             return score_batch_fn(self.reward_fns, completions, metadata, group_size, first)
-        out = score_batch(list(self.reward_fns), completions, metadata, group_size=group_size,
+        return self._items(list(self.reward_fns), completions, metadata, group_size, first,
+                           "reward function", "scored as a failure")
+
+    def _items(self, fns: list, texts: list, metadata: list, group_size: int, first: int,
+               what: str, counts: str) -> np.ndarray:
+        """Item functions' sum over own rows (``score_batch``; in the reward pool under the
+        time limit when there is one, a call past it logged with its prompt index)."""
+        out = score_batch(fns, texts, metadata, group_size=group_size,
                           timeout_s=self.reward_timeout_s, pool=self.reward_pool)
         for t in out.timeouts:
-            log.warning("reward function %r timed out after %.1f s on prompt index %d "
-                        "(scored as a failure)", t.fn, t.seconds, first + t.prompt_index)
+            log.warning("%s %r timed out after %.1f s on prompt index %d (%s)", what, t.fn,
+                        t.seconds, first + t.prompt_index, counts)
         return out.rewards
 
     def _verify(self, texts: list, metadata: list, group_size: int, first: int) -> np.ndarray:
@@ -242,12 +249,8 @@ class Rollouts:
         if self.reward_pool is None:
             return np.asarray([bool(self.accuracy_fn(c, m)) for c, m in zip(texts, metadata)],
                               np.float32)
-        out = score_batch([self.accuracy_fn], texts, metadata, group_size=group_size,
-                          timeout_s=self.reward_timeout_s, pool=self.reward_pool)
-        for t in out.timeouts:
-            log.warning("accuracy verifier %r timed out after %.1f s on prompt index %d "
-                        "(counted wrong)", t.fn, t.seconds, first + t.prompt_index)
-        return (out.rewards != 0).astype(np.float32)
+        return (self._items([self.accuracy_fn], texts, metadata, group_size, first,
+                            "accuracy verifier", "counted wrong") != 0).astype(np.float32)
 
     def _add_terms(self) -> None:
         """Add the reward's per-term sums of the rows it just scored (``last_components``)."""
