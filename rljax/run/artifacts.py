@@ -75,11 +75,9 @@ def run_tokenizer(run_dir, cfg) -> Any:
             return load_tokenizer(tmp)
     if tok.is_dir():
         return load_tokenizer(tok)
-    if cfg.tokenizer not in (None, "char"):
-        return load_tokenizer(cfg.tokenizer)
-    if cfg.tokenizer is None:
-        return load_tokenizer(cfg.hf_path)
-    return build_char_tokenizer()
+    if cfg.tokenizer == "char":
+        return build_char_tokenizer()
+    return load_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else cfg.hf_path)
 
 
 def _model_config(cfg):
