@@ -89,15 +89,6 @@ def _model_config(cfg):
                                                  remat=cfg.remat))
 
 
-def _policy_target(config, mesh, num_seeds: int = 1) -> dict:
-    """`{"params": {"policy": ...}}` of a `Decoder(config)` as saved (`saved_target`: over
-    `mesh` or on this process's first device); a several-seed run's leaves are stacked
-    `[num_seeds, ...]` (one device, no mesh)."""
-    abs_state = nnx.state(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))), nnx.Param)
-    lead = () if num_seeds == 1 else (num_seeds,)
-    return {"params": {"policy": saved_target(abs_state, mesh, lead)}}
-
-
 def seed_config(cfg: ExperimentConfig, run_seed: int | None) -> ExperimentConfig:
     """The config of one seed of a run: `run_seed` (default the run's first seed,
     `run.seed`) with `run.seeds=1`, so its held-out prompts are that seed's own. A seed the
@@ -132,9 +123,13 @@ def restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = 
             policy, meta = restore_lora_policy(ck, models, step, where, whole=full.warms_up_base,
                                                index=k)
         return cfg, config, policy, meta
+    # The policy as saved (`saved_target`); a several-seed run's stacked [num_seeds, ...]
+    abs_state = nnx.state(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))), nnx.Param)
+    lead = () if num_seeds == 1 else (num_seeds,)
+    target = {"params": {"policy": saved_target(abs_state, where, lead)}}
     with Checkpointer(ck_dir) as ck:
         try:
-            raw, meta = ck.restore_subtree(_policy_target(config, where, num_seeds), step)
+            raw, meta = ck.restore_subtree(target, step)
         except (KeyError, ValueError) as e:
             raise ValueError(f"a checkpoint in {ck_dir} holds no params['policy'] of this "
                              f"run's model: {e}") from None
