@@ -114,7 +114,7 @@ def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: 
     recent, done = list(loop.get("recent", [])), first
     try:
         for i in range(first, 0 if loop.get("done") else c.steps):
-            with warm.guard() as held:  # an update donates the state: never cut one
+            with warm.stop.guard() as held:  # an update donates the state: never cut one
                 state, stop = _sft_step(cfg, sft, state, task, tokenizer, trainer, rd, bar,
                                         i, recent, adapters)
             done = i + 1

@@ -102,7 +102,7 @@ def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out,
     done = first
     try:
         for i in range(first, c.steps if any(active) else first):
-            with warm.guard() as held:  # an update donates the state: never cut one
+            with warm.stop.guard() as held:  # an update donates the state: never cut one
                 state = _warmup_step(cfg, sft, state, tasks, tok, rl, rd, out, active, seeds,
                                      bar, i, adapters)
             done = i + 1
