@@ -192,10 +192,10 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
         out = _Silent()
     progress_out = out if out is not None else sys.stderr
     mesh = builders.build_mesh(cfg)  # a mesh that does not fit the devices: before any write
-    rd = RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
+    # A set-up error (RunDir.__exit__ closes it as failed) leaves no run directory behind.
+    with RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
                 tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project,
-                primary=primary)
-    try:
+                primary=primary) as rd:
         every = cfg.run.save_every or max(cfg.rl.steps, 1)
         with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck, \
                 StopSignal() as stop:
@@ -211,11 +211,6 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
                 warm.close()
         if cfg.run.plots:
             rd.plot()
-    except BaseException:
-        rd.close(failed=True)  # a set-up error leaves no run directory behind
-        raise
-    finally:
-        rd.close()
     return _finish(cfg, rd, acc_before, after, t0, out, verifier)
 
 

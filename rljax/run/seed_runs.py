@@ -170,9 +170,9 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
     progress_out = out if out is not None else sys.stderr
     seeds = [c.run.seed for c in seed_configs(cfg)]
     builders.build_mesh(cfg)  # mesh sizes that do not fit the devices: an error, not ignored
-    rd = RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
-                tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project)
-    try:
+    # A set-up error (RunDir.__exit__ closes it as failed) leaves no run directory behind.
+    with RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
+                tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project) as rd:
         every = cfg.run.save_every or max(cfg.rl.steps, 1)
         with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck, \
                 StopSignal() as stop:
@@ -190,11 +190,6 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
             run.phases["evaluations"] += time.perf_counter() - t1
             ck.save(cfg.rl.steps, state, run.meta("done", before), force=True)  # rl.steps 0
             run.compiled.update(run.rl.compiled())
-    except BaseException:
-        rd.close(failed=True)  # a set-up error leaves no run directory behind
-        raise
-    finally:
-        rd.close()
     res = _finish(cfg, rd, seeds, before, after, t0, rl_s, run.compiled, run.phases, out)
     return dataclasses.replace(res, warm_state=warm_state)
 
