@@ -87,17 +87,6 @@ def seed_configs(cfg: ExperimentConfig) -> list[ExperimentConfig]:
             for k in range(cfg.run.seeds)]
 
 
-def _held_out(rl: SeedRL, params_S, tasks) -> list[dict]:
-    """Each seed's greedy results on its task's held-out prompts."""
-    return rl.evaluate(params_S, [t.eval_prompts for t in tasks], [t.eval_metadata for t in tasks])
-
-
-def _evaluate(rl: SeedRL, params_S, tasks, seeds, rd, name: str) -> list[dict]:
-    res = _held_out(rl, params_S, tasks)
-    rd.write_json(name, {str(s): r for s, r in zip(seeds, res)})
-    return res
-
-
 def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResult:
     """Train `cfg.run.seeds` seeds of `cfg` at once (see the module docstring)."""
     cfg = cfg.resolved()
@@ -128,9 +117,7 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
             finally:
                 warm.close()
             state, rl_s = run.rl_loop(state, before, stop)
-            t1 = time.perf_counter()
-            after = _evaluate(run.rl, state.params["policy"], run.tasks, seeds, rd, "eval_after")
-            run.phases["evaluations"] += time.perf_counter() - t1
+            after = run.evaluate(state.params["policy"], "eval_after")
             ck.save(cfg.rl.steps, state, run.meta("done", before), force=True)  # rl.steps 0
             run.compiled.update(run.rl.compiled())
     res = _finish(cfg, rd, seeds, before, after, t0, rl_s, run.compiled, run.phases, out)
@@ -197,11 +184,7 @@ class _SeedRun:
             params, warm_state = self._warmup(self.graphdef, params, warm)
         self.phases["warm-up"] = time.perf_counter() - t1
         state = self.rl.init_state(params, self.seeds)
-        t1 = time.perf_counter()
-        before = _evaluate(self.rl, state.params["policy"], self.tasks, self.seeds, rd,
-                           "eval_before")
-        self.phases["evaluations"] += time.perf_counter() - t1
-        return state, before, warm_state
+        return state, self.evaluate(state.params["policy"], "eval_before"), warm_state
 
     def _warmup(self, graphdef, params: list, warm: WarmupStop,
                 adapters=None) -> tuple[list, Any]:
@@ -271,8 +254,9 @@ class _SeedRun:
                     state, ms = self.rl.step(state, [t.train for t in self.tasks])
                     done += 1
                 rl_s += ms[0]["time_step"]
-                if cfg.rl.eval_due(done):
-                    self._eval_into(state, ms)
+                if cfg.rl.eval_due(done):  # each seed's metrics get its eval/<key>
+                    for m, r in zip(ms, self.evaluate(state.params["policy"])):
+                        m.update({f"eval/{k}": v for k, v in r.items()})
                 for s, m in zip(self.seeds, ms):
                     self.rd.log(done, {**m, "seed": s})
                 if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
@@ -286,13 +270,16 @@ class _SeedRun:
         self.phases["RL"] = time.perf_counter() - t1 - (self.phases["evaluations"] - ev0)
         return state, rl_s
 
-    def _eval_into(self, state, ms: list[dict]) -> None:
-        """Held-out evaluation of every seed at this step (``rl.eval_every``), added to
-        each seed's metrics as ``eval/<key>``; its time counts as evaluations."""
+    def evaluate(self, params_S, name: str | None = None) -> list[dict]:
+        """Each seed's greedy results on its task's held-out prompts (written to `name`.json
+        when given); its time counts as evaluations."""
         t1 = time.perf_counter()
-        for m, r in zip(ms, _held_out(self.rl, state.params["policy"], self.tasks)):
-            m.update({f"eval/{k}": v for k, v in r.items()})
+        res = self.rl.evaluate(params_S, [t.eval_prompts for t in self.tasks],
+                               [t.eval_metadata for t in self.tasks])
+        if name is not None:
+            self.rd.write_json(name, {str(s): r for s, r in zip(self.seeds, res)})
         self.phases["evaluations"] += time.perf_counter() - t1
+        return res
 
 
 def _finish(cfg, rd, seeds, before, after, t0, rl_s, compiled, phases, out) -> SeedsResult:
