@@ -75,11 +75,9 @@ def run_tokenizer(run_dir, cfg) -> Any:
             return load_tokenizer(tmp)
     if tok.is_dir():
         return load_tokenizer(tok)
-    if cfg.tokenizer not in (None, "char"):
-        return load_tokenizer(cfg.tokenizer)
-    if cfg.tokenizer is None:
-        return load_tokenizer(cfg.hf_path)
-    return build_char_tokenizer()
+    if cfg.tokenizer == "char":
+        return build_char_tokenizer()
+    return load_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else cfg.hf_path)
 
 
 def _model_config(cfg):
@@ -89,15 +87,6 @@ def _model_config(cfg):
     # The run's layout: a scanned run's checkpoints hold stacked [L, ...] layers.
     return cfg.policy_config(dataclasses.replace(config, scan_layers=cfg.scan_layers,
                                                  remat=cfg.remat))
-
-
-def _policy_target(config, mesh, num_seeds: int = 1) -> dict:
-    """`{"params": {"policy": ...}}` of a `Decoder(config)` as saved (`saved_target`: over
-    `mesh` or on this process's first device); a several-seed run's leaves are stacked
-    `[num_seeds, ...]` (one device, no mesh)."""
-    abs_state = nnx.state(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))), nnx.Param)
-    lead = () if num_seeds == 1 else (num_seeds,)
-    return {"params": {"policy": saved_target(abs_state, mesh, lead)}}
 
 
 def seed_config(cfg: ExperimentConfig, run_seed: int | None) -> ExperimentConfig:
@@ -134,9 +123,13 @@ def restore_policy(run_dir, step: int | None, mesh=None, run_seed: int | None = 
             policy, meta = restore_lora_policy(ck, models, step, where, whole=full.warms_up_base,
                                                index=k)
         return cfg, config, policy, meta
+    # The policy as saved (`saved_target`); a several-seed run's stacked [num_seeds, ...]
+    abs_state = nnx.state(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))), nnx.Param)
+    lead = () if num_seeds == 1 else (num_seeds,)
+    target = {"params": {"policy": saved_target(abs_state, where, lead)}}
     with Checkpointer(ck_dir) as ck:
         try:
-            raw, meta = ck.restore_subtree(_policy_target(config, where, num_seeds), step)
+            raw, meta = ck.restore_subtree(target, step)
         except (KeyError, ValueError) as e:
             raise ValueError(f"a checkpoint in {ck_dir} holds no params['policy'] of this "
                              f"run's model: {e}") from None

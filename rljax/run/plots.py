@@ -80,16 +80,12 @@ def _is_timing(key: str) -> bool:
     return key.rsplit("/", 1)[-1].startswith("time_")
 
 
-def _zero_variance(key: str) -> bool:
-    return next(b for s, _, b in PANELS if s == "zero_variance")(key)
-
-
 def _panel_keys(series: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
-    out = []
+    out, zero_variance = [], next(b for s, _, b in PANELS if s == "zero_variance")
     for stem, title, belongs in PANELS:
         keys = sorted(k for k in series if belongs(k) and not _is_timing(k))
         if stem != "zero_variance":  # the zero-variance fraction gets its own panel only
-            keys = [k for k in keys if not _zero_variance(k)]
+            keys = [k for k in keys if not zero_variance(k)]
         if keys:
             out.append((stem, title, keys))
     return out

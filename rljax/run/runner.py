@@ -114,7 +114,7 @@ def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: 
     recent, done = list(loop.get("recent", [])), first
     try:
         for i in range(first, 0 if loop.get("done") else c.steps):
-            with warm.guard() as held:  # an update donates the state: never cut one
+            with warm.stop.guard() as held:  # an update donates the state: never cut one
                 state, stop = _sft_step(cfg, sft, state, task, tokenizer, trainer, rd, bar,
                                         i, recent, adapters)
             done = i + 1
@@ -163,9 +163,10 @@ def _value_model(cfg, model, mesh):
     return graphdef, state if mesh is None else shard_params(state, mesh)
 
 
-def _evaluate(trainer, params, task, rd, name: str) -> dict:
+def _evaluate(trainer, params, task, rd, name: str, step: int) -> dict:
     res = trainer.evaluate(params, task.eval_prompts, task.eval_metadata)
     rd.write_json(name, res)
+    rd.log(step, {f"eval/{k}": v for k, v in res.items()}, phase="eval")
     return res
 
 
@@ -192,10 +193,10 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
         out = _Silent()
     progress_out = out if out is not None else sys.stderr
     mesh = builders.build_mesh(cfg)  # a mesh that does not fit the devices: before any write
-    rd = RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
+    # A set-up error (RunDir.__exit__ closes it as failed) leaves no run directory behind.
+    with RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
                 tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project,
-                primary=primary)
-    try:
+                primary=primary) as rd:
         every = cfg.run.save_every or max(cfg.rl.steps, 1)
         with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck, \
                 StopSignal() as stop:
@@ -211,11 +212,6 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
                 warm.close()
         if cfg.run.plots:
             rd.plot()
-    except BaseException:
-        rd.close(failed=True)  # a set-up error leaves no run directory behind
-        raise
-    finally:
-        rd.close()
     return _finish(cfg, rd, acc_before, after, t0, out, verifier)
 
 
@@ -251,8 +247,7 @@ def _train(cfg, rd, ck, mesh, warm, stop, out):
     if task.splits and rd.primary:  # per split: records read, dropped by length, kept
         rd.write_json("data", task.splits)  # after a resume's restore has been checked
     state = _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop)
-    after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after")
-    rd.log(int(state.step), {f"eval/{k}": v for k, v in after.items()}, phase="eval")
+    after = _evaluate(trainer, state.params["policy"], task, rd, "eval_after", int(state.step))
     ck.save(int(state.step), state, _meta(cfg, rd, state, "done", acc_before),
             force=True)  # a no-op after the loop's last step; saves step 0 when rl.steps is 0
     return acc_before, after, getattr(accuracy_fn, "name", None)
@@ -286,8 +281,7 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
                              warm)
         if value_params is not None:  # the critic starts from the warmed-up backbone
             _, value_params = _value_model(cfg, nnx.merge(graphdef, params), mesh)
-    before = _evaluate(trainer, params, task, rd, "eval_before")
-    rd.log(0, {f"eval/{k}": v for k, v in before.items()}, phase="eval")
+    before = _evaluate(trainer, params, task, rd, "eval_before", 0)
     return trainer.init_state(params, seed=cfg.run.seed, value_params=value_params), \
         _headline(before)
 

@@ -87,74 +87,6 @@ def seed_configs(cfg: ExperimentConfig) -> list[ExperimentConfig]:
             for k in range(cfg.run.seeds)]
 
 
-def _warmup(cfg, graphdef, params: list, tasks, tok, rl: SeedRL, rd, out,
-            compiled: dict, warm: WarmupStop, adapters=None) -> tuple[list, Any]:
-    """The vmapped SFT warm-up (stops: the module docstring); returns each seed's policy
-    params and the warm-up's last (stacked) state. ``adapters`` (stacked): the LoRA adapters
-    set aside while the bases train (`sft.full_parameters`); ``rl`` validates each base
-    with them (at their initialisation they change nothing)."""
-    c = cfg.sft
-    sft = SeedSFT(graphdef, c)
-    seeds = [x.run.seed for x in seed_configs(cfg)]
-    state, first, loop = warm.restore(sft.init_state(params, seeds))
-    active = list(loop.get("active", [True] * len(params)))
-    bar = Progress(c.steps, ("loss",), stream=out, desc="sft", start=first)
-    done = first
-    try:
-        for i in range(first, c.steps if any(active) else first):
-            with warm.guard() as held:  # an update donates the state: never cut one
-                state = _warmup_step(cfg, sft, state, tasks, tok, rl, rd, out, active, seeds,
-                                     bar, i, adapters)
-            done = i + 1
-            warm.after(done, state, {"active": active}, held)
-            if not any(active):
-                break
-    except KeyboardInterrupt:
-        warm.interrupted(done, state, {"active": active})
-        raise
-    compiled["sft_update"] = sft.compiled()
-    return [jax.tree.map(lambda x, k=k: x[k], state.params["policy"])
-            for k in range(len(params))], state
-
-
-def _warmup_step(cfg, sft, state, tasks, tok, rl, rd, out, active, seeds, bar, i, adapters):
-    """Warm-up step `i + 1` of every active seed, validation, logs; `active` is updated in
-    place (a seed at its validation target stops)."""
-    c, bs = cfg.sft, cfg.sft.batch_size
-    batches = [encode_pairs(tok, *t.sft(i * bs, bs), cfg.task.max_prompt_tokens,
-                            cfg.sampling.max_new_tokens) for t in tasks]
-    state, ms = sft.step(state, batches, active)
-    if c.stop_accuracy > 0 and (i + 1) % c.stop_every == 0:
-        policy = state.params["policy"]
-        if adapters is not None:
-            policy = merge_trainable(adapters, policy)
-        val = rl.evaluate(policy, [t.val_prompts for t in tasks],
-                          [t.val_metadata for t in tasks])
-        for k, v in enumerate(val):
-            ms[k]["val_accuracy"] = v["accuracy"]
-            if active[k] and v["accuracy"] >= c.stop_accuracy:
-                active[k] = False
-                print(f"sft: seed {seeds[k]}: validation accuracy {v['accuracy']:.3f} >= "
-                      f"sft.stop_accuracy={c.stop_accuracy}; its warm-up stops at step "
-                      f"{i + 1}", file=out)
-    for k, m in enumerate(ms):
-        rd.log(i + 1, {**{f"sft/{n}": x for n, x in m.items()}, "seed": seeds[k]},
-               phase="sft")
-    bar.update(i + 1, {"loss": float(np.mean([m["loss"] for m in ms]))})
-    return state
-
-
-def _held_out(rl: SeedRL, params_S, tasks) -> list[dict]:
-    """Each seed's greedy results on its task's held-out prompts."""
-    return rl.evaluate(params_S, [t.eval_prompts for t in tasks], [t.eval_metadata for t in tasks])
-
-
-def _evaluate(rl: SeedRL, params_S, tasks, seeds, rd, name: str) -> list[dict]:
-    res = _held_out(rl, params_S, tasks)
-    rd.write_json(name, {str(s): r for s, r in zip(seeds, res)})
-    return res
-
-
 def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResult:
     """Train `cfg.run.seeds` seeds of `cfg` at once (see the module docstring)."""
     cfg = cfg.resolved()
@@ -170,9 +102,9 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
     progress_out = out if out is not None else sys.stderr
     seeds = [c.run.seed for c in seed_configs(cfg)]
     builders.build_mesh(cfg)  # mesh sizes that do not fit the devices: an error, not ignored
-    rd = RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
-                tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project)
-    try:
+    # A set-up error (RunDir.__exit__ closes it as failed) leaves no run directory behind.
+    with RunDir(cfg.run.dir, cfg, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
+                tensorboard=cfg.run.tensorboard, wandb_project=cfg.run.wandb_project) as rd:
         every = cfg.run.save_every or max(cfg.rl.steps, 1)
         with Checkpointer(rd.checkpoint_dir, save_every=every, keep=cfg.run.keep) as ck, \
                 StopSignal() as stop:
@@ -185,16 +117,9 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
             finally:
                 warm.close()
             state, rl_s = run.rl_loop(state, before, stop)
-            t1 = time.perf_counter()
-            after = _evaluate(run.rl, state.params["policy"], run.tasks, seeds, rd, "eval_after")
-            run.phases["evaluations"] += time.perf_counter() - t1
+            after = run.evaluate(state.params["policy"], "eval_after")
             ck.save(cfg.rl.steps, state, run.meta("done", before), force=True)  # rl.steps 0
             run.compiled.update(run.rl.compiled())
-    except BaseException:
-        rd.close(failed=True)  # a set-up error leaves no run directory behind
-        raise
-    finally:
-        rd.close()
     res = _finish(cfg, rd, seeds, before, after, t0, rl_s, run.compiled, run.phases, out)
     return dataclasses.replace(res, warm_state=warm_state)
 
@@ -252,20 +177,67 @@ class _SeedRun:
         params, warm_state = self.params, None
         if sft and cfg.warms_up_base:  # every weight of each base; the adapters wait
             plain, bases, adapters = zip(*(base_model(self.graphdef, p) for p in params))
-            bases, warm_state = _warmup(cfg, plain[0], list(bases), self.tasks, self.tok,
-                                        self.rl, rd, self.out, self.compiled, warm,
-                                        adapters=stack_states(adapters))
+            bases, warm_state = self._warmup(plain[0], list(bases), warm,
+                                             adapters=stack_states(adapters))
             params = [merge_trainable(a, b) for a, b in zip(adapters, bases)]
         elif sft:
-            params, warm_state = _warmup(cfg, self.graphdef, params, self.tasks, self.tok,
-                                         self.rl, rd, self.out, self.compiled, warm)
+            params, warm_state = self._warmup(self.graphdef, params, warm)
         self.phases["warm-up"] = time.perf_counter() - t1
         state = self.rl.init_state(params, self.seeds)
-        t1 = time.perf_counter()
-        before = _evaluate(self.rl, state.params["policy"], self.tasks, self.seeds, rd,
-                           "eval_before")
-        self.phases["evaluations"] += time.perf_counter() - t1
-        return state, before, warm_state
+        return state, self.evaluate(state.params["policy"], "eval_before"), warm_state
+
+    def _warmup(self, graphdef, params: list, warm: WarmupStop,
+                adapters=None) -> tuple[list, Any]:
+        """The vmapped SFT warm-up (stops: the module docstring); returns each seed's policy
+        params and the warm-up's last (stacked) state. ``adapters`` (stacked): the LoRA
+        adapters set aside while the bases train (`sft.full_parameters`); ``self.rl``
+        validates each base with them (at their initialisation they change nothing)."""
+        sft = SeedSFT(graphdef, self.cfg.sft)
+        state, first, loop = warm.restore(sft.init_state(params, self.seeds))
+        active = list(loop.get("active", [True] * len(params)))
+        bar = Progress(self.cfg.sft.steps, ("loss",), stream=self.out, desc="sft", start=first)
+        done = first
+        try:
+            for i in range(first, self.cfg.sft.steps if any(active) else first):
+                with warm.stop.guard() as held:  # an update donates the state: never cut one
+                    state = self._warmup_step(sft, state, active, bar, i, adapters)
+                done = i + 1
+                warm.after(done, state, {"active": active}, held)
+                if not any(active):
+                    break
+        except KeyboardInterrupt:
+            warm.interrupted(done, state, {"active": active})
+            raise
+        self.compiled["sft_update"] = sft.compiled()
+        return [jax.tree.map(lambda x, k=k: x[k], state.params["policy"])
+                for k in range(len(params))], state
+
+    def _warmup_step(self, sft, state, active, bar, i, adapters):
+        """Warm-up step `i + 1` of every active seed, validation, logs; `active` is updated
+        in place (a seed at its validation target stops)."""
+        cfg, tasks, seeds = self.cfg, self.tasks, self.seeds
+        c, bs = cfg.sft, cfg.sft.batch_size
+        batches = [encode_pairs(self.tok, *t.sft(i * bs, bs), cfg.task.max_prompt_tokens,
+                                cfg.sampling.max_new_tokens) for t in tasks]
+        state, ms = sft.step(state, batches, active)
+        if c.stop_accuracy > 0 and (i + 1) % c.stop_every == 0:
+            policy = state.params["policy"]
+            if adapters is not None:
+                policy = merge_trainable(adapters, policy)
+            val = self.rl.evaluate(policy, [t.val_prompts for t in tasks],
+                                   [t.val_metadata for t in tasks])
+            for k, v in enumerate(val):
+                ms[k]["val_accuracy"] = v["accuracy"]
+                if active[k] and v["accuracy"] >= c.stop_accuracy:
+                    active[k] = False
+                    print(f"sft: seed {seeds[k]}: validation accuracy {v['accuracy']:.3f} >= "
+                          f"sft.stop_accuracy={c.stop_accuracy}; its warm-up stops at step "
+                          f"{i + 1}", file=self.out)
+        for k, m in enumerate(ms):
+            self.rd.log(i + 1, {**{f"sft/{n}": x for n, x in m.items()}, "seed": seeds[k]},
+                        phase="sft")
+        bar.update(i + 1, {"loss": float(np.mean([m["loss"] for m in ms]))})
+        return state
 
     def rl_loop(self, state, before, stop) -> tuple[TrainState, float]:
         """RL steps from ``state``'s step to ``rl.steps``, each seed's metrics logged
@@ -282,8 +254,9 @@ class _SeedRun:
                     state, ms = self.rl.step(state, [t.train for t in self.tasks])
                     done += 1
                 rl_s += ms[0]["time_step"]
-                if cfg.rl.eval_due(done):
-                    self._eval_into(state, ms)
+                if cfg.rl.eval_due(done):  # each seed's metrics get its eval/<key>
+                    for m, r in zip(ms, self.evaluate(state.params["policy"])):
+                        m.update({f"eval/{k}": v for k, v in r.items()})
                 for s, m in zip(self.seeds, ms):
                     self.rd.log(done, {**m, "seed": s})
                 if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
@@ -297,13 +270,16 @@ class _SeedRun:
         self.phases["RL"] = time.perf_counter() - t1 - (self.phases["evaluations"] - ev0)
         return state, rl_s
 
-    def _eval_into(self, state, ms: list[dict]) -> None:
-        """Held-out evaluation of every seed at this step (``rl.eval_every``), added to
-        each seed's metrics as ``eval/<key>``; its time counts as evaluations."""
+    def evaluate(self, params_S, name: str | None = None) -> list[dict]:
+        """Each seed's greedy results on its task's held-out prompts (written to `name`.json
+        when given); its time counts as evaluations."""
         t1 = time.perf_counter()
-        for m, r in zip(ms, _held_out(self.rl, state.params["policy"], self.tasks)):
-            m.update({f"eval/{k}": v for k, v in r.items()})
+        res = self.rl.evaluate(params_S, [t.eval_prompts for t in self.tasks],
+                               [t.eval_metadata for t in self.tasks])
+        if name is not None:
+            self.rd.write_json(name, {str(s): r for s, r in zip(self.seeds, res)})
         self.phases["evaluations"] += time.perf_counter() - t1
+        return res
 
 
 def _finish(cfg, rd, seeds, before, after, t0, rl_s, compiled, phases, out) -> SeedsResult:

@@ -23,8 +23,8 @@ SFT_CHECKPOINTS = "sft_checkpoints"
 
 
 class WarmupStop:
-    """Stop handling of one warm-up: `restore` (resume), `guard` (around each step),
-    `after` (at each step boundary), `interrupted` (a Ctrl-C outside a step)."""
+    """Stop handling of one warm-up: `restore` (resume), `stop.guard()` (around each
+    step), `after` (at each step boundary), `interrupted` (a Ctrl-C outside a step)."""
 
     def __init__(self, rd, stop, resume: bool | str, out):
         self.rd, self.stop, self.out = rd, stop, out
@@ -56,10 +56,6 @@ class WarmupStop:
         print(f"[rljax] resumed the SFT warm-up of {self.rd.path} at step {step}",
               file=self.out)
         return state, step, dict(meta.get("loop", {}))
-
-    def guard(self):
-        """The block around one warm-up step (Ctrl-C held to its end on one process)."""
-        return self.stop.guard()
 
     def after(self, step: int, state, loop: dict, held) -> None:
         """At the boundary after warm-up step `step`: on a Ctrl-C during the step or a
