@@ -11,6 +11,7 @@ reward built on it (tag format, TinyZero's format score) is `rljax.run.tasks.Cou
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import Counter
 from fractions import Fraction
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 
 MAX_EQUATION_CHARS = 256
 _MAX_DEPTH = 32
+_BINARY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 _PROMPT = ("Using the numbers {nums}, write an equation that equals {target}. You may use "
            "+, -, * and / and each number at most once. Think inside <think> </think> and "
            "give only the equation inside <answer> </answer>, e.g. <answer> (1 + 2) * 3 "
@@ -41,25 +43,18 @@ class _Eq:
             self.i += 1
         return self.s[self.i] if self.i < len(self.s) else ""
 
-    def expr(self) -> Fraction:
-        x = self.term()
-        while self.peek() in ("+", "-") and self.peek():
-            op = self.s[self.i]
+    def chain(self, ops: tuple[str, str], operand) -> Fraction:
+        x = operand()
+        while (op := self.peek()) in ops:
             self.i += 1
-            y = self.term()
-            x = x + y if op == "+" else x - y
+            x = _BINARY[op](x, operand())
         return x
 
+    def expr(self) -> Fraction:
+        return self.chain(("+", "-"), self.term)
+
     def term(self) -> Fraction:
-        x = self.factor()
-        while self.peek() in ("*", "/") and self.peek():
-            op = self.s[self.i]
-            self.i += 1
-            y = self.factor()
-            if op == "/" and y == 0:
-                raise _Fail("division by zero")
-            x = x * y if op == "*" else x / y
-        return x
+        return self.chain(("*", "/"), self.factor)
 
     def factor(self) -> Fraction:
         c = self.peek()

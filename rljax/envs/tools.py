@@ -145,21 +145,17 @@ def _from_pool(name: str, reply: tuple, timeout_s: float, max_result_chars: int,
                max_error_chars: int, seconds: float) -> ToolResult:
     """A pool reply (("ok", v), ("error", msg, tb) or ("timeout", s)) -> a ToolResult."""
     if reply[0] == "timeout":
-        return _error(name, "timeout", f"tool {name!r} ran past its time limit of "
-                      f"{timeout_s:g} s and was stopped", max_error_chars, seconds)
-    if reply[0] == "error":  # the call could not be sent or loaded, or the worker died
-        return _error(name, "raised", f"tool {name!r} failed: {str(reply[1])[:max_error_chars]}",
-                      max_error_chars, seconds)
-    status, value = reply[1]
-    if status == "raised":
-        return _error(name, "raised", f"tool {name!r} failed: {value}", max_error_chars, seconds)
-    if status == "too_large":
-        return _error(name, "too_large", f"tool {name!r} returned {value} characters, over "
-                      f"the limit of {max_result_chars}", max_error_chars, seconds)
-    if status == "bad_result":
-        return _error(name, "bad_result", f"tool {name!r} returned a {value}, not a string",
-                      max_error_chars, seconds)
-    return ToolResult(name, True, truncate_text(value, max_result_chars), None, seconds)
+        kind, what = "timeout", f"ran past its time limit of {timeout_s:g} s and was stopped"
+    elif reply[0] == "error":  # the call could not be sent or loaded, or the worker died
+        kind, what = "raised", f"failed: {str(reply[1])[:max_error_chars]}"
+    elif reply[1][0] == "ok":
+        return ToolResult(name, True, truncate_text(reply[1][1], max_result_chars), None, seconds)
+    else:  # the worker's _Invoke status
+        kind, value = reply[1]
+        what = {"raised": f"failed: {value}", "bad_result": f"returned a {value}, not a string",
+                "too_large": f"returned {value} characters, over the limit of "
+                             f"{max_result_chars}"}[kind]
+    return _error(name, kind, f"tool {name!r} {what}", max_error_chars, seconds)
 
 
 def run_tool_calls(pool: RewardPool, calls: Sequence[tuple[ToolRegistry, ParsedCall]], *,

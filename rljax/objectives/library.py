@@ -134,8 +134,7 @@ def objective_frame(batch, coef, surrogate, aggregation, kl_kind, kl_clamp, norm
     check_choice("aggregation", aggregation, AGGREGATIONS)
     check_choice("is_level", is_level, IS_LEVELS)
     check_choice("is_mode", is_mode, IS_MODES)
-    if kl_kind is not None:
-        check_choice("kl_kind", kl_kind, KL_KINDS + (None,))
+    check_choice("kl_kind", kl_kind, KL_KINDS + (None,))
     b, m = _clean(batch)
     t = _Terms(m, (is_level, is_mode))
     t.loss = -surrogate(t, b)

@@ -23,9 +23,7 @@ def _candidates(s: str, strip_units: bool) -> tuple[str, list[Fraction | float]]
     norm = normalize_answer(s, strip_units=strip_units)
     percent = norm.endswith("%")
     body = norm.rstrip("%") if percent else norm
-    if "%" in body:
-        return norm, []
-    value = parse_value(body)
+    value = None if "%" in body else parse_value(body)  # one trailing % at most
     if value is None:
         return norm, []
     if percent and isinstance(value, Fraction):

@@ -35,14 +35,6 @@ def _bounded(text: object) -> str | None:
     return text if isinstance(text, str) and len(text) <= MAX_CONSTRAINT_CHARS else None
 
 
-def _keywords(name: str, kws: Any) -> tuple[str, ...]:
-    if isinstance(kws, str) or not all(isinstance(k, str) and k.strip() for k in kws):
-        raise ValueError(f"{name}.keywords must be a sequence of non-empty strings, got {kws!r}")
-    if not kws:
-        raise ValueError(f"{name}.keywords must not be empty")
-    return tuple(kws)
-
-
 def _has_word(text: str, kw: str) -> bool:
     """Case-insensitive whole-word (or whole-phrase) match; the pattern is escaped, linear."""
     return re.search(r"(?<!\w)" + re.escape(kw) + r"(?!\w)", text, re.IGNORECASE) is not None
@@ -83,13 +75,22 @@ class WordCount:
 
 
 @dataclasses.dataclass(frozen=True)
-class IncludeKeywords:
-    """Every keyword appears as a whole word or phrase (case-insensitive)."""
-
+class _Keywords:
     keywords: tuple[str, ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "keywords", _keywords("IncludeKeywords", self.keywords))
+        name, kws = type(self).__name__, self.keywords
+        if isinstance(kws, str) or not all(isinstance(k, str) and k.strip() for k in kws):
+            raise ValueError(f"{name}.keywords must be a sequence of non-empty strings, "
+                             f"got {kws!r}")
+        if not kws:
+            raise ValueError(f"{name}.keywords must not be empty")
+        object.__setattr__(self, "keywords", tuple(kws))
+
+
+@dataclasses.dataclass(frozen=True)
+class IncludeKeywords(_Keywords):
+    """Every keyword appears as a whole word or phrase (case-insensitive)."""
 
     @property
     def description(self) -> str:
@@ -101,13 +102,8 @@ class IncludeKeywords:
 
 
 @dataclasses.dataclass(frozen=True)
-class ForbiddenKeywords:
+class ForbiddenKeywords(_Keywords):
     """No keyword appears as a whole word or phrase (case-insensitive)."""
-
-    keywords: tuple[str, ...]
-
-    def __post_init__(self):
-        object.__setattr__(self, "keywords", _keywords("ForbiddenKeywords", self.keywords))
 
     @property
     def description(self) -> str:

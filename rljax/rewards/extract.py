@@ -131,10 +131,8 @@ def extract_answer(text: object, *, mode: str = "auto") -> str | None:
     if not isinstance(text, str):
         return None
     text = text[-MAX_SCAN_CHARS:]
-    if mode == "last_number":
-        return _last_number(text)
     rules = {"boxed": (_last_boxed,), "gsm8k": (_gsm8k,), "answer_is": (_answer_is,),
-             "auto": (_last_boxed, _gsm8k, _answer_is)}[mode]
+             "last_number": (_last_number,), "auto": (_last_boxed, _gsm8k, _answer_is)}[mode]
     for rule in rules:
         ans = rule(text)
         if ans is not None:

@@ -118,10 +118,7 @@ def encode_traces(tokenizer: Any, prompts: Sequence[str],
         trained.append(row_trained + [1.0])
     p_ids, p_mask = pad_left([encode_text(tokenizer, p) for p in prompts], prompt_len, pad)
     c_ids, c_mask = pad_right(ids, completion_len, pad)
-    loss = np.zeros_like(c_mask)
-    for i, t in enumerate(trained):
-        t = t[:completion_len]
-        loss[i, :len(t)] = t
+    loss = pad_right(trained, completion_len, 0)[0].astype(np.float32)  # 0/1 flags, as ids
     return {"prompt_BxP": p_ids, "prompt_mask_BxP": p_mask, "completion_BxT": c_ids,
             "completion_mask_BxT": c_mask, "loss_mask_BxT": loss}
 

@@ -139,16 +139,14 @@ def step_throughput(*, gen_tokens: float, seq_tokens: float, epochs: int,
     """
     if num_chips < 1:
         raise ValueError(f"step_throughput: num_chips must be >= 1, got {num_chips}")
-    flops_s = _rate(flops, sum(times.values()))
-    m = {"model_flops_s": flops_s, "model_flops_s_per_chip": flops_s / num_chips}
     if "step" in times:  # one program from prompts to update: no phase split exists
-        step = _rate(gen_tokens, times["step"])
-        m.update(step_tok_s=step, step_tok_s_per_chip=step / num_chips)
+        rates = {"step_tok_s": _rate(gen_tokens, times["step"])}
     else:
-        roll = _rate(gen_tokens, times.get("rollout", 0.0))
-        train = _rate(epochs * seq_tokens, times.get("learn", 0.0))
-        m.update(rollout_tok_s=roll, rollout_tok_s_per_chip=roll / num_chips,
-                 train_tok_s=train, train_tok_s_per_chip=train / num_chips)
+        rates = {"rollout_tok_s": _rate(gen_tokens, times.get("rollout", 0.0)),
+                 "train_tok_s": _rate(epochs * seq_tokens, times.get("learn", 0.0))}
+    m: dict[str, float] = {}
+    for k, v in {"model_flops_s": _rate(flops, sum(times.values())), **rates}.items():
+        m.update({k: v, f"{k}_per_chip": v / num_chips})
     m.update({f"time_{k}": float(v) for k, v in times.items()})
     if peak_per_chip:
         m["mfu"] = m["model_flops_s_per_chip"] / peak_per_chip
