@@ -169,18 +169,14 @@ def _sample_with_logp(plan: _Plan, u_Rx2, x, axis: int):
     return blk * bs + within, jnp.log(w_tok) - jnp.log(total)
 
 
-def _signed(key):
-    return jax.lax.bitcast_convert_type(key ^ jnp.uint32(0x80000000), jnp.int32)
-
-
 def _top_k_mask(plan: _Plan, x_RxL, k: int) -> jax.Array:
     """``ops._top_k_mask`` over the whole vocabulary (the global k-th key, ties kept)."""
     if k >= plan.v:
         return jnp.ones(x_RxL.shape, bool)
     key_RxL = ordered_key(x_RxL)
     if plan.t * k < plan.L:  # per-slice top-k: the global k largest are among them
-        cand = jax.lax.all_gather(jax.lax.top_k(_signed(key_RxL), k)[0], AXIS, axis=1,
-                                  tiled=True)
+        signed = jax.lax.bitcast_convert_type(key_RxL ^ jnp.uint32(0x80000000), jnp.int32)
+        cand = jax.lax.all_gather(jax.lax.top_k(signed, k)[0], AXIS, axis=1, tiled=True)
         kth = jax.lax.top_k(cand, k)[0][:, k - 1]
         kth_R = jax.lax.bitcast_convert_type(kth, jnp.uint32) ^ jnp.uint32(0x80000000)
     else:
