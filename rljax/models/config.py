@@ -117,10 +117,9 @@ class ModelConfig:
                 f"ModelConfig: num_heads={self.num_heads} must be a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
-        if not self.rope_theta > 0:
-            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
             raise TypeError(
                 "ModelConfig.rope_scaling must be None or Llama3RopeScaling, got "

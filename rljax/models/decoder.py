@@ -199,11 +199,9 @@ class Decoder(nnx.Module):
     def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
         """Output projection of hidden states `[..., D]` to float32 logits `[..., V]`."""
         cd = compute_dtype(self.config)
-        h = h_xD.astype(cd)
-        if self.config.tie_word_embeddings:
-            return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(cd),
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(cd),
+        spec, w = (("...d,vd->...v", self.embed) if self.config.tie_word_embeddings
+                   else ("...d,dv->...v", self.lm_head))
+        return jnp.einsum(spec, h_xD.astype(cd), w[...].astype(cd),
                           preferred_element_type=jnp.float32)
 
     def __call__(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike | None = None,

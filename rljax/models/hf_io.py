@@ -61,22 +61,20 @@ def weight_map(config: ModelConfig) -> list[tuple[str, tuple, tuple[int, ...], t
         out.append(("lm_head.weight", ("lm_head",), (v, d), _TRANSPOSE))
     for i in range(c.num_layers):
         p, s = f"model.layers.{i}.", ("layers", i)
+        qkv = (("q", n), ("k", k), ("v", k))
         out += [
             (p + "input_layernorm.weight", s + ("attn_norm", "scale"), (d,), _SAME),
             (p + "post_attention_layernorm.weight", s + ("mlp_norm", "scale"), (d,), _SAME),
-            (p + "self_attn.q_proj.weight", s + ("attn", "q"), (n * h, d), _linear(n, h)),
-            (p + "self_attn.k_proj.weight", s + ("attn", "k"), (k * h, d), _linear(k, h)),
-            (p + "self_attn.v_proj.weight", s + ("attn", "v"), (k * h, d), _linear(k, h)),
+            *[(p + f"self_attn.{x}_proj.weight", s + ("attn", x), (m * h, d), _linear(m, h))
+              for x, m in qkv],
             (p + "self_attn.o_proj.weight", s + ("attn", "o"), (d, n * h), _out_proj(n, h)),
             (p + "mlp.gate_proj.weight", s + ("mlp", "gate"), (f, d), _TRANSPOSE),
             (p + "mlp.up_proj.weight", s + ("mlp", "up"), (f, d), _TRANSPOSE),
             (p + "mlp.down_proj.weight", s + ("mlp", "down"), (d, f), _TRANSPOSE),
         ]
         if c.qkv_bias:
-            reshape = lambda m: (lambda b: b.reshape(m, h), lambda b: b.reshape(-1))  # noqa: E731
-            out += [(p + "self_attn.q_proj.bias", s + ("attn", "q_bias"), (n * h,), reshape(n)),
-                    (p + "self_attn.k_proj.bias", s + ("attn", "k_bias"), (k * h,), reshape(k)),
-                    (p + "self_attn.v_proj.bias", s + ("attn", "v_bias"), (k * h,), reshape(k))]
+            out += [(p + f"self_attn.{x}_proj.bias", s + ("attn", f"{x}_bias"), (m * h,),
+                     (lambda b, m=m: b.reshape(m, h), lambda b: b.reshape(-1))) for x, m in qkv]
         if c.qk_norm:
             out += [(p + "self_attn.q_norm.weight", s + ("attn", "q_norm", "scale"), (h,), _SAME),
                     (p + "self_attn.k_norm.weight", s + ("attn", "k_norm", "scale"), (h,), _SAME)]

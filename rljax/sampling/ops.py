@@ -21,6 +21,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from rljax.models.attention_kernels import pad_axis
+
 __all__ = [
     "SamplingParams",
     "filter_logits",
@@ -232,11 +234,9 @@ def _sample_with_logp(key: jax.Array, x: jax.Array, axis: int = 1,
     v, rows = x.shape[axis], x.shape[1 - axis]
     bs = vocab_block_size(v)
     nb = -(-v // bs)
-    widths = [(0, 0), (0, 0)]
-    widths[axis] = (0, nb * bs - v)
     shape3 = (rows, nb, bs) if axis == 1 else (nb, bs, rows)  # vocab on axis 1 or 0
     w = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
-    w3 = jnp.pad(w, widths).reshape(shape3)
+    w3 = pad_axis(w, axis, nb * bs).reshape(shape3)
     u_Rx2 = jax.random.uniform(key, (rows, 2), jnp.float32)
     blk, total = inverse_cdf(jnp.sum(w3, axis=axis + 1), u_Rx2[:, 0], axis)
     w_block = jnp.squeeze(

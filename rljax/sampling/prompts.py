@@ -43,16 +43,12 @@ def _rows_from_array(prompts, prompt_mask) -> list[np.ndarray]:
             f"prompts given as an array must be an integer [B, T] array, got "
             f"{ids.dtype}{ids.shape}"
         )
-    if prompt_mask is None:
-        mask = np.ones(ids.shape, bool)
-    else:
-        mask = np.asarray(prompt_mask)
-        if mask.shape != ids.shape:
-            raise ValueError(
-                f"prompt_mask has shape {mask.shape}; it must match prompts {ids.shape}"
-            )
-        mask = mask.astype(bool)
-    return [row[m] for row, m in zip(ids, mask)]
+    mask = np.ones(ids.shape, bool) if prompt_mask is None else np.asarray(prompt_mask)
+    if mask.shape != ids.shape:
+        raise ValueError(
+            f"prompt_mask has shape {mask.shape}; it must match prompts {ids.shape}"
+        )
+    return [row[m] for row, m in zip(ids, mask.astype(bool))]
 
 
 def _rows_from_lists(prompts) -> list[np.ndarray]:

@@ -208,8 +208,8 @@ def decode_model(graphdef, params, head_VxD, mesh):
     return nnx.merge(graphdef, params), head_VxD
 
 
-def _repeat_rows(x, g):
-    return x if g == 1 else jnp.repeat(x, g, axis=0)
+def _repeat_rows(x, g, axis=0):
+    return x if g == 1 else jnp.repeat(x, g, axis=axis)
 
 
 def _repeat_cache_rows(cache, g):
@@ -250,9 +250,8 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
         tokens_RxN=jnp.full((r, n), spec.pad_id, jnp.int32),
         logp_RxN=zeros_RxN, sampling_logp_RxN=zeros_RxN,
     )
-    logits_VxR = logits_VxB if g == 1 else jnp.repeat(logits_VxB, g, axis=1)
-    tok, lp, slp = sample_tokens_sharded(jax.random.fold_in(key, 0), logits_VxR, spec.params,
-                                         mesh)
+    tok, lp, slp = sample_tokens_sharded(jax.random.fold_in(key, 0),
+                                         _repeat_rows(logits_VxB, g, axis=1), spec.params, mesh)
     s = constrain_rows(_record(s, spec, None, tok, lp, slp), mesh)
     prompt = tuple(_repeat_rows(x, g) for x in (tokens_BxP, mask_BxP, pos_BxP))
     return s, prefix, prompt

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from rljax.models.attention_kernels import pad_axis
 from rljax.sampling.ops import (
     SamplingParams,
     filter_logits,
@@ -151,9 +152,7 @@ def _sample_with_logp(plan: _Plan, u_Rx2, x, axis: int):
         w = jnp.concatenate([w, jax.lax.ppermute(head, AXIS, perm)], axis=axis)
     need = max(plan.offsets) + nbl * bs
     if need > w.shape[axis]:
-        widths = [(0, 0), (0, 0)]
-        widths[axis] = (0, need - w.shape[axis])
-        w = jnp.pad(w, widths)
+        w = pad_axis(w, axis, need)
     w = jax.lax.dynamic_slice_in_dim(w, plan.mine(plan.offsets), nbl * bs, axis=axis)
     rows = w.shape[1 - axis]
     w3 = w.reshape((rows, nbl, bs) if axis == 1 else (nbl, bs, rows))
@@ -170,18 +169,14 @@ def _sample_with_logp(plan: _Plan, u_Rx2, x, axis: int):
     return blk * bs + within, jnp.log(w_tok) - jnp.log(total)
 
 
-def _signed(key):
-    return jax.lax.bitcast_convert_type(key ^ jnp.uint32(0x80000000), jnp.int32)
-
-
 def _top_k_mask(plan: _Plan, x_RxL, k: int) -> jax.Array:
     """``ops._top_k_mask`` over the whole vocabulary (the global k-th key, ties kept)."""
     if k >= plan.v:
         return jnp.ones(x_RxL.shape, bool)
     key_RxL = ordered_key(x_RxL)
     if plan.t * k < plan.L:  # per-slice top-k: the global k largest are among them
-        cand = jax.lax.all_gather(jax.lax.top_k(_signed(key_RxL), k)[0], AXIS, axis=1,
-                                  tiled=True)
+        signed = jax.lax.bitcast_convert_type(key_RxL ^ jnp.uint32(0x80000000), jnp.int32)
+        cand = jax.lax.all_gather(jax.lax.top_k(signed, k)[0], AXIS, axis=1, tiled=True)
         kth = jax.lax.top_k(cand, k)[0][:, k - 1]
         kth_R = jax.lax.bitcast_convert_type(kth, jnp.uint32) ^ jnp.uint32(0x80000000)
     else:
@@ -246,9 +241,7 @@ def sample_tokens_sharded(key: jax.Array, logits: jax.Array, params: SamplingPar
         return sample_tokens(key, x, params, axis)
     plan = _Plan.make(v, t)
     if plan.L * t != v:  # pad to whole slices; -inf is never drawn nor counted
-        widths = [(0, 0), (0, 0)]
-        widths[axis] = (0, plan.L * t - v)
-        x = jnp.pad(x, widths, constant_values=-jnp.inf)
+        x = pad_axis(x, axis, plan.L * t, -jnp.inf)
     (row_axes,) = fitted_spec(("batch",), (rows,), mesh)
     x_spec = PartitionSpec(AXIS, row_axes) if axis == 0 else PartitionSpec(row_axes, AXIS)
     u_Rx2 = (jnp.zeros((rows, 2), jnp.float32) if params.is_greedy

@@ -121,8 +121,7 @@ def constrain_logical(value, names: Sequence[str | None]):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not constraints_enabled():
         return value
-    return jax.lax.with_sharding_constraint(
-        value, NamedSharding(mesh, fitted_spec(names, value.shape, mesh)))
+    return jax.lax.with_sharding_constraint(value, logical_sharding(names, value.shape, mesh))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
