@@ -312,11 +312,8 @@ class EnvBatch:
         sums and counts and divide once: `env/turns`, `env/tool_calls`,
         `env/tool_errors`, `env/truncated`, `env/env_s`, `env/tool_s`, `env/return`."""
         n = len(self._rows)
-        sums = {"env/turns": sum(r.turns for r in self._rows),
-                "env/tool_calls": sum(r.tool_calls for r in self._rows),
-                "env/tool_errors": sum(r.tool_errors for r in self._rows),
-                "env/truncated": sum(r.truncated is not None for r in self._rows),
-                "env/env_s": sum(r.env_s for r in self._rows),
-                "env/tool_s": sum(r.tool_s for r in self._rows),
-                "env/return": float(self.returns_B().sum()) if n else 0.0}
+        sums = {f"env/{k}": sum(getattr(r, k) for r in self._rows)
+                for k in ("turns", "tool_calls", "tool_errors", "env_s", "tool_s")}
+        sums["env/truncated"] = sum(r.truncated is not None for r in self._rows)
+        sums["env/return"] = float(self.returns_B().sum()) if n else 0.0
         return {k: (float(v), n) for k, v in sums.items()}
