@@ -155,10 +155,8 @@ class BulletCount:
 
     def check(self, text: str) -> bool:
         t = _bounded(text)
-        if t is None:
-            return False
-        n = sum(1 for line in t.splitlines() if line.lstrip().startswith(_BULLETS))
-        return n == self.count
+        return t is not None and sum(
+            line.lstrip().startswith(_BULLETS) for line in t.splitlines()) == self.count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +222,12 @@ class _Group:
     constraints: tuple[Any, ...]
 
     def __post_init__(self):
-        _check_members(type(self).__name__, self.constraints)
+        name, cs = type(self).__name__, self.constraints
+        if isinstance(cs, (str, bytes)) or not cs:
+            raise ValueError(f"{name}.constraints must be a non-empty sequence of constraints")
+        for c in cs:
+            if not isinstance(c, Constraint):
+                raise TypeError(f"{name}.constraints: {c!r} has no check(text) and description")
         object.__setattr__(self, "constraints", tuple(self.constraints))
 
 
@@ -252,14 +255,6 @@ class AnyOf(_Group):
     def check(self, text: str) -> bool:
         """True if at least one member constraint holds."""
         return any(c.check(text) for c in self.constraints)
-
-
-def _check_members(name: str, cs: Any) -> None:
-    if isinstance(cs, (str, bytes)) or not cs:
-        raise ValueError(f"{name}.constraints must be a non-empty sequence of constraints")
-    for c in cs:
-        if not isinstance(c, Constraint):
-            raise TypeError(f"{name}.constraints: {c!r} has no check(text) and description")
 
 
 CONSTRAINT_TYPES = {
