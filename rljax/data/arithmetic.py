@@ -109,10 +109,9 @@ class ArithmeticTask:
         return self._render(a, b, op, str(value), rng)
 
     def _render(self, a, b, op, ans, rng) -> ArithmeticProblem:
-        if self.style == "plain":
-            return ArithmeticProblem(f"{a}{op}{b}=", ans, ans, a, b, op)
-        if self.style == "reversed":
-            return ArithmeticProblem(f"{a}{op}{b}=", ans, reverse_digits(ans), a, b, op)
+        if self.style != "word":
+            sol = ans if self.style == "plain" else reverse_digits(ans)
+            return ArithmeticProblem(f"{a}{op}{b}=", ans, sol, a, b, op)
         name = _NAMES[int(rng.integers(len(_NAMES)))]
         prompt = _WORD[op].format(name=name, a=a, b=b)
         work = f"{a} {_VERB[op]} {b} is {ans}."
