@@ -165,15 +165,14 @@ def parse_tool_calls(text: object, fmt: ToolFormat = ToolFormat()) -> list[Parse
         return []
     text = text[:fmt.max_text_chars]
     out: list[ParsedCall] = []
-    pos, found = 0, 0
+    pos = 0
     while True:
         s = text.find(fmt.call_open, pos)
         if s < 0:
             break
-        found += 1
         b = s + len(fmt.call_open)
         e = text.find(fmt.call_close, b)
-        if found > fmt.max_calls:
+        if len(out) == fmt.max_calls:  # each call read so far added one entry
             out.append(_too_many(text.count(fmt.call_open, s), fmt))
             break
         if e < 0:
