@@ -102,7 +102,13 @@ def filter_by_length(records: Sequence[Mapping[str, Any]], policy: LengthPolicy,
     over the limit)."""
     kept, dropped, truncated, longest = [], [], [], 0
     for i, r in enumerate(records):
-        n = _length(r, i, policy, length_fn)
+        if length_fn is None and policy.token_field not in r:
+            raise ValueError(f"filter_by_length: prompt {i} has no {policy.token_field!r} "
+                             "field and no length_fn was given")
+        n = len(r[policy.token_field]) if length_fn is None else length_fn(r)
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"filter_by_length: length of prompt {i} is {n!r}, not an int "
+                             ">= 0")
         longest = max(longest, n)
         if n <= policy.max_tokens:
             kept.append(dict(r))
@@ -123,16 +129,3 @@ def filter_by_length(records: Sequence[Mapping[str, Any]], policy: LengthPolicy,
     if rep.over_limit:
         log.warning("%s: %s", name, rep)
     return kept, rep
-
-
-def _length(r, i, policy, length_fn) -> int:
-    if length_fn is not None:
-        n = length_fn(r)
-    elif policy.token_field in r:
-        n = len(r[policy.token_field])
-    else:
-        raise ValueError(f"filter_by_length: prompt {i} has no {policy.token_field!r} field "
-                         "and no length_fn was given")
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"filter_by_length: length of prompt {i} is {n!r}, not an int >= 0")
-    return n
