@@ -94,10 +94,9 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, save_every: int = 1, keep: int = 3,
                  async_save: bool = True):
-        if not isinstance(save_every, int) or save_every < 1:
-            raise ValueError(f"save_every must be an int >= 1, got {save_every!r}")
-        if not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+        for name, value in (("save_every", save_every), ("keep", keep)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         text = os.fspath(directory)
         self.directory = epath.Path(text if "://" in text else os.path.abspath(text))
         options = ocp.CheckpointManagerOptions(

@@ -57,10 +57,9 @@ def sft_update_fn(graphdef, cfg: SFTConfig, num_micro: int, mesh=None):
     """The pure SFT update ``(params, opt_state, counters, batch, coef) -> (params,
     opt_state, counters, metrics)`` (``rljax.train.learn.update.make_update`` of :func:`sft_loss`
     with the config's optimiser)."""
-    optims = sft_optimizers(cfg)
-    return make_update(sft_loss_fn(graphdef, cfg), {k: v[0] for k, v in optims.items()},
-                       {k: v[1] for k, v in optims.items()}, num_micro,
-                       batch_constrainer(mesh))
+    tx, schedule = sft_optimizers(cfg)["policy"]
+    return make_update(sft_loss_fn(graphdef, cfg), {"policy": tx}, {"policy": schedule},
+                       num_micro, batch_constrainer(mesh))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -231,9 +231,8 @@ class SFTConfig:
         check_bool(c, "full_parameters", self.full_parameters)
         check_num(c, "stop_loss", self.stop_loss, lo=0)
         check_num(c, "stop_accuracy", self.stop_accuracy, lo=0, hi=1)
-        check_num(c, "stop_every", self.stop_every, lo=1, integer=True)
-        check_num(c, "stop_prompts", self.stop_prompts, lo=1, integer=True)
-        check_num(c, "batch_size", self.batch_size, lo=1, integer=True)
+        for name in ("stop_every", "stop_prompts", "batch_size"):
+            check_num(c, name, getattr(self, name), lo=1, integer=True)
         check_micro_batch(c, self.micro_batch_size, self.batch_size)
         if not isinstance(self.optim, OptimConfig):
             fail(c, "optim", self.optim, "an OptimConfig")

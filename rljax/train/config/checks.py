@@ -75,11 +75,14 @@ def check_algorithm_extras(cfg) -> None:
     """``AlgorithmConfig``'s value, KL-controller, sampler-correction, SAPO, Clip-Cov / KL-Cov
     and ratio-free update-count checks (``__post_init__`` delegates them here)."""
     c = "AlgorithmConfig"
-    check_num(c, "entropy_coef", cfg.entropy_coef)
-    check_num(c, "value_coef", cfg.value_coef, lo=0.0)
+    for names, bounds in ((("entropy_coef", "clip_cov_low", "clip_cov_high"), {}),
+                          (("value_coef", "is_low", "kl_cov_coef", "adv_eps"), dict(lo=0.0)),
+                          (("gamma", "lam", "distill_discount"), dict(lo=0.0, hi=1.0)),
+                          (("sapo_tau_pos", "sapo_tau_neg"), dict(lo=0.0, lo_open=True)),
+                          (("clip_cov_ratio", "kl_cov_ratio"), dict(lo=0.0, hi=1.0, lo_open=True))):
+        for name in names:
+            check_num(c, name, getattr(cfg, name), **bounds)
     check_num(c, "value_clip", cfg.value_clip, lo=0.0, lo_open=True, finite=False)
-    check_num(c, "gamma", cfg.gamma, lo=0.0, hi=1.0)
-    check_num(c, "lam", cfg.lam, lo=0.0, hi=1.0)
     if cfg.adaptive_kl_target is not None:
         check_num(c, "adaptive_kl_target", cfg.adaptive_kl_target, lo=0.0, lo_open=True)
         kl_in = cfg.resolved("kl_in")
@@ -90,21 +93,11 @@ def check_algorithm_extras(cfg) -> None:
     check_num(c, "adaptive_kl_horizon", cfg.adaptive_kl_horizon, lo=1, integer=True)
     check_choice(c, "is_level", cfg.is_level, IS_LEVELS)
     check_choice(c, "is_mode", cfg.is_mode, IS_MODES)
-    check_num(c, "is_low", cfg.is_low, lo=0.0)
     if cfg.is_low >= cfg.tis_cap:
         fail(c, "is_low", cfg.is_low, f"< tis_cap={cfg.tis_cap} (the band [is_low, tis_cap])")
     check_bool(c, "mask_truncated", cfg.mask_truncated)
-    check_num(c, "sapo_tau_pos", cfg.sapo_tau_pos, lo=0.0, lo_open=True)
-    check_num(c, "sapo_tau_neg", cfg.sapo_tau_neg, lo=0.0, lo_open=True)
-    check_num(c, "clip_cov_ratio", cfg.clip_cov_ratio, lo=0.0, hi=1.0, lo_open=True)
-    check_num(c, "kl_cov_ratio", cfg.kl_cov_ratio, lo=0.0, hi=1.0, lo_open=True)
-    check_num(c, "clip_cov_low", cfg.clip_cov_low)
-    check_num(c, "clip_cov_high", cfg.clip_cov_high)
     if cfg.clip_cov_low >= cfg.clip_cov_high:  # the band is open: (low, high)
         fail(c, "clip_cov_low", cfg.clip_cov_low, f"< clip_cov_high={cfg.clip_cov_high}")
-    check_num(c, "kl_cov_coef", cfg.kl_cov_coef, lo=0.0)
-    check_num(c, "distill_discount", cfg.distill_discount, lo=0.0, hi=1.0)
-    check_num(c, "adv_eps", cfg.adv_eps, lo=0.0)
     if cfg.kl_clamp is not None:
         check_num(c, "kl_clamp", cfg.kl_clamp, lo=0.0, lo_open=True, finite=False)
     if cfg.resolved("kl_kind") == "k3_ratio" and cfg.resolved("kl_in") == "reward":

@@ -196,12 +196,9 @@ def make_learn(spec, loss_fn, txs: dict, schedules: dict, constrain: Callable | 
         raise ValueError(f"make_learn: packed rows (RLConfig.tokens_per_micro_batch) need "
                          f"num_minibatches=1, got {spec.alg.num_minibatches}: the plan packs "
                          "the whole batch once")
-    if spec.packing is None:
-        update = make_update(loss_fn, txs, schedules, spec.num_micro, constrain,
-                             spec.share_group)
-    else:
-        update = make_update(loss_fn, txs, schedules, spec.packing.num_micro, constrain,
-                             split=pack.split_packed)
+    num_micro, split = ((spec.num_micro, None) if spec.packing is None
+                        else (spec.packing.num_micro, pack.split_packed))
+    update = make_update(loss_fn, txs, schedules, num_micro, constrain, spec.share_group, split)
     select = _cov_selector(spec)
 
     def learn(params, opt_state, counters, ref_params, ro: Rollout, kl_coef, key,

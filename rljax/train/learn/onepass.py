@@ -87,10 +87,8 @@ def _run(w, h_BxTxD, tgt_BxT, aux, token_grads, vocab_major, cd, inv_temp, c, wi
                                                     PARTIAL_DW_AXES)
     dw_SxDxV, (logp, ent, dh) = jax.lax.scan(
         step, init, (split_chunks(h_BxTxD, n, c), split_chunks(tgt_BxT, n, c), starts))
-    if dw_SxDxV is None:
-        return join_chunks(logp, t), join_chunks(ent, t), join_chunks(dh, t), None
-    dw_DxV = reduce_partial_dw(dw_SxDxV, names_DxV)
-    dw = dw_DxV.T if vocab_major else dw_DxV
+    dw_DxV = None if dw_SxDxV is None else reduce_partial_dw(dw_SxDxV, names_DxV)
+    dw = dw_DxV.T if vocab_major and dw_DxV is not None else dw_DxV
     return join_chunks(logp, t), join_chunks(ent, t), join_chunks(dh, t), dw
 
 

@@ -267,10 +267,8 @@ def this_micro(mb: dict, spec: PackSpec) -> dict:
 
 def micro_logprobs(graphdef, params, mb: dict, spec: PackSpec, *, chunk, temperature, remat):
     """The update's log-probs and entropies ``[B, T]`` from one packed micro-batch."""
-    logp, ent = _token_logprobs(graphdef, params, mb, chunk=chunk, temperature=temperature,
-                                remat=remat)
-    return (_unpack_micro(logp, mb, spec.shards, spec.num_micro),
-            _unpack_micro(ent, mb, spec.shards, spec.num_micro))
+    return tuple(_unpack_micro(x, mb, spec.shards, spec.num_micro) for x in _token_logprobs(
+        graphdef, params, mb, chunk=chunk, temperature=temperature, remat=remat))
 
 
 def micro_values(graphdef, params, mb: dict, spec: PackSpec, *, remat):
