@@ -159,7 +159,7 @@ def test_later_runs_reuse_the_first_runs_programs(runs):
     """The stopped and the resumed run build new trainers with the reference run's model
     and configs: they reuse its compiled programs (rljax.train.programs)."""
     from rljax.train.programs.step import seeds_step
-    from rljax.train.programs.evaluate import seeds_evaluate
+    from rljax.train.programs.device import seeds_evaluate
     from rljax.train.seeds import seeds_sft_update
 
     later = runs[-1]

@@ -321,7 +321,7 @@ class ComponentReward:
 
     `last` holds `{"reward/<name>": mean}` of the latest call and `last_components` its
     per-row values (name -> float32[B]), from which the trainer logs each term's mean over
-    the whole step (`rljax.train.rollout.Rollouts.term_means`): the accuracy and format
+    the whole step (`rljax.train.sources.host.Rollouts.step_metrics`): the accuracy and format
     terms separately (R1-Zero's two rewards). With `workers > 0` the
     item calls run in the process's shared `RewardPool` (`shared_reward_pool`) and each is
     cut at `timeout_s`: a call past it scores 0 and is logged (by `score_batch`) with its

@@ -37,7 +37,8 @@ from rljax.train.learn.update import (Learner, NonFiniteError, TrainState, accum
                                       make_optimizer, make_schedule, make_update, new_train_state)
 from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts
 from rljax.train.rl import RLTrainer, rl_loss
-from rljax.train.rollout import Rollout, Rollouts
+from rljax.train.batch import Rollout
+from rljax.train.sources.host import Rollouts
 from rljax.train.sft import SFTTrainer, sft_loss
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Several independent runs of one configuration in one compiled program.
 
-With a device reward an RL step is a pure function of arrays (``rljax.train.programs.fused``), so
+With a device reward an RL step is a pure function of arrays (``rljax.train.programs.device``), so
 ``jax.vmap`` over a leading seed axis trains ``S`` runs at once: PureJaxRL's trick
 (Lu et al. 2022), brought to language-model RL. Every array of the stacked ``TrainState``
 has a leading ``[S]`` axis; each seed keeps its own initial weights, PRNG key, prompt
@@ -26,24 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.train import hosts
+from rljax.train.batch import stack_states, unstack
 from rljax.train.config import SFTConfig
 from rljax.train.learn.update import TrainState, num_micro_batches
 from rljax.train.programs import program_signature
 from rljax.train.programs.step import seeds_step, state_scalars
-from rljax.train.rl import PhaseTimes, RLTrainer
+from rljax.train.rl import RLTrainer
 from rljax.train.sft import SFTTrainer, sft_update_fn
+from rljax.train.sources.evaluate import evaluate_seeds
+from rljax.train.throughput import PhaseTimes
 
 __all__ = ["SeedRL", "SeedSFT", "stack_states", "unstack"]
-
-
-def stack_states(states: Sequence[TrainState]) -> TrainState:
-    """Per-seed states -> one state whose arrays have a leading seed axis."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-
-
-def unstack(tree, i: int):
-    """Seed ``i``'s slice of a stacked tree."""
-    return jax.tree.map(lambda x: x[i], tree)
 
 
 def _per_seed(m: dict, s: int) -> list[dict]:
@@ -93,11 +86,11 @@ class SeedRL:
         if self._one is None:
             self._one = unstack(params_S["policy"], 0)
         n = self.tr.rl.prompts_per_step
-        per = [self.tr.rollouts.device_inputs(self._one, src, int(p), n, on_host=True)
+        per = [self.tr.source.inputs(self._one, src, int(p), n, on_host=True)
                for src, p in zip(sources, pos_S)]
         widest = max(range(len(per)), key=lambda i: per[i][1][0].shape[1])
         spec, width = per[widest][0], per[widest][1][0].shape[1]
-        prompts = [_left_pad(x[1], width, self.tr.rollouts.pad_id) for x in per]
+        prompts = [_left_pad(x[1], width, self.tr.source.pad_id) for x in per]
         stacked = tuple(jnp.asarray(np.stack(cols)) for cols in zip(*prompts))
         task = {k: jnp.asarray(np.stack([x[2][k] for x in per])) for k in per[0][2]}
         return spec, stacked, task
@@ -128,14 +121,15 @@ class SeedRL:
         and argument shapes, each compiled once per process (one per prompt bucket and
         batch shape; a run whose shapes never change needs one of each)."""
         return {"rl_step": len(self._programs),
-                "evaluate": len(self.tr.rollouts.seed_programs)}
+                "evaluate": len(self.tr.source.seed_programs)}
 
     def evaluate(self, params_S, prompts: Sequence[Sequence[str]],
                  metadata: Sequence[Sequence[dict]], *, batch_size: int = 256) -> list[dict]:
         """Each seed's greedy results on its held-out prompts (``prompts[i]``, equally many
-        per seed; ``params_S``: e.g. ``state.params["policy"]``), all seeds in one program:
-        ``Rollouts.evaluate``'s seed form, one dict per seed."""
-        return self.tr.rollouts.evaluate(params_S, prompts, metadata, batch_size, seeds=True)
+        per seed; ``params_S``: e.g. ``state.params["policy"]``), all seeds in one program
+        (``rljax.train.sources.evaluate.evaluate_seeds``), one dict per seed."""
+        return evaluate_seeds(self.tr.source, params_S, prompts, metadata,
+                              batch_size=batch_size)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))

@@ -28,7 +28,7 @@ from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
 from rljax.train.learn.packing import PackSpec
 from rljax.train.learn.update import batch_constrainer, make_optimizer
-from rljax.train.programs.fused import device_rollout, split_step_key
+from rljax.train.programs.device import device_rollout, split_step_key
 from rljax.train.programs.paths import ForwardPaths
 
 __all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", "optimizers",
@@ -174,7 +174,7 @@ def learn_step(spec: StepSpec, params, opt_state, scalars, ref_params, ro, key,
 def _fused(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_params, prompts, task,
            key_data, teacher_params):
     """One RL step as a pure function: sample and score with the device reward
-    (``rljax.train.programs.fused``), then :func:`learn_program`; the returned scalars
+    (``rljax.train.programs.device``), then :func:`learn_program`; the returned scalars
     carry the next key data."""
     nxt, k_roll, k_learn = split_step_key(key_data)
     ro = device_rollout(spec.policy_gd, params["policy"], prompts, task, k_roll,
@@ -187,7 +187,7 @@ def _fused(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_params, 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
 def fused_step(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_params, prompts,
                task, key_data, teacher_params):
-    """One RL step with a device reward as one program (``rljax.train.programs.fused``;
+    """One RL step with a device reward as one program (``rljax.train.programs.device``;
     ``decode_spec`` is the sampler's static spec)."""
     return _placed(spec, _fused(spec, decode_spec, params, opt_state, scalars, ref_params,
                                 prompts, task, key_data, teacher_params))
