@@ -7,7 +7,8 @@ produces and the learning program consumes.
   dtypes; :func:`zero_variance_groups`: groups whose rewards are all equal;
 - ``PromptSource``: ``source(start, n) -> (prompts, metadata)``, prompts addressed by
   global position (what a run's data stream is);
-- :func:`stack_states` / :func:`unstack`: a leading seed axis on any pytree.
+- :func:`stack_states` / :func:`unstack`: a leading seed axis on any pytree;
+  :func:`widen_prompts`: a rollout's prompts in a wider bucket (to join rollouts).
 
 Nothing here imports another module of ``rljax.train``: the interior's layers
 (pyproject.toml, contract ``train-interior``) keep it at the bottom.
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["PromptSource", "Rollout", "stack_states", "to_rollout", "unstack",
-           "zero_variance_groups"]
+           "widen_prompts", "zero_variance_groups"]
 
 Array = Any
 PromptSource = Callable[[int, int], tuple[Sequence[str], Sequence[dict]]]
@@ -115,6 +116,13 @@ def to_rollout(ptok, pmask, tokens, cmask, slogp, truncated, rewards_B, correct_
     return (ptok.astype(jnp.int32), pmask.astype(jnp.float32), tokens.astype(jnp.int32),
             cmask.astype(jnp.float32), slogp, truncated.astype(jnp.float32), rewards_B,
             correct_B, weight_B)
+
+
+def widen_prompts(ro: Rollout, width: int, pad_id: int) -> Rollout:
+    """``ro`` with its prompts left-padded to ``width`` columns (a wider bucket)."""
+    pad = ((0, 0), (width - ro.prompt_BxP.shape[1], 0))
+    return dataclasses.replace(ro, prompt_BxP=jnp.pad(ro.prompt_BxP, pad, constant_values=pad_id),
+                               prompt_mask_BxP=jnp.pad(ro.prompt_mask_BxP, pad))
 
 
 def stack_states(states: Sequence) -> Any:

@@ -164,9 +164,7 @@ class RLTrainer:
                 policy_graphdef, tokenizer, reward_fns, accuracy_fn=accuracy_fn,
                 reward_pool=reward_pool, reward_timeout_s=reward_timeout_s, **kw)
         if algorithm.dynamic_sampling:  # DAPO's rounds around whichever host source
-            self.source = Refill(self.source, max_refill_rounds=algorithm.max_refill_rounds,
-                                 pad_id=self.source.pad_id if self.multiturn is None
-                                 else self.multiturn.pad_id)
+            self.source = Refill(self.source, max_refill_rounds=algorithm.max_refill_rounds)
         total = rl.steps * algorithm.num_epochs * algorithm.num_minibatches
         self.base_spec = StepSpec(
             algorithm.spec(), self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,

@@ -55,7 +55,8 @@ class Collected(NamedTuple):
 class RolloutSource(Protocol):
     """What the driver and the evaluator need of a source.
 
-    ``group_size``: completions per prompt. ``on_device``: True when the step is one
+    ``group_size``: completions per prompt; ``pad_id``: the tokenizer's pad id (pads
+    prompts when batches join). ``on_device``: True when the step is one
     program (the source gives the program its inputs, ``DeviceRewardSource.inputs``);
     False when ``collect`` returns the batch. ``collect(params, window, key, ph)`` samples
     and scores ``window`` with the policy ``params`` (``ph``:
@@ -65,6 +66,7 @@ class RolloutSource(Protocol):
     """
 
     group_size: int
+    pad_id: int
     on_device: bool
 
     def collect(self, params: Any, window: Window, key: Any, ph: Any) -> Collected: ...

@@ -24,7 +24,7 @@ class Episodes:
 
     def __init__(self, rollouts: MultiTurnRollouts):
         self.rollouts = rollouts
-        self.group_size = rollouts.group_size
+        self.group_size, self.pad_id = rollouts.group_size, rollouts.pad_id
         self._rounds: list[dict] = []
 
     def sample_round(self, params, window: Window, key, ph) -> Rollout:

@@ -155,3 +155,21 @@ class Rollouts(PromptRows):
         if self.accuracy_fn is not None:
             sums["accuracy"] = float(np.sum(self._verify(texts, metadata[lo:hi], 1, first + lo)))
         return sum_rows(sums)
+
+    def eval_samples(self, params, prompts: list, metadata: list, first: int, k: int,
+                     key) -> dict:
+        """``k`` completions of each held-out prompt at the sampling temperature, verified:
+        sums over every process's prompts of ``"pass@k"`` (any of its ``k`` correct: Chen
+        et al. 2021's estimator with n = k) and ``"sample_accuracy"`` (the mean of its
+        ``k``)."""
+        if self.accuracy_fn is None:
+            raise ValueError("pass@k counts verified completions; this reward has no "
+                             "verifier (accuracy_fn)")
+        tok, mask = self.encode_all(prompts)
+        lo, hi = hosts.own_groups(len(prompts) * k, k, self.mesh)
+        out = self.generate(params, tok, mask, key, num_samples=k)
+        meta = [m for m in metadata[lo // k:hi // k] for _ in range(k)]
+        ok_Nxk = self._verify(self.own_texts(out, lo, hi), meta, k, first + lo // k) > 0
+        ok_Nxk = ok_Nxk.reshape(-1, k)
+        return sum_rows({f"pass@{k}": float(ok_Nxk.any(axis=1).sum()),
+                         "sample_accuracy": float(ok_Nxk.mean(axis=1).sum())})

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.train import hosts
-from rljax.train.batch import Rollout, zero_variance_groups
+from rljax.train.batch import Rollout, widen_prompts, zero_variance_groups
 from rljax.train.sources import Collected, Window
 
 __all__ = ["Refill"]
@@ -38,13 +38,8 @@ def _assemble(rounds: tuple, n_groups: int, pad_id: int) -> Rollout:
     with weight 0; prompts left-padded to the widest round's bucket."""
     g = rounds[0].group_size
     width = max(r.prompt_BxP.shape[1] for r in rounds)
-
-    def widen(r: Rollout) -> Rollout:
-        pad = ((0, 0), (width - r.prompt_BxP.shape[1], 0))
-        return dataclasses.replace(r, prompt_BxP=jnp.pad(r.prompt_BxP, pad, constant_values=pad_id),
-                                   prompt_mask_BxP=jnp.pad(r.prompt_mask_BxP, pad))
-
-    cat = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[widen(r) for r in rounds])
+    cat = jax.tree.map(lambda *xs: jnp.concatenate(xs),
+                       *[widen_prompts(r, width, pad_id) for r in rounds])
     zv_G = zero_variance_groups(cat.rewards_B, g)
     take_N = jnp.argsort(zv_G, stable=True)[:n_groups]
     rows = (take_N[:, None] * g + jnp.arange(g)[None]).reshape(-1)
@@ -55,19 +50,19 @@ def _assemble(rounds: tuple, n_groups: int, pad_id: int) -> Rollout:
 
 class Refill:
     """DAPO's refill rounds around a host source ``inner`` (one with ``sample_round(params,
-    window, key, ph) -> Rollout`` and ``step_metrics()``): at most ``max_refill_rounds``
-    rounds after the first; ``pad_id`` pads narrower rounds' prompts. Its held-out
+    window, key, ph) -> Rollout``, ``step_metrics()`` and ``pad_id``, which pads narrower
+    rounds' prompts): at most ``max_refill_rounds`` rounds after the first. Its held-out
     evaluation is the inner source's."""
 
     on_device = False
 
-    def __init__(self, inner, *, max_refill_rounds: int, pad_id: int):
+    def __init__(self, inner, *, max_refill_rounds: int):
         if getattr(inner, "on_device", False):
             raise ValueError("dynamic sampling decides its refills on the host; it needs a "
                              "host source (a host reward or environment episodes), not a "
                              "device reward")
-        self.inner, self.max_refill_rounds, self.pad_id = inner, max_refill_rounds, pad_id
-        self.group_size = inner.group_size
+        self.inner, self.max_refill_rounds = inner, max_refill_rounds
+        self.group_size, self.pad_id = inner.group_size, inner.pad_id
 
     def collect(self, params, window: Window, key, ph) -> Collected:
         """Rounds of ``window``-sized prompt blocks from ``window.pos`` until
