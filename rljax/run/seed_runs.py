@@ -6,7 +6,8 @@ Seed `k` is the run `run.seed + k` would be alone: its own initial weights, data
 (training, SFT, validation and held-out prompts), sampling keys and optimiser state. The
 order is that of `run_experiment`: SFT warm-up (each seed stops at its own validation
 target; a stopped seed's state passes through unchanged), held-out evaluation, RL steps
-(one compiled program: sample, score with the device reward, learn), held-out evaluation,
+(with a device reward one compiled program: sample, score, learn; with a host reward each
+seed's batch scored on the host, then one vmapped learning program), held-out evaluation,
 the final stacked state saved, `eval.json`, and the summary whose last line is
 `RESULT seeds=... accuracy_before=<mean> accuracy_after=<mean> accuracy_after_min=...
 gain_mean=... gain_min=... wall_s=...`.
@@ -135,14 +136,22 @@ class _SeedRun:
         split = [nnx.split(builders.build_model(c, tok, None)) for c in per]
         self.graphdef, self.params = split[0][0], [p for _, p in split]
         self.tasks = [builders.build_task(c, tok) for c in per]
-        trainer = RLTrainer(self.graphdef, tok, builders.build_device_reward(cfg, tok),
+        # The reward's JAX form where it has one (the whole step one vmapped program), else
+        # the host reward: each seed's batch scored on the host, one vmapped learning program.
+        reward, accuracy_fn = builders.build_reward(cfg, self.tasks[0])
+        if builders.has_device_reward(cfg):
+            reward, accuracy_fn = builders.build_device_reward(cfg, tok), None
+        trainer = RLTrainer(self.graphdef, tok, reward, accuracy_fn=accuracy_fn,
                             algorithm=cfg.algorithm, optim=cfg.optim, sampling=cfg.sampling,
-                            rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens)
+                            rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens,
+                            reward_pool=(builders.shared_reward_pool(cfg.reward.workers)
+                                         if cfg.reward.workers else None),
+                            reward_timeout_s=cfg.reward.timeout_s)
         self.rl, self.compiled = SeedRL(trainer), {}
         self.phases = {"setup": 0.0, "warm-up": 0.0, "evaluations": 0.0}
         for line in startup_summary(cfg, mesh=None, params=self.params[0], task=self.tasks[0],
-                                    reward_fns=trainer.device_reward, seeds=len(seeds),
-                                    paths=trainer.paths):
+                                    reward_fns=reward, accuracy_fn=accuracy_fn,
+                                    seeds=len(seeds), paths=trainer.paths):
             print(f"[rljax] {line}", file=out)
         rd.record_resolved("forward_paths", trainer.paths.record())
 
@@ -253,7 +262,7 @@ class _SeedRun:
                 with stop.guard() as held:  # a step donates the state: never cut one
                     state, ms = self.rl.step(state, [t.train for t in self.tasks])
                     done += 1
-                rl_s += ms[0]["time_step"]
+                rl_s += sum(v for k, v in ms[0].items() if k.startswith("time_"))  # phases
                 if cfg.rl.eval_due(done):  # each seed's metrics get its eval/<key>
                     for m, r in zip(ms, self.evaluate(state.params["policy"])):
                         m.update({f"eval/{k}": v for k, v in r.items()})

@@ -167,9 +167,12 @@ class SeedRL:
     def compiled(self) -> dict[str, int]:
         """How many programs the RL step and the evaluation needed: distinct static specs
         and argument shapes, each compiled once per process (one per prompt bucket and
-        batch shape; a run whose shapes never change needs one of each)."""
-        return {"rl_step": len(self._programs),
-                "evaluate": len(self.tr.source.seed_programs)}
+        batch shape; a run whose shapes never change needs one of each). A host source's
+        evaluation is the sampler's (``rljax.sampling``), not counted here."""
+        out = {"rl_step": len(self._programs)}
+        if self.tr.source.on_device:
+            out["evaluate"] = len(self.tr.source.seed_programs)
+        return out
 
     def evaluate(self, params_S, prompts: Sequence[Sequence[str]],
                  metadata: Sequence[Sequence[dict]], *, batch_size: int = 256) -> list[dict]:
