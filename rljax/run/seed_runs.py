@@ -38,7 +38,8 @@ from rljax.models.lora import merge_trainable
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.lora_runs import base_model, lora_checkpoints
-from rljax.run.preemption import StopSignal, save_interrupted, save_step
+from rljax.run.loop import Seeds, rl_loop
+from rljax.run.preemption import StopSignal
 from rljax.run.report import Progress, format_summary, result_line
 from rljax.run.run_dir import RunDir
 from rljax.run.startup import startup_summary
@@ -250,32 +251,13 @@ class _SeedRun:
 
     def rl_loop(self, state, before, stop) -> tuple[TrainState, float]:
         """RL steps from ``state``'s step to ``rl.steps``, each seed's metrics logged
-        (checkpoints, SIGTERM and Ctrl-C: the module docstring); returns the state and the
-        steps' device time."""
-        cfg, ck = self.cfg, self.ck
-        done = int(np.asarray(state.step)[0])
-        bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=self.out, desc="rl",
-                       start=done)
-        rl_s, t1, ev0 = 0.0, time.perf_counter(), self.phases["evaluations"]
-        try:
-            while done < cfg.rl.steps:
-                with stop.guard() as held:  # a step donates the state: never cut one
-                    state, ms = self.rl.step(state, [t.train for t in self.tasks])
-                    done += 1
-                rl_s += sum(v for k, v in ms[0].items() if k.startswith("time_"))  # phases
-                if cfg.rl.eval_due(done):  # each seed's metrics get its eval/<key>
-                    for m, r in zip(ms, self.evaluate(state.params["policy"])):
-                        m.update({f"eval/{k}": v for k, v in r.items()})
-                for s, m in zip(self.seeds, ms):
-                    self.rd.log(done, {**m, "seed": s})
-                if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
-                    bar.update(done, {k: float(np.mean([m[k] for m in ms]))
-                                      for k in _PROGRESS_KEYS if k in ms[0]})
-                save_step(ck, done, cfg.rl.steps, state, lambda phase: self.meta(phase, before),
-                          stop, held)
-        except KeyboardInterrupt:  # keep what was learned
-            save_interrupted(ck, done, state, self.meta("interrupted", before), self.out)
-            raise
+        (``rljax.run.loop.rl_loop``); returns the state and the steps' phase time."""
+        t1, ev0 = time.perf_counter(), self.phases["evaluations"]
+        run = Seeds(step=lambda st: self.rl.step(st, [t.train for t in self.tasks]),
+                    evaluate=self.evaluate, seeds=self.seeds)
+        state, rl_s = rl_loop(self.cfg, self.rd, self.ck, state, int(np.asarray(state.step)[0]),
+                              run, lambda phase, _: self.meta(phase, before), stop, self.out,
+                              _PROGRESS_KEYS)
         self.phases["RL"] = time.perf_counter() - t1 - (self.phases["evaluations"] - ev0)
         return state, rl_s
 
