@@ -38,6 +38,17 @@ def _candidates(s: str, strip_units: bool) -> tuple[str, list[Fraction | float]]
     return norm, [value]
 
 
+def is_number(answer: object) -> bool:
+    """Whether a reference answer (a str or a number) reads as a number for `math_equal`:
+    `42`, `1,234`, `\\frac{1}{2}`, `50\\%`, `10^3`; not `abcd`, `x+1`, `(1, 2)`, `4 2`."""
+    if isinstance(answer, bool):
+        return False
+    if isinstance(answer, (int, Rational, float)):
+        return True
+    return (isinstance(answer, str) and len(answer) <= MAX_EXPR_CHARS
+            and bool(_candidates(answer, False)[1]))
+
+
 def _coerce_reference(reference: object) -> str:
     if isinstance(reference, str):
         return reference
