@@ -108,6 +108,9 @@ def test_a_bad_flag_value_names_the_flag(tmp_path):
     p, calls = f.run("setup", "--jax-version", "0.10 .2", ok=False)
     assert "--jax-version: JAX_VERSION must be one word (no spaces), got '0.10 .2'" in p.stderr
     assert calls == []
+    p, calls = f.run("create", "--spot=maybe", ok=False)
+    assert "--spot is a switch and takes no value, got '--spot=maybe'" in p.stderr
+    assert calls == []
 
 
 def test_comments_and_quotes_in_settings_files(tmp_path):

@@ -66,10 +66,10 @@ usage() {  # the script's header comment (lines starting '# ' after the shebang)
 
 _lookup() {  # _lookup KIND NAME FIELD: the variable of flag or key NAME in SETTINGS/SWITCHES
   local -n table=$1
-  local entry
+  local entry f v
   for entry in "${table[@]}"; do
-    read -r flag var _ <<<"$entry"
-    if [ "$2" = "$flag" ] || [ "$2" = "$var" ]; then echo "$var"; return 0; fi
+    read -r f v _ <<<"$entry"
+    if [ "$2" = "$f" ] || [ "$2" = "$v" ]; then echo "$v"; return 0; fi
   done
   return 1
 }
@@ -148,6 +148,9 @@ parse_args() {
       --env) shift ;;
       --*=*)
         flag=${1%%=*} flag=${flag#--}
+        if _lookup SWITCHES "$flag" >/dev/null; then
+          die "--$flag is a switch and takes no value, got '$1': give --$flag alone (or $(_lookup SWITCHES "$flag")=1 in the env file)"
+        fi
         var=$(_lookup SETTINGS "$flag") || die "unknown flag --$flag (see --help)"
         printf -v "$var" '%s' "${1#*=}"; SET_AT[$var]="--$flag: " ;;
       --*)
