@@ -232,10 +232,11 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         sft_records = _epoch_order(train, lambda epoch: np.random.default_rng(
             [_SFT_FILE_ORDER, cfg.run.seed, epoch]).permutation(len(train)))
         answers = [r["answer"] for r in (*train, *held) if "answer" in r]
+        complete = t.answer_field is not None and len(answers) == len(train) + len(held)
+        verifier = cfg.reward.verifier
         known = dict(train_size=len(train), splits=done.get("_splits", {}),
-                     has_answers=t.answer_field is not None and len(answers) == len(train)
-                     + len(held), verifier=(cfg.reward.verifier if cfg.reward.verifier != "auto"
-                                            else rw.answer_verifier(answers)))
+                     has_answers=complete,
+                     verifier=rw.answer_verifier(answers) if verifier == "auto" else verifier)
 
     def texts(recs):
         return [_prompt_text(cfg, tokenizer, r) for r in recs]
