@@ -140,8 +140,9 @@ class _SeedRun:
         # The reward's JAX form where it has one (the whole step one vmapped program), else
         # the host reward: each seed's batch scored on the host, one vmapped learning program.
         reward, accuracy_fn = builders.build_reward(cfg, self.tasks[0])
-        if builders.has_device_reward(cfg):
-            reward, accuracy_fn = builders.build_device_reward(cfg, tok), None
+        verifier = {"accuracy_fn": accuracy_fn}  # the start-up line names the host verifier
+        if builders.has_device_reward(cfg):  # its verifier is the task's built-in check
+            reward, accuracy_fn, verifier = builders.build_device_reward(cfg, tok), None, {}
         trainer = RLTrainer(self.graphdef, tok, reward, accuracy_fn=accuracy_fn,
                             algorithm=cfg.algorithm, optim=cfg.optim, sampling=cfg.sampling,
                             rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens,
@@ -151,8 +152,8 @@ class _SeedRun:
         self.rl, self.compiled = SeedRL(trainer), {}
         self.phases = {"setup": 0.0, "warm-up": 0.0, "evaluations": 0.0}
         for line in startup_summary(cfg, mesh=None, params=self.params[0], task=self.tasks[0],
-                                    reward_fns=reward, accuracy_fn=accuracy_fn,
-                                    seeds=len(seeds), paths=trainer.paths):
+                                    reward_fns=reward, seeds=len(seeds), paths=trainer.paths,
+                                    **verifier):
             print(f"[rljax] {line}", file=out)
         rd.record_resolved("forward_paths", trainer.paths.record())
 
