@@ -199,7 +199,7 @@ def _head(params, model_cfg, mesh):
 
 
 def _rollout(trainer, mesh, b, p, t):
-    from rljax.train.rollout import Rollout
+    from rljax.train.batch import Rollout
 
     f32, i32 = jnp.float32, jnp.int32
     return Rollout(prompt_BxP=_batch(mesh, (b, p), i32), prompt_mask_BxP=_batch(mesh, (b, p), f32),

@@ -25,7 +25,7 @@ def width_reward(completions, metadata):
 class WidthTerms:
     """width_reward, with two terms logged as reward/<term>: "width" (the reward) and
     "digits" (digit_share, weight 0): their means are over every process's rows and
-    every DAPO round (rljax.train.rollout.Rollouts.term_means)."""
+    every DAPO round (rljax.train.sources.host.Rollouts.step_metrics)."""
 
     def __call__(self, completions, metadata):
         w = width_reward(completions, metadata)

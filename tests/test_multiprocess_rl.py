@@ -4,7 +4,7 @@ model, GAE, KL in the reward, 2 epochs x 2 minibatches with the in-graph permuta
 DAPO (dynamic sampling with refill rounds of different prompt widths; its per-term reward
 means, over every process's rows and every round, equal too), DAPO's policy with LoRA
 adapters (split over the mesh by the logical rules, the base frozen). GRPO is scored by a
-device reward (the whole step one program, `rljax.train.programs.fused`); PPO and DAPO by host
+device reward (the whole step one program, `rljax.train.programs.device`); PPO and DAPO by host
 rewards (rollout, scoring on the host, learning program):
 
 - steps 1..3 equal (loss and gradient norms 1e-5 at step 1, 1e-4 later; equal tokens);

@@ -263,6 +263,7 @@ def test_gae_steps_over_observations():
 
 
 def test_multiturn_refuses_what_it_cannot_train(model):
+    """A reward beside the episodes' returns, and bad first observations, are refused."""
     gd, _ = model
     kw = dict(optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=4),
               rl=RLConfig(steps=1, prompts_per_step=4), prompt_len=16,
@@ -270,8 +271,11 @@ def test_multiturn_refuses_what_it_cannot_train(model):
     with pytest.raises(ValueError, match="pass reward_fns=None"):
         RLTrainer(gd, TOK, lambda c, m: np.zeros(len(c)),
                   algorithm=algorithm_preset("grpo", group_size=2), **kw)
-    with pytest.raises(ValueError, match="dynamic sampling is not supported with multiturn"):
-        RLTrainer(gd, TOK, None, algorithm=algorithm_preset("dapo", group_size=2), **kw)
+    # DAPO's refill rounds are rounds of any host source: episodes too (run in
+    # tests/test_composition.py).
+    dapo = RLTrainer(gd, TOK, None, algorithm=algorithm_preset("dapo", group_size=2), **kw)
+    assert type(dapo.source).__name__ == "Refill"
+    assert type(dapo.source.inner).__name__ == "Episodes"
     def sample(make_env, prompt):
         mt = MultiTurnRollouts(gd, TOK, make_env, sampling=SamplingConfig(max_new_tokens=4),
                                limits=LIMITS, prompt_len=16, group_size=1)

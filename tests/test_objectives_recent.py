@@ -324,7 +324,7 @@ def test_learning_program_wires_kl_cov_truncation_masking_and_sequence_is():
     from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
     from rljax.train.programs.step import learn_fn
     from rljax.train.rl import RLTrainer
-    from rljax.train.rollout import Rollout
+    from rljax.train.batch import Rollout
 
     gd, st = tiny_model()
     cfg = algorithm_preset("kl_cov", group_size=2, mask_truncated=True, is_level="sequence", tis_cap=2.0,

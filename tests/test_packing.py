@@ -18,7 +18,7 @@ from rljax.sharding import mesh_context, shard_params
 from rljax.train.learn import packing as pack
 from rljax.train.programs.step import learn_fn
 from rljax.train.rl import RLTrainer
-from rljax.train.rollout import Rollout
+from rljax.train.batch import Rollout
 
 P, T, B = 6, 5, 8
 # eps >> |grad|: Adam's first update is -lr * g / (|g| + eps), so equal updates mean

@@ -31,6 +31,7 @@ from rljax.train.config import (ALGORITHMS, AlgorithmConfig, OptimConfig, RLConf
                                 SamplingConfig)
 from rljax.train.programs.step import learn_step, state_scalars
 from rljax.train.rl import PhaseTimes, RLTrainer
+from rljax.train.sources import Window
 
 TOK = CharTok()
 BASE = dict(algorithm=AlgorithmConfig(name="grpo", group_size=2),
@@ -114,8 +115,8 @@ def base():
     _, params = nnx.split(Decoder(MODEL, rngs=nnx.Rngs(0)))
     state = tr.init_state(params, seed=0)
     _, k_roll, k_learn = jax.random.split(jax.random.key(0), 3)
-    ro = tr.rollouts.sample(state.params["policy"], _source, 0, tr.rl.prompts_per_step,
-                            k_roll, PhaseTimes())
+    ro = tr.rollouts.sample_round(state.params["policy"],
+                                  Window(_source, 0, tr.rl.prompts_per_step), k_roll, PhaseTimes())
     args = (state.params, state.opt_state, state_scalars(state), state.ref_params, ro, k_learn,
             None)
     return tr, state, args

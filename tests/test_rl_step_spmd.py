@@ -18,7 +18,7 @@ from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_
 from rljax.train.learn import algorithms as alg
 from rljax.train.programs.step import learn_fn
 from rljax.train.rl import RLTrainer
-from rljax.train.rollout import Rollout
+from rljax.train.batch import Rollout
 
 TOK = CharTok()
 PROMPTS = ["1+2=", "3+4=", "5+6=", "7+8="]  # one prompt bucket: one compile
@@ -123,7 +123,7 @@ def test_hung_reward_is_cut_at_timeout_and_the_run_goes_on(caplog):
                        rl=RLConfig(steps=2, prompts_per_step=4, logp_chunk=2), prompt_len=24,
                        reward_pool=pool, reward_timeout_s=1.0)
         t0 = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="rljax.train.rollout"):
+        with caplog.at_level(logging.WARNING, logger="rljax.train.sources.host"):
             state, m = tr.step(tr.init_state(st), source)
         assert time.monotonic() - t0 < 120  # hang guard: the 600 s sleep was abandoned
     assert "prompt index 3" in caplog.text and "timed out" in caplog.text

@@ -92,7 +92,7 @@ def _weight_sizes(params, mesh) -> set[int]:
 
 def _partitioned_decode(decode, mesh, graphdef, train, dump) -> str:
     """The decode program's text right after SPMD partitioning, fed the training layout
-    (as inside `rljax.train.programs.fused`) and the output weight built from it."""
+    (as inside `rljax.train.programs.device`) and the output weight built from it."""
     batch, spec = prepare(CFG, PROMPTS, **KW)
     prompts = [jax.device_put(x, sampler_mod.logical_sharding(("batch", None), x.shape, mesh))
                for x in (batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP)]

@@ -149,17 +149,24 @@ def _json(run_dir, name):
         return json.load(f)
 
 
-def test_several_seeds_need_a_device_reward_function(tmp_path):
-    cfg = _config(tmp_path, reward="host_reward")
+def test_several_seeds_with_a_host_reward(tmp_path):
+    """A host reward has no device form; a several-seed run then scores each seed's batch
+    on the host and learns all seeds in one vmapped program (SeedRL's host path)."""
+    cfg = _config(str(tmp_path / "host"), reward="host_reward")
+    assert not builders.has_device_reward(cfg)
     with pytest.raises(ValueError, match="host reward.*DeviceReward instance"):
         builders.build_device_reward(cfg, build_char_tokenizer())
+    res = run_experiment(cfg, out=io.StringIO())
+    rows, n = _rl_rows(res.run_dir)
+    assert n == 2 * STEPS and {s for _, s in rows} == {cfg.run.seed, cfg.run.seed + 1}
+    assert all(np.isfinite(r["loss"]) for r in rows.values())
 
 
 def test_later_runs_reuse_the_first_runs_programs(runs):
     """The stopped and the resumed run build new trainers with the reference run's model
     and configs: they reuse its compiled programs (rljax.train.programs)."""
     from rljax.train.programs.step import seeds_step
-    from rljax.train.programs.evaluate import seeds_evaluate
+    from rljax.train.programs.device import seeds_evaluate
     from rljax.train.seeds import seeds_sft_update
 
     later = runs[-1]

@@ -18,7 +18,7 @@ from rljax.train.learn import _minibatch_rows
 from rljax.train.learn.micro import merge_micro, split_micro
 from rljax.train.programs.step import learn_fn
 from rljax.train.rl import RLTrainer
-from rljax.train.rollout import Rollout
+from rljax.train.batch import Rollout
 
 TINY = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                    num_heads=4, num_kv_heads=2, rope_theta=500.0)

@@ -25,7 +25,8 @@ from rljax.train.batching import (completion_mask_from_tokens, decode_completion
                                   encode_text, pad_left, stop_ids)
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
 from rljax.train.rl import RLTrainer, PhaseTimes
-from rljax.train.rollout import Rollouts
+from rljax.train.sources.evaluate import evaluate
+from rljax.train.sources.host import Rollouts
 
 
 def _with_generation_config(folder, eos_ids):
@@ -88,10 +89,10 @@ def test_rollouts_stop_at_each_stop_id_and_verify_under_the_time_limit(tmp_path,
         out = ro.generate(params, ids_BxP, mask_BxP, jax.random.key(0), greedy=True)
         assert int(out.tokens[0, 0]) == first and int(out.lengths[0]) == 1
         assert not bool(out.truncated[0])
-        assert ro._own_texts(out, 0, 3)[0] == ""
+        assert ro.own_texts(out, 0, 3)[0] == ""
         t0 = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="rljax.train.rollout"):
-            res = ro.evaluate(params, prompts, meta, batch_size=3)
+        with caplog.at_level(logging.WARNING, logger="rljax.train.sources.host"):
+            res = evaluate(ro, params, prompts, meta, batch_size=3)
     assert time.monotonic() - t0 < 30  # a guard against the hang, not a speed assertion
     assert res["accuracy"] == pytest.approx(1 / 3)
     assert "accuracy verifier 'meta_verdict' timed out" in caplog.text

@@ -45,11 +45,12 @@ from rljax.run.experiment_files import load_experiment
 from rljax.run.overrides import apply_overrides
 from rljax.run.run_writers import is_local, run_path, write_folder
 from rljax.run.user_reward import shared_reward_pool
-from rljax.rewards import score_batch
 from rljax.sampling import generate
 from rljax.sharding import MeshConfig, make_mesh
 from rljax.train.checkpoint import Checkpointer, pure_params
 from rljax.train.config import SamplingConfig
+from rljax.train.sources.evaluate import evaluate
+from rljax.train.sources.host import Rollouts
 
 __all__ = ["evaluate_source", "export_hf", "is_run_dir", "load_policy", "sample_texts"]
 
@@ -277,18 +278,6 @@ def sample_texts(source: str | pathlib.Path, prompts: Sequence[str], *, num_samp
     return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 
 
-def _correct(accuracy_fn, texts, metadata, reward) -> np.ndarray:
-    """The verifier's outcomes (0/1): in the reward pool under `reward.timeout_s` when the
-    run's reward uses workers (a call past the limit counts wrong, and is logged), else
-    in this process."""
-    if not reward.workers:
-        return np.asarray([bool(accuracy_fn(t, m)) for t, m in zip(texts, metadata)],
-                          np.float64)
-    out = score_batch([accuracy_fn], list(texts), list(metadata), group_size=1,
-                      timeout_s=reward.timeout_s, pool=shared_reward_pool(reward.workers))
-    return (out.rewards != 0).astype(np.float64)
-
-
 def _decode(tokenizer, res, stops: tuple) -> list[str]:
     tokens, mask = np.asarray(res.tokens), np.asarray(res.completion_mask)
     return [tokenizer.decode([int(t) for t, m in zip(row, mrow) if m and int(t) not in stops])
@@ -307,7 +296,9 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
     prompt. pass@k: k completions per prompt at `sampling.temperature`; a prompt passes
     when any is verified correct (Chen et al. 2021's estimator with n = k samples), and
     `sample_accuracy` is the mean over all k x prompts samples. `run_seed` picks a seed of
-    a several-seed run (default its first, `run.seed`): its own held-out prompts.
+    a several-seed run (default its first, `run.seed`): its own held-out prompts. The
+    scoring is the one held-out evaluator's (`rljax.train.sources.evaluate`) on a host
+    source with the run's verifier (its reward pool and time limit when it has workers).
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
@@ -328,27 +319,14 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
                          "prompts have no reference answer), so there is no accuracy to "
                          "measure; the run's held-out reward means are in eval_before.json "
                          "and eval_after.json")
-    stops = stop_token_ids(tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    opts = _sampling_defaults(cfg, None, None)
-    greedy, passed, sampled = [], [], []
-    for i in range(0, n, batch_size):
-        prompts = task.eval_prompts[i:min(i + batch_size, n)]
-        meta = task.eval_metadata[i:min(i + batch_size, n)]
-        ids = encode_prompts(tokenizer, prompts)
-        common = dict(stop_ids=stops, pad_id=pad)
-        res = generate(model, ids, key=jax.random.key(0), **cfg.sampling.sampler_args(greedy=True),
-                       **common)
-        greedy.append(_correct(accuracy_fn, _decode(tokenizer, res, stops), meta, cfg.reward))
-        res = generate(model, ids, key=jax.random.key(cfg.run.seed + 1 + i), num_samples=k,
-                       **opts, **common)
-        rep_meta = [m for m in meta for _ in range(k)]
-        ok = _correct(accuracy_fn, _decode(tokenizer, res, stops), rep_meta, cfg.reward)
-        ok = ok.reshape(len(prompts), k)
-        passed.append(ok.any(axis=1))
-        sampled.append(ok.mean(axis=1))
+    graphdef, params = nnx.split(model)
+    pool = shared_reward_pool(cfg.reward.workers) if cfg.reward.workers else None
+    source = Rollouts(graphdef, tokenizer, lambda c, m: np.zeros(len(c), np.float32),
+                      accuracy_fn=accuracy_fn, sampling=cfg.sampling,
+                      prompt_len=cfg.task.max_prompt_tokens, group_size=1,
+                      reward_pool=pool, reward_timeout_s=cfg.reward.timeout_s)
+    res = evaluate(source, params, task.eval_prompts[:n], task.eval_metadata[:n],
+                   batch_size=batch_size, k=k, seed=cfg.run.seed)
     return {"n": n, "k": k, "seed": cfg.run.seed, "verifier": getattr(accuracy_fn, "name", None),
-            "accuracy": float(np.concatenate(greedy).mean()),
-            f"pass@{k}": float(np.concatenate(passed).mean()),
-            "sample_accuracy": float(np.concatenate(sampled).mean()),
-            "temperature": opts["temperature"]}
+            "accuracy": res["accuracy"], f"pass@{k}": res[f"pass@{k}"],
+            "sample_accuracy": res["sample_accuracy"], "temperature": cfg.sampling.temperature}

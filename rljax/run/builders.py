@@ -311,26 +311,31 @@ def _answer_check(cfg: ExperimentConfig, task: TaskData | None, tags) -> tuple[A
         f"{cfg.task.answer_field!r} ({how})")
 
 
-def build_device_reward(cfg: ExperimentConfig, tokenizer):
-    """The task's reward as a JAX function of token ids (`rljax.rewards.device`), for runs
-    whose whole step is one program (`run.seeds > 1`): the arithmetic task's accuracy
-    reward in the plain or reversed style, or a custom `reward.function` that is a
-    `DeviceReward` instance. Other tasks and reward kinds: ValueError."""
+def has_device_reward(cfg: ExperimentConfig) -> bool:
+    """Whether the task's reward has a JAX form (`build_device_reward`): the arithmetic
+    task's accuracy reward in the plain or reversed style, or a custom `reward.function`
+    that is a `DeviceReward` instance."""
     r, t = cfg.reward, cfg.task
     if r.kind == "custom":
-        fn = load_function(r.function, "reward.function")
-        if not is_device_reward(fn):
-            raise ValueError(f"reward.function={r.function!r} is a host reward "
-                             f"({type(fn).__name__}); run.seeds > 1 needs a "
-                             "rljax.rewards.device.DeviceReward instance (use run.seeds=1 "
-                             "for host rewards)")
-        return fn
-    if t.name != "arithmetic" or t.style not in ("plain", "reversed") or r.kind != "accuracy":
+        return is_device_reward(load_function(r.function, "reward.function"))
+    return t.name == "arithmetic" and t.style in ("plain", "reversed") and r.kind == "accuracy"
+
+
+def build_device_reward(cfg: ExperimentConfig, tokenizer):
+    """The task's reward as a JAX function of token ids (`rljax.rewards.device`): the
+    several-seed run's step is then one program. Where there is none
+    (`has_device_reward`): ValueError."""
+    r, t = cfg.reward, cfg.task
+    if not has_device_reward(cfg):
+        if r.kind == "custom":
+            raise ValueError(f"reward.function={r.function!r} is a host reward; a device "
+                             "reward is a rljax.rewards.device.DeviceReward instance")
         raise ValueError(
             f"a device reward exists for task 'arithmetic' (style plain or reversed) with "
             f"reward.kind 'accuracy', or as a custom reward.function; got task {t.name!r} "
-            f"style {t.style!r} reward.kind {r.kind!r} (run.seeds > 1 needs one; use "
-            "run.seeds=1 for host rewards)")
+            f"style {t.style!r} reward.kind {r.kind!r}")
+    if r.kind == "custom":
+        return load_function(r.function, "reward.function")
     vocab = cfg.model.vocab_size if cfg.model is not None else len(tokenizer)
     return ArithmeticDeviceReward(tokenizer, vocab, tokenizer.eos_token_id, style=t.style,
                                   scale=r.accuracy_weight * r.correct_reward)
@@ -341,7 +346,7 @@ class ComponentReward:
 
     `last` holds `{"reward/<name>": mean}` of the latest call and `last_components` its
     per-row values (name -> float32[B]), from which the trainer logs each term's mean over
-    the whole step (`rljax.train.rollout.Rollouts.term_means`): the accuracy and format
+    the whole step (`rljax.train.sources.host.Rollouts.step_metrics`): the accuracy and format
     terms separately (R1-Zero's two rewards). With `workers > 0` the
     item calls run in the process's shared `RewardPool` (`shared_reward_pool`) and each is
     cut at `timeout_s`: a call past it scores 0 and is logged (by `score_batch`) with its

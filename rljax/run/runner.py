@@ -45,8 +45,8 @@ from rljax.models.lora import merge_trainable
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.lora_runs import base_model, lora_checkpoints
-from rljax.run.preemption import StopSignal, save_interrupted, save_step
-from rljax.run.profiling import StepProfiler, parse_profile_steps
+from rljax.run.loop import Seeds, rl_loop
+from rljax.run.preemption import StopSignal
 from rljax.run.report import Progress, format_summary
 from rljax.run.run_dir import RunDir, is_local
 from rljax.run.run_writers import write_folder
@@ -287,28 +287,17 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
 
 
 def _rl_loop(cfg, rd, ck, trainer, state, task, acc_before, out, stop):
-    bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=out, desc="rl",
-                   start=int(state.step))
-    prof = StepProfiler(parse_profile_steps(cfg.run.profile_steps), rd.path / "profile",
-                        last=cfg.rl.steps)
-    try:
-        for step in range(int(state.step), cfg.rl.steps):
-            with prof.step(step + 1), stop.guard() as held:  # numbered as
-                state, metrics = trainer.step(state, task.train)  # metrics.jsonl numbers it
-            done = int(state.step)
-            if cfg.rl.eval_due(done):
-                res = trainer.evaluate(state.params["policy"], task.eval_prompts, task.eval_metadata)
-                metrics.update({f"eval/{k}": v for k, v in res.items()})
-            rd.log(done, metrics)
-            if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
-                bar.update(done, metrics)
-            save_step(ck, done, cfg.rl.steps, state,
-                      lambda phase: _meta(cfg, rd, state, phase, acc_before), stop, held)
-    except KeyboardInterrupt:  # keep what was learned
-        save_interrupted(ck, int(state.step), state,
-                         _meta(cfg, rd, state, "interrupted", acc_before), out)
-        raise
-    return state
+    run = Seeds(step=lambda st: _one(trainer.step(st, task.train)),
+                evaluate=lambda p: [trainer.evaluate(p, task.eval_prompts, task.eval_metadata)])
+    return rl_loop(cfg, rd, ck, state, int(state.step), run,
+                   lambda phase, st: _meta(cfg, rd, st, phase, acc_before), stop, out,
+                   _PROGRESS_KEYS)[0]
+
+
+def _one(step_out: tuple) -> tuple:
+    """``(state, metrics)`` -> ``(state, [metrics])``: a one-seed run's step."""
+    state, metrics = step_out
+    return state, [metrics]
 
 
 def _finish(cfg, rd, acc_before, after: dict, t0: float, out, verifier=None) -> RunResult:

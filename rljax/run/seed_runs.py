@@ -6,7 +6,8 @@ Seed `k` is the run `run.seed + k` would be alone: its own initial weights, data
 (training, SFT, validation and held-out prompts), sampling keys and optimiser state. The
 order is that of `run_experiment`: SFT warm-up (each seed stops at its own validation
 target; a stopped seed's state passes through unchanged), held-out evaluation, RL steps
-(one compiled program: sample, score with the device reward, learn), held-out evaluation,
+(with a device reward one compiled program: sample, score, learn; with a host reward each
+seed's batch scored on the host, then one vmapped learning program), held-out evaluation,
 the final stacked state saved, `eval.json`, and the summary whose last line is
 `RESULT seeds=... accuracy_before=<mean> accuracy_after=<mean> accuracy_after_min=...
 gain_mean=... gain_min=... wall_s=...`.
@@ -37,7 +38,8 @@ from rljax.models.lora import merge_trainable
 from rljax.run import builders
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.lora_runs import base_model, lora_checkpoints
-from rljax.run.preemption import StopSignal, save_interrupted, save_step
+from rljax.run.loop import Seeds, rl_loop
+from rljax.run.preemption import StopSignal
 from rljax.run.report import Progress, format_summary, result_line
 from rljax.run.run_dir import RunDir
 from rljax.run.startup import startup_summary
@@ -135,14 +137,23 @@ class _SeedRun:
         split = [nnx.split(builders.build_model(c, tok, None)) for c in per]
         self.graphdef, self.params = split[0][0], [p for _, p in split]
         self.tasks = [builders.build_task(c, tok) for c in per]
-        trainer = RLTrainer(self.graphdef, tok, builders.build_device_reward(cfg, tok),
+        # The reward's JAX form where it has one (the whole step one vmapped program), else
+        # the host reward: each seed's batch scored on the host, one vmapped learning program.
+        reward, accuracy_fn = builders.build_reward(cfg, self.tasks[0])
+        verifier = {"accuracy_fn": accuracy_fn}  # the start-up line names the host verifier
+        if builders.has_device_reward(cfg):  # its verifier is the task's built-in check
+            reward, accuracy_fn, verifier = builders.build_device_reward(cfg, tok), None, {}
+        trainer = RLTrainer(self.graphdef, tok, reward, accuracy_fn=accuracy_fn,
                             algorithm=cfg.algorithm, optim=cfg.optim, sampling=cfg.sampling,
-                            rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens)
+                            rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens,
+                            reward_pool=(builders.shared_reward_pool(cfg.reward.workers)
+                                         if cfg.reward.workers else None),
+                            reward_timeout_s=cfg.reward.timeout_s)
         self.rl, self.compiled = SeedRL(trainer), {}
         self.phases = {"setup": 0.0, "warm-up": 0.0, "evaluations": 0.0}
         for line in startup_summary(cfg, mesh=None, params=self.params[0], task=self.tasks[0],
-                                    reward_fns=trainer.device_reward, seeds=len(seeds),
-                                    paths=trainer.paths):
+                                    reward_fns=reward, seeds=len(seeds), paths=trainer.paths,
+                                    **verifier):
             print(f"[rljax] {line}", file=out)
         rd.record_resolved("forward_paths", trainer.paths.record())
 
@@ -241,32 +252,13 @@ class _SeedRun:
 
     def rl_loop(self, state, before, stop) -> tuple[TrainState, float]:
         """RL steps from ``state``'s step to ``rl.steps``, each seed's metrics logged
-        (checkpoints, SIGTERM and Ctrl-C: the module docstring); returns the state and the
-        steps' device time."""
-        cfg, ck = self.cfg, self.ck
-        done = int(np.asarray(state.step)[0])
-        bar = Progress(max(cfg.rl.steps, 1), _PROGRESS_KEYS, stream=self.out, desc="rl",
-                       start=done)
-        rl_s, t1, ev0 = 0.0, time.perf_counter(), self.phases["evaluations"]
-        try:
-            while done < cfg.rl.steps:
-                with stop.guard() as held:  # a step donates the state: never cut one
-                    state, ms = self.rl.step(state, [t.train for t in self.tasks])
-                    done += 1
-                rl_s += ms[0]["time_step"]
-                if cfg.rl.eval_due(done):  # each seed's metrics get its eval/<key>
-                    for m, r in zip(ms, self.evaluate(state.params["policy"])):
-                        m.update({f"eval/{k}": v for k, v in r.items()})
-                for s, m in zip(self.seeds, ms):
-                    self.rd.log(done, {**m, "seed": s})
-                if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
-                    bar.update(done, {k: float(np.mean([m[k] for m in ms]))
-                                      for k in _PROGRESS_KEYS if k in ms[0]})
-                save_step(ck, done, cfg.rl.steps, state, lambda phase: self.meta(phase, before),
-                          stop, held)
-        except KeyboardInterrupt:  # keep what was learned
-            save_interrupted(ck, done, state, self.meta("interrupted", before), self.out)
-            raise
+        (``rljax.run.loop.rl_loop``); returns the state and the steps' phase time."""
+        t1, ev0 = time.perf_counter(), self.phases["evaluations"]
+        run = Seeds(step=lambda st: self.rl.step(st, [t.train for t in self.tasks]),
+                    evaluate=self.evaluate, seeds=self.seeds)
+        state, rl_s = rl_loop(self.cfg, self.rd, self.ck, state, int(np.asarray(state.step)[0]),
+                              run, lambda phase, _: self.meta(phase, before), stop, self.out,
+                              _PROGRESS_KEYS)
         self.phases["RL"] = time.perf_counter() - t1 - (self.phases["evaluations"] - ev0)
         return state, rl_s
 

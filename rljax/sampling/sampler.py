@@ -42,7 +42,7 @@ decodes with ``rljax.sharding.inference_shardings`` (each parameter replicated o
 fsdp, still split over "tensor"), its matmul weights cast to the compute dtype
 (``rljax.models.layers.cast_matmul_weights``, before the gather). ``run`` makes that copy
 once per call (freed when the call returns), and ``_prefill`` / ``_decode`` constrain to it
-on entry, so inside a larger program (``rljax.train.programs.fused``) XLA gathers once,
+on entry, so inside a larger program (``rljax.train.programs.device``) XLA gathers once,
 before the loops. While sampling a chip holds the copy, ``params / tensor``, beside its
 training shard (``experiments/memory_budget.py`` counts both); with fsdp = 1 only a
 bfloat16 model's cast copy is made.
@@ -339,7 +339,7 @@ def sample_arrays(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxP, mask_Bx
                   head_VxD=None, prompt_index_R=None) -> SampleResult:
     """The sampler on packed prompt arrays (``rljax.sampling.PackedPrompts``' fields, on
     device or traced): callable inside ``jax.jit`` and ``jax.vmap``, so a caller can
-    compile sampling into a larger program (``rljax.train.programs.fused``). ``prompt_index_R``
+    compile sampling into a larger program (``rljax.train.programs.device``). ``prompt_index_R``
     defaults to ``row // num_samples``."""
     s, prefix, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, head_VxD,
                                               tokens_BxP, mask_BxP, positions_BxP, key)

@@ -4,7 +4,8 @@ The trainer core (Python API first):
 - configs: `OptimConfig`, `AlgorithmConfig` (+ `algorithm_preset(name)` for each paper's
   defaults), `SamplingConfig`, `RLConfig`, `SFTConfig`;
 - `RLTrainer(policy_graphdef, tokenizer, reward_fns, ...)`: `init_state`, `step(state,
-  source) -> (state, metrics)`, `evaluate`; one loop for all 13 algorithms of
+  source) -> (state, metrics)`, `evaluate`; one driver (`rljax.train.driver.rl_step`) for
+  every rollout source (`rljax.train.sources`) and all 13 algorithms of
   `ALGORITHMS` (grpo, dr_grpo, dapo, gspo, rloo, reinforce, ppo with its value model and
   KL in the reward, cispo, sapo, gmpo, clip_cov, kl_cov, distill; each one's settings in
   docs/reference.md);
@@ -21,8 +22,9 @@ The trainer core (Python API first):
 Experiment configs, overrides, run directories, plots and the runner are the run layer
 above this one: `rljax.run`.
 
-Where the step (`rl.py`), the sampler call (`rollout.py`), the learning program and its loss
-(`learn/`) and the configs (`config/`) live: docs/design.md, "Where things are in rljax/train".
+Where the trainer (`rl.py`), the one step driver (`driver.py`), the rollout sources
+(`sources/`), the learning program and its loss (`learn/`) and the configs (`config/`)
+live: docs/design.md, "Where things are in rljax/train".
 """
 
 from rljax.train.batching import decode_completions, encode_pairs, encode_prompts, encode_traces
@@ -37,7 +39,8 @@ from rljax.train.learn.update import (Learner, NonFiniteError, TrainState, accum
                                       make_optimizer, make_schedule, make_update, new_train_state)
 from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts
 from rljax.train.rl import RLTrainer, rl_loss
-from rljax.train.rollout import Rollout, Rollouts
+from rljax.train.batch import Rollout
+from rljax.train.sources.host import Rollouts
 from rljax.train.sft import SFTTrainer, sft_loss
 
 __all__ = [

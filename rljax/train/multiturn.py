@@ -47,7 +47,7 @@ from rljax.sharding import mesh_context
 from rljax.train import hosts
 from rljax.train.batching import encode_text, pad_left, special_ids, stop_ids
 from rljax.train.config import SamplingConfig
-from rljax.train.rollout import PromptSource, Rollout, to_rollout
+from rljax.train.batch import PromptSource, Rollout, to_rollout
 
 __all__ = ["MultiTurnConfig", "MultiTurnRollouts", "MultiTurnOutput", "stop_sequences"]
 

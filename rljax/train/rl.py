@@ -1,7 +1,11 @@
-"""The colocated RL step as one SPMD program over all processes:
+"""``RLTrainer``: the colocated RL step as one SPMD program over all processes:
 
   prompts (own block) -> sampler (global) -> own rows' texts -> rewards (global array)
   -> one jitted learning program (``rljax.train.learn``) -> one dict of scalars.
+
+The trainer chooses its rollout source once (``rljax.train.sources``: host rewards, a
+device reward, environment episodes, each wrapped in DAPO's ``Refill`` when dynamic
+sampling is on) and runs every step through the one driver, ``rljax.train.driver.rl_step``.
 
 One ``RLTrainer`` serves every algorithm in ``rljax.train.config.ALGORITHMS``: the
 algorithm config picks the objective, the advantage estimator, where the KL goes and
@@ -19,18 +23,18 @@ count out, and the metrics dict out.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Sequence
 
 import jax
-import numpy as np
 
 from rljax.rewards.device import is_device_reward
-from rljax.sharding import check_process_blocks, output_shardings, put_on
+from rljax.sharding import check_process_blocks, output_shardings
 from rljax.train import hosts
 from rljax.train import throughput
+from rljax.train.batch import PromptSource, Rollout
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling, check_packing)
+from rljax.train.driver import rl_step
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
 from rljax.train.learn.packing import PackSpec, choose_spec, pack_bins
@@ -38,32 +42,18 @@ from rljax.models.lora import has_adapters, split_trainable
 from rljax.train.learn.reference import lora_base, reference_copy
 from rljax.train.learn.update import (NonFiniteError, TrainState, init_opt_state, new_train_state,
                                       num_micro_batches)
-from rljax.train.programs.fused import split_step_key
-from rljax.train.programs.paths import resolve_paths
-from rljax.train.programs.step import (StepSpec, fused_step, learn_step, optimizers, run,
-                                       schedule_updates, state_scalars)
 from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts
-from rljax.train.dynamic import sample_until_full
-from rljax.train.rollout import PromptSource, Rollout, Rollouts
+from rljax.train.programs.paths import resolve_paths
+from rljax.train.programs.step import StepSpec, optimizers, schedule_updates
+from rljax.train.sources import Window
+from rljax.train.sources.device import DeviceRewardSource
+from rljax.train.sources.episodes import Episodes
+from rljax.train.sources.evaluate import evaluate
+from rljax.train.sources.host import Rollouts
+from rljax.train.sources.refill import Refill
+from rljax.train.throughput import PhaseTimes
 
-__all__ = ["PromptSource", "RLTrainer", "rl_loss"]
-
-
-@dataclasses.dataclass
-class PhaseTimes:
-    """Wall-clock seconds per phase of one step."""
-
-    times: dict = dataclasses.field(default_factory=dict)
-
-    def timed(self, name: str, fn, *args, **kw):
-        t0 = time.perf_counter()
-        out = fn(*args, **kw)
-        jax.block_until_ready(out)
-        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
-        return out
-
-
-_split_key = jax.jit(split_step_key)
+__all__ = ["PhaseTimes", "PromptSource", "RLTrainer", "rl_loss"]
 
 
 def _check_multiturn(multiturn, reward_fns, algorithm) -> None:
@@ -74,9 +64,6 @@ def _check_multiturn(multiturn, reward_fns, algorithm) -> None:
     if reward_fns is not None:
         raise ValueError("RLTrainer: with multiturn the environments' episode returns are "
                          "the rewards; pass reward_fns=None")
-    if algorithm.dynamic_sampling:
-        raise ValueError("RLTrainer: dynamic sampling is not supported with multiturn (its "
-                         "refill rounds are single-turn rollouts)")
 
 
 class RLTrainer:
@@ -92,7 +79,7 @@ class RLTrainer:
       reward_fns: a batch reward ``(completions, metadata) -> float32[B]``, a list of
         item rewards ``(completion, meta) -> float`` (summed; see ``score_batch``), or a
         device reward (``rljax.rewards.device.DeviceReward``): then each step is one
-        compiled program, sample -> score -> learn (``rljax.train.programs.fused``).
+        compiled program, sample -> score -> learn (``rljax.train.programs.device``).
       algorithm, optim, sampling, rl: configs (``algorithm`` is resolved against its
         name's preset).
       prompt_len: prompt width cap in tokens (longer prompts are an error naming the index).
@@ -105,7 +92,7 @@ class RLTrainer:
       multiturn: a ``rljax.train.multiturn.MultiTurnConfig``: episodes with an
         environment per row (``rljax.train.multiturn.MultiTurnRollouts``; observation
         tokens get loss mask 0); the episode return is the reward, so ``reward_fns``
-        must be None. Not with dynamic sampling.
+        must be None. With dynamic sampling, DAPO's rounds are rounds of episodes.
       teacher: ``(graphdef, params)`` of a frozen teacher decoder that shares the
         tokenizer (``algorithm.needs_teacher`` only, and required there; see
         ``rljax.run.teacher.load_teacher``): its log-probs are computed inside the
@@ -137,9 +124,6 @@ class RLTrainer:
         if multiturn is not None:
             _check_multiturn(multiturn, reward_fns, algorithm)
         self.device_reward = reward_fns if is_device_reward(reward_fns) else None
-        if self.device_reward is not None and algorithm.dynamic_sampling:
-            raise ValueError("RLTrainer: dynamic sampling decides its refills on the host; it "
-                             "needs a host reward, not a device reward")
         self.teacher_gd, self.teacher_params = teacher if teacher is not None else (None, None)
         if mesh is not None:  # a mesh from jax.make_mesh on a TPU slice would mis-score
             check_process_blocks(mesh)
@@ -163,17 +147,24 @@ class RLTrainer:
             other_gds=(self.teacher_gd,) if self.teacher_gd is not None else (),
             backend=jax.default_backend())
         self.share_group = self.paths.prompt_group
-        self.rollouts = Rollouts(policy_graphdef, tokenizer, reward_fns, sampling=sampling,
-                                 prompt_len=prompt_len, group_size=algorithm.group_size,
-                                 accuracy_fn=accuracy_fn, mesh=mesh, reward_pool=reward_pool,
-                                 reward_timeout_s=reward_timeout_s,
-                                 prompt_multiple=prompt_multiple)
-        self.multiturn = None if multiturn is None else MultiTurnRollouts(
-            policy_graphdef, tokenizer, multiturn.make_env, sampling=sampling,
-            limits=multiturn.limits, prompt_len=prompt_len, group_size=algorithm.group_size,
-            mesh=mesh, pool=multiturn.pool, return_mode=multiturn.return_mode,
-            gamma=multiturn.gamma, prompt_multiple=prompt_multiple,
-            obs_multiple=multiturn.obs_multiple, chat=multiturn.chat)
+        kw = dict(sampling=sampling, prompt_len=prompt_len, group_size=algorithm.group_size,
+                  mesh=mesh, prompt_multiple=prompt_multiple)
+        self.rollouts, self.multiturn = None, None  # the single-turn / episode source
+        if multiturn is not None:
+            self.multiturn = MultiTurnRollouts(
+                policy_graphdef, tokenizer, multiturn.make_env, limits=multiturn.limits,
+                pool=multiturn.pool, return_mode=multiturn.return_mode, gamma=multiturn.gamma,
+                obs_multiple=multiturn.obs_multiple, chat=multiturn.chat, **kw)
+            self.source = Episodes(self.multiturn)
+        elif self.device_reward is not None:
+            self.rollouts = self.source = DeviceRewardSource(
+                policy_graphdef, tokenizer, reward_fns, accuracy_fn=accuracy_fn, **kw)
+        else:
+            self.rollouts = self.source = Rollouts(
+                policy_graphdef, tokenizer, reward_fns, accuracy_fn=accuracy_fn,
+                reward_pool=reward_pool, reward_timeout_s=reward_timeout_s, **kw)
+        if algorithm.dynamic_sampling:  # DAPO's rounds around whichever host source
+            self.source = Refill(self.source, max_refill_rounds=algorithm.max_refill_rounds)
         total = rl.steps * algorithm.num_epochs * algorithm.num_minibatches
         self.base_spec = StepSpec(
             algorithm.spec(), self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
@@ -252,36 +243,15 @@ class RLTrainer:
     # ------------------------------------------------------------------ one RL step
     def step(self, state: TrainState, source: PromptSource):
         """One RL step on prompts ``source(state.data_pos, prompts_per_step)`` (more when
-        dynamic sampling refills). Returns ``(state, metrics: dict[str, float])``."""
-        ph = PhaseTimes()
-        pos = int(hosts.fetch_scalars(state.data_pos))
-        spec = self.step_spec(state)
-        params, opt_state = put_on((state.params, state.opt_state), spec.out_shardings)
-        state = dataclasses.replace(state, params=params, opt_state=opt_state)
-        scalars = state_scalars(state)
-        if self.device_reward is not None:
-            decode, prompts, task = self.rollouts.device_inputs(state.params["policy"], source,
-                                                                pos, self.rl.prompts_per_step)
-            pos, extra = pos + self.rl.prompts_per_step, {}
-            params, opt_state, out, m = ph.timed(
-                "step", run, fused_step, spec, decode, state.params, state.opt_state, scalars,
-                state.ref_params, prompts, task, state.key, self.teacher_params)
-        else:
-            key, k_roll, k_learn = _split_key(state.key)
-            ro, pos, extra = self._collect(state, source, pos, k_roll, ph)
-            self.last_packing = self.packing_for(ro)
-            spec = dataclasses.replace(spec, packing=self.last_packing)
-            params, opt_state, out, m = ph.timed("learn", run, learn_step, spec, state.params,
-                                                 state.opt_state, scalars, state.ref_params, ro,
-                                                 k_learn, self.teacher_params)
-            out["key"] = key
-        state = dataclasses.replace(
-            state, params=params, opt_state=opt_state,
-            data_pos=hosts.put_replicated(pos, self.mesh, np.int32), **out)
-        metrics = hosts.fetch_scalars(m)
-        metrics.update(extra)
-        metrics.update(self.rollouts.term_means())  # reward/<term>: all processes and rounds
-        return state, self.finish_metrics(metrics, ph, state.params)
+        dynamic sampling refills; ``rljax.train.driver.rl_step``). Returns ``(state,
+        metrics: dict[str, float])``."""
+        window = Window(source, int(hosts.fetch_scalars(state.data_pos)),
+                        self.rl.prompts_per_step)
+        out = rl_step(self.step_spec(state), self.source, state, window,
+                      teacher_params=self.teacher_params,
+                      layout=self.packing_for)
+        self.last_packing = out.spec.packing
+        return out.state, self.finish_metrics(out.metrics, out.times, out.state.params)
 
     def finish_metrics(self, m: dict, ph: PhaseTimes, params: dict | None = None,
                        run: str = "") -> dict:
@@ -297,23 +267,6 @@ class RLTrainer:
                 f"updates had a non-finite loss or gradient (limit max_nonfinite_steps="
                 f"{self.rl.max_nonfinite_steps}); stopping")
         return m
-
-    def _collect(self, state, source, pos: int, key, ph):
-        """Rollouts and rewards of ``rl.prompts_per_step`` prompts from ``pos``: multi-turn
-        episodes, one sampling round, or DAPO's rounds (``rljax.train.dynamic``)."""
-        n, params = self.rl.prompts_per_step, state.params["policy"]
-        if self.multiturn is not None:
-            t0 = time.perf_counter()
-            out = self.multiturn.sample(params, source, pos, n, key)
-            jax.block_until_ready(out.rollout)
-            ph.times["rollout"] = time.perf_counter() - t0
-            return out.rollout, pos + n, dict(out.metrics)
-        sample = lambda p, k: self.rollouts.sample(params, source, p, n, k, ph)
-        if self.alg.dynamic_sampling:
-            return sample_until_full(sample, pos, n, key, pad_id=self.rollouts.pad_id,
-                                     max_refill_rounds=self.alg.max_refill_rounds)
-        _, k = jax.random.split(key)  # as each round of dynamic sampling splits it
-        return sample(pos, k), pos + n, {}
 
     def add_throughput(self, m: dict, ph: PhaseTimes, params: dict | None = None) -> None:
         """Tokens/s (whole mesh and per chip), phase times, model FLOP/s and MFU
@@ -351,6 +304,4 @@ class RLTrainer:
         """Greedy decoding on held-out prompts: ``{"accuracy", "reward_mean", ...}``."""
         params = (state_or_params.params["policy"] if isinstance(state_or_params, TrainState)
                   else state_or_params)
-        if self.multiturn is not None:  # greedy episodes; their mean return
-            return self.multiturn.evaluate(params, list(prompts), list(metadata), batch_size)
-        return self.rollouts.evaluate(params, list(prompts), list(metadata), batch_size)
+        return evaluate(self.source, params, prompts, metadata, batch_size=batch_size)

@@ -1,8 +1,11 @@
-"""Several independent runs of one configuration in one compiled program.
+"""Several independent runs of one configuration, each step's programs vmapped over a
+leading seed axis: PureJaxRL's trick (Lu et al. 2022), brought to language-model RL.
 
-With a device reward an RL step is a pure function of arrays (``rljax.train.programs.fused``), so
-``jax.vmap`` over a leading seed axis trains ``S`` runs at once: PureJaxRL's trick
-(Lu et al. 2022), brought to language-model RL. Every array of the stacked ``TrainState``
+With a device reward the whole RL step is a pure function of arrays
+(``rljax.train.programs.device``), so ``seeds_step`` is it vmapped; with a host source
+(host rewards, environment episodes, DAPO's refill around either) each seed's batch is
+collected with its own parameters and key, and the learning program is vmapped
+(``seeds_learn_step``). Every array of the stacked ``TrainState``
 has a leading ``[S]`` axis; each seed keeps its own initial weights, PRNG key, prompt
 stream and optimiser state, and is exactly the run it would be alone (up to float
 rounding: a batched matmul may sum in another order). The batched program has S times
@@ -12,7 +15,10 @@ the rows per matmul, which is where small models gain throughput.
 - :class:`SeedSFT`: the SFT warm-up, vmapped, with a per-seed ``active`` flag so each
   seed stops at its own step (a stopped seed's state passes through unchanged).
 
-One device (``mesh=None``): on a mesh, seeds are separate runs.
+Host sources run on a mesh too: every seed's arrays carry the single run's shardings
+behind the seed axis (a plain ``vmap``; each seed's collectives span the whole mesh).
+The device-reward form is one device (``mesh=None``). A packed layout is per batch:
+several seeds use padded rows.
 """
 
 from __future__ import annotations
@@ -26,24 +32,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.train import hosts
+from rljax.train.batch import stack_states, unstack, widen_prompts
 from rljax.train.config import SFTConfig
 from rljax.train.learn.update import TrainState, num_micro_batches
 from rljax.train.programs import program_signature
-from rljax.train.programs.step import seeds_step, state_scalars
-from rljax.train.rl import PhaseTimes, RLTrainer
+from rljax.train.programs.device import split_step_key
+from rljax.train.programs.step import run, seeds_learn_step, seeds_step, state_scalars
+from rljax.train.rl import RLTrainer
 from rljax.train.sft import SFTTrainer, sft_update_fn
+from rljax.train.sources import Window
+from rljax.train.sources.evaluate import evaluate, evaluate_seeds
+from rljax.train.throughput import PhaseTimes
 
 __all__ = ["SeedRL", "SeedSFT", "stack_states", "unstack"]
 
 
-def stack_states(states: Sequence[TrainState]) -> TrainState:
-    """Per-seed states -> one state whose arrays have a leading seed axis."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-
-
-def unstack(tree, i: int):
-    """Seed ``i``'s slice of a stacked tree."""
-    return jax.tree.map(lambda x: x[i], tree)
+_split_keys = jax.jit(jax.vmap(split_step_key))
 
 
 def _per_seed(m: dict, s: int) -> list[dict]:
@@ -65,39 +69,48 @@ def _left_pad(arrays: tuple, width: int, pad_id: int) -> tuple:
 class SeedRL:
     """``trainer``'s RL step and evaluation for ``S`` seeds in one program each.
 
-    ``trainer`` must have a device reward and no mesh. States come from
-    :meth:`init_state`; ``step`` takes one prompt source per seed.
+    Any rollout source; a device reward needs one device (``mesh=None``), packing is
+    refused. States come from :meth:`init_state`; ``step`` takes one prompt source per seed.
     """
 
     def __init__(self, trainer: RLTrainer):
-        if trainer.device_reward is None:
-            raise ValueError("SeedRL: the trainer needs a device reward "
-                             "(rljax.rewards.device): a host reward cannot run inside vmap")
-        if trainer.mesh is not None:
-            raise ValueError("SeedRL: seeds are vmapped on one device (mesh=None); on a mesh "
-                             "run each seed as its own run")
+        if trainer.device_reward is not None and trainer.mesh is not None:
+            raise ValueError("SeedRL: with a device reward seeds are vmapped on one device "
+                             "(mesh=None); on a mesh use a host reward or run each seed "
+                             "alone")
+        if trainer.rl.tokens_per_micro_batch:
+            raise ValueError(f"SeedRL: RLConfig.tokens_per_micro_batch="
+                             f"{trainer.rl.tokens_per_micro_batch} packs each batch to its "
+                             "own shape; several seeds share one program: use "
+                             "tokens_per_micro_batch=0 (padded rows)")
         self.tr = trainer
         self._programs: set = set()  # the RL step's signatures (compiled)
         self._one = None  # one seed's parameters: the model's config and size
 
-    def init_state(self, policy_params: Sequence, seeds: Sequence[int]) -> TrainState:
-        """Stacked fresh states, seed ``seeds[i]`` around ``policy_params[i]``."""
+    def init_state(self, policy_params: Sequence, seeds: Sequence[int],
+                   value_params: Sequence | None = None) -> TrainState:
+        """Stacked fresh states, seed ``seeds[i]`` around ``policy_params[i]`` (and
+        ``value_params[i]`` for PPO's value model)."""
         if len(policy_params) != len(seeds) or not seeds:
             raise ValueError(f"SeedRL.init_state: {len(policy_params)} parameter sets for "
                              f"{len(seeds)} seeds; give one per seed (at least one)")
-        return stack_states([self.tr.init_state(p, seed=int(s))
-                             for p, s in zip(policy_params, seeds)])
+        values = [None] * len(seeds) if value_params is None else list(value_params)
+        if len(values) != len(seeds):
+            raise ValueError(f"SeedRL.init_state: {len(values)} value parameter sets for "
+                             f"{len(seeds)} seeds; give one per seed")
+        return stack_states([self.tr.init_state(p, seed=int(s), value_params=v)
+                             for p, s, v in zip(policy_params, seeds, values)])
 
     def _inputs(self, params_S, sources: Sequence, pos_S) -> tuple:
         """Every seed's packed prompts and task arrays, stacked (one bucket width)."""
         if self._one is None:
             self._one = unstack(params_S["policy"], 0)
         n = self.tr.rl.prompts_per_step
-        per = [self.tr.rollouts.device_inputs(self._one, src, int(p), n, on_host=True)
+        per = [self.tr.source.inputs(self._one, src, int(p), n, on_host=True)
                for src, p in zip(sources, pos_S)]
         widest = max(range(len(per)), key=lambda i: per[i][1][0].shape[1])
         spec, width = per[widest][0], per[widest][1][0].shape[1]
-        prompts = [_left_pad(x[1], width, self.tr.rollouts.pad_id) for x in per]
+        prompts = [_left_pad(x[1], width, self.tr.source.pad_id) for x in per]
         stacked = tuple(jnp.asarray(np.stack(cols)) for cols in zip(*prompts))
         task = {k: jnp.asarray(np.stack([x[2][k] for x in per])) for k in per[0][2]}
         return spec, stacked, task
@@ -109,6 +122,8 @@ class SeedRL:
         if len(sources) != s:
             raise ValueError(f"SeedRL.step: {len(sources)} prompt sources for {s} seeds")
         pos_S = hosts.fetch_small(state.data_pos)
+        if not self.tr.source.on_device:
+            return self._collected(state, sources, pos_S)
         spec, prompts, task = self._inputs(state.params, sources, pos_S)
         scalars = state_scalars(state)
         ph = PhaseTimes()
@@ -123,19 +138,53 @@ class SeedRL:
                    for i, mi in enumerate(_per_seed(m, s))]
         return state, metrics
 
+    def _collected(self, state: TrainState, sources: Sequence, pos_S) -> tuple:
+        """A host source's step: each seed's batch collected with its parameters and
+        its key (split as a single run splits it), the batches stacked in one prompt
+        bucket, and one vmapped learning program."""
+        ph, n, src = PhaseTimes(), self.tr.rl.prompts_per_step, self.tr.source
+        nxt_S, k_roll_S, k_learn_S = _split_keys(state.key)
+        got = [src.collect(unstack(state.params["policy"], i), Window(prompts, int(p), n),
+                           k_roll_S[i], ph)
+               for i, (prompts, p) in enumerate(zip(sources, pos_S))]
+        width = max(c.rollout.prompt_BxP.shape[1] for c in got)
+        ro = stack_states([widen_prompts(c.rollout, width, src.pad_id) for c in got])
+        spec = self.tr.step_spec(state)
+        args = (state.params, state.opt_state, state_scalars(state), state.ref_params, ro,
+                k_learn_S, self.tr.teacher_params)
+        self._programs.add(program_signature(spec, args))
+        params, opt_state, out, m = ph.timed("learn", run, seeds_learn_step, spec, *args)
+        state = dataclasses.replace(
+            state, params=params, opt_state=opt_state, key=nxt_S,
+            data_pos=hosts.put_replicated([c.next_pos for c in got], self.tr.mesh, np.int32),
+            **out)
+        metrics = []
+        for i, (mi, c) in enumerate(zip(_per_seed(m, len(got)), got)):
+            mi.update(c.metrics)
+            metrics.append(self.tr.finish_metrics(mi, ph, run=f"seed index {i}, "))
+        return state, metrics
+
     def compiled(self) -> dict[str, int]:
         """How many programs the RL step and the evaluation needed: distinct static specs
         and argument shapes, each compiled once per process (one per prompt bucket and
-        batch shape; a run whose shapes never change needs one of each)."""
-        return {"rl_step": len(self._programs),
-                "evaluate": len(self.tr.rollouts.seed_programs)}
+        batch shape; a run whose shapes never change needs one of each). A host source's
+        evaluation is the sampler's (``rljax.sampling``), not counted here."""
+        out = {"rl_step": len(self._programs)}
+        if self.tr.source.on_device:
+            out["evaluate"] = len(self.tr.source.seed_programs)
+        return out
 
     def evaluate(self, params_S, prompts: Sequence[Sequence[str]],
                  metadata: Sequence[Sequence[dict]], *, batch_size: int = 256) -> list[dict]:
         """Each seed's greedy results on its held-out prompts (``prompts[i]``, equally many
-        per seed; ``params_S``: e.g. ``state.params["policy"]``), all seeds in one program:
-        ``Rollouts.evaluate``'s seed form, one dict per seed."""
-        return self.tr.rollouts.evaluate(params_S, prompts, metadata, batch_size, seeds=True)
+        per seed; ``params_S``: e.g. ``state.params["policy"]``), one dict per seed: with a
+        device reward all seeds in one program (``evaluate_seeds``), else the one
+        evaluator per seed (``rljax.train.sources.evaluate.evaluate``)."""
+        if self.tr.source.on_device:
+            return evaluate_seeds(self.tr.source, params_S, prompts, metadata,
+                                  batch_size=batch_size)
+        return [evaluate(self.tr.source, unstack(params_S, i), p, m, batch_size=batch_size)
+                for i, (p, m) in enumerate(zip(prompts, metadata))]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))

@@ -25,13 +25,30 @@ where it is one of the chip's two TensorCores (so there, "per chip" reads per Te
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import time
 from typing import Mapping
 
 import jax
 
-__all__ = ["PEAK_BF16_FLOPS", "chips_and_kind", "peak_flops_per_chip", "step_model_flops",
-           "step_throughput"]
+__all__ = ["PEAK_BF16_FLOPS", "PhaseTimes", "chips_and_kind", "peak_flops_per_chip",
+           "step_model_flops", "step_throughput"]
+
+
+@dataclasses.dataclass
+class PhaseTimes:
+    """Wall-clock seconds per phase of one step."""
+
+    times: dict = dataclasses.field(default_factory=dict)
+
+    def timed(self, name: str, fn, *args, **kw):
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        jax.block_until_ready(out)
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+        return out
+
 
 # Dense (no sparsity) bfloat16 matmul peak per chip, by `jax.Device.device_kind`, first
 # match wins (patterns are matched against the lower-cased kind). MFU is measured against

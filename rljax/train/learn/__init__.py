@@ -46,7 +46,7 @@ from rljax.train.learn.logprobs import policy_logprobs
 from rljax.train.learn.micro import merge_micro, split_micro
 from rljax.train.learn.reference import reference_model
 from rljax.train.learn.update import make_update
-from rljax.train.rollout import Rollout
+from rljax.train.batch import Rollout
 
 Array = Any
 
@@ -187,7 +187,7 @@ def make_learn(spec, loss_fn, txs: dict, schedules: dict, constrain: Callable | 
     of ``spec`` (a ``rljax.train.programs.step.StepSpec``: the algorithm's choices and
     the models' graphdefs).
 
-    ``ro`` is a :class:`~rljax.train.rollout.Rollout` with rewards; ``metrics`` is a dict
+    ``ro`` is a :class:`~rljax.train.batch.Rollout` with rewards; ``metrics`` is a dict
     of float32 scalars (update means, the first update's sampler gap, rollout statistics).
     With ``spec.teacher_gd`` (on-policy distillation) ``teacher_params`` is the teacher's
     frozen state, global arrays like ``ref_params``.

@@ -3,10 +3,10 @@ compiles each of its programs once. The programs themselves are module-level ``j
 functions of frozen specs (``rljax.train.programs.step``): JAX's cache shares them between
 trainers with equal specs.
 
-The package: ``step`` (the step's programs and their ``StepSpec``), ``fused`` (sample ->
-score -> learn as one program, with a device reward), ``evaluate`` (the held-out
-evaluation's device-reward programs), ``paths`` (the forward paths a
-program takes, resolved once per trainer).
+The package: ``step`` (the step's programs and their ``StepSpec``), ``device`` (the
+device reward's programs: sample -> score -> learn as one program, and the held-out
+evaluation's scores), ``paths`` (the forward paths a program takes, resolved once per
+trainer).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Every choice the programs read is a field of :class:`StepSpec` (frozen, hashable
 graphdefs, the mesh and the device reward, never arrays), passed as a static argument, so
 JAX's cache keys each program by it and trainers with equal specs share one executable
 (``tests/test_program_spec.py``): :func:`learn_step` (a host-reward step's learning
-program), :func:`fused_step` (with a device reward, sample -> score -> learn) and
-:func:`seeds_step` (:func:`fused_step` vmapped over a leading seed axis).
+program), :func:`fused_step` (with a device reward, sample -> score -> learn),
+:func:`seeds_step` (:func:`fused_step` vmapped over a leading seed axis) and
+:func:`seeds_learn_step` (:func:`learn_step` vmapped: several seeds' host-source batches).
 
 Call them inside ``rljax.sharding.mesh_context(spec.mesh)`` (``run``): splash attention and
 parameter placement read the mesh while they are traced.
@@ -28,11 +29,11 @@ from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
 from rljax.train.learn.packing import PackSpec
 from rljax.train.learn.update import batch_constrainer, make_optimizer
-from rljax.train.programs.fused import device_rollout, split_step_key
+from rljax.train.programs.device import device_rollout, split_step_key
 from rljax.train.programs.paths import ForwardPaths
 
 __all__ = ["StepSpec", "fused_step", "learn_fn", "learn_program", "learn_step", "optimizers",
-           "run", "schedule_updates", "seeds_step", "state_scalars"]
+           "run", "schedule_updates", "seeds_learn_step", "seeds_step", "state_scalars"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +175,7 @@ def learn_step(spec: StepSpec, params, opt_state, scalars, ref_params, ro, key,
 def _fused(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_params, prompts, task,
            key_data, teacher_params):
     """One RL step as a pure function: sample and score with the device reward
-    (``rljax.train.programs.fused``), then :func:`learn_program`; the returned scalars
+    (``rljax.train.programs.device``), then :func:`learn_program`; the returned scalars
     carry the next key data."""
     nxt, k_roll, k_learn = split_step_key(key_data)
     ro = device_rollout(spec.policy_gd, params["policy"], prompts, task, k_roll,
@@ -187,7 +188,7 @@ def _fused(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_params, 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
 def fused_step(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_params, prompts,
                task, key_data, teacher_params):
-    """One RL step with a device reward as one program (``rljax.train.programs.fused``;
+    """One RL step with a device reward as one program (``rljax.train.programs.device``;
     ``decode_spec`` is the sampler's static spec)."""
     return _placed(spec, _fused(spec, decode_spec, params, opt_state, scalars, ref_params,
                                 prompts, task, key_data, teacher_params))
@@ -201,6 +202,15 @@ def seeds_step(spec: StepSpec, decode_spec, params, opt_state, scalars, ref_para
     step = functools.partial(_fused, spec, decode_spec)
     return jax.vmap(step, in_axes=(0,) * 7 + (None,))(
         params, opt_state, scalars, ref_params, prompts, task, key_data, teacher_params)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+def seeds_learn_step(spec: StepSpec, params, opt_state, scalars, ref_params, ro, key,
+                     teacher_params):
+    """:func:`learn_step` vmapped over a leading seed axis of every argument but the
+    teacher's parameters: several seeds' host-source batches learned in one program."""
+    learn = jax.vmap(learn_program(spec), in_axes=(0,) * 6 + (None,))
+    return _placed(spec, learn(params, opt_state, scalars, ref_params, ro, key, teacher_params))
 
 
 def run(fn, spec: StepSpec, *args):

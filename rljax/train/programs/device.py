@@ -1,4 +1,5 @@
-"""The RL step as one compiled program when the reward is a JAX function of token ids.
+"""The device reward's programs: the RL step as one compiled program when the reward is
+a JAX function of token ids, and the held-out evaluation's scores.
 
 With a device reward (``rljax.rewards.device``) nothing in a step needs the host between
 the prompts and the metrics, so sample -> score -> learn is one ``jax.jit``:
@@ -6,23 +7,26 @@ the prompts and the metrics, so sample -> score -> learn is one ``jax.jit``:
   prompt ids + task arrays (host, packed) -> sampler (``sample_arrays``) -> device reward
   -> ``Rollout`` -> the learning program (``rljax.train.learn``) -> state, metrics.
 
-The key flow is the host step's (``RLTrainer.step``), so a run with a device reward draws
+The key flow is the host step's (``rljax.train.driver.rl_step``), so a run with a device reward draws
 the same samples and makes the same updates as one with the equivalent host reward.
 Being a pure function of its arguments, the program also ``jax.vmap``s over a leading
-seed axis (``rljax.train.seeds``).
+seed axis (``rljax.train.seeds``). Used by the device source
+(``rljax.train.sources.device``) and ``rljax.train.programs.step``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from rljax.sampling.sampler import DecodeSpec, sample_arrays
-from rljax.train.rollout import Rollout, to_rollout
+from rljax.train.batch import Rollout, to_rollout
 
 Array = Any
+__all__ = ["device_rollout", "device_scores", "seeds_evaluate", "split_step_key"]
 
 
 def split_step_key(key_data) -> tuple[Array, Array, Array]:
@@ -50,3 +54,19 @@ def device_rollout(graphdef, params, prompts: tuple, task: dict, key, *, spec: D
                         out.sampling_logprobs, out.truncated, rewards_R, correct_R,
                         jnp.ones_like(rewards_R))
     return Rollout(*fields, group_size=g, has_correct=verifier)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def device_scores(reward, out, task: dict):
+    """A device reward on the sampler's output (all rows, one per prompt)."""
+    return reward(out.tokens, out.completion_mask.astype(jnp.float32), task)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def seeds_evaluate(graphdef, reward, decode_spec, params, tok, mask, pos, task):
+    """Each seed's device-reward scores of its greedy completions (leading seed axis)."""
+    def one(params, tok, mask, pos, task):
+        out = sample_arrays(graphdef, params, tok, mask, pos, decode_spec, jax.random.key(0))
+        return reward(out.tokens, out.completion_mask.astype(jnp.float32), task)
+
+    return jax.vmap(one)(params, tok, mask, pos, task)
