@@ -13,6 +13,7 @@ from rljax.models import ModelConfig
 from rljax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from rljax.models.lora import LoraConfig
 from rljax.rewards.extract import MODES as EXTRACT_MODES
+from rljax.run.environment import EnvConfig
 from rljax.run.profiling import parse_profile_steps
 from rljax.sharding import MeshConfig
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig,
@@ -284,6 +285,9 @@ class ExperimentConfig:
         Face folder, sharing the student's tokenizer (`rljax.run.teacher.load_teacher`).
       task, reward, algorithm, optim, sampling, rl: see their classes.
       sft: an optional supervised warm-up before RL (None = none).
+      env: a multi-turn environment (`rljax.run.environment.EnvConfig`; None: single-turn
+        completions scored by `reward`): the task's records start its episodes and their
+        returns are the rewards.
       mesh: device mesh sizes (`rljax.sharding.MeshConfig`).
       run: run directory, seed, checkpoints.
       smoke: a quick run (two steps on CPU with a tiny model, no end-of-run plots) for
@@ -308,6 +312,7 @@ class ExperimentConfig:
     optim: OptimConfig = OptimConfig()
     sampling: SamplingConfig = SamplingConfig()
     sft: SFTConfig | None = None
+    env: EnvConfig | None = None
     rl: RLConfig = RLConfig()
     mesh: MeshConfig = MeshConfig()
     run: RunConfig = RunConfig()
@@ -341,6 +346,8 @@ class ExperimentConfig:
                  "a warm-up trains every weight anyway; the flag picks the base over the "
                  "adapters when lora.rank > 0)")
         check_algorithm_sampling(self.algorithm, self.sampling)
+        if self.env is not None:
+            self._check_env()
         _check_str(c, "teacher", self.teacher, optional=True)
         if self.algorithm.needs_teacher != (self.teacher is not None):
             fail(c, "teacher", self.teacher, "a run directory or Hugging Face folder when "
@@ -352,6 +359,16 @@ class ExperimentConfig:
         check_bool(c, "scan_layers", self.scan_layers)
         check_choice(c, "remat", self.remat, REMAT_POLICIES)
         _check_str(c, "recipe", self.recipe, optional=True)
+
+    def _check_env(self) -> None:
+        c = "ExperimentConfig"
+        if not isinstance(self.env, EnvConfig):
+            fail(c, "env", self.env, "a rljax.run.environment.EnvConfig or None")
+        if self.reward.kind != "accuracy" or self.run.seeds > 1 or self.teacher is not None:
+            fail(c, "env", self.env.env, "None with reward.kind other than the default, "
+                 "run.seeds > 1 or a teacher (an environment's episode returns are the "
+                 "rewards; several seeds in one program need a device reward: run each seed "
+                 "as its own run)")
 
     @property
     def warms_up_base(self) -> bool:
