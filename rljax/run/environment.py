@@ -21,7 +21,7 @@ and `export`. A user's environment needs its class and this section:
 | `return_mode`, `gamma` | the episode return (`rljax.envs.episode_return`) |
 | `obs_multiple` | the observation widths' bucket |
 | `tool_workers` | worker processes that run the tool calls (a `rljax.rewards.RewardPool`) |
-| `sft_trace` | import path of `trace(metadata, env) -> (prompt, segments)` for the SFT warm-up (segments `(text, trained)`, `rljax.envs.tool_use_trace`'s form); None: the task's worked examples |
+| `sft_trace` | import path of `trace(metadata, env) -> (prompt, segments)` for the SFT warm-up (segments `(text, trained)`, `rljax.envs.tool_use_trace`'s form; `env` with its own tools, whatever `tools` says); None: the task's worked examples |
 """
 
 from __future__ import annotations
@@ -159,9 +159,10 @@ def encode_sft(cfg, tokenizer, prompts, targets) -> dict:
 
 def trace_examples(cfg, records) -> tuple[list[str], list]:
     """``env.sft_trace``'s ``(prompts, traces)`` of ``records``, each through a fresh
-    environment of the run."""
+    environment with its own tools (``env.tools`` sets the tools of the episodes, not of
+    the demonstrations: a control run without tools warms up as the tool run does)."""
     trace = load_function(cfg.env.sft_trace, "env.sft_trace")
-    factory = EnvFactory(cfg.env)
+    factory = EnvFactory(dataclasses.replace(cfg.env, tools=None))
     pairs = [trace(r, factory()) for r in records]
     return [p for p, _ in pairs], [list(t) for _, t in pairs]
 
