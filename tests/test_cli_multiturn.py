@@ -1,12 +1,13 @@
-"""`rljax train` on multi-turn episodes (issue 56, item 5): an experiment's `env` section
-names a user's environment class (a file in the working directory) and the run has what a
+"""`rljax train` on multi-turn episodes (issue 56, item 5): docs/environments.md's two files
+as written (a user's environment class, an experiment whose `env` section names it) and
+the run has what a
 single-turn run has: SFT warm-up, run directory, metrics with the episode metrics,
 TensorBoard, checkpoints, exact resume after Ctrl-C (the resumed run's metrics equal the
 uninterrupted run's), `rljax eval` (greedy and sampled episodes), `sample` and `export`."""
 
 import json
 import re
-import textwrap
+import pathlib
 
 import pytest
 
@@ -15,49 +16,13 @@ from rljax.cli import main
 from rljax.run.run_dir import read_metrics
 from rljax.train.checkpoint import Checkpointer
 
-ENV = textwrap.dedent('''
-    from rljax.envs import StepResult
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "environments.md"
 
 
-    class Echo:
-        """Two turns: the first is answered with "ok" and the answer; the second earns 1.0
-        if it holds the answer's first digit. The first turn's length earns a little, so
-        returns vary within a group from the first step."""
-
-        stop_strings = ("=",)
-
-        def reset(self, metadata):
-            self.answer, self.turn = str(metadata["answer"]), 0
-            return metadata["prompt"]
-
-        def step(self, model_text, tool_results=()):
-            self.turn += 1
-            if self.turn == 2:
-                return StepResult("", float(self.answer[0] in model_text), True)
-            return StepResult("ok" + self.answer, 0.1 * len(model_text))
-''')
-
-EXPERIMENT = textwrap.dedent('''
-    def config():
-        from rljax.envs import EnvLimits
-        from rljax.models import ModelConfig
-        from rljax.run.environment import EnvConfig
-        from rljax.run.experiment import ExperimentConfig, RunConfig, TaskConfig
-        from rljax.train.config import (OptimConfig, RLConfig, SamplingConfig, SFTConfig,
-                                        algorithm_preset)
-
-        limits = EnvLimits(max_turns=2, max_obs_tokens=4, max_total_tokens=24)
-        tiny = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=1,
-                           num_heads=2, num_kv_heads=1, max_position_embeddings=32)
-        return ExperimentConfig(
-            name="tiny_env", model=tiny, optim=OptimConfig(lr=3e-3),
-            task=TaskConfig(name="arithmetic", difficulty=1, max_prompt_tokens=8),
-            env=EnvConfig(env="my_env:Echo", limits=limits, obs_multiple=4),
-            algorithm=algorithm_preset("grpo", group_size=2, kl_coef=0.0),
-            sampling=SamplingConfig(max_new_tokens=4), sft=SFTConfig(steps=1, batch_size=8),
-            rl=RLConfig(steps=2, prompts_per_step=4, eval_prompts=8, logp_chunk=8),
-            run=RunConfig(dir="runs/a", save_every=1, plots=False))
-''')
+def guide_file(name: str) -> str:
+    """The guide's code block that starts with the comment `# name`, as written."""
+    blocks = [b.split("```", 1)[0] for b in GUIDE.read_text().split("```python\n")[1:]]
+    return next(b for b in blocks if b.startswith(f"# {name}\n"))
 
 
 _VOLATILE = re.compile(r"^time_|_tok_s(_per_chip)?$|flops|mfu|^env/(env|tool)_s$")
@@ -73,18 +38,21 @@ def _rl_rows(run_dir):
 
 @pytest.fixture
 def exp(tmp_path, monkeypatch):
-    (tmp_path / "my_env.py").write_text(ENV)
-    (tmp_path / "tiny_env.py").write_text(EXPERIMENT)
+    """docs/environments.md's two files, as written, in the working directory."""
+    for name in ("my_env.py", "my_experiment.py"):
+        (tmp_path / name).write_text(guide_file(name))
     monkeypatch.chdir(tmp_path)
-    return str(tmp_path / "tiny_env.py")
+    return "my_experiment.py"
 
 
 def test_train_episodes_resume_eval_sample_export(exp, tmp_path, capsys, monkeypatch):
-    # 1. A run that never stops.
-    assert main(["train", exp]) == 0
+    # 1. A run that never stops (with a one-step warm-up, a checkpoint every step).
+    args = ["train", exp, "--set", "sft.steps=1", "--set", "sft.batch_size=8",
+            "--set", "run.save_every=1"]
+    assert main(args + ["--set", "run.dir=runs/a"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"RESULT reward_before=\d\.\d{4} reward_after=\d\.\d{4}", out)
-    assert "my_env:Echo episode return" in out
+    assert "my_env:TwoTries episode return" in out
     a = tmp_path / "runs/a"
     check_run_files(a)
     rows_a = _rl_rows(a)
@@ -96,11 +64,11 @@ def test_train_episodes_resume_eval_sample_export(exp, tmp_path, capsys, monkeyp
     assert before["n"] == 8 and "env/turns" in before and 0 <= before["reward_mean"]
 
     # 2. Ctrl-C during step 2: step 1 is saved; the resumed run equals the first.
-    assert ctrl_c_at_step(monkeypatch, ["train", exp, "--set", "run.dir=runs/b"]) == 130
+    assert ctrl_c_at_step(monkeypatch, args + ["--set", "run.dir=runs/b"]) == 130
     b = tmp_path / "runs/b"
     with Checkpointer(b / "checkpoints") as ck:
         assert ck.latest_step() == 1
-    assert main(["train", exp, "--set", "run.dir=runs/b", "--set", "run.resume=true"]) == 0
+    assert main(args + ["--set", "run.dir=runs/b", "--set", "run.resume=true"]) == 0
     assert _rl_rows(b) == rows_a
     for name in ("eval_before.json", "eval_after.json"):  # all but the seconds
         got, want = (_steady(json.loads((d / name).read_text())) for d in (a, b))
