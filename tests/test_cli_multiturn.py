@@ -93,3 +93,16 @@ def test_env_section_refusals(exp, capsys):
     assert "Nope" in capsys.readouterr().err
     assert main(["train", exp, "--set", "run.dir=runs/r", "--set", "reward.kind=format"]) == 2
     assert "episode returns are the rewards" in capsys.readouterr().err
+
+
+def test_env_section_round_trips_through_config_json():
+    """What a run directory saves of an `env` section (its options, tools and limits) is
+    what a resume, `rljax eval` or `export` reads back."""
+    from rljax.run.experiment import ExperimentConfig
+    from rljax.run.experiment_files import load_experiment
+    from rljax.train.config.dicts import config_from_dict, config_to_dict
+
+    cfg = load_experiment("arithmetic_tool", ["env.tools=()", "env.limits.max_turns=2"])
+    assert cfg.env.options == (("instruction", "{question}\n"),) and cfg.env.tools == ()
+    saved = json.loads(json.dumps(config_to_dict(cfg)))
+    assert config_from_dict(ExperimentConfig, saved) == cfg
