@@ -236,7 +236,7 @@ def _train(cfg, rd, ck, mesh, warm, stop, out):
                         prompt_len=cfg.task.max_prompt_tokens, value_graphdef=value_gd,
                         accuracy_fn=accuracy_fn, mesh=mesh, teacher=teacher,
                         reward_pool=(builders.shared_reward_pool(cfg.reward.workers)
-                                     if cfg.reward.workers else None),
+                                     if cfg.reward.workers and cfg.env is None else None),
                         reward_timeout_s=cfg.reward.timeout_s,
                         multiturn=build_multiturn(cfg, tokenizer))
     for line in startup_summary(cfg, mesh=mesh, params=params, task=task,
