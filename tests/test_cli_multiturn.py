@@ -46,9 +46,13 @@ def exp(tmp_path, monkeypatch):
 
 
 def test_train_episodes_resume_eval_sample_export(exp, tmp_path, capsys, monkeypatch):
-    # 1. A run that never stops (with a one-step warm-up, a checkpoint every step).
-    args = ["train", exp, "--set", "sft.steps=1", "--set", "sft.batch_size=8",
-            "--set", "run.save_every=1"]
+    # 1. A run that never stops (a checkpoint every step), after a 3-step warm-up whose
+    # validation (greedy episodes' mean return) is checked at step 2, then every step
+    # once it scored above 0 (sft.stop_dense).
+    args = ["train", exp, "--set", "run.save_every=1"] + [
+        x for kv in ("sft.steps=3", "sft.batch_size=8", "sft.stop_accuracy=1.0",
+                     "sft.stop_every=2", "sft.stop_dense=true", "sft.stop_prompts=8")
+        for x in ("--set", kv)]
     assert main(args + ["--set", "run.dir=runs/a"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"RESULT reward_before=\d\.\d{4} reward_after=\d\.\d{4}", out)
@@ -60,6 +64,9 @@ def test_train_episodes_resume_eval_sample_export(exp, tmp_path, capsys, monkeyp
     assert rows_a[0]["reward_std"] > 0 and rows_a[1]["grad_norm"] > 0
     assert rows_a[0]["env/turns"] > 1 and rows_a[0]["env/tool_tokens_mean"] > 0
     assert rows_a[0]["response_len_max"] <= 2 * 4  # the model's tokens: 2 turns of 4
+    checks = [(r["step"], r["sft/val_accuracy"]) for r in read_metrics(a)
+              if r["phase"] == "sft" and "sft/val_accuracy" in r]
+    assert [st for st, _ in checks] == [2, 3] and checks[0][1] > 0, checks
     before = json.loads((a / "eval_before.json").read_text())
     assert before["n"] == 8 and "env/turns" in before and 0 <= before["reward_mean"]
 
