@@ -47,7 +47,8 @@ def test_library_objectives_pass(name, mesh8):
     fn, coef, fields, requires = LIBRARY_CASES[name]
     out = check_objective(fn, coef, batch=default_batch(1, **fields), mesh=mesh8,
                           requires=requires)
-    assert out["count"] > 0 and not out["skipped"]
+    assert out["count"] > 0 and not out["skipped"] and out["mesh"] == "8 devices"
+    assert out["token_separable"] == ro.token_separable(fn)  # checked where it is marked
 
 
 def my_objective(batch: ro.ObjectiveBatch, coef: ro.Coef):
@@ -192,9 +193,32 @@ def test_objective_needing_a_reference_fails_like_a_run_without_kl():
         check_objective(_needs_reference, requires=("logp_BxT",))
 
 
-def test_one_device_skips_the_mesh_check():
+def test_one_device_runs_the_mesh_check_on_8_emulated_devices():
+    """A one-device process (here: a one-device mesh) still compares 8 devices with 1, in a
+    child process; an objective that cannot be sent there (it does not pickle) is skipped
+    with a warning that says why."""
     one = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                         devices=jax.devices()[:1])
-    with pytest.warns(UserWarning, match="mesh check skipped"):
-        out = check_objective(readme_objective, mesh=one)
-    assert "one device" in out["skipped"]["mesh"]
+    out = check_objective(readme_objective, mesh=one)
+    assert out["mesh"] == "8 emulated CPU devices in a subprocess" and not out["skipped"]
+    local = lambda batch, coef: readme_objective(batch, coef)  # noqa: E731
+    with pytest.warns(UserWarning, match="mesh check skipped.*do not pickle"):
+        out = check_objective(local, mesh=one)
+    assert out["mesh"] == "not run" and "top level" in out["skipped"]["mesh"]
+
+
+def _marked(fn, **kw):
+    marked = functools.partial(fn, **kw)
+    marked.token_separable = True
+    return marked
+
+
+def test_token_separable_is_checked_not_trusted(mesh8):
+    """A flag that routes a sequence-level objective through the one-pass head fails; the
+    library's separable objectives and a correctly marked user objective pass."""
+    for fn in (_marked(ro.gspo), _marked(ro.grpo, is_level="sequence")):
+        with pytest.raises(AssertionError, match=r"\[token_separable\].*marked token-separable"
+                           r".*chunks of 4 of 12 columns.*Remove the token_separable flag"):
+            check_objective(fn, mesh=mesh8)
+    assert check_objective(_marked(my_objective), mesh=mesh8)["token_separable"]
+    assert not check_objective(my_objective, mesh=mesh8)["token_separable"]

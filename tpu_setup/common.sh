@@ -66,24 +66,41 @@ usage() {  # the script's header comment (lines starting '# ' after the shebang)
 
 _lookup() {  # _lookup KIND NAME FIELD: the variable of flag or key NAME in SETTINGS/SWITCHES
   local -n table=$1
-  local entry
+  local entry f v
   for entry in "${table[@]}"; do
-    read -r flag var _ <<<"$entry"
-    if [ "$2" = "$flag" ] || [ "$2" = "$var" ]; then echo "$var"; return 0; fi
+    read -r f v _ <<<"$entry"
+    if [ "$2" = "$f" ] || [ "$2" = "$v" ]; then echo "$v"; return 0; fi
   done
   return 1
 }
 
-_switch_value() {  # 1/0 from an env file's yes/no
-  case "${2,,}" in
-    1|true|yes|on) echo 1 ;;
-    0|false|no|off|"") echo 0 ;;
-    *) die "$1 must be 1/true/yes or 0/false/no, got '$2'" ;;
+# _set_switch VAR WHERE VALUE: VAR=1/0 from yes/no words; anything else stops the script
+# (set directly, not through $(...), whose exit would stop only a subshell).
+_set_switch() {
+  case "${3,,}" in
+    1|true|yes|on) printf -v "$1" 1 ;;
+    0|false|no|off|"") printf -v "$1" 0 ;;
+    *) die "$2$1 must be one of 1/true/yes/on or 0/false/no/off, got '$3'" ;;
   esac
 }
 
+# _env_value WHERE RAW: RAW's value as a shell would read it, without expanding anything:
+# one pair of surrounding quotes is dropped, and outside quotes a `#` after whitespace starts
+# a comment, as in a shell. Sets VALUE.
+_env_value() {
+  local where=$1 raw=$2 rest
+  if [[ "$raw" =~ ^\"([^\"]*)\"(.*)$ ]] || [[ "$raw" =~ ^\'([^\']*)\'(.*)$ ]]; then
+    VALUE=${BASH_REMATCH[1]} rest=${BASH_REMATCH[2]}
+    [[ "$rest" =~ ^([[:space:]]+#.*)?[[:space:]]*$ ]] ||
+      die "${where}text after the closing quote: '$rest' (only a '# comment' may follow)"
+    return 0
+  fi
+  VALUE=${raw%%[[:space:]]#*}  # from the first whitespace + `#` on
+  VALUE="${VALUE%"${VALUE##*[![:space:]]}"}"
+}
+
 load_env_file() {
-  local file=$1 n=0 line key value var
+  local file=$1 n=0 line key var
   [ -f "$file" ] || die "env file $file does not exist"
   while IFS= read -r line || [ -n "$line" ]; do
     n=$((n + 1))
@@ -91,13 +108,13 @@ load_env_file() {
     if [ -z "$line" ] || [ "${line:0:1}" = "#" ]; then continue; fi
     line="${line#export }"
     [[ "$line" =~ ^([A-Z_][A-Z0-9_]*)=(.*)$ ]] || die "$file:$n: expected KEY=VALUE, got '$line'"
-    key=${BASH_REMATCH[1]} value=${BASH_REMATCH[2]}
-    # One pair of surrounding quotes is dropped; nothing is expanded.
-    if [[ "$value" =~ ^\"(.*)\"$ ]] || [[ "$value" =~ ^\'(.*)\'$ ]]; then value=${BASH_REMATCH[1]}; fi
+    key=${BASH_REMATCH[1]}
+    _env_value "$file:$n: " "${BASH_REMATCH[2]}"
     if var=$(_lookup SETTINGS "$key"); then
-      printf -v "$var" '%s' "$value"
+      printf -v "$var" '%s' "$VALUE"
+      SET_AT[$var]="$file:$n: "
     elif var=$(_lookup SWITCHES "$key"); then
-      printf -v "$var" '%s' "$(_switch_value "$file:$n: $key" "$value")"
+      _set_switch "$var" "$file:$n: " "$VALUE"
     else
       die "$file:$n: unknown setting $key (see --help for the list)"
     fi
@@ -109,6 +126,7 @@ load_env_file() {
 parse_args() {
   ARGS=("$@")
   local entry flag var default env_file=${RLJAX_TPU_ENV:-} i
+  declare -gA SET_AT=()  # variable -> "FILE:LINE: " or "--flag: ", named in errors
   for entry in "${SETTINGS[@]}"; do
     read -r flag var default <<<"$entry"
     printf -v "$var" '%s' "$default"
@@ -130,15 +148,18 @@ parse_args() {
       --env) shift ;;
       --*=*)
         flag=${1%%=*} flag=${flag#--}
+        if _lookup SWITCHES "$flag" >/dev/null; then
+          die "--$flag is a switch and takes no value, got '$1': give --$flag alone (or $(_lookup SWITCHES "$flag")=1 in the env file)"
+        fi
         var=$(_lookup SETTINGS "$flag") || die "unknown flag --$flag (see --help)"
-        printf -v "$var" '%s' "${1#*=}" ;;
+        printf -v "$var" '%s' "${1#*=}"; SET_AT[$var]="--$flag: " ;;
       --*)
         flag=${1#--}
         if var=$(_lookup SWITCHES "$flag"); then
           printf -v "$var" 1
         elif var=$(_lookup SETTINGS "$flag"); then
           [ $# -ge 2 ] || die "--$flag needs a value"
-          shift; printf -v "$var" '%s' "$1"
+          shift; printf -v "$var" '%s' "$1"; SET_AT[$var]="--$flag: "
         else
           die "unknown flag --$flag (see --help)"
         fi ;;
@@ -149,7 +170,27 @@ parse_args() {
   finish_settings
 }
 
+# check_values: every setting but the command and local paths is one word; the few with a
+# format have it. Any error stops the script before its first gcloud call.
+check_values() {
+  local entry flag var
+  for entry in "${SETTINGS[@]}"; do
+    read -r flag var _ <<<"$entry"
+    case "$var" in COMMAND|REPO|LOG_DIR) continue ;; esac
+    if [[ "${!var}" =~ [[:space:]] ]]; then
+      die "${SET_AT[$var]:-}$var must be one word (no spaces), got '${!var}'"
+    fi
+  done
+  if [ -n "$JAX_VERSION" ] && ! [[ "$JAX_VERSION" =~ ^[0-9]+(\.[0-9]+)*[A-Za-z0-9.+]*$ ]]; then
+    die "${SET_AT[JAX_VERSION]:-}JAX_VERSION must be a version such as 0.10.2, got '$JAX_VERSION'"
+  fi
+  if [ -n "$JAX_CACHE" ] && ! [[ "$JAX_CACHE" =~ ^(gs://.+|/.*)$ ]]; then
+    die "${SET_AT[JAX_CACHE]:-}JAX_CACHE must be a gs://bucket/path or an absolute path on the workers, got '$JAX_CACHE'"
+  fi
+}
+
 finish_settings() {
+  check_values
   [ -n "$REPO" ] || REPO=$(cd "$TPU_SETUP_DIR/.." && pwd)
   if on SPOT && on RESERVED; then die "--spot and --reserved exclude each other: choose one"; fi
   # Spot and reserved capacity are asked for through a queued resource, as Google advises.

@@ -18,7 +18,7 @@
 # --resume: first the slice's state. A queued resource that is SUSPENDED or FAILED (a spot
 # slice that was reclaimed is never re-provisioned) or a VM that is PREEMPTED is deleted;
 # then, if it is gone, create.sh, setup.sh and stage.sh run with these same settings before
-# the launch. The command itself must continue the run (rljax: --set run.resume=true with
+# the launch. The command itself must continue the run (rljax: --set run.resume=auto with
 # run.dir on gs://, where the checkpoints outlive the slice).
 set -euo pipefail
 # shellcheck source=/dev/null  # common.sh is linted on its own (following it 8 times is slow)

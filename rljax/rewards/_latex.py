@@ -13,6 +13,9 @@ _UNWRAP = ("\\text", "\\textbf", "\\textrm", "\\textit", "\\mathrm", "\\mathbf",
 # is removed before a shorter prefix could match inside it.
 _DROP = ("\\displaystyle", "\\left", "\\right", "\\bigl", "\\bigr", "\\big", "\\Big",
          "\\!", "\\,", "\\;", "\\:", "\\ ", "\\quad", "\\qquad", "$", "~")
+# Those of _DROP that are spaces: they become " ", so `4\\,2` is not 42 (see
+# _drop_spaces); the others go without a trace.
+_SPACES = frozenset(("\\,", "\\;", "\\:", "\\ ", "\\quad", "\\qquad", "~"))
 # Characters mapped to their ASCII/LaTeX meaning.
 _CHARS = {"\u2212": "-", "\u2012": "-", "\u2013": "-", "\ufe63": "-", "\uff0d": "-",
           "\u00d7": "*", "\u00f7": "/", "\u221e": "\\infty", "\u2009": " ",
@@ -21,6 +24,8 @@ _ALIASES = (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"),
             ("{,}", ","), ("\\%", "%"), ("\\cdot", "*"), ("\\times", "*"),
             ("\\div", "/"), ("\\infinity", "\\infty"))
 _LETTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_SEPARATORS = frozenset("._,")  # in or after a number; whitespace beside one is kept
+_NUMBER_CHARS = _SEPARATORS | frozenset("0123456789")
 
 
 def _unwrap_commands(s: str) -> str:
@@ -92,7 +97,9 @@ def normalize_answer(s: str, *, strip_units: bool = False) -> str:
 
     Steps: map Unicode minus/times/infinity, unwrap `\\text{}`/`\\boxed{}`-like commands,
     drop `\\left`/`\\right`/spacing/`$`, alias `\\dfrac`/`\\tfrac` to `\\frac`, `\\%` to `%`,
-    optionally strip units, drop a leading `x =`, a trailing period and all whitespace.
+    optionally strip units, drop a leading `x =` and a trailing period, and drop whitespace,
+    except that between digits it becomes `,` where it separates thousands (`12 345`) and
+    one space elsewhere (`4 2`, `1, 234`: not one number).
     """
     for a, b in _CHARS.items():
         if a in s:
@@ -100,7 +107,7 @@ def normalize_answer(s: str, *, strip_units: bool = False) -> str:
     s = s.replace("\\$", "$")
     s = _unwrap_commands(s)
     for a in _DROP:
-        s = s.replace(a, " " if a.startswith("\\") and a != "\\!" else "")
+        s = s.replace(a, " " if a in _SPACES else "")
     for a, b in _ALIASES:
         s = s.replace(a, b)
     s = s.replace("\\infty", "\u221e")  # one char, so unit stripping cannot eat it
@@ -108,7 +115,7 @@ def normalize_answer(s: str, *, strip_units: bool = False) -> str:
     if strip_units:
         s = _strip_units(s)
     s = _drop_assignment(s)
-    s = "".join(s.split())
+    s = _drop_spaces(s)
     return s.rstrip(".,").replace("\u221e", "\\infty")
 
 
@@ -121,3 +128,65 @@ def _drop_assignment(s: str) -> str:
                                                for c in left):
             return s[k + 1:]
     return s
+
+
+def _is_digit(c: str) -> bool:
+    return c.isascii() and c.isdigit()
+
+
+def _digit_runs(s: str, i: int) -> tuple[list[str], int]:
+    """From the digit at s[i]: the digit runs joined only by whitespace, and where they end."""
+    runs, n = [], len(s)
+    while True:
+        k = i
+        while k < n and _is_digit(s[k]):
+            k += 1
+        runs.append(s[i:k])
+        w = k
+        while w < n and s[w].isspace():
+            w += 1
+        if w == k or w == n or not _is_digit(s[w]):
+            return runs, k
+        i = w
+
+
+def _digit_group(s: str, i: int, runs: list[str], end: int) -> str:
+    """The digit runs found at s[i:end], joined as a comma would join them: by "," when
+    they are thousands groups (a first group of 1-3 digits not starting with 0, then groups
+    of exactly 3, no `.`, `,` or `_` glued on either side), else by one space (`4 2` is
+    not a number).
+    After `\\frac` they are its arguments, as in LaTeX (`\\frac 1 2`)."""
+    j = i
+    while j > 0 and s[j - 1].isspace():
+        j -= 1
+    if s.endswith("\\frac", 0, j):
+        return "".join(runs)
+    glued = (i > 0 and s[i - 1] in _SEPARATORS) or (
+        end + 1 < len(s) and s[end] in "_," and _is_digit(s[end + 1]))
+    grouped = (len(runs[0]) <= 3 and runs[0][0] != "0" and all(len(r) == 3 for r in runs[1:])
+               and not glued)
+    return ("," if grouped else " ").join(runs)
+
+
+def _drop_spaces(s: str) -> str:
+    """`s` without whitespace, except between digits (`_digit_group`) and between a digit
+    and a separator (`1, 234` and `3 .5` stay apart: one space). One linear pass."""
+    out, i, n = [], 0, len(s)
+    while i < n:
+        if _is_digit(s[i]):
+            runs, end = _digit_runs(s, i)
+            out.append(_digit_group(s, i, runs, end))
+            i = end
+        elif s[i].isspace():
+            j = i
+            while j < n and s[j].isspace():
+                j += 1
+            left, right = s[i - 1:i], s[j:j + 1]
+            if left and right and {left, right} <= _NUMBER_CHARS and (
+                    _is_digit(left) or _is_digit(right)):
+                out.append(" ")
+            i = j
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)

@@ -1,6 +1,7 @@
 """A small, bounded parser that evaluates a normalised answer to an exact rational.
 
-Grammar (whitespace already removed by `_latex.normalize_answer`):
+Grammar (whitespace already removed by `_latex.normalize_answer`, but for a space that keeps
+digits apart, `4 2`, which no rule accepts):
 
     expr   := term (('+' | '-') term)*
     term   := unary (('*' | '/') unary)*
@@ -8,7 +9,8 @@ Grammar (whitespace already removed by `_latex.normalize_answer`):
     power  := atom ('^' unary)?            # right-associative
     atom   := number | '(' expr ')' | '{' expr '}' | '\\frac' arg arg
     arg    := '{' expr '}' | one digit     # \\frac12 is 1/2
-    number := digits with optional 1,000-style groups, '.digits', and 'e[+-]digits'
+    number := digits with optional 1,000-style groups (the first of 1-3 digits, not 0...),
+              '.digits', and 'e[+-]digits'
 
 Values are `fractions.Fraction`. Nothing is ever evaluated as code. Work is bounded:
 literal length (`MAX_DIGITS`), exponents (`MAX_EXPONENT`), the bit length of every
@@ -131,7 +133,7 @@ class _Parser:
 
     def number(self) -> Fraction:
         whole = self.digits()
-        if whole and len(whole) <= 3:  # thousands groups: 1,234,567
+        if whole and len(whole) <= 3 and whole[0] != "0":  # thousands groups: 1,234,567
             while (self.peek() == "," and self.s[self.i + 1:self.i + 4].isdigit()
                    and self.s[self.i + 1:self.i + 4].isascii()
                    and not self.s[self.i + 4:self.i + 5].isdigit()):

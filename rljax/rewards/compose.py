@@ -25,6 +25,7 @@ from rljax.rewards.answers import math_equal
 from rljax.rewards.constraints import Constraint, constraint_from_dict
 from rljax.rewards.extract import MODES, extract_answer
 from rljax.rewards.format import TagFormat, format_reward, tagged_answer
+from rljax.rewards.strings import string_equal
 
 ItemReward = Callable[[str, Mapping[str, Any]], float]
 
@@ -67,9 +68,34 @@ def _meta_field(meta: Mapping[str, Any], key: str, who: str) -> Any:
     return meta[key]
 
 
+class _AnswerCheck:
+    """What the answer verifiers share: the mode check, then `equal(answer, reference)`
+    on the answer the completion gives (`answer_tags` when set: between them, a
+    `\\boxed{}` inside preferred; else `extract_answer(mode)`; with `whole`, a completion
+    in which mode "auto" finds no marked answer is the answer itself)."""
+
+    whole = False
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"{type(self).__name__}.mode={self.mode!r} is not one of {MODES}")
+
+    def __call__(self, completion: str, meta: Mapping[str, Any]) -> float:
+        ref = _meta_field(meta, self.reference_key, self.name)
+        if self.answer_tags is not None:
+            inner = tagged_answer(completion, self.answer_tags)
+            pred = None if inner is None else extract_answer(inner, mode="boxed") or inner
+        else:
+            pred = extract_answer(completion, mode=self.mode)
+            if pred is None and self.whole and self.mode == "auto":
+                pred = completion
+        return 1.0 if self.equal(pred, ref) else 0.0
+
+
 @dataclasses.dataclass(frozen=True)
-class MathAccuracy:
-    """1.0 if the answer extracted from the completion equals `meta[reference_key]`.
+class MathAccuracy(_AnswerCheck):
+    """1.0 if the answer extracted from the completion equals `meta[reference_key]`
+    (`math_equal`).
 
     `answer_tags`: if set, the answer is first taken from between those tags (R1-Zero);
     a `\\boxed{}` inside the tags is then preferred. `mode`: `extract_answer` mode.
@@ -81,20 +107,30 @@ class MathAccuracy:
     answer_tags: TagFormat | None = None
     name: str = "math_accuracy"
 
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"MathAccuracy.mode={self.mode!r} is not one of {MODES}")
+    def equal(self, answer: str | None, reference: Any) -> bool:
+        """`math_equal` (with this reward's `strip_units`)."""
+        return math_equal(answer, reference, strip_units=self.strip_units)
 
-    def __call__(self, completion: str, meta: Mapping[str, Any]) -> float:
-        ref = _meta_field(meta, self.reference_key, self.name)
-        if self.answer_tags is not None:
-            inner = tagged_answer(completion, self.answer_tags)
-            if inner is None:
-                return 0.0
-            pred = extract_answer(inner, mode="boxed") or inner
-        else:
-            pred = extract_answer(completion, mode=self.mode)
-        return 1.0 if math_equal(pred, ref, strip_units=self.strip_units) else 0.0
+
+@dataclasses.dataclass(frozen=True)
+class StringAccuracy(_AnswerCheck):
+    """1.0 if the completion's answer is the text `meta[reference_key]` (`string_equal`:
+    case, whitespace and punctuation around words aside).
+
+    The answer is found as `MathAccuracy` finds it (`answer_tags`, `mode`), except that
+    with `mode="auto"` a completion with no marked answer (`\\boxed{}`, `####`, "the
+    answer is") is the answer as a whole: `abcd` scores against `abcd`.
+    """
+
+    reference_key: str = "answer"
+    mode: str = "auto"
+    answer_tags: TagFormat | None = None
+    name: str = "string_accuracy"
+    whole = True  # a class attribute, not a field
+
+    def equal(self, answer: str | None, reference: Any) -> bool:
+        """`string_equal`."""
+        return string_equal(answer, reference)
 
 
 @dataclasses.dataclass(frozen=True)

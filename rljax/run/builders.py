@@ -118,6 +118,9 @@ class TaskData:
       records it in `data.json` and prints it at start-up.
     has_answers: every record has a reference `answer` (procedural tasks always do); a
       custom reward's run has a verifier only then.
+    verifier: a file task's answer check, "math" or "string" (`reward.verifier`, or
+      for "auto" `rljax.rewards.answer_verifier` of its answers); None for procedural tasks.
+    sft_records: `(start, n) -> records` the warm-up's targets are made from.
     """
 
     train: Callable[[int, int], tuple[list[str], list[dict]]]
@@ -129,6 +132,8 @@ class TaskData:
     train_size: int | None = None
     splits: dict[str, dict] = dataclasses.field(default_factory=dict)
     has_answers: bool = True
+    verifier: str | None = None
+    sft_records: Callable[[int, int], list[dict]] | None = None
 
     def describe(self) -> list[str]:
         """One line per split: records read, dropped by the length filter, kept."""
@@ -228,8 +233,12 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         # repeat the RL order ([seed, epoch]) for seed 0.
         sft_records = _epoch_order(train, lambda epoch: np.random.default_rng(
             [_SFT_FILE_ORDER, cfg.run.seed, epoch]).permutation(len(train)))
+        answers = [r["answer"] for r in (*train, *held) if "answer" in r]
+        complete = t.answer_field is not None and len(answers) == len(train) + len(held)
+        verifier = cfg.reward.verifier
         known = dict(train_size=len(train), splits=done.get("_splits", {}),
-                     has_answers=all("answer" in r for r in (*train, *held)))
+                     has_answers=complete,
+                     verifier=rw.answer_verifier(answers) if verifier == "auto" else verifier)
 
     def texts(recs):
         return [_prompt_text(cfg, tokenizer, r) for r in recs]
@@ -245,7 +254,7 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
         return texts(recs), [_fill(t.sft_template, r, "task.sft_template") for r in recs]
 
     return TaskData(rl_source, texts(eval_records), list(eval_records), sft_source,
-                    texts(val_records), list(val_records), **known)
+                    texts(val_records), list(val_records), sft_records=sft_records, **known)
 
 
 def check_inputs(cfg: ExperimentConfig) -> None:
@@ -279,9 +288,7 @@ def build_reward(cfg: ExperimentConfig, task: TaskData | None = None
         acc = CountdownReward(fmt=fmt, correct=1.0, format_score=0.0)
         label = "rljax.data.check_countdown"
     else:
-        acc = rw.MathAccuracy(mode=r.answer_mode, answer_tags=fmt if tagged else None)
-        label = (f"rljax.rewards.MathAccuracy(mode={r.answer_mode!r}) against "
-                 f"task.answer_field={t.answer_field!r}")
+        acc, label = _answer_check(cfg, task, fmt if tagged else None)
     accuracy_fn = Verifier(rw.Verified(acc, correct=1.0, incorrect=0.0, name="accuracy"),
                            label)
     if task is not None and not task.has_answers:
@@ -297,6 +304,19 @@ def build_reward(cfg: ExperimentConfig, task: TaskData | None = None
         terms.append((r.format_weight if r.kind == "accuracy+format" else 1.0,
                       rw.FormatReward(fmt, name="format")))
     return ComponentReward(tuple(terms), timeout_s=r.timeout_s, workers=r.workers), accuracy_fn
+
+
+def _answer_check(cfg: ExperimentConfig, task: TaskData | None, tags) -> tuple[Any, str]:
+    """A file task's verifier and its label: `MathAccuracy` or `StringAccuracy` as
+    `task.verifier` (or `reward.verifier`, "auto" -> math, without a task) says."""
+    r = cfg.reward
+    kind = task.verifier if task is not None and task.verifier else (
+        "math" if r.verifier == "auto" else r.verifier)
+    cls = rw.StringAccuracy if kind == "string" else rw.MathAccuracy
+    how = f"reward.verifier={r.verifier!r}" + (f" -> {kind!r}" if r.verifier == "auto" else "")
+    return cls(mode=r.answer_mode, answer_tags=tags), (
+        f"rljax.rewards.{cls.__name__}(mode={r.answer_mode!r}) against task.answer_field="
+        f"{cfg.task.answer_field!r} ({how})")
 
 
 def build_device_reward(cfg: ExperimentConfig, tokenizer):

@@ -39,8 +39,8 @@ from rljax.train.batching import encode_pairs, encode_traces
 from rljax.train.config.checks import check_bool, check_choice, check_num, fail
 from rljax.train.multiturn import MultiTurnConfig
 
-__all__ = ["EnvConfig", "EnvFactory", "build_multiturn", "check_env", "encode_sft",
-           "episode_eval"]
+__all__ = ["EnvConfig", "EnvFactory", "build_multiturn", "check_env", "check_env_section",
+           "encode_sft", "episode_eval", "trace_examples"]
 
 
 def _check_path(field: str, value: Any, optional: bool = False) -> None:
@@ -111,6 +111,20 @@ class EnvFactory:
 def _tool(path: str):
     obj = load_function(path, "env.tools")
     return obj() if isinstance(obj, type) else obj
+
+
+def check_env_section(cfg) -> None:
+    """``ExperimentConfig``'s checks of its ``env`` section: an ``EnvConfig`` or None, and
+    not beside a reward kind other than the default, several seeds in one program or a
+    teacher (ValueError naming the field)."""
+    c, e = "ExperimentConfig", cfg.env
+    if e is not None and not isinstance(e, EnvConfig):
+        fail(c, "env", e, "a rljax.run.environment.EnvConfig or None")
+    if e is not None and (cfg.reward.kind != "accuracy" or cfg.run.seeds > 1
+                          or cfg.teacher is not None):
+        fail(c, "env", e.env, "None with reward.kind other than the default, run.seeds > 1 "
+             "or a teacher (an environment's episode returns are the rewards; several seeds "
+             "in one program need a device reward: run each seed as its own run)")
 
 
 def check_env(cfg) -> None:

@@ -13,7 +13,8 @@ from rljax.models import ModelConfig
 from rljax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from rljax.models.lora import LoraConfig
 from rljax.rewards.extract import MODES as EXTRACT_MODES
-from rljax.run.environment import EnvConfig
+from rljax.rewards.strings import VERIFIERS
+from rljax.run.environment import EnvConfig, check_env_section
 from rljax.run.profiling import parse_profile_steps
 from rljax.sharding import MeshConfig
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig,
@@ -54,7 +55,8 @@ class TaskConfig:
       prompt_field, answer_field: the record fields read as the prompt and the reference
         answer (file/TFDS records; every other field is kept too, for the reward's
         metadata and `prompt_template`). The answer is optional unless the reward checks
-        it (`reward.kind` "accuracy" or "accuracy+format").
+        it (`reward.kind` "accuracy" or "accuracy+format"); `answer_field=None`: the
+        records have none (no verifier: a custom reward's mean is the headline).
       difficulty: procedural difficulty: arithmetic operand digits; Countdown numbers given.
       max_number: Countdown's largest given number.
       ops: arithmetic operators drawn ("+", "-", "*", "/").
@@ -75,7 +77,7 @@ class TaskConfig:
     split: str = "train"
     eval_split: str = "test"
     prompt_field: str = "question"
-    answer_field: str = "answer"
+    answer_field: str | None = "answer"
     difficulty: int = 3
     max_number: int = 99
     ops: tuple[str, ...] = ("+",)
@@ -94,9 +96,9 @@ class TaskConfig:
             fail(c, "path", self.path, f"a local folder or file when name={self.name!r}")
         if self.name == "tfds" and not self.dataset:
             fail(c, "dataset", self.dataset, "a TFDS dataset name when name='tfds'")
-        for f in ("split", "eval_split", "prompt_field", "answer_field", "prompt_template",
-                  "sft_template"):
+        for f in ("split", "eval_split", "prompt_field", "prompt_template", "sft_template"):
             _check_str(c, f, getattr(self, f))
+        _check_str(c, "answer_field", self.answer_field, optional=True)
         check_num(c, "max_number", self.max_number, lo=2, integer=True)
         if not self.ops or not all(o in ("+", "-", "*", "/") for o in self.ops):
             fail(c, "ops", self.ops, "a non-empty tuple of '+', '-', '*', '/'")
@@ -106,12 +108,16 @@ class TaskConfig:
             fail(c, "assistant_prefix", self.assistant_prefix, "a string")
         for f in ("path", "dataset", "system_prompt"):
             _check_str(c, f, getattr(self, f), optional=True)
+        if self.answer_field is None and self.name == "gsm8k":
+            fail(c, "answer_field", None, "a record field for task 'gsm8k' (its answers "
+                 "follow '####' in that field)")
         check_num(c, "difficulty", self.difficulty, lo=0, integer=True)
         check_bool(c, "chat_template", self.chat_template)
         check_num(c, "max_prompt_tokens", self.max_prompt_tokens, lo=1, integer=True)
 
 
 REWARD_KINDS = ("accuracy", "format", "accuracy+format", "reward_model", "custom")
+VERIFIER_CHOICES = ("auto", *VERIFIERS)
 FUNCTION_FORMS = ("batch", "item")
 
 
@@ -130,6 +136,11 @@ class RewardConfig:
       correct_reward: reward of a verified answer (Tülu 3's RLVR uses 10; default 1).
       answer_mode: `rljax.rewards.extract_answer` mode ("auto" = last boxed, else GSM8K's
         "####", else "the answer is"; or "boxed", "gsm8k", "answer_is", "last_number").
+      verifier: how a file task's answers are checked: "math" (`rljax.rewards.math_equal`:
+        equal values), "string" (`rljax.rewards.string_equal`: equal text up to case,
+        whitespace and punctuation around words; in answer_mode "auto" an unmarked
+        completion is the answer as a whole) or "auto": "math" when any reference answer
+        reads as a number, else "string". Procedural tasks have their own check ("auto").
       think_tag, answer_tag: R1-Zero format tag names (`<think>...</think>` etc.).
       think_in_prompt: the prompt already opens the think tag (TinyZero's template).
       model_path: saved reward model directory (kind="reward_model").
@@ -151,6 +162,7 @@ class RewardConfig:
     format_weight: float = 0.0
     correct_reward: float = 1.0
     answer_mode: str = "auto"
+    verifier: str = "auto"
     think_tag: str = "think"
     answer_tag: str = "answer"
     think_in_prompt: bool = False
@@ -175,6 +187,7 @@ class RewardConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
                 fail(c, f, v, "a number")
         check_choice(c, "answer_mode", self.answer_mode, EXTRACT_MODES)
+        check_choice(c, "verifier", self.verifier, VERIFIER_CHOICES)
         for f in ("think_tag", "answer_tag"):
             _check_str(c, f, getattr(self, f))
         if self.think_tag == self.answer_tag:
@@ -251,6 +264,19 @@ class RunConfig:
             parse_profile_steps(self.profile_steps)
         except ValueError as e:
             fail(c, "profile_steps", self.profile_steps, str(e).split("allowed: ", 1)[-1])
+
+
+def _check_answers(t: TaskConfig, r: RewardConfig) -> None:
+    """The verifier settings fit the task: procedural tasks check their own answers, and
+    a reward that checks answers needs the field they are in."""
+    if t.name in ("arithmetic", "countdown") and r.verifier != "auto":
+        fail("RewardConfig", "verifier", r.verifier, f"'auto' for task {t.name!r} (it has its "
+             "own check; 'math' and 'string' are for file tasks)")
+    if t.answer_field is None and r.kind in ("accuracy", "accuracy+format") \
+            and t.name not in ("arithmetic", "countdown"):
+        fail("TaskConfig", "answer_field", None, f"a record field when reward.kind="
+             f"{r.kind!r} (it checks the reference answer); None only with a reward that "
+             "needs none (reward.function, 'format', 'reward_model')")
 
 
 _SECTIONS = dict(task=TaskConfig, reward=RewardConfig, algorithm=AlgorithmConfig,
@@ -346,8 +372,7 @@ class ExperimentConfig:
                  "a warm-up trains every weight anyway; the flag picks the base over the "
                  "adapters when lora.rank > 0)")
         check_algorithm_sampling(self.algorithm, self.sampling)
-        if self.env is not None:
-            self._check_env()
+        check_env_section(self)
         _check_str(c, "teacher", self.teacher, optional=True)
         if self.algorithm.needs_teacher != (self.teacher is not None):
             fail(c, "teacher", self.teacher, "a run directory or Hugging Face folder when "
@@ -359,16 +384,7 @@ class ExperimentConfig:
         check_bool(c, "scan_layers", self.scan_layers)
         check_choice(c, "remat", self.remat, REMAT_POLICIES)
         _check_str(c, "recipe", self.recipe, optional=True)
-
-    def _check_env(self) -> None:
-        c = "ExperimentConfig"
-        if not isinstance(self.env, EnvConfig):
-            fail(c, "env", self.env, "a rljax.run.environment.EnvConfig or None")
-        if self.reward.kind != "accuracy" or self.run.seeds > 1 or self.teacher is not None:
-            fail(c, "env", self.env.env, "None with reward.kind other than the default, "
-                 "run.seeds > 1 or a teacher (an environment's episode returns are the "
-                 "rewards; several seeds in one program need a device reward: run each seed "
-                 "as its own run)")
+        _check_answers(self.task, self.reward)
 
     @property
     def warms_up_base(self) -> bool:

@@ -10,9 +10,10 @@ All overrides aimed at one dataclass are applied with a single `dataclasses.repl
 `__post_init__` validation sees the final combination (setting two fields that must agree
 never trips over an intermediate state).
 
-`none` (or `null`) means None, except in a *preset field*: a field of a dataclass that
-lists it in its class attribute `PRESET_FIELDS` (``AlgorithmConfig``), where None means
-"the preset of `name`". There `X=none` sets the value "none" where that is a legal value
+`none` (or `null`) means None in every field that admits None (`str | None` included; in
+a plain `str` field it is the word "none", e.g. `model.remat=none`), except in a *preset
+field*: a field of a dataclass that lists it in its class attribute `PRESET_FIELDS`
+(``AlgorithmConfig``), where None means "the preset of `name`". There `X=none` sets the value "none" where that is a legal value
 (`algorithm.kl_in=none` turns the KL term off) and is an error where it is not, and
 `X=preset` returns the field to its preset. A value in matching quotes (`X="none"`,
 `X='3'`) is taken as that string where the field accepts strings, else parsed without

@@ -2,7 +2,8 @@
 devices, processes, mesh), what it trains (parameter count), on what (prompts per split),
 what scores it (the reward, and the verifier behind the accuracy shown) and which forward
 paths its programs take (``rljax.train.programs.paths.ForwardPaths``: a default that fell back
-says why).
+says why); last, a WARNING when the verifier gives no credit to any worked answer
+(`verifier_warning`).
 
 `startup_summary(cfg, ...)` returns the lines; `run_experiment` and `run_seeds` print them
 once (process 0), before the first step.
@@ -18,7 +19,10 @@ import jax
 from rljax.models.lora import count_pairs, split_trainable
 from rljax.run.experiment import ExperimentConfig
 
-__all__ = ["parameter_count", "startup_summary"]
+__all__ = ["parameter_count", "startup_summary", "verifier_warning"]
+
+#: Worked answers of each kind (warm-up, held-out) the start-up check scores.
+CHECKED_ANSWERS = 64
 
 
 def parameter_count(params: Any) -> int:
@@ -45,7 +49,7 @@ def _verifier(cfg: ExperimentConfig) -> str:
         return f"rljax.run.tasks.ArithmeticReward(style={t.style!r})"
     if t.name == "countdown":
         return "rljax.run.tasks.CountdownReward"
-    return f"rljax.rewards.MathAccuracy(mode={r.answer_mode!r})"
+    return f"rljax.rewards answer check (reward.verifier={r.verifier!r}, mode={r.answer_mode!r})"
 
 
 def _reward(cfg: ExperimentConfig, reward_fns: Any) -> str:
@@ -110,7 +114,8 @@ def startup_summary(cfg: ExperimentConfig, *, mesh, params: Any, task: Any,
             f"accuracy shown: {_accuracy(cfg, accuracy_fn)}",
             *([] if paths is None else [f"forward paths: {paths.line()}"]),
             *_lora(cfg, params),
-            *getattr(task, "describe", lambda: [])()]
+            *getattr(task, "describe", lambda: [])(),
+            *verifier_warning(cfg, task, accuracy_fn)]
 
 
 def _lora(cfg: ExperimentConfig, params: Any) -> list[str]:
@@ -123,3 +128,33 @@ def _lora(cfg: ExperimentConfig, params: Any) -> list[str]:
     return [f"lora: rank={lo.rank} alpha={lo.alpha:g} targets={','.join(lo.targets)}: "
             f"{count_pairs(params)} adapter pairs, {n:,} trained parameters "
             f"({100 * n / max(total, 1):.2f}%); base frozen, KL reference = base (adapters off)"]
+
+
+def verifier_warning(cfg: ExperimentConfig, task: Any, accuracy_fn: Any) -> list[str]:
+    """One WARNING line when `accuracy_fn` scores 0 on every worked answer it is shown,
+    else none: `task.sft_template` filled from the warm-up's records (when the run warms
+    up) and from the held-out records the pre-RL evaluation scores, `CHECKED_ANSWERS` of
+    each (records the template does not fit are skipped). A verifier that gives none of
+    them credit cannot reward this task: the wrong `reward.verifier`, `answer_mode` or
+    `task.answer_field`."""
+    if accuracy_fn is None or accuracy_fn is _FROM_CONFIG:
+        return []
+    records = list(getattr(task, "eval_metadata", [])[:CHECKED_ANSWERS])
+    warm_up = getattr(task, "sft_records", None)
+    if cfg.sft is not None and cfg.sft.steps > 0 and warm_up is not None:
+        records += warm_up(0, min(CHECKED_ANSWERS, getattr(task, "train_size", None)
+                                  or CHECKED_ANSWERS))  # one epoch at most
+    scores = []
+    for r in records:
+        try:
+            scores.append(bool(accuracy_fn(cfg.task.sft_template.format(**r), r)))
+        except (KeyError, IndexError, ValueError, TypeError):
+            continue  # the template does not fit this record: nothing to check
+    if not scores or any(scores):
+        return []
+    name = getattr(accuracy_fn, "name", accuracy_fn)
+    return [f"WARNING: the verifier {name} scores 0 on all {len(scores)} worked answers "
+            f"(task.sft_template={cfg.task.sft_template!r} of warm-up and held-out records): "
+            "it cannot give credit on this task, so accuracy and the accuracy reward stay "
+            "0. Check reward.verifier ('math' or 'string'), reward.answer_mode and "
+            "task.answer_field"]

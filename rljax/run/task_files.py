@@ -64,7 +64,9 @@ def read_split(cfg: ExperimentConfig, split: str, role: str = "split") -> Sequen
     """The records of `task.<role>` (named `split`): a TFDS split, or a file's records
     with every field, the mapped `prompt` and, where present, `answer`."""
     t = cfg.task
-    mapping = {"prompt": t.prompt_field, "answer": t.answer_field}
+    mapping = {"prompt": t.prompt_field}
+    if t.answer_field is not None:  # None: the records have no reference answer
+        mapping["answer"] = t.answer_field
     if t.name == "tfds":
         src = TfdsPromptSource(split=split, name=t.dataset, data_dir=t.path, mapping=mapping)
         # GSM8K keeps "#### answer" at the end of its solution field, on TFDS too.

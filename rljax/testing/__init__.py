@@ -25,8 +25,11 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from rljax.objectives.batch import DIFFERENTIABLE_FIELDS, OPTIONAL_FIELDS, Coef, ObjectiveBatch
+from rljax.objectives.separable import token_separable
 from rljax.testing._compare import (F32_EPS, compare_outputs, check_failure, scalar_values,
                                     float32_rtol)
+from rljax.testing._mesh8 import DEVICES, run_in_subprocess
+from rljax.testing._separable import check_separable
 
 __all__ = ["F32_EPS", "check_objective", "default_batch", "float32_rtol"]
 
@@ -319,10 +322,19 @@ def check_objective(
         default 4) and summing loss sums, counts and metric pairs equals the full batch,
         gradients included;
       mesh: the batch sharded along B over every device of `mesh` (default: all devices
-        on one "data" axis) gives the unsharded (one-device) outputs and gradients.
-        With one device there is nothing to compare: the check is skipped, with a
-        warning, and the result's "skipped" says so.
-    They run on `batch`, and all but mesh and recompile again on `batch` without the
+        on one "data" axis) gives the unsharded (one-device) outputs and gradients. In a
+        process with one device (or given a one-device mesh) it runs in a child process
+        with 8 emulated CPU devices (`rljax.testing._mesh8`; the objective must then
+        pickle, i.e. be importable: else the check is skipped with a warning and the
+        result's "skipped" says why);
+      token_separable: an objective marked token-separable
+        (`rljax.objectives.token_separable`: the trainer then takes its gradient in one
+        pass over the output head, chunk by chunk) gives the two-pass gradients w.r.t.
+        logp_BxT and entropy_BxT when each chunk of ceil(T/3) columns is differentiated
+        with the other columns holding other values (the sampler's log-probs, zero
+        entropies), as the one-pass head does.
+    They run on `batch` (token_separable on the first batch), and all but mesh,
+    recompile and token_separable again on `batch` without the
     optional fields the objective does not declare in `requires` (as the trainer passes
     them: no `ref_logp_BxT` in a run without a KL term, where `Coef.kl` is 0 as well, no
     values without a value model, no sampler log-probs without the importance
@@ -344,7 +356,9 @@ def check_objective(
         ("ref_logp_BxT",) for a KL term it always takes; a run must then provide them).
     Returns:
       {"loss": loss_sum / count, "count": count} of the (first) full batch, "batches":
-      the batches checked, "skipped": {check: why} for checks not run.
+      the batches checked, "mesh": where the mesh check ran, "token_separable": whether
+      the objective is marked so (then checked), "skipped": {check: why} for checks not
+      run.
     """
     coef = Coef() if coef is None else coef
     unknown = sorted(set(requires) - set(OPTIONAL_FIELDS))
@@ -355,18 +369,13 @@ def check_objective(
     batches = [default_batch(s) for s in seeds] if batch is None else [batch]
     if mesh is None:
         mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
-    skipped = {}
-    if mesh.size == 1:
-        skipped["mesh"] = ("one device: nothing to compare the unsharded run with (set "
-                           "XLA_FLAGS=--xla_force_host_platform_device_count=8 before "
-                           "importing jax to emulate 8)")
-        warnings.warn(f"check_objective: mesh check skipped: {skipped['mesh']}", stacklevel=2)
+    in_process, skipped = mesh.size > 1, {}
     opts = dict(micro_batches=micro_batches, pad=pad, rtol=rtol,
                 require_logp_grad=require_logp_grad)
     h = _Harness(fn)
     names, first = [], None
     for s, b in zip(seeds, batches):
-        ref = _check_batch(h, b, coef, None if skipped else mesh, seed=s, **opts)
+        ref = _check_batch(h, b, coef, mesh if in_process else None, seed=s, **opts)
         first = ref if first is None else first
         absent = [n for n in OPTIONAL_FIELDS if getattr(b, n) is not None and n not in requires]
         if not absent:
@@ -382,5 +391,16 @@ def check_objective(
         # traced: the mesh and recompile checks of the full batch stand for this one.
         _check_batch(h, small, small_coef, None, seed=s, recompile=False, **opts)
         names.append(f"without {', '.join(absent)}")
+    separable = token_separable(fn)
+    if separable:
+        check_separable(h, batches[0], coef, rtol)
+    where = f"{mesh.size} devices"
+    if not in_process:
+        where = f"{DEVICES} emulated CPU devices in a subprocess"
+        why = run_in_subprocess(fn, coef, batches, micro_batches=micro_batches, rtol=rtol)
+        if why is not None:
+            skipped["mesh"], where = why, "not run"
+            warnings.warn(f"check_objective: mesh check skipped: {why}", stacklevel=2)
     return {"loss": float(first[0] / first[1]), "count": float(first[1]),
-            "batches": ["as given"] + sorted(set(names)), "skipped": skipped}
+            "batches": ["as given"] + sorted(set(names)), "mesh": where,
+            "token_separable": separable, "skipped": skipped}
