@@ -4,202 +4,160 @@ a small model trained here can solve only by calling the tool.
 Each episode: the prompt is the question (`"123*456.\\n"`); the model calls the calculator
 (`<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>`),
 reads its `<tool_response>` (appended with loss mask 0: never trained on) and answers
-`<answer>56088</answer>` (reward 1 if right; `rljax.envs.ArithmeticToolEnv`). Per seed:
+`<answer>56088</answer>` (reward 1 if right; `rljax.envs.ArithmeticToolEnv`). The
+experiment is a config (`config()`, its `env` section: `rljax.run.environment`), run by
+the run loop of `rljax train`, one run per seed:
 
 1. a character-level decoder (2 layers, width 128) is initialised from the seed;
 2. SFT warm-up on tool-use traces (`rljax.envs.tool_use_trace`, the tool's output masked
-   from the loss) until greedy success on validation problems reaches `stop_success`
-   (checked every `stop_every` steps, and every step once a problem has succeeded: success
-   jumps within a few steps); `success_before` is measured then, on held-out problems;
-3. GRPO on episodes (`RLTrainer(multiturn=...)`: turns decoded from one KV cache, tools in
-   a worker pool); `success_after` on the same held-out problems.
+   from the loss) until greedy success on 128 validation problems reaches 0.4 (checked
+   every 5 steps, and every step once a problem has succeeded: `sft.stop_dense`, as
+   success jumps within a few steps); `success_before` is measured then, on held-out
+   problems;
+3. GRPO on episodes (turns decoded from one KV cache, tools in a worker pool);
+   `success_after` on the same held-out problems.
 
-The control run (seed 0's warm-up, then the same GRPO with the tool disabled: every call
-answers "unknown tool") shows that the gain comes from using the tool: without it a model
-this size does not multiply three-digit numbers.
+The control run (seed 0's warm-up, replayed for the same number of steps, then the same
+GRPO with the tool disabled: every call answers "unknown tool") shows that the gain comes
+from using the tool: without it a model this size does not multiply three-digit numbers.
 
-    python experiments/arithmetic_tool.py              # 3 seeds and the control
+    rljax train arithmetic_tool                       # one run: seed 0, with the tool
+    python experiments/arithmetic_tool.py             # 3 seeds and the control
     python experiments/arithmetic_tool.py --seeds 1 --quick   # seconds: a smoke run
 
-The last line is `RESULT seeds=<n> success_before=<x> success_after=<y>
-success_after_min=<z> tool_calls_per_episode=<t> turns_mean=<m> control_success=<c>
-wall_s=<s>` (means over seeds; `tool_calls_per_episode` and `turns_mean` over the held-out
-episodes after GRPO). Results: docs/arithmetic_tool.md.
+Each run lives in `runs/arithmetic_tool/seed<k>` (and `.../control`) with its metrics,
+checkpoints and evaluations; `rljax eval` runs its held-out episodes again. The last line
+is `RESULT seeds=<n> success_before=<x> success_after=<y> success_after_min=<z>
+tool_calls_per_episode=<t> turns_mean=<m> control_success=<c> wall_s=<s>` (means over
+seeds; `tool_calls_per_episode` (calls that returned a result) and `turns_mean` over the
+held-out episodes after GRPO). Targets: mean gain >= 0.20, every seed gains, the control
+at most 0.05 above `success_before`. Results: docs/arithmetic_tool.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from rljax.data import ArithmeticTask
-from rljax.envs import (ArithmeticToolEnv, EnvLimits, ToolRegistry, arithmetic_tool_rows,
-                        tool_use_trace)
-from rljax.models import Decoder, ModelConfig
-from rljax.models.tokenizer import build_char_tokenizer
-from rljax.rewards import RewardPool
-from rljax.train import encode_traces
+from rljax.envs import EnvLimits
+from rljax.models import ModelConfig
+from rljax.run.environment import EnvConfig
+from rljax.run.experiment import ExperimentConfig, RunConfig, TaskConfig
+from rljax.run.experiment_files import load_experiment
+from rljax.run.run_dir import read_metrics
+from rljax.run.runner import run_experiment
 from rljax.train.config import (OptimConfig, RLConfig, SamplingConfig, SFTConfig,
                                 algorithm_preset)
-from rljax.train.multiturn import MultiTurnConfig
-from rljax.train.rl import RLTrainer
-from rljax.train.sft import SFTTrainer
 
-INSTRUCTION = "{question}\n"  # the warm-up teaches the format; the prompt is the question
+VOCAB = 100  # rljax.models.tokenizer.build_char_tokenizer(): 4 specials + 96 characters
 
 
-@dataclasses.dataclass(frozen=True)
-class ToolRun:
-    """The experiment's settings (the defaults are the recorded run)."""
-
-    digits: int = 3
-    hidden: int = 128
-    layers: int = 2
-    sft_max_steps: int = 400
-    sft_batch: int = 64
-    sft_lr: float = 2e-3
-    stop_success: float = 0.4
-    stop_every: int = 5
-    rl_steps: int = 80
-    prompts_per_step: int = 16
-    group_size: int = 8
-    lr: float = 4e-4
-    temperature: float = 0.5
-    turn_tokens: int = 96
-    max_turns: int = 3
-    total_tokens: int = 224
-    val_problems: int = 128
-    eval_problems: int = 256
-
-
-QUICK = ToolRun(hidden=32, layers=1, sft_max_steps=2, sft_batch=8, stop_every=1, rl_steps=2,
-                prompts_per_step=2, group_size=2, val_problems=4, eval_problems=8)
-
-
-def make_env(tool: bool):
-    """One row's environment: the calculator, or none (the control)."""
-    tools = None if tool else ToolRegistry()
-    return ArithmeticToolEnv(tools=tools, instruction=INSTRUCTION)
+def config() -> ExperimentConfig:
+    """The recorded run's config, seed 0 with the tool (override with `--set a.b=value`)."""
+    return ExperimentConfig(
+        name="arithmetic_tool",
+        model=ModelConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                          num_layers=2, num_heads=4, num_kv_heads=4,
+                          max_position_embeddings=256),
+        tokenizer="char",
+        # The problems; the environment builds the prompt from each record's question.
+        task=TaskConfig(name="arithmetic", difficulty=3, ops=("*",), max_prompt_tokens=16),
+        # The warm-up teaches the call format: the prompt is the bare question.
+        env=EnvConfig(env="rljax.envs:ArithmeticToolEnv",
+                      options=(("instruction", "{question}\n"),),
+                      limits=EnvLimits(max_turns=3, max_total_tokens=224),
+                      sft_trace="rljax.envs:tool_use_trace", tool_workers=1),
+        # Checked every 5 steps, and every step once a problem has succeeded: checked
+        # every 5 steps only, the warm-up overshot to 0.62 and left +0.18 to gain.
+        sft=SFTConfig(steps=400, batch_size=64, stop_accuracy=0.4, stop_every=5,
+                      stop_prompts=128, stop_dense=True,
+                      optim=OptimConfig(lr=2e-3, warmup_steps=10, schedule="constant")),
+        algorithm=algorithm_preset("grpo", group_size=8, kl_coef=0.0, old_logp="sampler"),
+        optim=OptimConfig(lr=4e-4, warmup_steps=5, schedule="constant"),
+        # 96 tokens a turn, 3 turns, 224 tokens in all; temperature 0.5 (at 1.0 and 0.7 a
+        # warm-up near 0.4 left groups without signal: docs/arithmetic_tool.md).
+        sampling=SamplingConfig(max_new_tokens=96, temperature=0.5),
+        rl=RLConfig(steps=80, prompts_per_step=16, eval_prompts=256, logp_chunk=32),
+        run=RunConfig(dir="runs/arithmetic_tool/seed0", seed=0, plots=False),
+    )
 
 
-def rows_source(rows):
-    """``source(start, n) -> (prompts, metadata)`` over ``rows`` (cycling)."""
-    def source(start, n):
-        picked = [rows[(start + i) % len(rows)] for i in range(n)]
-        return [r["prompt"] for r in picked], picked
-    return source
+def smoke(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Two RL steps with a tiny one-layer model (8 episodes a step: they split over 8
+    devices too)."""
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, hidden_size=32, intermediate_size=64, num_layers=1),
+        sft=dataclasses.replace(cfg.sft, steps=2, batch_size=8, stop_every=1, stop_prompts=8),
+        algorithm=dataclasses.replace(cfg.algorithm, group_size=2),
+        rl=dataclasses.replace(cfg.rl, steps=2, prompts_per_step=4, eval_prompts=8),
+    )
 
 
-def episodes(tr: RLTrainer, params, rows) -> dict:
-    """Greedy episodes of ``rows``: success, tool calls that returned a result, turns."""
-    out = tr.multiturn.sample(params, rows_source(rows), 0, len(rows), jax.random.key(0),
-                              greedy=True, group_size=1)
-    success = np.asarray(out.rollout.rewards_B) == 1.0
-    ok_calls = np.array([i["tool_calls"] - i["tool_errors"] for i in out.info])
-    return {"success": float(success.mean()), "calls": float(ok_calls.mean()),
-            "turns": float(np.mean([i["turns"] for i in out.info])),
-            "success_without_call": int(np.sum(success & (ok_calls == 0)))}
+def control(cfg: ExperimentConfig, warmup_steps: int) -> ExperimentConfig:
+    """The control of the run `cfg`: its warm-up replayed for `warmup_steps` (the same
+    updates on the same traces: a fixed count, as the tool-less episodes cannot validate
+    it), then the same GRPO with no tools (`env.tools=()`)."""
+    return dataclasses.replace(
+        cfg, env=dataclasses.replace(cfg.env, tools=()),
+        sft=dataclasses.replace(cfg.sft, steps=warmup_steps, stop_accuracy=0.0),
+        run=dataclasses.replace(cfg.run, dir=cfg.run.dir.rsplit("/", 1)[0] + "/control"))
 
 
-def trainer(cfg: ToolRun, gd, tok, pool, tool: bool) -> RLTrainer:
-    limits = EnvLimits(max_turns=cfg.max_turns, max_total_tokens=cfg.total_tokens)
-    return RLTrainer(
-        gd, tok, None,
-        algorithm=algorithm_preset("grpo", group_size=cfg.group_size, kl_coef=0.0,
-                                   old_logp="sampler"),
-        optim=OptimConfig(lr=cfg.lr, warmup_steps=min(5, cfg.rl_steps), schedule="constant"),
-        sampling=SamplingConfig(max_new_tokens=cfg.turn_tokens, temperature=cfg.temperature),
-        rl=RLConfig(steps=cfg.rl_steps, prompts_per_step=cfg.prompts_per_step, logp_chunk=32),
-        prompt_len=16,
-        multiturn=MultiTurnConfig(functools.partial(make_env, tool), limits=limits, pool=pool))
+def with_seed(cfg: ExperimentConfig, seed: int) -> ExperimentConfig:
+    """`cfg` for seed `seed`, in its own run directory."""
+    return dataclasses.replace(cfg, run=dataclasses.replace(
+        cfg.run, seed=seed, dir=f"{cfg.run.dir.rsplit('/', 1)[0]}/seed{seed}"))
 
 
-def warm_up(cfg: ToolRun, gd, params, tok, tr: RLTrainer, task, seed: int, out):
-    """SFT on tool-use traces until greedy validation success reaches ``stop_success``."""
-    sft = SFTTrainer(gd, SFTConfig(steps=cfg.sft_max_steps, batch_size=cfg.sft_batch,
-                                   optim=OptimConfig(lr=cfg.sft_lr, warmup_steps=10,
-                                                     schedule="constant")))
-    state = sft.init_state(params, seed=seed)
-    val = arithmetic_tool_rows(task, cfg.val_problems, seed=10_000 + seed)
-    env, seen = make_env(True), False
-    for step in range(1, cfg.sft_max_steps + 1):
-        rows = arithmetic_tool_rows(task, cfg.sft_batch, seed=seed * 100_003 + step)
-        prompts, traces = zip(*[tool_use_trace(r, env) for r in rows])
-        state, m = sft.step(state, encode_traces(tok, prompts, traces, 16, cfg.total_tokens))
-        if step % cfg.stop_every == 0 or seen:  # every step once any problem succeeded
-            s = episodes(tr, state.params["policy"], val)["success"]
-            seen = seen or s > 0
-            print(f"seed {seed} sft step {step}: nll={m['nll']:.3f} val_success={s:.3f}",
-                  file=out, flush=True)
-            if s >= cfg.stop_success:
-                break
-    return state.params["policy"], step
-
-
-def rl(tr: RLTrainer, params, seed: int, train_rows, cfg: ToolRun, out, tag: str):
-    state = tr.init_state(params, seed=seed)
-    source = rows_source(train_rows)
-    for step in range(1, cfg.rl_steps + 1):
-        state, m = tr.step(state, source)
-        if step % 5 == 0 or step == cfg.rl_steps:
-            print(f"{tag} rl step {step}: reward={m['reward_mean']:.3f} "
-                  f"turns={m['env/turns']:.2f} calls={m['env/tool_calls']:.2f}",
-                  file=out, flush=True)
-    return state.params["policy"]
+def summary(run_dir: str) -> dict:
+    """A finished run's figures: warm-up steps, held-out success before and after GRPO,
+    tool calls that returned a result and turns per episode after it."""
+    path = lambda name: f"{run_dir}/{name}"  # noqa: E731
+    before, after = (json.loads(open(path(n)).read()) for n in ("eval_before.json",
+                                                                "eval_after.json"))
+    steps = sum(r["phase"] == "sft" for r in read_metrics(run_dir))
+    return {"sft_steps": steps, "before": before["reward_mean"],
+            "after": after["reward_mean"],
+            "calls": after["env/tool_calls"] - after["env/tool_errors"],
+            "turns": after["env/turns"]}
 
 
 def main(argv=None) -> int:
+    """Every seed's run, the control, each one's figures and the RESULT line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..n-1 (default 3)")
     ap.add_argument("--quick", action="store_true", help="a tiny smoke run (tests)")
     ap.add_argument("--no-control", action="store_true", help="skip the control run")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error(f"--seeds must be >= 1, got {args.seeds}")
-    cfg = QUICK if args.quick else ToolRun()
-    t0, out = time.time(), sys.stdout
-    tok = build_char_tokenizer()
-    task = ArithmeticTask(digits=cfg.digits, ops=("*",))
-    held_out = arithmetic_tool_rows(task, cfg.eval_problems, seed=999)
-    train_rows = arithmetic_tool_rows(task, 4096, seed=7)
-    mcfg = ModelConfig(vocab_size=len(tok), hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden,
-                       num_layers=cfg.layers, num_heads=4, num_kv_heads=4,
-                       max_position_embeddings=256)
-    per_seed, control = [], None
-    with RewardPool(workers=1) as pool:
-        for seed in range(args.seeds):
-            gd, params = nnx.split(Decoder(mcfg, rngs=nnx.Rngs(seed)))
-            tr = trainer(cfg, gd, tok, pool, tool=True)
-            params, sft_steps = warm_up(cfg, gd, params, tok, tr, task, seed, out)
-            before = episodes(tr, params, held_out)
-            control_params = jax.tree.map(jnp.copy, params) if seed == 0 else None
-            after = episodes(tr, rl(tr, params, seed, train_rows, cfg, out, f"seed {seed}"),
-                             held_out)
-            row = {"seed": seed, "sft_steps": sft_steps, "before": before, "after": after}
-            per_seed.append(row)
-            print("SEED " + json.dumps(row), file=out, flush=True)
-            if control_params is not None and not args.no_control:
-                ctr = trainer(cfg, gd, tok, pool, tool=False)
-                control = episodes(ctr, rl(ctr, control_params, seed, train_rows, cfg, out,
-                                           "control"), held_out)
-                print("CONTROL " + json.dumps(control), file=out, flush=True)
-    before = np.array([r["before"]["success"] for r in per_seed])
-    after = np.array([r["after"]["success"] for r in per_seed])
-    c = float("nan") if control is None else control["success"]
+    cfg = load_experiment(__file__, args.set + ["smoke=true"] * args.quick)
+    t0, per_seed, ctrl = time.time(), [], None
+    for seed in range(args.seeds):
+        run = with_seed(cfg, cfg.run.seed + seed)
+        res = run_experiment(run)
+        row = {"seed": run.run.seed, **summary(res.run_dir)}
+        per_seed.append(row)
+        print("SEED " + json.dumps(row), flush=True)
+    if not args.no_control:
+        res = run_experiment(control(with_seed(cfg, cfg.run.seed), per_seed[0]["sft_steps"]))
+        ctrl = summary(res.run_dir)
+        print("CONTROL " + json.dumps(ctrl), flush=True)
+    before = np.array([r["before"] for r in per_seed])
+    after = np.array([r["after"] for r in per_seed])
+    c = float("nan") if ctrl is None else ctrl["after"]
     print(f"RESULT seeds={len(per_seed)} success_before={before.mean():.6f} "
           f"success_after={after.mean():.6f} success_after_min={after.min():.6f} "
-          f"tool_calls_per_episode={np.mean([r['after']['calls'] for r in per_seed]):.6f} "
-          f"turns_mean={np.mean([r['after']['turns'] for r in per_seed]):.6f} "
-          f"control_success={c:.6f} wall_s={time.time() - t0:.3f}", file=out, flush=True)
+          f"tool_calls_per_episode={np.mean([r['calls'] for r in per_seed]):.6f} "
+          f"turns_mean={np.mean([r['turns'] for r in per_seed]):.6f} "
+          f"control_success={c:.6f} wall_s={time.time() - t0:.3f}", flush=True)
     return 0
 
 

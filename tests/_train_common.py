@@ -55,3 +55,31 @@ def random_seqs(rng: np.random.Generator, b: int, p: int, t: int) -> dict:
     return {"prompt_BxP": np.where(pm > 0, prompt, 0).astype(np.int32), "prompt_mask_BxP": pm,
             "completion_BxT": np.where(cm > 0, comp, 0).astype(np.int32),
             "completion_mask_BxT": cm}
+
+
+def ctrl_c_at_step(monkeypatch, argv, step: int = 2) -> int:
+    """``rljax``'s ``main(argv)`` with Ctrl-C (a KeyboardInterrupt) raised as RL step
+    ``step`` starts; its exit code (130 when the run saved and stopped)."""
+    from rljax.cli import main
+    from rljax.train.rl import RLTrainer
+
+    real_step, calls = RLTrainer.step, []
+
+    def interrupted(self, state, source):
+        calls.append(1)
+        if len(calls) == step:
+            raise KeyboardInterrupt
+        return real_step(self, state, source)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RLTrainer, "step", interrupted)
+        return main(argv)
+
+
+def check_run_files(run_dir) -> None:
+    """A finished run's directory holds its config, metrics, evaluations, tokenizer and
+    TensorBoard events."""
+    for name in ("config.json", "metrics.jsonl", "eval_before.json", "eval_after.json",
+                 "tokenizer"):
+        assert (run_dir / name).exists(), name
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))

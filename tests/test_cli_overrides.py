@@ -162,10 +162,14 @@ def _leaf_keys(obj, prefix=""):
 
 
 def _experiment():
+    """A config with every section set or buildable (the `env` section has a required
+    field, so it is set: its fields are walked too)."""
     from rljax.models import ModelConfig
+    from rljax.run.environment import EnvConfig
     from rljax.run.experiment import ExperimentConfig
     return ExperimentConfig(model=ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                              num_layers=1, num_heads=2, num_kv_heads=1))
+                                              num_layers=1, num_heads=2, num_kv_heads=1),
+                            env=EnvConfig(env="rljax.envs:ArithmeticToolEnv"))
 
 
 def _get(cfg, key):

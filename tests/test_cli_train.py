@@ -10,6 +10,7 @@ import textwrap
 import jax
 import pytest
 
+from _train_common import check_run_files, ctrl_c_at_step
 from rljax.cli import main
 from rljax.train.checkpoint import Checkpointer
 from rljax.run.run_dir import read_metrics
@@ -67,10 +68,7 @@ def test_train_interrupt_resume_reproduce(exp, tmp_path, capsys, monkeypatch):
     assert re.fullmatch(r"RESULT accuracy_before=[01]\.\d{4} accuracy_after=[01]\.\d{4} "
                         r"wall_s=\d+\.\d", out[-1]), out[-1]
     a = tmp_path / "runs/a"
-    for name in ("config.json", "metrics.jsonl", "eval_before.json", "eval_after.json",
-                 "tokenizer"):
-        assert (a / name).exists(), name
-    assert list((a / "tb").glob("events.out.tfevents.*"))
+    check_run_files(a)
     rows_a = _rl_rows(a)
     assert [r["step"] for r in rows_a] == [1, 2] and rows_a[0]["reward_std"] > 0
     assert rows_a[1]["grad_norm"] > 0
@@ -88,19 +86,7 @@ def test_train_interrupt_resume_reproduce(exp, tmp_path, capsys, monkeypatch):
     assert "already holds this run" in capsys.readouterr().err
 
     # 3. Ctrl-C during step 2: the step-1 state is saved and restorable.
-    from rljax.train.rl import RLTrainer
-
-    real_step, calls = RLTrainer.step, []
-
-    def interrupted(self, state, source):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_step(self, state, source)
-
-    monkeypatch.setattr(RLTrainer, "step", interrupted)
-    assert main(["train", exp, "--set", "run.dir=runs/b"]) == 130
-    monkeypatch.setattr(RLTrainer, "step", real_step)
+    assert ctrl_c_at_step(monkeypatch, ["train", exp, "--set", "run.dir=runs/b"]) == 130
     b = tmp_path / "runs/b"
     with Checkpointer(b / "checkpoints") as ck:
         assert ck.latest_step() == 1

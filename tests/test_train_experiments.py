@@ -3,6 +3,7 @@
 model starts from the warmed-up policy."""
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from flax import nnx
 
 from rljax.run import builders
 from rljax.run.experiment_files import load_experiment
+from rljax.run.run_dir import read_metrics
 from rljax.run.runner import run_experiment
 from rljax.train.programs import CompileLog
 from rljax.train.rl import RLTrainer
@@ -87,13 +89,20 @@ def test_full_demo_configs_are_valid():
 
 
 @pytest.mark.slow
-def test_arithmetic_tool_quick_runs_the_seed_and_the_control(capsys):
-    """experiments/arithmetic_tool.py end to end at its smoke size: warm-up on tool-use
-    traces, multi-turn GRPO with the calculator, the control without it, the RESULT line."""
+def test_arithmetic_tool_quick_runs_the_seed_and_the_control(capsys, tmp_path):
+    """experiments/arithmetic_tool.py end to end at its smoke size, each run by the run
+    loop of `rljax train`: warm-up on tool-use traces, multi-turn GRPO with the calculator,
+    the control without it (the same warm-up steps), the RESULT line."""
     tool = experiment_module("arithmetic_tool")
-    assert tool.main(["--seeds", "1", "--quick"]) == 0
+    assert tool.main(["--seeds", "1", "--quick", "--set", f"run.dir={tmp_path}/seed0"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("RESULT seeds=1 success_before=") and "control_success=" in lines[-1]
-    assert any(ln.startswith("CONTROL ") for ln in lines) and any(ln.startswith("SEED ") for ln in lines)
+    seed = json.loads(next(ln for ln in lines if ln.startswith("SEED "))[5:])
+    ctrl = json.loads(next(ln for ln in lines if ln.startswith("CONTROL "))[8:])
+    assert ctrl["sft_steps"] == seed["sft_steps"] >= 1
+    assert (tmp_path / "seed0" / "checkpoints").is_dir()
+    sft_loss = [[r["sft/loss"] for r in read_metrics(tmp_path / d) if r["phase"] == "sft"]
+                for d in ("seed0", "control")]
+    assert sft_loss[0] == sft_loss[1]  # the control's warm-up is seed 0's
     with pytest.raises(SystemExit):
         tool.main(["--seeds", "0"])

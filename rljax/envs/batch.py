@@ -34,7 +34,7 @@ from rljax.rewards import RewardPool
 
 __all__ = ["EnvBatch", "BatchStep", "EnvError", "TRUNCATIONS"]
 
-TRUNCATIONS = ("max_turns", "obs_tokens", "total_tokens")
+TRUNCATIONS = ("max_turns", "model_tokens", "obs_tokens", "total_tokens")
 
 
 class EnvError(RuntimeError):
@@ -83,6 +83,8 @@ class _Row:
     rewards: list[float] = dataclasses.field(default_factory=list)
     turns: int = 0
     tokens: int = 0
+    model_tokens: int = 0
+    tool_tokens: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
     done: bool = False
@@ -109,12 +111,15 @@ class EnvBatch:
         tool results as `tool` messages, else a `user` message) with the tokenizer's
         chat template; `step` then needs `model_ids`. None (default): the observation
         text as it is, `encode`d.
+      max_model_tokens: the model's tokens over one episode (every turn's together, the
+        observations not counted: the whole-response budget); a row whose turns reach it
+        is ended, truncated (`"model_tokens"`). None: bounded by the turn budgets only.
     """
 
     def __init__(self, make_env: Callable[[], Any],
                  encode: Callable[[str], Sequence[int]] | None,
                  limits: EnvLimits = EnvLimits(), pool: RewardPool | None = None, *,
-                 chat: ChatRenderer | None = None):
+                 chat: ChatRenderer | None = None, max_model_tokens: int | None = None):
         if chat is not None and not isinstance(chat, ChatRenderer):
             raise TypeError(f"EnvBatch.chat must be a ChatRenderer or None, got "
                             f"{type(chat).__name__}")
@@ -125,6 +130,10 @@ class EnvBatch:
                             "an Environment, encode(text) -> token ids)")
         if not isinstance(limits, EnvLimits):
             raise TypeError(f"EnvBatch.limits must be an EnvLimits, got {type(limits).__name__}")
+        m = max_model_tokens
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"EnvBatch.max_model_tokens must be an int >= 1 or None, got {m!r}")
+        self.max_model_tokens = m
         self.make_env, self.encode, self.limits, self.pool = make_env, encode, limits, pool
         self.chat = chat
         self._rows: list[_Row] = []
@@ -215,7 +224,8 @@ class EnvBatch:
         with `encode` when None). `model_ids[i]`: the ids it drew (required with `chat`,
         where they count the tokens and the delta follows them). Runs the rows' tool
         calls, steps each environment, and applies the limits in order: the
-        environment's own `done`, then `max_turns`, `max_obs_tokens`, `max_total_tokens`.
+        environment's own `done`, then `max_turns`, `max_model_tokens`, `max_obs_tokens`,
+        `max_total_tokens`.
         """
         B = len(self._rows)
         if len(model_texts) != B or (model_tokens is not None and len(model_tokens) != B) \
@@ -263,12 +273,15 @@ class EnvBatch:
             raise EnvError(f"row {i}: {type(row.env).__name__}.step returned reward {reward}")
         row.turns += 1
         row.tokens += n_model
+        row.model_tokens += n_model
         row.rewards.append(reward)
         if res.done:
             row.done = True
             return "", [], reward
         obs_text, obs_ids, delta = self._observe(row, res, results, sampled)
+        spent = self.max_model_tokens is not None and row.model_tokens >= self.max_model_tokens
         cut = ("max_turns" if row.turns >= self.limits.max_turns else
+               "model_tokens" if spent else
                "obs_tokens" if len(obs_ids) > self.limits.max_obs_tokens else
                "total_tokens" if row.tokens + len(obs_ids) >= self.limits.max_total_tokens
                else None)
@@ -276,6 +289,7 @@ class EnvBatch:
             row.done, row.truncated = True, cut
             return "", [], reward
         row.tokens += len(obs_ids)
+        row.tool_tokens += len(obs_ids)
         if delta is not None:
             row.chat.extend(delta)  # type: ignore[union-attr]
         return obs_text, obs_ids, reward
@@ -287,10 +301,13 @@ class EnvBatch:
 
     def remaining_tokens_B(self) -> np.ndarray:
         """int32[B]: tokens a live row's next model turn may take before it reaches
-        `max_total_tokens` (0 for rows that are done). The rollout bounds the turn's
-        decoding by it; a turn that passes it ends its row, truncated."""
-        return np.array([0 if r.done else self.limits.max_total_tokens - r.tokens
-                         for r in self._rows], np.int32)
+        `max_total_tokens` or `max_model_tokens` (0 for rows that are done). The rollout
+        bounds the turn's decoding by it; a turn that reaches it ends its row, truncated."""
+        cap = self.max_model_tokens
+        left = [self.limits.max_total_tokens - r.tokens if cap is None else
+                min(self.limits.max_total_tokens - r.tokens, cap - r.model_tokens)
+                for r in self._rows]
+        return np.array([0 if r.done else n for r, n in zip(self._rows, left)], np.int32)
 
     def returns_B(self, mode: str = "sum", gamma: float = 1.0) -> np.ndarray:
         """float32[B]: each row's episode return (`rljax.envs.episode_return`)."""
@@ -300,11 +317,13 @@ class EnvBatch:
         """Row i's episode so far: `turns`, `tool_calls` (calls parsed, unreadable ones
         included), `tool_errors` (calls that did not return a result), `truncated` (None
         or one of `TRUNCATIONS`), `done`, `tokens` (counted toward the total),
-        `rewards` (per turn), `env_s` (seconds in its environment's methods), `tool_s`
+        `model_tokens` (the model's turns), `tool_tokens` (the observations after the
+        prompt), `rewards` (per turn), `env_s` (seconds in its environment's methods), `tool_s`
         (wall seconds of the tool batches its calls ran in)."""
         r = self._rows[i]
         return {"turns": r.turns, "tool_calls": r.tool_calls, "tool_errors": r.tool_errors,
                 "truncated": r.truncated, "done": r.done, "tokens": r.tokens,
+                "model_tokens": r.model_tokens, "tool_tokens": r.tool_tokens,
                 "rewards": list(r.rewards), "env_s": r.env_s, "tool_s": r.tool_s}
 
     def metrics(self) -> dict[str, tuple[float, int]]:

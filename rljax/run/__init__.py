@@ -11,6 +11,8 @@ Everything the command line does is one Python call here:
 - `rljax.run.artifacts`: sample, evaluate and export a finished run;
 - `load_teacher(path, tokenizer, mesh)`: on-policy distillation's teacher from a run
   directory or Hugging Face folder, checked to share the student's tokenizer;
+- `EnvConfig` (`rljax.run.environment`): the `env` section, `rljax train` on multi-turn
+  episodes of a user's environment class (guide: docs/environments.md);
 - `Preempted`: what `run_experiment` raises after a SIGTERM, once the step every process
   stopped at is saved (`rljax.run.preemption`);
 - the procedural tasks' verifiers, composed from `rljax.data` and `rljax.rewards`
@@ -34,7 +36,7 @@ _HOME = {
     "RunDirError": "run_dir", "format_summary": "report", "read_metrics": "run_dir",
     "result_line": "report", "RunResult": "runner", "run_experiment": "runner",
     "ArithmeticReward": "tasks", "CountdownReward": "tasks", "check_arithmetic": "tasks",
-    "Preempted": "preemption", "load_teacher": "teacher",
+    "Preempted": "preemption", "load_teacher": "teacher", "EnvConfig": "environment",
 }
 __all__ = sorted(_HOME)
 

@@ -39,6 +39,7 @@ from rljax.models.peft_io import merged_getter, write_peft
 from rljax.models.tokenizer import (build_char_tokenizer, encode_prompts, load_tokenizer,
                                     stop_token_ids)
 from rljax.run.builders import build_model, build_reward, build_task, model_prompt
+from rljax.run.environment import episode_eval
 from rljax.run.lora_runs import restore_lora_policy, saved_target
 from rljax.run.experiment import ExperimentConfig, config_from_dict
 from rljax.run.experiment_files import load_experiment
@@ -289,7 +290,9 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
                     step: int | None = None, batch_size: int = 64,
                     run_seed: int | None = None) -> dict[str, Any]:
     """Held-out greedy accuracy and pass@k of the policy of `source` on its task, and
-    "verifier": the name of the check that computed them.
+    "verifier": the name of the check that computed them. An environment run's
+    (`ExperimentConfig.env`) are its episodes' returns instead
+    (`rljax.run.environment.episode_eval`).
 
     The task and verifier come from the run's config (or `experiment`, required for a
     model folder), with `overrides`. Greedy accuracy: one temperature-0 completion per
@@ -313,6 +316,8 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(task.eval_prompts):
         raise ValueError(f"num_prompts must be in 1..{len(task.eval_prompts)} "
                          f"(rl.eval_prompts), got {num_prompts!r}")
+    if cfg.env is not None:  # an environment run: episodes, their returns
+        return episode_eval(cfg, model, tokenizer, task, n, k)
     _, accuracy_fn = build_reward(cfg, task)
     if accuracy_fn is None:
         raise ValueError(f"{source}: its reward ({cfg.reward.function}) has no verifier (the "

@@ -35,6 +35,7 @@ from rljax.models.tokenizer import (add_stop_ids, build_char_tokenizer, check_vo
                                     generation_eos_ids, load_tokenizer)
 from rljax.rewards.device import is_device_reward
 from rljax.rewards.imported import load_function
+from rljax.run.environment import check_env, trace_examples
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.task_files import check_data_files, filtered_split, require_answers
 from rljax.run.device_tasks import ArithmeticDeviceReward
@@ -107,7 +108,8 @@ class TaskData:
 
     train: `(start, n) -> (prompt texts, metadata dicts)` for RL.
     eval_prompts, eval_metadata: the held-out prompts.
-    sft: `(start, n) -> (prompt texts, target texts)` for the SFT warm-up.
+    sft: `(start, n) -> (prompt texts, target texts)` for the SFT warm-up (with
+      `env.sft_trace`: the traces' prompts and segments, `rljax.run.environment`).
     val_prompts, val_metadata: the warm-up's validation prompts (empty unless
       `sft.stop_accuracy` is set), disjoint from the held-out ones.
     train_size: the training split's prompts (None: a procedural task, unlimited).
@@ -247,6 +249,8 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
 
     def sft_source(start: int, n: int):
         recs = sft_records(start, n)
+        if cfg.env is not None and cfg.env.sft_trace is not None:  # episodes' traces
+            return trace_examples(cfg, recs)
         return texts(recs), [_fill(t.sft_template, r, "task.sft_template") for r in recs]
 
     return TaskData(rl_source, texts(eval_records), list(eval_records), sft_source,
@@ -255,8 +259,9 @@ def build_task(cfg: ExperimentConfig, tokenizer) -> TaskData:
 
 def check_inputs(cfg: ExperimentConfig) -> None:
     """What can be checked before a run writes anything: the custom reward imports, and a
-    file task's split files exist (errors name the setting)."""
+    file task's split files exist, the environment builds (errors name the setting)."""
     check_reward(cfg)
+    check_env(cfg)
     check_data_files(cfg)
 
 
@@ -266,7 +271,10 @@ def build_reward(cfg: ExperimentConfig, task: TaskData | None = None
     reward function, and the verifier (a `Verifier`, `(completion, meta) -> bool`, whose
     `name` labels the accuracy; it pickles, so it runs in the reward pool under the time
     limit) or None: a custom reward has a verifier only when every record of `task` has a
-    reference answer."""
+    reference answer. An environment run (`cfg.env`) has neither: its episodes' returns
+    are the rewards."""
+    if cfg.env is not None:
+        return None, None
     r, t = cfg.reward, cfg.task
     prefix = t.assistant_prefix.strip()
     fmt = rw.TagFormat(think_open=f"<{r.think_tag}>", think_close=f"</{r.think_tag}>",

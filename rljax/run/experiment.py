@@ -14,6 +14,7 @@ from rljax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from rljax.models.lora import LoraConfig
 from rljax.rewards.extract import MODES as EXTRACT_MODES
 from rljax.rewards.strings import VERIFIERS
+from rljax.run.environment import EnvConfig, check_env_section
 from rljax.run.profiling import parse_profile_steps
 from rljax.sharding import MeshConfig
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig,
@@ -310,6 +311,9 @@ class ExperimentConfig:
         Face folder, sharing the student's tokenizer (`rljax.run.teacher.load_teacher`).
       task, reward, algorithm, optim, sampling, rl: see their classes.
       sft: an optional supervised warm-up before RL (None = none).
+      env: a multi-turn environment (`rljax.run.environment.EnvConfig`; None: single-turn
+        completions scored by `reward`): the task's records start its episodes and their
+        returns are the rewards.
       mesh: device mesh sizes (`rljax.sharding.MeshConfig`).
       run: run directory, seed, checkpoints.
       smoke: a quick run (two steps on CPU with a tiny model, no end-of-run plots) for
@@ -334,6 +338,7 @@ class ExperimentConfig:
     optim: OptimConfig = OptimConfig()
     sampling: SamplingConfig = SamplingConfig()
     sft: SFTConfig | None = None
+    env: EnvConfig | None = None
     rl: RLConfig = RLConfig()
     mesh: MeshConfig = MeshConfig()
     run: RunConfig = RunConfig()
@@ -367,6 +372,7 @@ class ExperimentConfig:
                  "a warm-up trains every weight anyway; the flag picks the base over the "
                  "adapters when lora.rank > 0)")
         check_algorithm_sampling(self.algorithm, self.sampling)
+        check_env_section(self)
         _check_str(c, "teacher", self.teacher, optional=True)
         if self.algorithm.needs_teacher != (self.teacher is not None):
             fail(c, "teacher", self.teacher, "a run directory or Hugging Face folder when "

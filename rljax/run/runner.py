@@ -43,6 +43,7 @@ from flax import nnx
 from rljax.models import ValueModel
 from rljax.models.lora import merge_trainable
 from rljax.run import builders
+from rljax.run.environment import build_multiturn, encode_sft
 from rljax.run.experiment import ExperimentConfig
 from rljax.run.lora_runs import base_model, lora_checkpoints
 from rljax.run.loop import Seeds, rl_loop
@@ -55,7 +56,6 @@ from rljax.run.startup import startup_summary
 from rljax.run.teacher import load_teacher
 from rljax.run.warmup_stop import WarmupStop
 from rljax.sharding import shard_params
-from rljax.train.batching import encode_pairs
 from rljax.train.checkpoint import Checkpointer
 from rljax.train.rl import RLTrainer
 from rljax.train.sft import SFTTrainer
@@ -111,38 +111,39 @@ def _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out: 
     sft = SFTTrainer(graphdef, c, mesh=mesh)
     state, first, loop = warm.restore(sft.init_state(params, seed=cfg.run.seed))
     bar = Progress(c.steps, ("loss", "val_accuracy"), stream=out, desc="sft", start=first)
-    recent, done = list(loop.get("recent", [])), first
+    done = first  # the last 20 losses; whether a validation check has scored above 0
+    progress = {"recent": list(loop.get("recent", [])), "seen": bool(loop.get("seen", False))}
     try:
         for i in range(first, 0 if loop.get("done") else c.steps):
             with warm.stop.guard() as held:  # an update donates the state: never cut one
                 state, stop = _sft_step(cfg, sft, state, task, tokenizer, trainer, rd, bar,
-                                        i, recent, adapters)
+                                        i, progress, adapters)
             done = i + 1
-            warm.after(done, state, {"recent": recent, "done": bool(stop)}, held)
+            warm.after(done, state, {**progress, "done": bool(stop)}, held)
             if stop:
                 print(f"sft: {stop}; warm-up stops at step {i + 1}", file=out)
                 break
     except KeyboardInterrupt:
-        warm.interrupted(done, state, {"recent": recent})
+        warm.interrupted(done, state, progress)
         raise
     return state.params["policy"]
 
 
-def _sft_step(cfg, sft, state, task, tokenizer, trainer, rd, bar, i, recent, adapters):
+def _sft_step(cfg, sft, state, task, tokenizer, trainer, rd, bar, i, progress, adapters):
     """Warm-up step `i + 1`: update, optional validation, log; returns `(state, why the
-    warm-up stops or None)`. `recent` (the last 20 losses) is updated in place."""
-    c, bs = cfg.sft, cfg.sft.batch_size
-    prompts, targets = task.sft(i * bs, bs)
-    batch = encode_pairs(tokenizer, prompts, targets, cfg.task.max_prompt_tokens,
-                         cfg.sampling.max_new_tokens)
-    state, m = sft.step(state, batch)
+    warm-up stops or None)`. `progress` (`recent`: the last 20 losses; `seen`: a check
+    scored above 0, `sft.stop_dense`) is updated in place."""
+    c, bs, recent = cfg.sft, cfg.sft.batch_size, progress["recent"]
+    state, m = sft.step(state, encode_sft(cfg, tokenizer, *task.sft(i * bs, bs)))
     stop = None
-    if c.stop_accuracy > 0 and (i + 1) % c.stop_every == 0:
+    due = (i + 1) % c.stop_every == 0 or (c.stop_dense and progress["seen"])
+    if c.stop_accuracy > 0 and due:
         policy = state.params["policy"]
         if adapters is not None:  # at their initialisation: they change nothing
             policy = merge_trainable(adapters, policy)
         val = trainer.evaluate(policy, task.val_prompts, task.val_metadata)
-        m = {**m, "val_accuracy": val["accuracy"]}  # built-in tasks always verify
+        m = {**m, "val_accuracy": _headline(val)}  # an environment's: its mean return
+        progress["seen"] = progress["seen"] or m["val_accuracy"] > 0
         if m["val_accuracy"] >= c.stop_accuracy:
             stop = (f"validation accuracy {m['val_accuracy']:.3f} >= "
                     f"sft.stop_accuracy={c.stop_accuracy}")
@@ -235,8 +236,9 @@ def _train(cfg, rd, ck, mesh, warm, stop, out):
                         prompt_len=cfg.task.max_prompt_tokens, value_graphdef=value_gd,
                         accuracy_fn=accuracy_fn, mesh=mesh, teacher=teacher,
                         reward_pool=(builders.shared_reward_pool(cfg.reward.workers)
-                                     if cfg.reward.workers else None),
-                        reward_timeout_s=cfg.reward.timeout_s)
+                                     if cfg.reward.workers and cfg.env is None else None),
+                        reward_timeout_s=cfg.reward.timeout_s,
+                        multiturn=build_multiturn(cfg, tokenizer))
     for line in startup_summary(cfg, mesh=mesh, params=params, task=task,
                                 reward_fns=reward_fns, accuracy_fn=accuracy_fn,
                                 paths=trainer.paths):
@@ -304,8 +306,9 @@ def _finish(cfg, rd, acc_before, after: dict, t0: float, out, verifier=None) -> 
     wall = time.perf_counter() - t0
     acc_after = _headline(after)
     metric = "accuracy" if "accuracy" in after else "reward"
-    by = verifier if metric == "accuracy" else (
-        f"{cfg.reward.function or cfg.reward.kind} (held-out mean; no verifier)")
+    scored = (f"{cfg.env.env} episode return" if cfg.env is not None
+              else cfg.reward.function or cfg.reward.kind)
+    by = verifier if metric == "accuracy" else f"{scored} (held-out mean; no verifier)"
     rows = [r for r in rd.metrics() if r.get("phase") == "rl" and "rollout_tok_s" in r]
     details = {"experiment": cfg.name, "algorithm": cfg.algorithm.name,
                "RL steps": cfg.rl.steps, "reward after": after.get("reward_mean", float("nan"))}

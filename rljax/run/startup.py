@@ -54,7 +54,11 @@ def _verifier(cfg: ExperimentConfig) -> str:
 
 def _reward(cfg: ExperimentConfig, reward_fns: Any) -> str:
     """The reward as called: what, where, under what time limit."""
-    r = cfg.reward
+    r, e = cfg.reward, cfg.env
+    if e is not None:
+        return (f"episode returns ({e.return_mode}) of {e.env}: up to {e.limits.max_turns} "
+                f"turns, tools in {e.tool_workers} worker process(es), "
+                f"{e.limits.tool_timeout_s:g} s a call")
     if r.kind == "custom":
         where = (f"in {r.workers} reward worker processes, {r.timeout_s:g} s a call"
                  if r.workers else "in the training process, no time limit")

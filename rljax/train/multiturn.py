@@ -65,6 +65,12 @@ class MultiTurnConfig:
     observation widths' bucket. chat: a ``rljax.envs.ChatRenderer`` (the tokenizer's
     chat template renders the prompt and each observation; the observation ids are the
     template's delta after the sampled ids), or None (observation text as it is).
+    max_model_tokens: the whole-response budget, the model's tokens over an episode
+    (every turn's, observations not counted): a row whose turns reach it ends, truncated;
+    DAPO's overlong penalty and Dr.GRPO's constant measure the model's tokens against it
+    (as verl measures a multi-turn response against its response length). None: every
+    turn's full budget, ``limits.max_turns x sampling.max_new_tokens`` (the per-turn
+    budget).
     """
 
     make_env: Callable[[], Any]
@@ -74,6 +80,23 @@ class MultiTurnConfig:
     gamma: float = 1.0
     obs_multiple: int = 16
     chat: Any = None
+    max_model_tokens: int | None = None
+
+    def __post_init__(self):
+        m = self.max_model_tokens
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"MultiTurnConfig.max_model_tokens must be an int >= 1 or None "
+                             f"(the model's tokens over an episode), got {m!r}")
+
+    def response_budget(self, turn_tokens: int) -> int:
+        """The model's tokens an episode may hold: ``max_model_tokens``, or
+        ``limits.max_turns x turn_tokens`` (``turn_tokens``: ``sampling.max_new_tokens``,
+        the per-turn budget). Where a single-turn run reads ``max_new_tokens`` as the
+        response budget (the overlong window, Dr.GRPO's constant), a multi-turn run reads
+        this."""
+        if self.max_model_tokens is not None:
+            return self.max_model_tokens
+        return self.limits.max_turns * int(turn_tokens)
 
 
 def stop_sequences(tokenizer: Any, stop_strings) -> tuple[tuple[int, ...], ...]:
@@ -126,13 +149,15 @@ class MultiTurnRollouts:
         (``rljax.envs.episode_return``: ``"sum"`` or ``"discounted"``).
       prompt_multiple, obs_multiple: bucket sizes of the prompt and observation widths.
       chat: a ``rljax.envs.ChatRenderer`` for ``EnvBatch`` (see ``MultiTurnConfig``).
+      max_model_tokens: the model's tokens over an episode (``EnvBatch``'s; see
+        ``MultiTurnConfig``); None: no bound beyond the turns' budgets.
     """
 
     def __init__(self, graphdef, tokenizer, make_env: Callable[[], Any], *,
                  sampling: SamplingConfig, limits: EnvLimits, prompt_len: int,
                  group_size: int, mesh=None, pool=None, return_mode: str = "sum",
                  gamma: float = 1.0, prompt_multiple: int = 16, obs_multiple: int = 16,
-                 chat=None):
+                 chat=None, max_model_tokens: int | None = None):
         check_return_mode(return_mode, gamma)
         if not isinstance(limits, EnvLimits):
             raise TypeError(f"MultiTurnRollouts: limits must be an EnvLimits, got "
@@ -141,7 +166,7 @@ class MultiTurnRollouts:
             raise ValueError(f"MultiTurnRollouts: prompt_len={prompt_len} is over "
                              f"limits.max_total_tokens={limits.max_total_tokens}")
         self.gd, self.tok, self.make_env, self.mesh = graphdef, tokenizer, make_env, mesh
-        self.chat = chat
+        self.chat, self.max_model_tokens = chat, max_model_tokens
         self.sampling, self.limits, self.pool = sampling, limits, pool
         self.prompt_len, self.group_size = prompt_len, group_size
         self.return_mode, self.gamma = return_mode, gamma
@@ -215,7 +240,7 @@ class MultiTurnRollouts:
         prompts, meta = source(pos + lo // g, (hi - lo) // g)
         rows = [{"prompt": p, **m} for p, m in zip(prompts, meta) for _ in range(g)]
         envs = EnvBatch(self.make_env, functools.partial(encode_text, self.tok), self.limits,
-                        pool=self.pool, chat=self.chat)
+                        pool=self.pool, chat=self.chat, max_model_tokens=self.max_model_tokens)
         first = envs.reset(rows)
         extra = [x for x in envs.stop_strings if x not in self.stop_strings]
         if extra:  # the programs' stop sequences are static, read from a probe environment

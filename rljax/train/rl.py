@@ -134,12 +134,15 @@ class RLTrainer:
         self.old_mode = ("self" if algorithm.old_logp == "auto" and algorithm.single_update
                          else ("sampler" if algorithm.old_logp == "sampler" else "recompute"))
         self.uses_ref = algorithm.kl_in != "none" and algorithm.kl_coef > 0
-        overlong = alg.resolve_overlong_buffer(algorithm, sampling.max_new_tokens)
+        # The response budget: a multi-turn episode's is its model tokens over every turn.
+        budget = (sampling.max_new_tokens if multiturn is None
+                  else multiturn.response_budget(sampling.max_new_tokens))
+        overlong = alg.resolve_overlong_buffer(algorithm, budget)
         check_packing(rl, algorithm, self.device_reward is not None)
         self.last_packing: PackSpec | None = None  # the latest step's (packing_for)
         self.num_params = 0  # the policy's parameter count (init_state): the step's FLOPs
         self.paths = resolve_paths(
-            policy_graphdef, objective=alg.make_objective(algorithm, sampling.max_new_tokens),
+            policy_graphdef, objective=alg.make_objective(algorithm, budget),
             one_pass_head=rl.one_pass_head,
             share_prompts=rl.share_prompts, tokens_per_micro_batch=rl.tokens_per_micro_batch,
             group_size=algorithm.group_size, remat=rl.remat,
@@ -154,7 +157,8 @@ class RLTrainer:
             self.multiturn = MultiTurnRollouts(
                 policy_graphdef, tokenizer, multiturn.make_env, limits=multiturn.limits,
                 pool=multiturn.pool, return_mode=multiturn.return_mode, gamma=multiturn.gamma,
-                obs_multiple=multiturn.obs_multiple, chat=multiturn.chat, **kw)
+                obs_multiple=multiturn.obs_multiple, chat=multiturn.chat,
+                max_model_tokens=budget, **kw)
             self.source = Episodes(self.multiturn)
         elif self.device_reward is not None:
             self.rollouts = self.source = DeviceRewardSource(
@@ -168,7 +172,7 @@ class RLTrainer:
         total = rl.steps * algorithm.num_epochs * algorithm.num_minibatches
         self.base_spec = StepSpec(
             algorithm.spec(), self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
-            sampling.temperature, sampling.max_new_tokens, overlong, policy_graphdef,
+            sampling.temperature, budget, overlong, policy_graphdef,
             value_graphdef, self.teacher_gd, optim, schedule_updates(optim, total),
             rl.value_lr_ratio if value_graphdef is not None else 1.0, rl.remat, self.paths,
             self.device_reward, mesh)

@@ -203,6 +203,9 @@ class SFTConfig:
         training). It sets the starting ability directly: the loss at which a model
         reaches a given accuracy moves with the machine's rounding.
       stop_every, stop_prompts: how often the accuracy is checked, on how many prompts.
+      stop_dense: check every step once a check has scored above 0 (an ability that
+        jumps from 0 to past `stop_accuracy` within a few steps, as tool use does,
+        would overshoot it between checks `stop_every` steps apart).
       full_parameters: for a policy with LoRA adapters (an experiment's `lora.rank > 0`):
         the warm-up trains every weight of the base instead of the adapters, as
         pretraining would have made it, and RL then trains the adapters (at their
@@ -224,11 +227,13 @@ class SFTConfig:
     stop_accuracy: float = 0.0
     stop_every: int = 10
     stop_prompts: int = 256
+    stop_dense: bool = False
     full_parameters: bool = False
 
     def __post_init__(self):
         c = "SFTConfig"
         check_bool(c, "full_parameters", self.full_parameters)
+        check_bool(c, "stop_dense", self.stop_dense)
         check_num(c, "stop_loss", self.stop_loss, lo=0)
         check_num(c, "stop_accuracy", self.stop_accuracy, lo=0, hi=1)
         for name in ("stop_every", "stop_prompts", "batch_size"):

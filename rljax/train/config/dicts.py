@@ -61,7 +61,8 @@ def _from_json(tp, value):
     if cls is not None and isinstance(value, dict):
         return config_from_dict(cls, value)
     if isinstance(value, list):
-        tuples = [a for a in (typing.get_args(tp) or (tp,)) if typing.get_origin(a) is tuple]
+        cands = typing.get_args(tp) if is_union(tp) else (tp,)  # `tuple[...] | None` or one
+        tuples = [a for a in cands if typing.get_origin(a) is tuple]
         args = typing.get_args(tuples[0]) if tuples else ()
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_from_json(args[0], v) for v in value)

@@ -94,8 +94,11 @@ def _prepare(spec, params, ref_params, ro: Rollout, kl_coef, teacher_params=None
         batch["old_logp_BxT"] = ro.sampler_logp_BxT
     rewards_B = ro.rewards_B
     if spec.overlong:
-        rewards_B = rewards_B + alg.overlong_shaping(ro.lengths_B, spec.max_new_tokens,
-                                                 spec.overlong, a.overlong_penalty)
+        # The model's own tokens (the loss mask) against the response budget: an
+        # environment's output in a multi-turn completion is not the model's length.
+        rewards_B = rewards_B + alg.overlong_shaping(jnp.sum(mask_BxT, axis=1),
+                                                     spec.max_new_tokens, spec.overlong,
+                                                     a.overlong_penalty)
     if a.needs_value_model:  # advantage_estimator="gae"
         values_BxT = pack.packed_values(spec.value_gd, params["value"], seqs, spec.packing) if (
             spec.packing is not None) else _map_micro(
@@ -119,6 +122,22 @@ def _prepare(spec, params, ref_params, ro: Rollout, kl_coef, teacher_params=None
         w_B = ro.weight_B
         extra["reward_shaped_mean"] = jnp.sum(rewards_B * w_B) / jnp.maximum(jnp.sum(w_B), 1.0)
     return batch, extra
+
+
+def _token_metrics(ro: Rollout) -> dict:
+    """With a loss mask (a multi-turn rollout: the completion holds the environment's
+    observations too) ``response_len_mean`` / ``_max`` and ``completion_tokens`` count the
+    model's tokens, and ``env/tool_tokens_mean`` / ``_max`` the rest of the completion, over
+    real rows; without one the completion is the model's and ``Rollout.metrics`` stands."""
+    if ro.loss_mask_BxT is None:
+        return {}
+    w_B = (ro.weight_B > 0).astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(w_B), 1.0)
+    model_B = jnp.sum(ro.loss_mask_BxT, axis=1) * w_B
+    tool_B = jnp.sum(ro.completion_mask_BxT, axis=1) * w_B - model_B
+    return {"response_len_mean": jnp.sum(model_B) / n, "response_len_max": jnp.max(model_B),
+            "completion_tokens": jnp.sum(model_B),
+            "env/tool_tokens_mean": jnp.sum(tool_B) / n, "env/tool_tokens_max": jnp.max(tool_B)}
 
 
 def _minibatch_rows(key, batch_size: int, num_minibatches: int, group: int = 1) -> Array:
@@ -206,6 +225,7 @@ def make_learn(spec, loss_fn, txs: dict, schedules: dict, constrain: Callable | 
         if (spec.teacher_gd is None) != (teacher_params is None):
             raise ValueError("learn: teacher_params must be given exactly when the spec "
                              "has a teacher_gd (on-policy distillation)")
+        tokens = _token_metrics(ro)  # before masking: whether the rollout has a loss mask
         ro = ro.masked_by_weight()
         batch, extra = _prepare(spec, params, ref_params, ro, kl_coef, teacher_params)
         if spec.alg.mask_truncated:
@@ -220,6 +240,7 @@ def make_learn(spec, loss_fn, txs: dict, schedules: dict, constrain: Callable | 
             horizon=spec.alg.adaptive_kl_horizon, batch_size=ro.rewards_B.shape[0])
         metrics.update(extra)
         metrics.update(ro.metrics())
+        metrics.update(tokens)
         metrics["kl_coef"] = kl_coef
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
         return params, opt_state, counters, jnp.asarray(new_kl, jnp.float32), metrics
