@@ -47,7 +47,8 @@ class StepSpec:
     uses_ref: a KL term needs the frozen reference's log-probs.
     num_micro: micro-batches per minibatch update (and per extra forward pass).
     chunk, temperature: the log-prob chunk (``rl.logp_chunk``) and the sampling temperature.
-    max_new_tokens: the completion width (Dr.GRPO's constant, overlong shaping).
+    max_new_tokens: the response budget (Dr.GRPO's constant, overlong shaping): the
+      completion width, or a multi-turn episode's model-token budget.
     overlong: DAPO's overlong window in tokens (0 = off).
     policy_gd, value_gd, teacher_gd: the models' graphdefs (value: PPO; teacher: distill).
     optim: the optimiser config; ``schedule_updates`` the updates its schedule spans
