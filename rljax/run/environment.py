@@ -27,10 +27,7 @@ and `export`. A user's environment needs its class and this section:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
-
-import numpy as np
 
 from rljax.envs import ChatRenderer, EnvLimits, ToolRegistry
 from rljax.envs.protocol import RETURN_MODES
@@ -182,14 +179,17 @@ def trace_examples(cfg, records) -> tuple[list[str], list]:
 
 
 def episode_eval(cfg, model, tokenizer, task, n: int, k: int) -> dict:
-    """``rljax eval`` of an environment run: greedy episodes of the first ``n`` held-out
-    prompts (``reward_mean``: their mean return, and the ``env/...`` means), and ``k``
-    sampled episodes of each at ``sampling.temperature`` (``sample_reward_mean``;
-    ``best@k_reward_mean``: the mean over prompts of their best return)."""
-    import jax
+    """``rljax eval`` of an environment run, by the one held-out evaluator
+    (``rljax.train.sources.evaluate``) on its episode source: greedy episodes of the first
+    ``n`` held-out prompts (``reward_mean``: their mean return, and the ``env/...``
+    means), and ``k`` sampled episodes of each at ``sampling.temperature``
+    (``sample_reward_mean``; ``best@k_reward_mean``: the mean over prompts of their best
+    return)."""
     from flax import nnx
 
     from rljax.train.multiturn import MultiTurnRollouts
+    from rljax.train.sources.episodes import Episodes
+    from rljax.train.sources.evaluate import evaluate
 
     graphdef, params = nnx.split(model)
     mt = build_multiturn(cfg, tokenizer)
@@ -198,16 +198,7 @@ def episode_eval(cfg, model, tokenizer, task, n: int, k: int) -> dict:
         prompt_len=cfg.task.max_prompt_tokens, group_size=k, pool=mt.pool,
         return_mode=mt.return_mode, gamma=mt.gamma, obs_multiple=mt.obs_multiple,
         chat=mt.chat, max_model_tokens=mt.response_budget(cfg.sampling.max_new_tokens))
-    prompts, meta = task.eval_prompts[:n], task.eval_metadata[:n]
-    res = rollouts.evaluate(params, prompts, meta, batch_size=n)
-    out = rollouts.sample(params, functools.partial(_rows, prompts, meta), 0, n,
-                          jax.random.key(cfg.run.seed + 1))
-    returns = np.asarray(out.rollout.rewards_B).reshape(n, k)
+    res = evaluate(Episodes(rollouts), params, task.eval_prompts[:n], task.eval_metadata[:n],
+                   batch_size=n, k=k, seed=cfg.run.seed)
     return {**res, "k": k, "seed": cfg.run.seed, "verifier": None,
-            "temperature": cfg.sampling.temperature,
-            "sample_reward_mean": float(returns.mean()),
-            f"best@{k}_reward_mean": float(returns.max(axis=1).mean())}
-
-
-def _rows(prompts, meta, start: int, n: int):
-    return list(prompts[start:start + n]), list(meta[start:start + n])
+            "temperature": cfg.sampling.temperature}

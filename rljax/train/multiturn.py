@@ -210,24 +210,6 @@ class MultiTurnRollouts:
     def _budget(self, envs: EnvBatch, n: int) -> np.ndarray:
         return np.minimum(envs.remaining_tokens_B(), n).astype(np.int32)
 
-    def evaluate(self, params, prompts, metadata, batch_size: int) -> dict:
-        """Greedy episodes, one per held-out prompt (every process passes the same lists):
-        ``{"reward_mean": the mean episode return, "n", "env/...": the episode metrics'
-        means (turns, tool calls, tool errors, truncations, seconds)}``."""
-        n, sums = len(prompts), {}
-        for i in range(0, n, batch_size):
-            k = min(batch_size, n - i)
-
-            def src(start, m):
-                return list(prompts[start:start + m]), list(metadata[start:start + m])
-
-            out = self.sample(params, src, i, k, jax.random.key(0), greedy=True, group_size=1)
-            for name, v in out.metrics.items():
-                if name != "env/rollout_turns":
-                    sums[name] = sums.get(name, 0.0) + v * k
-        means = {name: v / max(n, 1) for name, v in sums.items()}
-        return {"reward_mean": means.get("env/return", 0.0), "n": n, **means}
-
     def sample(self, params, source: PromptSource, pos: int, n_prompts: int, key, *,
                greedy: bool = False, group_size: int | None = None) -> MultiTurnOutput:
         """Episodes of prompts ``pos .. pos + n_prompts`` (``source(start, n) -> (prompts,

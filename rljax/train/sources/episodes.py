@@ -8,9 +8,11 @@ import time
 
 import jax
 
+from rljax.train import hosts
 from rljax.train.batch import Rollout
 from rljax.train.multiturn import MultiTurnRollouts
 from rljax.train.sources import Collected, Window
+from rljax.train.sources.prompts import sum_rows
 
 __all__ = ["Episodes"]
 
@@ -46,17 +48,32 @@ class Episodes:
         ro = self.sample_round(params, window, key, ph)
         return Collected(ro, window.pos + window.n, self.step_metrics())
 
+    def _episodes(self, params, prompts: list, metadata: list, first: int, key, *,
+                  greedy: bool, group_size: int):
+        """Episodes of held-out ``prompts`` (the batch at offset ``first``)."""
+        def source(start, m):
+            i = start - first
+            return list(prompts[i:i + m]), list(metadata[i:i + m])
+
+        return self.rollouts.sample(params, source, first, len(prompts), key, greedy=greedy,
+                                    group_size=group_size)
+
     def eval_batch(self, params, prompts: list, metadata: list, first: int) -> dict:
         """Greedy episodes, one per held-out prompt: sums of the episode return
         (``reward``) and of the episode metrics (``env/...``) over every process's rows."""
         k = len(prompts)
-
-        def src(start, m):
-            return list(prompts[start - first:start - first + m]), \
-                list(metadata[start - first:start - first + m])
-
-        out = self.rollouts.sample(params, src, first, k, jax.random.key(0), greedy=True,
-                                   group_size=1)
+        out = self._episodes(params, prompts, metadata, first, jax.random.key(0), greedy=True,
+                             group_size=1)
         sums = {name: v * k for name, v in out.metrics.items() if name != "env/rollout_turns"}
         sums["reward"] = out.metrics.get("env/return", 0.0) * k
         return sums
+
+    def eval_samples(self, params, prompts: list, metadata: list, first: int, k: int,
+                     key) -> dict:
+        """``k`` episodes of each held-out prompt at the sampling temperature: sums over
+        every process's prompts of ``"sample_reward_mean"`` (the prompt's mean return) and
+        ``"best@k_reward_mean"`` (its best)."""
+        out = self._episodes(params, prompts, metadata, first, key, greedy=False, group_size=k)
+        r_Nxk = hosts.host_rows(out.rollout.rewards_B, out.lo, out.hi).reshape(-1, k)
+        return sum_rows({"sample_reward_mean": float(r_Nxk.mean(axis=1).sum()),
+                         f"best@{k}_reward_mean": float(r_Nxk.max(axis=1).sum())})
