@@ -131,3 +131,11 @@ def test_env_batch_counts_model_and_tool_tokens_apart():
     assert (second["model_tokens"], second["tool_tokens"], second["tokens"]) == (3, 4, 8)
     with pytest.raises(ValueError, match="max_model_tokens must be an int >= 1"):
         EnvBatch(Talker, lambda t: [], max_model_tokens=0)
+
+
+def test_an_overlong_window_is_checked_against_the_episode_budget(model):
+    """An explicit overlong window wider than one turn's budget (TURN_TOKENS) but inside
+    the episode's is accepted; one at the episode budget is refused naming it."""
+    assert _trainer(model[0], 40, TURN_TOKENS + 2).base_spec.overlong == TURN_TOKENS + 2
+    with pytest.raises(ValueError, match="40"):
+        _trainer(model[0], 40, 40)

@@ -64,6 +64,11 @@ class EnvConfig:
     tool_workers: int = 1
     sft_trace: str | None = None
 
+    def response_budget(self, turn_tokens: int) -> int:
+        """The model's tokens an episode may hold (``MultiTurnConfig.response_budget``)."""
+        return (self.max_model_tokens if self.max_model_tokens is not None
+                else self.limits.max_turns * int(turn_tokens))
+
     def __post_init__(self):
         c = "EnvConfig"
         _check_path("env", self.env)

@@ -371,8 +371,9 @@ class ExperimentConfig:
             fail(c, "sft.full_parameters", True, "False without LoRA adapters (lora.rank=0: "
                  "a warm-up trains every weight anyway; the flag picks the base over the "
                  "adapters when lora.rank > 0)")
-        check_algorithm_sampling(self.algorithm, self.sampling)
         check_env_section(self)
+        check_algorithm_sampling(self.algorithm, self.sampling, None if self.env is None else
+                                 self.env.response_budget(self.sampling.max_new_tokens))
         _check_str(c, "teacher", self.teacher, optional=True)
         if self.algorithm.needs_teacher != (self.teacher is not None):
             fail(c, "teacher", self.teacher, "a run directory or Hugging Face folder when "

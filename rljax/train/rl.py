@@ -111,7 +111,6 @@ class RLTrainer:
                 raise TypeError(f"RLTrainer: {name} must be a {cls.__name__}, got "
                                 f"{type(val).__name__}")
         algorithm = algorithm.resolve()  # the preset of algorithm.name under explicit fields
-        check_algorithm_sampling(algorithm, sampling)
         est = (f"(algorithm={algorithm.name!r}, "
                f"advantage_estimator={algorithm.advantage_estimator!r})")
         if algorithm.needs_value_model != (value_graphdef is not None):
@@ -137,6 +136,7 @@ class RLTrainer:
         # The response budget: a multi-turn episode's is its model tokens over every turn.
         budget = (sampling.max_new_tokens if multiturn is None
                   else multiturn.response_budget(sampling.max_new_tokens))
+        check_algorithm_sampling(algorithm, sampling, budget)
         overlong = alg.resolve_overlong_buffer(algorithm, budget)
         check_packing(rl, algorithm, self.device_reward is not None)
         self.last_packing: PackSpec | None = None  # the latest step's (packing_for)

@@ -127,7 +127,7 @@ def corrects_sampler(cfg) -> bool:
     return math.isfinite(cfg.tis_cap) or cfg.is_low > 0
 
 
-def check_algorithm_sampling(algorithm, sampling) -> None:
+def check_algorithm_sampling(algorithm, sampling, budget: int | None = None) -> None:
     """Reject ``AlgorithmConfig`` settings that the ``SamplingConfig`` makes wrong.
 
     The sampler reports each token's log-prob under the distribution it drew from: with
@@ -142,7 +142,9 @@ def check_algorithm_sampling(algorithm, sampling) -> None:
 
     Both are rejected, and so is on-policy distillation (its reverse-KL estimate needs
     samples of the student's full softmax); ``old_logp="auto"`` / ``"recompute"`` (full
-    softmax on both sides) work with any filter. Also checks the overlong window against ``max_new_tokens``.
+    softmax on both sides) work with any filter. Also checks the overlong window against
+    the response ``budget``: ``max_new_tokens``, or a multi-turn episode's model tokens
+    (``rljax.train.multiturn.MultiTurnConfig.response_budget``).
 
     Raises:
       ValueError: naming the fields, their values and what is allowed.
@@ -168,7 +170,7 @@ def check_algorithm_sampling(algorithm, sampling) -> None:
                 "every importance "
                 "weight would be the kept probability mass, not a correction near 1. "
                 "Allowed: tis_cap=inf and is_low=0, or top_k=0 and top_p=1.0")
-    a.overlong_tokens(sampling.max_new_tokens)
+    a.overlong_tokens(sampling.max_new_tokens if budget is None else budget)
 
 
 def check_packing(rl, algorithm, device_reward: bool) -> None:
