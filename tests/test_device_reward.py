@@ -83,3 +83,12 @@ def test_byte_level_tokenizers_are_refused():
 
     with pytest.raises(ValueError, match="character tokenizer"):
         CharTable.from_tokenizer(Merging(), 5)
+
+
+def test_rewards_built_alike_are_one_key():
+    """A frozen value: rewards built alike compare and hash equal (trainers share their
+    compiled programs, which JAX keys by the reward); other settings give another key."""
+    a, b = (ArithmeticDeviceReward.from_tokenizer(TOK, 100, EOS) for _ in range(2))
+    assert a is not b and a == b and hash(a) == hash(b)
+    assert a != ArithmeticDeviceReward.from_tokenizer(TOK, 100, EOS, scale=2.0)
+    assert a != ArithmeticDeviceReward.from_tokenizer(TOK, 101, EOS)  # another table
