@@ -40,7 +40,7 @@ import _bench as B  # noqa: E402  (shared benchmark helpers)
 from _bench import CpuMeter  # noqa: E402,F401
 
 from rljax.models import from_pretrained
-from rljax.sampling import state_vocab_major_weight, generate, vocab_major_head
+from rljax.sampling import generate, state_vocab_major_weight, vocab_major_head
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 32, 32, 128
 TARGET = 5  # the issue's speed target: rljax >= 5x transformers' generate

@@ -16,7 +16,8 @@ caches a trace by its key, so an equal key would return the cached trace whateve
 key holds: a key equal to the base's but holding something else is lowered afresh
 (`_fresh`); one holding the same (`_content`) can only lower differently through state
 outside it, which `test_programs_lower_the_same_after_every_variant` checks by lowering
-every base program afresh after all variants were built. Lowering only: nothing compiles.
+every base program afresh after all variants were built. The programs are lowered,
+never compiled.
 """
 
 from __future__ import annotations
