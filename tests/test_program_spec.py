@@ -127,7 +127,7 @@ def _keys(trs: dict) -> dict[str, tuple]:
     return keys
 
 
-# program name -> the jitted function; each lowering clears these and the sampler's.
+# program name -> the jitted function; `_fresh` clears all their caches (nested calls too).
 JITS = {"learn": learn_step, "fused": fused_step, "seeds": seeds_step,
         "prefill": sampler._prefill, "decode": sampler._decode, "start": turns.start,
         "observe": turns.observe, "decode_turn": turns.decode_turn,
