@@ -40,7 +40,7 @@ import _bench as B  # noqa: E402  (shared benchmark helpers)
 from _bench import CpuMeter  # noqa: E402,F401
 
 from rljax.models import from_pretrained
-from rljax.sampling import cached_vocab_major_weight, generate, vocab_major_head
+from rljax.sampling import generate, state_vocab_major_weight, vocab_major_head
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 32, 32, 128
 TARGET = 5  # the issue's speed target: rljax >= 5x transformers' generate
@@ -93,7 +93,7 @@ def head_step_seconds(model, rows=BATCH, steps=32, reps=5):
     if model.config.tie_word_embeddings:
         raise ValueError("head_step_seconds: expects an untied lm_head (the reference model)")
     graphdef, state = nnx.split(model)
-    w = cached_vocab_major_weight(state, model.config)
+    w = state_vocab_major_weight(state, model.config)
 
     @jax.jit
     def loop(state, w, h_RxD):

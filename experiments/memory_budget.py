@@ -62,7 +62,6 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from rljax.models import Decoder, ValueModel  # noqa: E402
-from rljax.models.attention_kernels import tpu_kernels  # noqa: E402
 from rljax.models.layers import cast_matmul_weights, compute_dtype  # noqa: E402
 from rljax.models.lora import has_adapters  # noqa: E402
 from rljax.run.experiment_files import experiment_module, load_experiment  # noqa: E402
@@ -187,7 +186,7 @@ def _opt_state(trainer, params, mesh):
 
 
 def _head(params, model_cfg, mesh):
-    """The sampler's cached vocab-major output weight (`cached_vocab_major_weight`)."""
+    """The sampler's vocab-major output weight (`state_vocab_major_weight`)."""
     name, already = _source(model_cfg)
     var = params[name]
     w = var.get_value() if hasattr(var, "get_value") else var
@@ -245,7 +244,7 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
 
     def record(name, fn, resident):
         t0 = time.perf_counter()
-        with jax.set_mesh(mesh), tpu_kernels():
+        with jax.set_mesh(mesh):  # a mesh over TPU devices traces the real splash kernel
             compiled = fn()
         row = ProgramMemory(label, name, *_memory(compiled), resident=resident,
                             hbm_gib=hbm_gib, compile_s=time.perf_counter() - t0)

@@ -177,13 +177,13 @@ def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
     raise ValueError(f"optimizer must be 'adam' or 'sgd', got {name!r}")
 
 
-@functools.lru_cache(maxsize=8)
-def _grid_fn(optimizer: str, lr: float, steps: int, kl_kind: str):
-    """The jitted (KL coefficient x seed) trainer, built once per static setting."""
-    tx = make_optimizer(optimizer, lr)
-    fn = functools.partial(train_one_seed, tx=tx, steps=steps, kl_kind=kl_kind)
+@functools.partial(jax.jit, static_argnames=("optimizer", "lr", "steps", "kl_kind"))
+def _grid(keys, kl_coefs, *, optimizer: str, lr: float, steps: int, kl_kind: str):
+    """The (KL coefficient x seed) trainer: one program per static setting (JAX's cache)."""
+    fn = functools.partial(train_one_seed, tx=make_optimizer(optimizer, lr), steps=steps,
+                           kl_kind=kl_kind)
     over_seeds = jax.vmap(fn, in_axes=(0, None))
-    return jax.jit(jax.vmap(over_seeds, in_axes=(None, 0)))
+    return jax.vmap(over_seeds, in_axes=(None, 0))(keys, kl_coefs)
 
 
 def train_grid(key, n_seeds, kl_coefs, *, optimizer="adam", lr=0.1, steps=STEPS, kl_kind="k3"):
@@ -193,8 +193,8 @@ def train_grid(key, n_seeds, kl_coefs, *, optimizer="adam", lr=0.1, steps=STEPS,
     differ only by the coefficient. Returns p(correct) curves `[C, n_seeds, steps+1]` and
     final KL(pi || ref) `[C, n_seeds]` as numpy arrays.
     """
-    run = _grid_fn(optimizer, float(lr), int(steps), kl_kind)
-    curves, kls = run(jax.random.split(key, n_seeds), jnp.asarray(kl_coefs, jnp.float32))
+    curves, kls = _grid(jax.random.split(key, n_seeds), jnp.asarray(kl_coefs, jnp.float32),
+                        optimizer=optimizer, lr=float(lr), steps=int(steps), kl_kind=kl_kind)
     return np.asarray(curves), np.asarray(kls)
 
 

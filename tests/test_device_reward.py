@@ -35,7 +35,7 @@ def _ids(chars):
 def test_every_completion_of_the_relevant_tokens(style):
     """All 4-token completions over digits, signs, spaces, a letter and the specials,
     each with every answer and every completion length: device == host."""
-    reward = ArithmeticDeviceReward(TOK, 100, EOS, style=style)
+    reward = ArithmeticDeviceReward.from_tokenizer(TOK, 100, EOS, style=style)
     ids = _ids("0124689 \n+-a.")
     combos = np.array(list(itertools.product(ids, repeat=4)), np.int32)
     rng = np.random.default_rng(0)
@@ -51,7 +51,7 @@ def test_every_completion_of_the_relevant_tokens(style):
 def test_random_completions_over_the_whole_vocabulary_and_long_texts():
     """Random 80-token completions (past the host's 64-character window) and short ones
     built around the answer: device == host."""
-    reward = ArithmeticDeviceReward(TOK, 100, EOS)
+    reward = ArithmeticDeviceReward.from_tokenizer(TOK, 100, EOS)
     rng = np.random.default_rng(1)
     n = 4000
     answers = [str(int(x)) for x in rng.integers(-999, 10**6, n)]
@@ -68,8 +68,8 @@ def test_random_completions_over_the_whole_vocabulary_and_long_texts():
 
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="style"):
-        ArithmeticDeviceReward(TOK, 100, EOS, style="word")
-    reward = ArithmeticDeviceReward(TOK, 100, EOS)
+        ArithmeticDeviceReward.from_tokenizer(TOK, 100, EOS, style="word")
+    reward = ArithmeticDeviceReward.from_tokenizer(TOK, 100, EOS)
     with pytest.raises(ValueError, match="answer '4.5'"):
         reward.task_arrays([{"answer": "4.5"}])
     with pytest.raises(KeyError, match="no 'answer'"):
@@ -83,3 +83,12 @@ def test_byte_level_tokenizers_are_refused():
 
     with pytest.raises(ValueError, match="character tokenizer"):
         CharTable.from_tokenizer(Merging(), 5)
+
+
+def test_rewards_built_alike_are_one_key():
+    """A frozen value: rewards built alike compare and hash equal (trainers share their
+    compiled programs, which JAX keys by the reward); other settings give another key."""
+    a, b = (ArithmeticDeviceReward.from_tokenizer(TOK, 100, EOS) for _ in range(2))
+    assert a is not b and a == b and hash(a) == hash(b)
+    assert a != ArithmeticDeviceReward.from_tokenizer(TOK, 100, EOS, scale=2.0)
+    assert a != ArithmeticDeviceReward.from_tokenizer(TOK, 101, EOS)  # another table

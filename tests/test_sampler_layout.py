@@ -22,7 +22,7 @@ from flax import nnx
 from rljax.models import Decoder, ModelConfig
 from rljax.sampling import generate, sampler as sampler_mod
 from rljax.sampling.generate import prepare
-from rljax.sampling.head import cached_vocab_major_weight
+from rljax.sampling.head import state_vocab_major_weight
 from rljax.sharding import MeshConfig, inference_shardings, make_mesh, state_shardings
 
 TOL = 1e-5  # float32 log-probs, sharded vs one device (as in test_sampling_generate)
@@ -96,7 +96,7 @@ def _partitioned_decode(decode, mesh, graphdef, train, dump) -> str:
     batch, spec = prepare(CFG, PROMPTS, **KW)
     prompts = [jax.device_put(x, sampler_mod.logical_sharding(("batch", None), x.shape, mesh))
                for x in (batch.tokens_BxP, batch.mask_BxP, batch.positions_BxP)]
-    head = cached_vocab_major_weight(train, CFG)
+    head = state_vocab_major_weight(train, CFG)
     s, cache, _ = sampler_mod._prefill(graphdef, spec, mesh, train, head, *prompts,
                                        jax.random.key(0))
     decode.lower(graphdef, spec, mesh, train, head, s, cache).compile(compiler_options={

@@ -21,13 +21,14 @@ from rljax.sharding import mesh_context, state_shardings
 __all__ = ["init_adapters"]
 
 
-@functools.lru_cache(maxsize=8)
-def _adapter_program(config: ModelConfig, mesh: Mesh | None):
-    build = lambda key: nnx.state(Decoder(config, rngs=nnx.Rngs(key)), nnx.LoRAParam)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _draw_adapters(config: ModelConfig, mesh: Mesh | None, key: jax.Array):
+    """The adapters of ``Decoder(config, rngs=nnx.Rngs(key))`` placed per the logical rules
+    on ``mesh``: one program per (config, mesh), keyed by JAX's cache."""
+    adapters = nnx.state(Decoder(config, rngs=nnx.Rngs(key)), nnx.LoRAParam)
     if mesh is None:
-        return jax.jit(build)
-    abstract = jax.eval_shape(build, jax.random.key(0))
-    return jax.jit(build, out_shardings=state_shardings(abstract, mesh))
+        return adapters
+    return jax.lax.with_sharding_constraint(adapters, state_shardings(adapters, mesh))
 
 
 def init_adapters(config: ModelConfig, key: jax.Array, mesh: Mesh | None = None):
@@ -36,4 +37,4 @@ def init_adapters(config: ModelConfig, key: jax.Array, mesh: Mesh | None = None)
     if config.lora is None:
         raise ValueError("init_adapters: config.lora is None (no adapters to draw)")
     with mesh_context(mesh):
-        return _adapter_program(config, mesh)(key)
+        return _draw_adapters(config, mesh, key)

@@ -13,7 +13,6 @@ does; see docs/design.md, "Forward paths", for when each is used.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
@@ -34,22 +33,16 @@ from rljax.sharding import fitted_spec
 # fused backward kernel.
 _LANES = 128
 _BLOCKS = (512, 256, 128)
-# Set by `tpu_kernels()`: trace the real TPU kernel whatever the default backend.
-_FORCE_TPU_KERNEL = False
 
 
-@contextlib.contextmanager
-def tpu_kernels():
-    """Within this block `splash_attend(interpret=None)` traces the real TPU kernel even
-    when the default backend is not TPU: for compiling TPU programs ahead of time on a CPU
-    host (`jax.experimental.topologies`; see experiments/memory_budget.py). Only programs
-    first traced inside the block see it (jit caches a trace by its arguments)."""
-    global _FORCE_TPU_KERNEL
-    before, _FORCE_TPU_KERNEL = _FORCE_TPU_KERNEL, True
-    try:
-        yield
-    finally:
-        _FORCE_TPU_KERNEL = before
+def _traced_for_tpu() -> bool:
+    """Whether the program being traced runs on TPU: the platform of the mesh set by
+    ``jax.set_mesh`` (part of JAX's cache key; a mesh over a topology description's TPU
+    devices compiles TPU programs ahead of time on a CPU host, as
+    experiments/memory_budget.py does), else the default backend's."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    platform = jax.default_backend() if device is None else device.platform
+    return platform == "tpu"
 
 
 @jax.tree_util.register_dataclass
@@ -148,8 +141,8 @@ def splash_attend(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Arr
     with G = N / K). Forward and backward are the kernel's own (fused backward). T is
     padded up to a multiple of 128 with isolated padding slots, then cut back.
     interpret: run the kernel in Pallas interpret mode (plain XLA ops; slow, any backend);
-    None means interpret unless the default backend is TPU (or inside `tpu_kernels()`). Returns `[B, T, N, H]` in
-    q's dtype.
+    None means interpret unless the program is traced for TPU (the mesh's devices, else the
+    default backend). Returns `[B, T, N, H]` in q's dtype.
     """
     t = q_BxTxNxH.shape[1]
     tp = -(-t // _LANES) * _LANES
@@ -187,7 +180,7 @@ def _splash_run(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxTp, kv_seg_BxS, interpr
     b, t, n, h = q_BxTxNxH.shape
     tp, s = q_seg_BxTp.shape[1], kv_seg_BxS.shape[1]
     if interpret is None:
-        interpret = jax.default_backend() != "tpu" and not _FORCE_TPU_KERNEL
+        interpret = not _traced_for_tpu()
     q = pad_axis((q_BxTxNxH * jnp.asarray(h**-0.5, q_BxTxNxH.dtype)).transpose(0, 2, 1, 3),
                   2, tp)  # splash does not scale
     k, v = (pad_axis(x.transpose(0, 2, 1, 3), 2, s) for x in (k_BxSxKxH, v_BxSxKxH))

@@ -71,14 +71,21 @@ def _char_class(c: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class CharTable:
-    """Each token id's decoded characters as classes: ``classes_VxL`` int32 ``[vocab,
-    longest token]`` (``SKIP`` past a token's end); ``skip_ids`` decode to nothing here
-    (the stop token, which the host's detokenisation drops too).
+    """Each token id's decoded characters as classes: ``rows[i]`` the classes of token
+    ``i``'s characters, ``SKIP`` past its end (every row as long as the longest token);
+    ``skip_ids`` decode to nothing here (the stop token, which the host's detokenisation
+    drops too). A value (tuples): equal tables compare and hash equal, so device rewards
+    holding them key JAX's cache by value.
 
     Valid for tokenizers whose ``decode`` of a sequence is the concatenation of its tokens'
     single decodes (character tokenizers; checked on the whole vocabulary at build)."""
 
-    classes_VxL: np.ndarray
+    rows: tuple[tuple[int, ...], ...]
+
+    @property
+    def classes_VxL(self) -> np.ndarray:
+        """The table as int32 ``[vocab, longest token]``."""
+        return np.asarray(self.rows, np.int32)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int, skip_ids: Sequence[int] = ()
@@ -92,10 +99,13 @@ class CharTable:
         for i in skip_ids:
             pieces[int(i)] = ""
         width = max(1, max(len(p) for p in pieces))
-        table = np.full((vocab_size, width), SKIP, np.int32)
-        for i, p in enumerate(pieces):
-            table[i, :len(p)] = [_char_class(c) for c in p]
-        return cls(table)
+        return cls(tuple(tuple(_char_class(c) for c in p) + (SKIP,) * (width - len(p))
+                         for p in pieces))
+
+    def padded(self, vocab_size: int) -> "CharTable":
+        """The table with ids ``len(rows) .. vocab_size - 1`` decoding to nothing."""
+        blank = (SKIP,) * len(self.rows[0])
+        return CharTable(self.rows + (blank,) * (vocab_size - len(self.rows)))
 
     def text_classes(self, tokens_BxT: Array, mask_BxT: Array, max_chars: int) -> Array:
         """``[B, max_chars + 1]`` classes of each row's text (masked tokens dropped), the

@@ -29,7 +29,7 @@ from flax import nnx
 
 from rljax import rewards as rw
 from rljax.data import ArithmeticTask, CountdownTask, ShuffledIterator, build_chat_prompt
-from rljax.models import Decoder
+from rljax.models import Decoder, ModelConfig
 from rljax.models.hf_io import from_pretrained
 from rljax.models.tokenizer import (add_stop_ids, build_char_tokenizer, check_vocab,
                                     generation_eos_ids, load_tokenizer)
@@ -80,11 +80,11 @@ def build_mesh(cfg: ExperimentConfig):
     return make_mesh(cfg.mesh)
 
 
-@functools.lru_cache(maxsize=8)
-def _init_program(model_cfg, mesh):
-    """The jitted random init of a `Decoder(model_cfg)` from a PRNG key: the key is an
-    argument, so every seed (and every run of a process) shares one compiled program."""
-    return nnx.jit(lambda key: Decoder(model_cfg, rngs=nnx.Rngs(key)))
+@functools.partial(nnx.jit, static_argnums=0)
+def _random_decoder(model_cfg: ModelConfig, key: jax.Array) -> Decoder:
+    """The random init of a `Decoder(model_cfg)` from a PRNG key: the key is an argument,
+    so every seed (and every run of a process) shares one compiled program."""
+    return Decoder(model_cfg, rngs=nnx.Rngs(key))
 
 
 def build_model(cfg: ExperimentConfig, tokenizer, mesh=None, seed: int | None = None):
@@ -97,7 +97,7 @@ def build_model(cfg: ExperimentConfig, tokenizer, mesh=None, seed: int | None = 
                                 remat=cfg.remat, lora=cfg.lora, lora_seed=seed)
     else:
         with mesh_context(mesh):  # one compiled program builds every weight, already sharded
-            model = _init_program(cfg.policy_config(cfg.model), mesh)(jax.random.key(seed))
+            model = _random_decoder(cfg.policy_config(cfg.model), jax.random.key(seed))
     check_vocab(tokenizer, model.config)
     return model
 
@@ -345,8 +345,9 @@ def build_device_reward(cfg: ExperimentConfig, tokenizer):
     if r.kind == "custom":
         return load_function(r.function, "reward.function")
     vocab = cfg.model.vocab_size if cfg.model is not None else len(tokenizer)
-    return ArithmeticDeviceReward(tokenizer, vocab, tokenizer.eos_token_id, style=t.style,
-                                  scale=r.accuracy_weight * r.correct_reward)
+    return ArithmeticDeviceReward.from_tokenizer(
+        tokenizer, vocab, tokenizer.eos_token_id, style=t.style,
+        scale=r.accuracy_weight * r.correct_reward)
 
 
 class ComponentReward:

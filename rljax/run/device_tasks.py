@@ -5,40 +5,57 @@ the host verifiers a reward worker unpickles import no JAX."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from rljax.rewards.device import SKIP, CharTable, DeviceReward, leading_integer_matches
+from rljax.rewards.device import CharTable, DeviceReward, leading_integer_matches
 
 __all__ = ["ArithmeticDeviceReward"]
 
 
+@dataclasses.dataclass(frozen=True)
 class ArithmeticDeviceReward(DeviceReward):
     """`ArithmeticReward` as a device reward: `scale` where `check_arithmetic(text,
     answer, style)` holds, else 0, computed from token ids in JAX.
 
-    Args:
-      tokenizer: a character tokenizer (`rljax.rewards.device.CharTable` checks it).
-      vocab_size: the model's vocabulary (ids past the tokenizer's decode as nothing).
-      stop_id: the stop token, dropped from the text as the host's detokenisation does.
+    A frozen value: rewards built alike compare and hash equal, so trainers with equal
+    rewards share their compiled programs (`rljax.train.programs`). Build one from a
+    tokenizer with `from_tokenizer`.
+
+    Fields:
+      table: each token id's characters (`rljax.rewards.device.CharTable`), one row per id
+        of the model's vocabulary.
       style: "plain" or "reversed" ("word" answers need the host's extraction).
+      scale: the reward of a correct answer.
       max_digits: the widest answer in digits (answers are padded to it).
+      max_chars: the completion characters read (the answer must start within them).
     """
+
+    table: CharTable
+    style: str = "plain"
+    scale: float = 1.0
+    max_digits: int = 40
+    max_chars: int = 64
 
     verifier = True
     name = "arithmetic"
 
-    def __init__(self, tokenizer, vocab_size: int, stop_id: int, *, style: str = "plain",
-                 scale: float = 1.0, max_digits: int = 40, max_chars: int = 64):
-        if style not in ("plain", "reversed"):
+    def __post_init__(self):
+        if self.style not in ("plain", "reversed"):
             raise ValueError(f"ArithmeticDeviceReward: style must be 'plain' or 'reversed', got "
-                             f"{style!r} (word problems are checked on the host)")
-        self.style, self.scale, self.max_digits, self.max_chars = style, scale, max_digits, max_chars
+                             f"{self.style!r} (word problems are checked on the host)")
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, vocab_size: int, stop_id: int, **settings,
+                       ) -> ArithmeticDeviceReward:
+        """The reward for `tokenizer` (a character tokenizer: `CharTable` checks it), a
+        model of `vocab_size` ids (ids past the tokenizer's decode as nothing) and the stop
+        token `stop_id` (dropped from the text as the host's detokenisation does);
+        `settings`: the other fields."""
         n = min(vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else vocab_size
         table = CharTable.from_tokenizer(tokenizer, n, skip_ids=(stop_id,))
-        if n < vocab_size:  # ids the tokenizer does not know decode to nothing
-            pad = np.full((vocab_size - n, table.classes_VxL.shape[1]), SKIP, np.int32)
-            table = CharTable(np.concatenate([table.classes_VxL, pad]))
-        self.table = table
+        return cls(table.padded(vocab_size), **settings)
 
     def task_arrays(self, metadata) -> dict[str, np.ndarray]:
         """`digits` int32 [n, max_digits] (written order: reversed for "reversed"),
@@ -59,18 +76,6 @@ class ArithmeticDeviceReward(DeviceReward):
             digits[i, :len(body)] = [int(c) for c in body]
             num[i] = len(body)
         return {"digits": digits, "num_digits": num, "negative": neg}
-
-    def _identity(self) -> tuple:
-        t = self.table.classes_VxL
-        return self.style, self.scale, self.max_digits, self.max_chars, t.shape, t.tobytes()
-
-    def __eq__(self, other) -> bool:
-        """Equal when built alike (same table and settings): trainers with equal rewards
-        share their compiled programs (`rljax.train.programs`)."""
-        return type(other) is type(self) and self._identity() == other._identity()
-
-    def __hash__(self) -> int:
-        return hash(self._identity())
 
     def __call__(self, tokens_BxT, mask_BxT, task):
         text_BxC = self.table.text_classes(tokens_BxT, mask_BxT, self.max_chars)

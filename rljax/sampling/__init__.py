@@ -8,15 +8,15 @@
   cache updated in place; returns a :class:`SampleResult`.
 - :func:`compiled_count`: programs compiled by the sampler so far (to check bucketing).
 - :func:`vocab_major_head`: the decode loop's output projection, ``h_RxD -> logits_VxR``;
-  :func:`vocab_major_weight` its ``[V, D]`` weight, and :func:`cached_vocab_major_weight`
-  that weight kept across calls while the model's weight array is alive.
+  :func:`vocab_major_weight` its ``[V, D]`` weight, and :func:`state_vocab_major_weight`
+  that weight built from a model state (once per sampling call).
 """
 
 from rljax.sampling.generate import generate
 from rljax.sampling.prompts import PackedPrompts, bucket_length, pack_prompts
 from rljax.sampling.result import SampleResult
 from rljax.sampling.head import (
-    cached_vocab_major_weight,
+    state_vocab_major_weight,
     vocab_major_head,
     vocab_major_weight,
 )
@@ -39,7 +39,6 @@ __all__ = [
     "PackedPrompts",
     "SampleResult",
     "bucket_length",
-    "cached_vocab_major_weight",
     "compiled_count",
     "generate",
     "pack_prompts",
@@ -54,5 +53,6 @@ __all__ = [
     "sample_tokens_VxR",
     "token_logprobs",
     "sample_tokens_sharded",
+    "state_vocab_major_weight",
     "vocab_shards",
 ]

@@ -1,15 +1,14 @@
-"""The sampler's output projection, vocab-major, and its weight kept across calls.
+"""The sampler's output projection, vocab-major, and its weight built once per call.
 
 The decode step computes ``logits_VxR = W_VxD . h^T`` (on XLA:CPU ~1.5x faster than
 ``h . W_DxV``; see ``ops.sample_tokens_VxR``). A tied model's embedding is already
 ``[V, D]``; an untied ``lm_head`` is stored ``[D, V]`` and its transpose is a copy of the
-whole matrix, so :func:`cached_vocab_major_weight` builds it once per weight array and
-reuses it while that array is alive.
+whole matrix, so :func:`state_vocab_major_weight` builds it once, outside the sampler's
+programs, and they take it as an argument (one copy per sampling call, not per program).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import jax
@@ -20,7 +19,7 @@ from rljax.models import Decoder, ModelConfig
 from rljax.models.layers import compute_dtype
 
 __all__ = [
-    "cached_vocab_major_weight",
+    "state_vocab_major_weight",
     "vocab_major_head",
     "vocab_major_weight",
 ]
@@ -38,6 +37,7 @@ def _to_VxD(w: jax.Array, already_VxD: bool, dtype: jnp.dtype) -> jax.Array:
     return (w if already_VxD else w.T).astype(dtype)
 
 
+# One program per (layout, dtype) and weight shape: JAX's cache keys it.
 _to_VxD_jit = jax.jit(_to_VxD, static_argnums=(1, 2))
 
 
@@ -56,7 +56,7 @@ def vocab_major_head(model: Decoder, w_VxD: jax.Array | None = None,
     """``h_RxD -> logits_VxR``: the model's output projection as ``W_VxD . h^T`` (float32).
 
     Same math as ``model.logits_from_hidden`` (tied: the embedding), laid out vocab-major.
-    ``w_VxD``: the weight from :func:`cached_vocab_major_weight` (an argument of the
+    ``w_VxD``: the weight from :func:`state_vocab_major_weight` (an argument of the
     compiled program); without it the weight is built from ``model`` here (inside jit:
     once per call, outside the decode loop).
     """
@@ -67,16 +67,13 @@ def vocab_major_head(model: Decoder, w_VxD: jax.Array | None = None,
         "vd,rd->vr", w, h_RxD.astype(w.dtype), preferred_element_type=jnp.float32)
 
 
-# id(source array) -> (weak reference to it, the derived weight). Latest only.
-_CACHE: dict[int, tuple[weakref.ref, jax.Array]] = {}
+def state_vocab_major_weight(state: nnx.State, config: ModelConfig) -> jax.Array | None:
+    """``W_VxD`` for the model state ``state`` (an ``nnx.State``) in the compute dtype of
+    ``config``, or None when the model has no output projection.
 
-
-def cached_vocab_major_weight(state: nnx.State, config: ModelConfig) -> jax.Array | None:
-    """``W_VxD`` for the model state ``state`` (an ``nnx.State``), or None.
-
-    Built once per output-projection array and returned again while that array is alive
-    and still the latest one asked for (a training step's new weights replace it; the
-    copy is dropped with its source). A tied float32 embedding is returned as it is.
+    A tied embedding already in the compute dtype is returned as it is (no copy); else one
+    jitted transpose / cast. The caller builds it once per set of weights (a sampling
+    call, a multi-turn rollout) and passes it to every program that decodes with them.
     """
     name, already = _source(config)
     if name is None or name not in state:
@@ -85,11 +82,5 @@ def cached_vocab_major_weight(state: nnx.State, config: ModelConfig) -> jax.Arra
     dtype = compute_dtype(config)
     if already and w.dtype == dtype:
         return w
-    key = id(w)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is w:
-        return hit[1]
-    out = _to_VxD_jit(w, already, dtype)
-    _CACHE.clear()
-    _CACHE[key] = (weakref.ref(w, lambda _ref: _CACHE.pop(key, None)), out)
-    return out
+    return _to_VxD_jit(w, already, dtype)
+

@@ -62,7 +62,7 @@ from jax.sharding import Mesh, NamedSharding
 from rljax.models import ModelConfig, grow_kv_cache, kv_cache_shardings
 from rljax.models.grouped import prompt_copies
 from rljax.models.layers import cast_matmul_weights, compute_dtype
-from rljax.sampling.head import cached_vocab_major_weight, vocab_major_head
+from rljax.sampling.head import state_vocab_major_weight, vocab_major_head
 from rljax.sampling.ops import SamplingParams
 from rljax.sampling.prompts import PackedPrompts
 from rljax.sampling.result import SampleResult
@@ -263,7 +263,7 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, 
 
     ``prefix``: the prompts' cache (``C`` rows, ``P`` slots); slot ``j`` of a row's own
     cache is the sequence's slot ``P + j`` (module docstring). ``s.cache`` is None on the
-    way in and out. ``head_VxD``: ``cached_vocab_major_weight`` (or None).
+    way in and out. ``head_VxD``: ``state_vocab_major_weight`` (or None).
     """
     model, head_VxD = decode_model(graphdef, params, head_VxD, mesh)
     r, p = s.last_R.shape[0], prefix.max_len
@@ -312,11 +312,11 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
         ) -> SampleResult:
     """Prefill + decode left-padded prompts; see ``rljax.sampling.generate`` for the API.
 
-    config: the model's config, to reuse its vocab-major output weight across calls
-    (``rljax.sampling.head``) and cast the matmul weights to its compute dtype; without it
-    the weight is built inside each call. On a mesh the parameters are copied to the
-    inference layout first (module docstring), and the output weight is built from (and
-    cached with) that copy.
+    config: the model's config, to build its vocab-major output weight once for both
+    programs (``rljax.sampling.head``) and cast the matmul weights to its compute dtype;
+    without it each program builds the weight inside. On a mesh the parameters are copied
+    to the inference layout first (module docstring), and the output weight is built from
+    that copy.
     """
     mesh = mesh_of(params) if mesh is None else mesh
     host = (prompts.tokens_BxP, prompts.mask_BxP, prompts.positions_BxP)
@@ -327,7 +327,7 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
             jax.device_put(x, logical_sharding(("batch", None), x.shape, mesh)) for x in host
         )
         params, _ = inference_layout(cast(params), None, mesh, place=jax.device_put)
-    head_VxD = None if config is None else cached_vocab_major_weight(params, config)
+    head_VxD = None if config is None else state_vocab_major_weight(params, config)
     params = cast(params)  # (a no-op on a mesh) the programs receive the cast copy
     index_R = _prompt_index(len(prompts.lengths_B), spec.num_samples, mesh)
     with mesh_context(mesh):  # prefill's attention kernels run per chip (rljax.sharding)

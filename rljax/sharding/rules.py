@@ -8,7 +8,6 @@ models (e.g. one kv head) still place on any mesh.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import jax
@@ -93,25 +92,23 @@ def logical_sharding(names, shape, mesh: Mesh, drop: tuple[str, ...] = ()) -> Na
     return NamedSharding(mesh, fitted_spec(names, shape, mesh, drop))
 
 
-_CONSTRAINTS = [True]
+# A context in JAX's jit cache key (`jax.make_user_context`): a program traced inside
+# `logical_constraints(False)` is compiled apart, never handed to a caller outside it.
+_CONSTRAINTS = jax.make_user_context(True)
 
 
-@contextlib.contextmanager
 def logical_constraints(enabled: bool):
-    """Within this context, programs traced get (``True``) or lack (``False``) the
+    """A context within which programs traced get (``True``) or lack (``False``) the
     constraints of :func:`constrain_logical` and the layouts that ask
     :func:`constraints_enabled`: the collective audit's control compiles a program as it
-    was before them (``tests/test_collectives.py``)."""
-    _CONSTRAINTS.append(bool(enabled))
-    try:
-        yield
-    finally:
-        _CONSTRAINTS.pop()
+    was before them (``tests/test_collectives.py``). The value is part of JAX's cache
+    key, so each setting has its own compiled programs."""
+    return _CONSTRAINTS(bool(enabled))
 
 
 def constraints_enabled() -> bool:
     """Whether :func:`constrain_logical` constrains (see :func:`logical_constraints`)."""
-    return _CONSTRAINTS[-1]
+    return _CONSTRAINTS.value
 
 
 def constrain_logical(value, names: Sequence[str | None]):

@@ -37,7 +37,7 @@ from rljax.envs import EnvBatch, EnvLimits
 from rljax.envs.protocol import check_return_mode
 from rljax.models.layers import cast_matmul_weights, compute_dtype
 from rljax.sampling.generate import config_of
-from rljax.sampling.head import cached_vocab_major_weight
+from rljax.sampling.head import state_vocab_major_weight
 from rljax.sampling.ops import SamplingParams
 from rljax.sampling.prompts import bucket_length
 from rljax.sampling.sampler import inference_layout, mesh_of
@@ -241,7 +241,7 @@ class MultiTurnRollouts:
         params = cast_matmul_weights(params, compute_dtype(config))  # as the sampler's run
         with jax.transfer_guard("allow"):  # the inference copy of the weights (no host data)
             params, _ = inference_layout(params, None, mesh, place=jax.device_put)
-        head = cached_vocab_major_weight(params, config)
+        head = state_vocab_major_weight(params, config)
         prog = (self.gd, spec, mesh, params, head)
         turns = 0
         with mesh_context(mesh):
