@@ -112,7 +112,9 @@ def _trainer(cell, mesh, gd, value_gd):
     reward = {"host": digit_share, "device": REWARD, "episodes": None}[src]
     return RLTrainer(gd, TOK, reward, algorithm=algorithm_preset(name, **alg),
                      optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=4),
-                     rl=RLConfig(steps=2, prompts_per_step=4, logp_chunk=4,
+                     # PPO: one completion per prompt, two minibatches of 4 rows (data x fsdp)
+                     rl=RLConfig(steps=2, prompts_per_step=8 if name == "ppo" else 4,
+                                 logp_chunk=4,
                                  tokens_per_micro_batch=64 if layout == "packed" else 0),
                      prompt_len=16, mesh=mesh, value_graphdef=value_gd, multiturn=multiturn)
 
