@@ -8,8 +8,9 @@ global batch (every process calls it with the same shapes):
    rewards (whitened), all as pure functions of arrays (``rljax.objectives``);
 3. ``num_epochs x num_minibatches`` optimiser updates as a ``lax.scan`` over an in-graph
    permutation of the rows, each with exact micro-batch accumulation
-   (``rljax.train.learn.update.make_update``); the first update's pi_old is its own
-   forward's log-probs, stop-gradient (ratio exactly 1: ``_updates``);
+   (``rljax.train.learn.update.make_update``); with a recomputed pi_old the first
+   update takes its own forward's log-probs, stop-gradient, as pi_old (ratio exactly 1:
+   ``_updates``);
 4. the adaptive KL controller (Ziegler et al. 2019 §2.2) and the step's metrics, reduced
    to replicated scalars.
 
