@@ -22,7 +22,7 @@ figure.
                                            [--per-row-prompts] [--lora R]
 
 With ``--lora R`` each model's program also runs with rank-R adapters on all seven
-projections (alpha 2R; only the adapters train, the reference is the base with them off),
+projections (alpha 2R; only the adapters train, the reference is the base with a copy of them),
 its calls interleaved with the full-parameter program's; both medians and their ratio are
 printed.
 

@@ -32,12 +32,12 @@ RECIPES = {
                        why="fsdp 8 x tensor 4: heads 32/8 kv and MLP split 4 ways, state "
                            "~4 GB/chip; micro 64 = 8 rows per fsdp group"),
     # LoRA (docs/lora.md) on 8 v5e chips: the frozen bfloat16 base (16 GB) is 2 GB a chip,
-    # no Adam for it and no reference copy. Tensor 8: the sampler's inference copy (split
+    # no Adam for it, and the reference copies the adapters only. Tensor 8: the sampler's inference copy (split
     # over tensor only) is 2.1 GB a chip; with fsdp 2 x tensor 4 it was 4.2 and the decode
     # program did not fit (19.02 GiB of 16 with the state beside it). Set optim.lr for LoRA.
     "8b-lora-v5e8": Recipe("Meta-Llama-3-8B-Instruct", "v5e-8", MeshConfig(1, 1, 8), 8,
                            lora=LoraConfig(rank=32, alpha=64.0),
-                           why="LoRA rank 32: frozen bfloat16 base, no reference copy; tensor "
+                           why="LoRA rank 32: frozen bfloat16 base, reference = adapters copy; tensor "
                                "8 (heads 32/8 kv, MLP split 8 ways); micro 8 rows"),
 }
 

@@ -105,10 +105,10 @@ RECIPES = {
                                why="pure FSDP; packed rows, 26,624 token slots a micro-batch "
                                    "= 4 packed rows/chip"),
     # LoRA (docs/lora.md): the base frozen in bfloat16 (3.1 GB), Adam for the adapters
-    # only, the KL reference the base with adapters off (no copy). Set optim.lr for LoRA.
+    # only, the KL reference a copy of the adapters on the base. Set optim.lr for LoRA.
     "1.5b-lora-v5e4": Recipe("Qwen2.5-1.5B-Instruct", "v5e-4", MeshConfig(1, 2, 2), 32,
                              lora=LoraConfig(rank=32, alpha=64.0),
-                             why="LoRA rank 32: frozen bfloat16 base, no reference copy; fsdp "
+                             why="LoRA rank 32: frozen bfloat16 base, reference = adapters copy; fsdp "
                                  "2 x tensor 2; micro 32 = 16 rows per fsdp group"),
 }
 

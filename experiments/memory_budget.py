@@ -63,7 +63,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from rljax.models import Decoder, ValueModel  # noqa: E402
 from rljax.models.layers import cast_matmul_weights, compute_dtype  # noqa: E402
-from rljax.models.lora import has_adapters  # noqa: E402
+from rljax.models.lora import has_adapters, split_trainable  # noqa: E402
 from rljax.run.experiment_files import experiment_module, load_experiment  # noqa: E402
 from rljax.sampling import sampler as sampler_lib  # noqa: E402
 from rljax.sampling.head import _to_VxD_jit, _source  # noqa: E402
@@ -229,9 +229,12 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
                               jax.eval_shape(lambda w: lora_base(graphdef, w), policy), policy)
     params = {"policy": policy} | ({"value": value} if value is not None else {})
     opt = _opt_state(trainer, params, mesh)
-    # A LoRA policy's KL reference is its base with the adapters off: no copy, no entry.
-    ref = (_cast(policy, getattr(cfg.rl, "ref_dtype", "float32"))
-           if trainer.uses_ref and not lora else None)
+    # A LoRA policy's KL reference copies its adapters only, in the compute dtype
+    # (make_reference); the base is the policy's own.
+    ref = None
+    if trainer.uses_ref:
+        ref = (_cast(split_trainable(policy)[0], jnp.dtype(compute_dtype(model_cfg)).name)
+               if lora else _cast(policy, getattr(cfg.rl, "ref_dtype", "float32")))
     n_prompts, g = cfg.rl.prompts_per_step, trainer.alg.group_size
     p, t, b = cfg.task.max_prompt_tokens, cfg.sampling.max_new_tokens, n_prompts * g
     state_bytes = {"params": per_chip_bytes(params), "opt": per_chip_bytes(opt),
@@ -239,7 +242,7 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     log(f"[{label}] state per chip: " + ", ".join(f"{k} {v / GIB:.2f} GiB"
                                                    for k, v in state_bytes.items())
         + (" (LoRA: params = frozen base + adapters, opt = the adapters' moments, ref = "
-           "none: the base with adapters off)" if lora else ""))
+           "a copy of the adapters, on the policy's base)" if lora else ""))
     out, rep = [], replicated(mesh)
 
     def record(name, fn, resident):
@@ -280,18 +283,20 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     d = mesh.shape["data"] * mesh.shape["fsdp"]  # packed: the largest bucket
     spec_l = dataclasses.replace(trainer.base_spec, packing=choose_spec(
         b // d, cfg.rl.tokens_per_micro_batch, p + t, d) if cfg.rl.tokens_per_micro_batch else None)
-    logp = jax.jit(lambda w, seqs: _map_micro(  # LoRA: the policy's weights, adapters off
-        lambda mb: policy_logprobs(*(reference_model(graphdef, w, None) if lora
-                                     else (graphdef, w)), mb, chunk=spec_l.chunk,
+    # Its arguments: the reference's weights (LoRA: the policy's and the adapters' copy).
+    w = (policy, ref) if lora and ref is not None else ref if ref is not None else policy
+    model = (lambda w: reference_model(graphdef, *w)) if lora and ref is not None else (
+        lambda w: (graphdef, w))
+    logp = jax.jit(lambda w, seqs: _map_micro(
+        lambda mb: policy_logprobs(*model(w), mb, chunk=spec_l.chunk,
                                    temperature=spec_l.temperature)[0],
         seqs, spec_l.num_micro))
     if spec_l.packing is not None:  # packed rows, micro-batched by tokens
         logp = jax.jit(lambda w, seqs: packed_logprobs(
-            *(reference_model(graphdef, w, None) if lora else (graphdef, w)),
-            {**seqs, **make_plan(seqs, spec_l.packing)}, spec_l.packing, chunk=spec_l.chunk,
-            temperature=spec_l.temperature))
-    record("logprob", lambda: logp.lower(ref if ref is not None else policy, ro.seqs()).compile(),
-           sum(state_bytes.values()) - per_chip_bytes(ref if ref is not None else policy))
+            *model(w), {**seqs, **make_plan(seqs, spec_l.packing)}, spec_l.packing,
+            chunk=spec_l.chunk, temperature=spec_l.temperature))
+    record("logprob", lambda: logp.lower(w, ro.seqs()).compile(),
+           sum(state_bytes.values()) - per_chip_bytes(w))
     scalars = dict(updates=jnp.int32, nonfinite_run=jnp.int32, skipped=jnp.int32,
                    kl_coef=jnp.float32, step=jnp.int32)
     scalars = {k: jax.ShapeDtypeStruct((), v, sharding=rep) for k, v in scalars.items()}

@@ -1,4 +1,5 @@
-"""LoRA (issue 42): adapters owned by the layers, a frozen base, the reference for free.
+"""LoRA (issue 42): adapters owned by the layers, a frozen base, a reference that copies
+only the adapters.
 
 Tiny models throughout; every check is exact or at a stated float32 tolerance:
 - pairs = layers x matched projections, scanned and unscanned; the base equals the same
@@ -10,7 +11,8 @@ Tiny models throughout; every check is exact or at a stated float32 tolerance:
   refuse another base; `rljax export` writes merged weights transformers loads and, with
   `--adapters`, a PEFT folder peft loads onto the base: both give rljax's logits to 1e-4;
 - an RL step changes the adapters and leaves every base weight bitwise unchanged; the
-  optimiser holds state for the adapters only; the reference is the base (adapters off);
+  optimiser holds state for the adapters only; the reference (and a PPO critic) is the
+  policy at the start of RL, warmed-up adapters included, so the first step's KL is 0;
   sampler and trainer log-probs agree to 1e-4 with nonzero adapters.
 
 Several seeds in one program with LoRA: tests/test_lora_seeds.py.
@@ -34,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from _lora_common import LORA, randomise_adapters
 from _train_common import CharTok, random_seqs, tiny_config
 from rljax.cli import main
-from rljax.models import Decoder, ModelConfig
+from rljax.models import Decoder, ModelConfig, ValueModel
 from rljax.models.lora import (PROJECTIONS, LoraConfig, count_pairs, merged_weight,
                                set_adapters, split_trainable)
 from rljax.models.tokenizer import build_char_tokenizer
@@ -44,12 +46,14 @@ from rljax.run.lora_runs import AdapterCheckpoints
 from rljax.run.overrides import apply_overrides
 from rljax.run.run_dir import RunDir
 from rljax.sharding import state_shardings
+from rljax.train.batching import encode_pairs
 from rljax.train.checkpoint import Checkpointer
-from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig
+from rljax.train.config import AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig
 from rljax.train.learn.logprobs import policy_logprobs
 from rljax.train.learn.reference import reference_model
 from rljax.train.learn.update import new_train_state
 from rljax.train.rl import RLTrainer
+from rljax.train.sft import SFTTrainer
 
 TOL_GRAD = 1e-5  # adapters' gradients vs the dense reference, float32
 TOL_GAP = 1e-4  # sampler vs learner log-probs, float32
@@ -156,8 +160,8 @@ def test_adapter_gradients_match_the_dense_reference(scan=True):
 TOK = CharTok()
 
 
-def _reward(completions, metadata):
-    return np.array([float(c.startswith("7")) for c in completions], np.float32)
+def _reward(completions, metadata):  # varied, so the groups' advantages are not all 0
+    return np.array([float(len(c) > 0 and ord(c[0]) % 2) for c in completions], np.float32)
 
 
 def _source(start, n):
@@ -166,10 +170,17 @@ def _source(start, n):
 
 @pytest.fixture(scope="module")
 def rl_run():
-    """One GRPO step (KL in the loss) of a LoRA policy with nonzero adapters."""
+    """One GRPO step (KL in the loss) of a LoRA policy with nonzero adapters, after an
+    SFT warm-up step that trained them (the adapters only)."""
     gd, state = nnx.split(_model(False, num_layers=1))
     state = randomise_adapters(state, scale=0.1)
+    sft = SFTTrainer(gd, SFTConfig(batch_size=4, optim=OptimConfig(lr=1e-2)))
+    batch = encode_pairs(TOK, ["1+2=", "3+4=", "5+6=", "7+8="], ["3", "7", "11", "15"], 6, 3)
+    start = jax.tree.map(np.asarray, split_trainable(state)[0])
+    state = sft.step(sft.init_state(state), batch)[0].params["policy"]
     keep = jax.tree.map(np.asarray, state)
+    assert not any(np.array_equal(a, b) for a, b in zip(  # the warm-up moved every adapter
+        jax.tree.leaves(start), jax.tree.leaves(split_trainable(keep)[0])))
     tr = RLTrainer(gd, TOK, _reward, algorithm=AlgorithmConfig(name="grpo", group_size=2),
                    optim=OptimConfig(lr=1e-2, warmup_steps=1),
                    sampling=SamplingConfig(max_new_tokens=3),
@@ -177,8 +188,8 @@ def rl_run():
     bf16_ref = RLTrainer(gd, TOK, _reward, algorithm=tr.alg, optim=tr.optim,
                          sampling=tr.sampling, prompt_len=6,
                          rl=dataclasses.replace(tr.rl, ref_dtype="bfloat16"))
-    with pytest.raises(ValueError, match="a LoRA policy has none"):
-        bf16_ref.init_state(state, seed=0)  # no copy to store in bfloat16: not ignored
+    with pytest.raises(ValueError, match="copies only its adapters, in the compute dtype"):
+        bf16_ref.init_state(state, seed=0)  # not ignored
     ts = tr.init_state(state, seed=0)
     opt_leaves = len(jax.tree.leaves(ts.opt_state))
     new, metrics = tr.step(ts, _source)
@@ -187,7 +198,9 @@ def rl_run():
 
 def test_an_rl_step_trains_the_adapters_only(rl_run):
     tr, keep, new, metrics, opt_leaves = rl_run
-    assert tr.uses_ref and new.ref_params is None  # the reference is the base: no copy
+    # The reference holds a copy of the adapters only (the base is the policy's own).
+    assert tr.uses_ref and jax.tree.structure(new.ref_params) == jax.tree.structure(
+        split_trainable(keep)[0])
     before_ad, before_base = split_trainable(keep)
     after_ad, after_base = split_trainable(new.params["policy"])
     for a, b in zip(jax.tree.leaves(before_base), jax.tree.leaves(after_base)):
@@ -199,24 +212,50 @@ def test_an_rl_step_trains_the_adapters_only(rl_run):
     n_ad = len(jax.tree.leaves(after_ad))
     assert opt_leaves == len(jax.tree.leaves(new.opt_state)) == 2 * n_ad + 2
     assert metrics["sampler_gap"] < TOL_GAP  # nonzero adapters, float32 both sides
-    assert metrics["kl_ref"] > 0  # policy = base + adapters differs from the reference
+    # The first RL step's KL is 0, as in a full-parameter run: the reference is the
+    # policy at the start of RL, warmed-up adapters included (k3 of float32 rounding).
+    assert metrics["kl_ref"] < 1e-10
 
 
-def test_the_reference_is_the_base_with_adapters_off(rl_run):
+def test_the_reference_is_the_policy_at_the_start_of_rl(rl_run):
+    """The reference's log-probs are those of the warmed-up policy (bitwise), not of the
+    base with adapters off nor of the policy after the step."""
     tr, keep, new, _, _ = rl_run
     seqs = {k: jnp.asarray(v) for k, v in random_seqs(np.random.default_rng(1), 4, 5, 3).items()}
     gd, params = tr.gd, new.params["policy"]
     logp = jax.jit(lambda g, p: policy_logprobs(g, p, seqs, chunk=2)[0], static_argnums=0)
-    ref = jax.jit(lambda p: policy_logprobs(*reference_model(gd, p, None), seqs, chunk=2)[0])
+    ref = jax.jit(lambda p, r: policy_logprobs(*reference_model(gd, p, r), seqs, chunk=2)[0])
+    ref = ref(params, new.ref_params)
+    np.testing.assert_array_equal(ref, logp(gd, jax.tree.map(jnp.asarray, keep)))
+    assert float(jnp.max(jnp.abs(logp(gd, params) - ref))) > 1e-4  # the step moved the policy
     plain_gd = nnx.graphdef(nnx.eval_shape(lambda: _model(False, None, num_layers=1)))
-    base = split_trainable(params)[1]
-    ref = ref(params)
-    np.testing.assert_array_equal(ref, logp(plain_gd, base))
-    on = logp(gd, params)
-    assert float(jnp.max(jnp.abs(on - ref))) > 1e-3  # the adapters do change the policy
+    off = logp(plain_gd, split_trainable(params)[1])  # the base alone: before the warm-up
+    assert float(jnp.max(jnp.abs(off - ref))) > 1e-3
     model = nnx.merge(gd, params)
-    set_adapters(model, False)
+    set_adapters(model, False)  # what computes the base's function inside a model
     assert all(not p.enabled for _, p in nnx.iter_graph(model) if hasattr(p, "enabled"))
+
+
+def test_a_critic_starts_from_the_warmed_up_policy(rl_run):
+    """PPO's critic built from a LoRA policy (``ValueModel.from_policy``): its backbone's
+    hidden states are the policy's, adapters included (float32, to 1e-5), and the policy's
+    base is untouched."""
+    tr, keep, _, _, _ = rl_run
+    policy = nnx.merge(tr.gd, jax.tree.map(jnp.asarray, keep))
+    critic = ValueModel.from_policy(policy, rngs=nnx.Rngs(3))
+    s = random_seqs(np.random.default_rng(2), 4, 5, 3)
+    ids = jnp.asarray(np.concatenate([s["prompt_BxP"], s["completion_BxT"]], 1))
+    mask = jnp.asarray(np.concatenate([s["prompt_mask_BxP"], s["completion_mask_BxT"]], 1))
+    hidden = jax.jit(lambda gd, st: nnx.merge(gd, st).hidden_states(ids, mask_BxT=mask),
+                     static_argnums=0)
+    want, got = hidden(*nnx.split(policy)), hidden(*nnx.split(critic))
+    plain_gd = nnx.graphdef(nnx.eval_shape(lambda: _model(False, None, num_layers=1)))
+    off = hidden(plain_gd, split_trainable(keep)[1])  # the base alone
+    assert float(jnp.max(jnp.abs(want - off))) > 1e-3  # the adapters matter here
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(split_trainable(nnx.state(policy))[1]),
+                    jax.tree.leaves(split_trainable(keep)[1])):
+        np.testing.assert_array_equal(a, b)
 
 
 # --- checkpoints: the adapters, their optimiser state and the step; the base checked ----------

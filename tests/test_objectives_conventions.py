@@ -172,6 +172,21 @@ def test_kl_kind_selects_the_loss_term_k3_ratio_weighted_by_the_ratio():
                                 kind="k3_ratio")
 
 
+def test_k3_ratio_under_gspo_weights_by_the_tokens_own_ratio():
+    """GSPO's surrogate takes the sequence ratio; its k3_ratio KL term still weights each
+    token's k3 by that token's pi/pi_old. TRL (importance_sampling_level="sequence")
+    weights it by the sequence's ratio, exp(mean log r): another value off-policy."""
+    logp, old, ref = np.log([[0.5, 0.2]]), np.log([[0.4, 0.25]]), np.log([[0.3, 0.3]])
+    b = _batch(logp, old, np.zeros((1, 2)), ref_logp_BxT=ref)  # A = 0: the KL term alone
+    cfg = AlgorithmConfig(name="gspo", kl_in="loss", kl_coef=0.1, kl_kind="k3_ratio")
+    s, c, _ = jax.jit(make_objective(cfg, 8))(b, make_coef(cfg))
+    d = ref - logp
+    k3 = np.exp(d) - 1 - d
+    by_token, by_sequence = np.exp(logp - old) * k3, np.exp(np.mean(logp - old)) * k3
+    assert float(s / c) == pytest.approx(0.1 * by_token.mean(), rel=1e-5)
+    assert abs(by_token.mean() - by_sequence.mean()) > 1e-3
+
+
 # --- clipping: dual clip, truncation's lower bound -----------------------------------------
 
 

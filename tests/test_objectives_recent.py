@@ -313,15 +313,36 @@ def test_names_select_their_objective_coefficients_and_selection(name, fn):
     assert cov_rule(cfg) == want.get(name)
 
 
+def _spy(real, seen: list):
+    """``real`` (an objective) recording, per call, log r, the gradient of KL-Cov's
+    penalty with respect to the log-probs, and the selected real tokens."""
+    def spy(b, coef):
+        def penalty(lp):
+            at = dataclasses.replace(b, logp_BxT=lp)
+            return real(at, coef)[0] - real(at, dataclasses.replace(coef, kl_cov=0.0))[0]
+
+        jax.debug.callback(lambda *x: seen.append([np.asarray(v) for v in x]),
+                           b.logp_BxT - b.old_logp_BxT, jax.grad(penalty)(b.logp_BxT),
+                           b.cov_select_BxT * b.mask_BxT, ordered=True)
+        return real(b, coef)
+
+    return spy
+
+
 @pytest.mark.slow
-def test_learning_program_wires_kl_cov_truncation_masking_and_sequence_is():
+def test_learning_program_wires_kl_cov_truncation_masking_and_sequence_is(monkeypatch):
     """The trainer's learning program with name="kl_cov", mask_truncated and sequence-level
     IS: the Cov selection and the correction reach the
     objective (their metrics), and the truncated rows' tokens change no parameter. The
-    preset's 8 minibatches per batch: updates after the first see r != 1, so the penalty
-    acts (with one update per batch it would be exactly 0)."""
+    preset's 8 minibatches per batch with pi_old from a forward before them (here one ulp
+    off the policy's, as a differently compiled forward may round): the scan's first
+    update runs on the parameters pi_old came from, and there every token has log r == 0
+    bitwise (pi_old = sg(logp) of the same forward) and the penalty's gradient is 0;
+    updates after the first see r != 1, so the penalty acts."""
     from _train_common import CharTok, random_seqs, tiny_model
     from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
+    from rljax.train import learn
+    from rljax.train.learn import algorithms
     from rljax.train.programs.step import learn_fn
     from rljax.train.rl import RLTrainer
     from rljax.train.batch import Rollout
@@ -332,6 +353,17 @@ def test_learning_program_wires_kl_cov_truncation_masking_and_sequence_is():
     tr = RLTrainer(gd, CharTok(), lambda c, m: np.zeros(len(c), np.float32), algorithm=cfg,
                    optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=4),
                    rl=RLConfig(steps=2, prompts_per_step=4, logp_chunk=2), prompt_len=8)
+    assert tr.old_mode == "recompute"
+    seen: list = []
+    monkeypatch.setattr(algorithms, "make_objective",
+                        lambda a, n, real=algorithms.make_objective(cfg, 4): _spy(real, seen))
+    prepare = learn._prepare
+
+    def nudged(*args):  # a separate forward's rounding, made certain: one ulp on every token
+        batch, extra = prepare(*args)
+        return dict(batch, old_logp_BxT=jnp.nextafter(batch["old_logp_BxT"], 0.0)), extra
+
+    monkeypatch.setattr(learn, "_prepare", nudged)
     rng = np.random.default_rng(0)
     s = random_seqs(rng, 8, 6, 4)
     trunc_B = np.array([0, 1, 0, 0, 0, 0, 1, 0], np.float32)
@@ -348,6 +380,15 @@ def test_learning_program_wires_kl_cov_truncation_masking_and_sequence_is():
         counters = (state.updates, state.nonfinite_run, state.skipped)
         outs.append(learn(state.params, state.opt_state, counters, None, ro_, state.kl_coef,
                           jax.random.key(0)))
+    calls = len(seen) // 16  # per update and run (the one-pass head calls it per chunk too)
+    assert len(seen) == 16 * calls > 0
+    for log_r, push, sel in seen[:calls]:  # the first update
+        assert sel.sum() >= 1
+        np.testing.assert_array_equal(log_r, 0.0)  # bitwise, every token
+        np.testing.assert_array_equal(push, 0.0)
+    later = seen[calls:8 * calls]
+    assert max(np.abs(x[1]).max() for x in later) > 0
+    assert all(np.abs(x[0][x[2] > 0]).min() > 0 for x in later if x[2].sum() > 0)
     m = outs[0][4]
     for k in ("cov_selected_frac", "kl_cov_penalty", "is_truncated_frac", "is_kl", "loss"):
         assert np.isfinite(float(m[k])), k

@@ -18,7 +18,8 @@ dtype, and drawn from their own key stream, so a model's base weights do not dep
 whether it has adapters.
 
 A model with adapters trains only them (:func:`split_trainable`); its KL reference is
-the same weights with the adapters switched off (:func:`set_adapters`), never a copy.
+its own base with a frozen copy of the adapters as RL starts (``rljax.train.learn.reference``),
+never a copy of the base. :func:`set_adapters` switches adapters off (the base's function).
 """
 
 from __future__ import annotations
@@ -181,8 +182,8 @@ def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax
 
 def set_adapters(model: nnx.Module, enabled: bool) -> nnx.Module:
     """Switch every adapter of ``model`` on or off in place (their arrays untouched);
-    returns ``model``. Off, the model computes its base weights' function: the KL
-    reference of a LoRA run (``nnx.merge`` a fresh copy inside a program first)."""
+    returns ``model``. Off, the model computes its base weights' function (``nnx.merge``
+    a fresh copy inside a program first)."""
     for _, node in nnx.iter_graph(model):
         if isinstance(node, LoraPair):
             node.enabled = enabled

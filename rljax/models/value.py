@@ -15,6 +15,18 @@ from rljax.models.config import ModelConfig
 from rljax.models.decoder import Decoder
 from rljax.models.hf_io import from_pretrained
 from rljax.models.layers import annotated_param
+from rljax.models.lora import merged_weight
+
+
+def _start_weight(src_flat: dict, path: tuple, lora) -> jax.Array:
+    """A fresh copy of the policy's weight at ``path`` as its forward uses it: with an
+    adapter pair beside it (``<name>_lora``), ``W + scale A B`` in ``W``'s dtype."""
+    w = src_flat[path].get_value()
+    pair = (*path[:-1], f"{path[-1]}_lora")
+    if lora is None or (*pair, "a") not in src_flat:
+        return jnp.copy(w)
+    a, b = (src_flat[(*pair, n)].get_value() for n in ("a", "b"))
+    return merged_weight(w, a, b, lora.scale).astype(w.dtype)
 
 
 class ValueModel(nnx.Module):
@@ -58,8 +70,12 @@ class ValueModel(nnx.Module):
         """A value model whose backbone is a copy of `policy`'s (embedding, layers, norm).
 
         The head is freshly initialised from `rngs` (default `nnx.Rngs(0)`); the policy's
-        output projection is not used. A LoRA policy's critic is its base without adapters,
-        trained in full (its head must train, and an adapter-only critic would freeze it).
+        output projection is not used. A LoRA policy's critic has no adapters and trains in
+        full (its head must train, and an adapter-only critic would freeze it); its
+        backbone starts as the policy computes now: each adapted projection's weight is
+        ``W + (alpha / r) A B`` in ``W``'s dtype (`rljax.models.lora.merged_weight`; the
+        policy's own base is not touched), so after a LoRA warm-up the critic starts from
+        the warmed-up policy, as after a full-parameter one.
         """
         if not isinstance(policy, Decoder):
             raise TypeError(f"from_policy: policy must be a Decoder, got {type(policy).__name__}")
@@ -71,7 +87,8 @@ class ValueModel(nnx.Module):
         src_flat = dict(nnx.to_flat_state(nnx.state(policy, nnx.Param)))
         for path in flat:
             if path[0] == "backbone":
-                flat[path] = flat[path].replace(jnp.copy(src_flat[path[1:]].get_value()))
+                flat[path] = flat[path].replace(_start_weight(src_flat, path[1:],
+                                                              policy.config.lora))
         d = policy.config.hidden_size
         w = jax.random.normal(rngs.params(), (d,), jnp.float32) / jnp.sqrt(d)
         flat[("head",)] = flat[("head",)].replace(w)

@@ -201,6 +201,9 @@ def kl_cov(batch: ObjectiveBatch, coef: Coef, *, aggregation: str = "token-mean"
     authors' code (verl `compute_policy_loss_kl_cov`). `jnp.abs` would give 1 at
     log r = 0, so on-policy (the first update of each batch, r = 1) every selected token
     would get a constant push of -beta grad log pi where KL(pi_old || pi)'s gradient is 0.
+    The penalty's gradient is 0 exactly where `old_logp_BxT` equals `logp_BxT` bitwise:
+    rljax's learning program makes it so on the first update of each batch, for any
+    number of epochs and minibatches (`rljax.train.learn`: pi_old = sg(logp) there).
     """
     def surrogate(t, b):
         sel = _selected(t, b, "kl_cov")

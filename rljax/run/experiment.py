@@ -303,7 +303,8 @@ class ExperimentConfig:
       lora: LoRA adapters on the policy's projections (`rljax.models.lora.LoraConfig`;
         rank 0, the default, is off), for a random-init model and an `hf_path` alike
         (`model.lora` stays None): only the adapters train, and the KL reference is the
-        base (the adapters switched off). E.g. ``--set lora.rank=32 --set lora.alpha=64``.
+        policy at the start of RL (the base with a frozen copy of the adapters as the
+        warm-up left them). E.g. ``--set lora.rank=32 --set lora.alpha=64``.
       tokenizer: a tokenizer folder, or "char" for `rljax.models`' character tokenizer
         (None: the one in `hf_path`).
       teacher: on-policy distillation's teacher (`algorithm.name="distill"` needs it, the

@@ -281,8 +281,8 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
     elif sft:
         params = _sft_warmup(cfg, graphdef, params, task, tokenizer, mesh, rd, trainer, out,
                              warm)
-        if value_params is not None:  # the critic starts from the warmed-up backbone
-            _, value_params = _value_model(cfg, nnx.merge(graphdef, params), mesh)
+    if sft and value_params is not None:  # the critic starts from the warmed-up policy
+        _, value_params = _value_model(cfg, nnx.merge(graphdef, params), mesh)
     before = _evaluate(trainer, params, task, rd, "eval_before", 0)
     return trainer.init_state(params, seed=cfg.run.seed, value_params=value_params), \
         _headline(before)

@@ -39,7 +39,7 @@ from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
 from rljax.train.learn.packing import PackSpec, choose_spec, pack_bins
 from rljax.models.lora import has_adapters, split_trainable
-from rljax.train.learn.reference import lora_base, reference_copy
+from rljax.train.learn.reference import lora_base, make_reference
 from rljax.train.learn.update import (NonFiniteError, TrainState, init_opt_state, new_train_state,
                                       num_micro_batches)
 from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts
@@ -222,10 +222,10 @@ class RLTrainer:
 
     def init_state(self, policy_params, seed: int = 0, value_params=None) -> TrainState:
         """Fresh state: new optimiser moments; the reference is a frozen copy of the
-        policy (only kept when a KL term is used), stored as ``rl.ref_dtype`` (see
-        ``rljax.train.learn.reference``); scalars are replicated global arrays. A policy
-        with LoRA adapters trains only them, keeps its base in the compute dtype and
-        has no reference copy (its reference is the base: adapters off).
+        policy as it is now, the start of RL (only kept when a KL term is used), stored as
+        ``rl.ref_dtype`` (see ``rljax.train.learn.reference``); scalars are replicated
+        global arrays. A policy with LoRA adapters trains only them, keeps its base in
+        the compute dtype, and its reference copies only the adapters (on its own base).
         The state takes ownership of ``policy_params`` / ``value_params``: updates donate
         their buffers, so do not use the passed arrays afterwards (copy them first)."""
         self.num_params = sum(x.size for x in jax.tree.leaves(policy_params))
@@ -234,13 +234,8 @@ class RLTrainer:
             if value_params is None:
                 raise ValueError("RLTrainer.init_state: value_params is required for PPO")
             params["value"] = value_params
-        # With LoRA adapters the reference is the base, adapters off: no copy.
-        copy = self.uses_ref and not has_adapters(policy_params)
-        if has_adapters(policy_params) and self.rl.ref_dtype != "float32":
-            raise ValueError(f"RLConfig.ref_dtype={self.rl.ref_dtype!r} sets a reference "
-                             "copy's dtype; a LoRA policy has none (its reference is its base, "
-                             "stored in the compute dtype): leave ref_dtype='float32'")
-        ref = reference_copy(policy_params, self.rl.ref_dtype) if copy else None
+        ref = (make_reference(self.gd, policy_params, self.rl.ref_dtype) if self.uses_ref
+               else None)
         return new_train_state(params, init_opt_state(self.txs, params, self.mesh), seed,
                                ref_params=ref, kl_coef=self.alg.kl_coef, mesh=self.mesh)
 

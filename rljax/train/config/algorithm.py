@@ -42,8 +42,11 @@ class AlgorithmConfig:
       kl_coef: (preset) KL-to-reference weight (beta); with ``kl_in="reward"`` the initial
         value of the (possibly adaptive) controller.
       kl_kind: (preset) KL estimator "k1" | "k2" | "k3" (Schulman's approximations) |
-        "k3_ratio" (k3 weighted by pi / pi_old: DeepSeek-V3.2's unbiased gradient of
-        KL(pi || ref), TRL's ``use_bias_correction_kl``; ``kl_in="loss"`` only).
+        "k3_ratio" (k3 weighted by each token's pi / pi_old: DeepSeek-V3.2's unbiased
+        gradient of KL(pi || ref), TRL's ``use_bias_correction_kl``; ``kl_in="loss"``
+        only). The ``grpo`` preset takes the paper's "k3" (DeepSeekMath Eq. 4); TRL 1.16's
+        GRPO default (``use_bias_correction_kl=True``, acting once its beta > 0) is
+        "k3_ratio".
       kl_clamp: None (default) or c > 0: clip each token's KL estimate to [-c, c] in the
         loss (verl clamps k3 at 10).
       kl_in: (preset) "loss" (GRPO), "reward" (PPO / InstructGPT per-token penalty, PPO

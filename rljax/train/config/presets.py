@@ -28,7 +28,9 @@ PRESET_FIELDS: tuple[str, ...] = tuple(BASE)
 
 PRESETS: dict[str, dict] = {
     # DeepSeekMath (Shao et al. 2024) §4.1, Eq. 3: group-normalised advantages, clip 0.2,
-    # k3 KL in the loss with beta 0.04, per-sequence mean of per-token losses.
+    # k3 KL in the loss with beta 0.04 (the paper's Eq. 4, not TRL 1.16's default
+    # bias-corrected k3 x pi/pi_old: kl_kind="k3_ratio"), per-sequence mean of per-token
+    # losses.
     "grpo": dict(kl_coef=0.04, kl_kind="k3", kl_in="loss", aggregation="seq-mean-token-mean"),
     # Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", §3.1): no std
     # normalisation, no per-response length normalisation (a constant instead), no KL.

@@ -8,7 +8,9 @@ global batch (every process calls it with the same shapes):
    rewards (whitened), all as pure functions of arrays (``rljax.objectives``);
 3. ``num_epochs x num_minibatches`` optimiser updates as a ``lax.scan`` over an in-graph
    permutation of the rows, each with exact micro-batch accumulation
-   (``rljax.train.learn.update.make_update``);
+   (``rljax.train.learn.update.make_update``); with a recomputed pi_old the first
+   update takes its own forward's log-probs, stop-gradient, as pi_old (ratio exactly 1:
+   ``_updates``);
 4. the adaptive KL controller (Ziegler et al. 2019 §2.2) and the step's metrics, reduced
    to replicated scalars.
 
@@ -83,7 +85,7 @@ def _prepare(spec, params, ref_params, ro: Rollout, kl_coef, teacher_params=None
         extra["useful_token_frac"] = pack.useful_token_frac(seqs)
     mask_BxT = ro.loss_mask()  # what is trained on; seqs' completion mask is what is attended
     batch = dict(seqs, sampler_logp_BxT=ro.sampler_logp_BxT, loss_mask_BxT=mask_BxT)
-    if spec.uses_ref:  # a LoRA policy's reference: its base, adapters off (no copy)
+    if spec.uses_ref:  # a LoRA policy's reference: its base with the reference's adapters
         batch["ref_logp_BxT"] = _logprobs(spec, *reference_model(
             spec.policy_gd, params["policy"], ref_params), seqs)
     if spec.teacher_gd is not None:
@@ -170,7 +172,13 @@ def _cov_selector(spec) -> Callable | None:
 
 def _updates(spec, update, params, opt_state, counters, batch, coef, key,
              select: Callable | None = None):
-    """``num_epochs x num_minibatches`` updates as one scan; metrics stacked per update."""
+    """``num_epochs x num_minibatches`` updates as one scan; metrics stacked per update.
+
+    With a recomputed pi_old (``spec.old_mode == "recompute"``) the scan's first update
+    runs on the parameters pi_old came from: its minibatch carries ``self_old_BxT`` = 1,
+    so the loss takes pi_old as stop_gradient of its own log-probs (``rl_loss``): the
+    ratio is exactly 1 there (log r == 0 bitwise), not 1 up to the rounding between two
+    forward programs. Later updates read the recomputed ``old_logp_BxT``."""
     a = spec.alg
     b = batch["loss_mask_BxT"].shape[0]
     keys = jax.random.split(key, a.num_epochs)
@@ -178,20 +186,24 @@ def _updates(spec, update, params, opt_state, counters, batch, coef, key,
                                 for k in keys])
     # Clip-Cov's draws: their own stream, so the minibatch permutation is unchanged.
     sel_keys_U = jax.random.split(jax.random.fold_in(key, 1), rows_UxN.shape[0])
+    first_U = jnp.arange(rows_UxN.shape[0]) == 0
 
     def one(carry, xs):
-        rows_N, sel_key = xs
+        rows_N, sel_key, first = xs
         p, o, c = carry
         # One minibatch is the batch in order: no gather (a gather by traced row indices
         # all-reduced every batch array over the batch shards).
         mb = dict(batch) if a.num_minibatches == 1 else jax.tree.map(lambda x: x[rows_N], batch)
+        if spec.old_mode == "recompute":
+            mb["self_old_BxT"] = jnp.broadcast_to(first, mb["loss_mask_BxT"].shape).astype(
+                jnp.float32)
         if select is not None:
             mb["cov_select_BxT"] = select(p, mb, sel_key)
         p, o, c, m = update(p, o, c, mb, coef)
         return (p, o, c), m
 
     (params, opt_state, counters), m_U = jax.lax.scan(one, (params, opt_state, counters),
-                                                      (rows_UxN, sel_keys_U))
+                                                      (rows_UxN, sel_keys_U, first_U))
     skipped_U = m_U.pop("skipped_update")
     metrics = {k: jnp.mean(v) for k, v in m_U.items()}
     # The gap is between the sampler and the weights it sampled with: the first update.

@@ -24,11 +24,23 @@ sg = jax.lax.stop_gradient
 __all__ = ["rl_loss"]
 
 
+def _old_logp(mb: dict, logp, self_old: bool):
+    """pi_old's log-probs: the current ones, stop-gradient (``self_old``: one update per
+    batch; and where ``self_old_BxT`` is 1: the first update of a batch whose pi_old was
+    recomputed, ``rljax.train.learn._updates``), else the batch's ``old_logp_BxT``. Where
+    they are the current ones, log r = logp - sg(logp) is exactly 0."""
+    if self_old:
+        return sg(logp)
+    if "self_old_BxT" not in mb:
+        return mb["old_logp_BxT"]
+    return jnp.where(mb["self_old_BxT"] > 0, sg(logp), mb["old_logp_BxT"])
+
+
 def _objective_batch(mb: dict, logp, ent, values, *, self_old: bool, use_sampler: bool,
                      entropy_grad: bool) -> obj.ObjectiveBatch:
     """The objective's batch from a micro-batch and the current log-probs / entropies."""
     return obj.ObjectiveBatch(
-        logp_BxT=logp, old_logp_BxT=sg(logp) if self_old else mb["old_logp_BxT"],
+        logp_BxT=logp, old_logp_BxT=_old_logp(mb, logp, self_old),
         mask_BxT=loss_mask(mb), adv_BxT=mb["adv_BxT"],
         ref_logp_BxT=mb.get("ref_logp_BxT"),
         sampler_logp_BxT=mb["sampler_logp_BxT"] if use_sampler else None,

@@ -12,9 +12,14 @@ widened inside its matmul, never stored wide), norms, logits, log-softmax and th
 returned log-probs are float32 (``rljax.train.learn.logprobs``). Rounding to bfloat16 moves
 each weight by at most 2^-9 of its magnitude (8 significand bits, round to nearest).
 
-A policy with LoRA adapters has no copy: its reference is its own base, the adapters
-switched off inside the program (``reference_model``), and the base is stored in the
-compute dtype (``lora_base``).
+The reference is the policy at the start of RL, after any SFT warm-up, in full-parameter
+and LoRA runs alike. A policy with LoRA adapters keeps no copy of its base: its reference
+is a frozen copy of its adapters as they are when the state is made (a LoRA warm-up's
+trained ones; fresh ones, B = 0, compute the base's function), stored in the compute dtype
+(what every forward casts them to: the same function from fewer bytes), and inside the
+program ``reference_model`` puts them on the policy's own base, read in place. The base is
+never merged with adapters, so the adapters a run exports still go on the published base.
+The base is stored in the compute dtype too (``lora_base``).
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rljax.models.layers import cast_matmul_weights, compute_dtype
-from rljax.models.lora import has_adapters, set_adapters
+from rljax.models.lora import has_adapters, merge_trainable, split_trainable
 
-__all__ = ["lora_base", "reference_copy", "reference_model"]
+__all__ = ["lora_base", "make_reference", "reference_copy", "reference_model"]
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -63,17 +68,46 @@ def reference_copy(params: Any, dtype: str = "float32") -> Any:
     return _cast_tree(params, dtype)
 
 
+def make_reference(policy_gd, policy_params, dtype: str = "float32") -> Any:
+    """The frozen KL reference's parameters: the policy as it is now (the start of RL).
+
+    Args:
+      policy_gd, policy_params: the policy's graphdef and NNX state (global arrays).
+      dtype: a full copy's storage dtype (:func:`reference_copy`, ``RLConfig.ref_dtype``).
+
+    Returns:
+      :func:`reference_copy` of ``policy_params``; for a policy with LoRA adapters, a copy
+      of its adapters only (new buffers, each leaf's sharding kept), stored in the model's
+      compute dtype (``rljax.models.layers.compute_dtype``: the forward casts them to it,
+      so the reference computes what the policy computes now, bit for bit).
+
+    Raises:
+      ValueError: ``dtype`` other than "float32" for a LoRA policy (its copy's dtype is the
+        compute dtype, which the forward reads; rounding the adapters further would make
+        the reference another model).
+    """
+    if not has_adapters(policy_params):
+        return reference_copy(policy_params, dtype)
+    if dtype != "float32":
+        raise ValueError(f"RLConfig.ref_dtype={dtype!r} sets a reference copy's dtype; a LoRA "
+                         "policy's reference copies only its adapters, in the compute dtype "
+                         "its forward reads (its base is its own, stored in the compute "
+                         "dtype): leave ref_dtype='float32'")
+    cd = jnp.dtype(compute_dtype(nnx.merge(policy_gd, policy_params).config)).name
+    return _cast_tree(split_trainable(policy_params)[0], cd)
+
+
 def reference_model(policy_gd, policy_params, ref_params) -> tuple[Any, Any]:
     """``(graphdef, params)`` of the KL reference inside a program: ``ref_params`` under
-    the policy's graphdef, or, when there is no copy (a policy with LoRA adapters), the
-    policy's own weights with its adapters switched off (``rljax.models.lora.set_adapters``):
-    the frozen base, read in place, never copied."""
-    if ref_params is not None:
-        return policy_gd, ref_params
+    the policy's graphdef, or, for a policy with LoRA adapters, the policy's frozen base
+    (read in place, never copied) with the reference's adapters (:func:`make_reference`)
+    in place of the trained ones."""
+    if ref_params is None:
+        raise ValueError("reference_model: no reference parameters (make_reference makes "
+                         "them; a LoRA policy's are a copy of its adapters)")
     if not has_adapters(policy_params):
-        raise ValueError("reference_model: no reference parameters, and the policy has no "
-                         "adapters to switch off")
-    return nnx.split(set_adapters(nnx.merge(policy_gd, policy_params), False))
+        return policy_gd, ref_params
+    return policy_gd, merge_trainable(ref_params, split_trainable(policy_params)[1])
 
 
 def lora_base(policy_gd, policy_params) -> Any:

@@ -49,7 +49,8 @@ class TrainState:
       key: uint32[2] PRNG key data (raw, so checkpoints need no key type).
       data_pos: int32, index of the next prompt/example to read from the data source.
       kl_coef: float32, the current KL coefficient (adaptive controller state).
-      ref_params: NNX state of the frozen reference policy, or None.
+      ref_params: NNX state of the frozen reference policy (of a LoRA policy: a copy of
+        its adapters, ``rljax.train.learn.reference.make_reference``), or None.
     """
 
     params: dict
