@@ -127,7 +127,8 @@ def _lora(cfg: ExperimentConfig, params: Any) -> list[str]:
     lo = cfg.lora
     return [f"lora: rank={lo.rank} alpha={lo.alpha:g} targets={','.join(lo.targets)}: "
             f"{count_pairs(params)} adapter pairs, {n:,} trained parameters "
-            f"({100 * n / max(total, 1):.2f}%); base frozen, KL reference = base + adapters at the start of RL"]
+            f"({100 * n / max(total, 1):.2f}%); base frozen, KL reference = base + adapters "
+            "at the start of RL"]
 
 
 def verifier_warning(cfg: ExperimentConfig, task: Any, accuracy_fn: Any) -> list[str]:
