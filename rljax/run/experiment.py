@@ -1,6 +1,6 @@
-"""The top-level experiment config (`ExperimentConfig` and its task, reward and run
-sections) and `load_run_config`; experiment files are loaded by
-`rljax.run.experiment_files.load_experiment`.
+"""The top-level experiment config (`ExperimentConfig` and its run section; the task and
+reward sections are in `rljax.run.sections`) and `load_run_config`; experiment files are
+loaded by `rljax.run.experiment_files.load_experiment`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import pathlib
 from rljax.models import ModelConfig
 from rljax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from rljax.models.lora import LoraConfig
-from rljax.rewards.extract import MODES as EXTRACT_MODES
-from rljax.rewards.strings import VERIFIERS
 from rljax.run.environment import EnvConfig, check_env_section
 from rljax.run.profiling import parse_profile_steps
+from rljax.run.sections import RewardConfig, TaskConfig, check_str
 from rljax.sharding import MeshConfig
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig, SFTConfig,
                                 check_algorithm_sampling)
@@ -24,180 +23,6 @@ from rljax.train.config.dicts import config_from_dict
 
 __all__ = ["ExperimentConfig", "RewardConfig", "RunConfig", "TaskConfig", "config_from_dict",
            "load_run_config"]
-
-
-def _check_str(cls, field, value, *, optional=False):
-    if value is None and optional:
-        return
-    if not isinstance(value, str) or not value:
-        fail(cls, field, value, "a non-empty string" + (" or None" if optional else ""))
-
-
-TASKS = ("arithmetic", "countdown", "gsm8k", "jsonl", "parquet", "tfds")
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskConfig:
-    """Where prompts come from and how they are turned into model input.
-
-    Attributes:
-      name: the prompt source (see `TASKS`): procedural "arithmetic" or "countdown";
-        "gsm8k" (GSM8K's JSONL release: `path` is the folder with `train.jsonl` and
-        `test.jsonl`, answers after `####`); "jsonl" / "parquet" files (`path` a folder
-        holding `{split}.jsonl` or a file); "tfds" (a prepared array_record dataset:
-        `dataset` in `path` as TFDS data_dir, read without TensorFlow).
-      path: local file, folder or TFDS data directory (None for procedural tasks).
-      dataset: TFDS dataset name (e.g. "gsm8k") when name="tfds".
-      split, eval_split: training and held-out splits: with a folder `path`, the files
-        `<split>.jsonl` / `.parquet` in it; either may also be a file path. With a
-        single-file `path` there is no held-out split to find: `eval_split` must be a
-        file of held-out prompts, or equal `split` to evaluate on the training prompts.
-      prompt_field, answer_field: the record fields read as the prompt and the reference
-        answer (file/TFDS records; every other field is kept too, for the reward's
-        metadata and `prompt_template`). The answer is optional unless the reward checks
-        it (`reward.kind` "accuracy" or "accuracy+format"); `answer_field=None`: the
-        records have none (no verifier: a custom reward's mean is the headline).
-      difficulty: procedural difficulty: arithmetic operand digits; Countdown numbers given.
-      max_number: Countdown's largest given number.
-      ops: arithmetic operators drawn ("+", "-", "*", "/").
-      style: arithmetic prompt style: "plain" ("12+34=" -> "46"), "reversed" (answer
-        digits least-significant first: "12+34=" -> "64") or "word" (word problem, "####").
-      chat_template: wrap prompts with the tokenizer's chat template.
-      system_prompt: optional system message (chat template) or prefix.
-      assistant_prefix: text appended after the prompt (e.g. "<think>" for R1-Zero).
-      prompt_template: the user text built from a record with `str.format` (default the
-        record's own "{prompt}"; e.g. a compact "{numbers}->{target}" for char models).
-      sft_template: SFT target built from a record with `str.format` (e.g. "{solution}").
-      max_prompt_tokens: prompt width; file prompts over it are dropped, counted, reported.
-    """
-
-    name: str = "arithmetic"
-    path: str | None = None
-    dataset: str | None = None
-    split: str = "train"
-    eval_split: str = "test"
-    prompt_field: str = "question"
-    answer_field: str | None = "answer"
-    difficulty: int = 3
-    max_number: int = 99
-    ops: tuple[str, ...] = ("+",)
-    style: str = "plain"
-    chat_template: bool = False
-    system_prompt: str | None = None
-    assistant_prefix: str = ""
-    prompt_template: str = "{prompt}"
-    sft_template: str = "{solution}"
-    max_prompt_tokens: int = 256
-
-    def __post_init__(self):
-        c = "TaskConfig"
-        check_choice(c, "name", self.name, TASKS)
-        if self.name in ("gsm8k", "jsonl", "parquet", "tfds") and not self.path:
-            fail(c, "path", self.path, f"a local folder or file when name={self.name!r}")
-        if self.name == "tfds" and not self.dataset:
-            fail(c, "dataset", self.dataset, "a TFDS dataset name when name='tfds'")
-        for f in ("split", "eval_split", "prompt_field", "prompt_template", "sft_template"):
-            _check_str(c, f, getattr(self, f))
-        _check_str(c, "answer_field", self.answer_field, optional=True)
-        check_num(c, "max_number", self.max_number, lo=2, integer=True)
-        if not self.ops or not all(o in ("+", "-", "*", "/") for o in self.ops):
-            fail(c, "ops", self.ops, "a non-empty tuple of '+', '-', '*', '/'")
-        if self.style not in ("plain", "reversed", "word"):
-            fail(c, "style", self.style, "'plain', 'reversed' or 'word'")
-        if not isinstance(self.assistant_prefix, str):
-            fail(c, "assistant_prefix", self.assistant_prefix, "a string")
-        for f in ("path", "dataset", "system_prompt"):
-            _check_str(c, f, getattr(self, f), optional=True)
-        if self.answer_field is None and self.name == "gsm8k":
-            fail(c, "answer_field", None, "a record field for task 'gsm8k' (its answers "
-                 "follow '####' in that field)")
-        check_num(c, "difficulty", self.difficulty, lo=0, integer=True)
-        check_bool(c, "chat_template", self.chat_template)
-        check_num(c, "max_prompt_tokens", self.max_prompt_tokens, lo=1, integer=True)
-
-
-REWARD_KINDS = ("accuracy", "format", "accuracy+format", "reward_model", "custom")
-VERIFIER_CHOICES = ("auto", *VERIFIERS)
-FUNCTION_FORMS = ("batch", "item")
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardConfig:
-    """The reward: verifiers from `rljax.rewards`, a learned reward model, or a function.
-
-    Attributes:
-      kind: "accuracy" (the task's verifier: math-answer equivalence against the reference,
-        or a procedural task's own checker such as Countdown's), "format" (R1-Zero tags),
-        "accuracy+format"
-        (weighted sum), "reward_model" (`rljax.train.reward_model`, from `model_path`) or
-        "custom" (`function`, an import path "pkg.mod:fn"; setting `function` implies
-        "custom", and refuses the other kinds).
-      accuracy_weight, format_weight: weights of the two terms.
-      correct_reward: reward of a verified answer (Tülu 3's RLVR uses 10; default 1).
-      answer_mode: `rljax.rewards.extract_answer` mode ("auto" = last boxed, else GSM8K's
-        "####", else "the answer is"; or "boxed", "gsm8k", "answer_is", "last_number").
-      verifier: how a file task's answers are checked: "math" (`rljax.rewards.math_equal`:
-        equal values), "string" (`rljax.rewards.string_equal`: equal text up to case,
-        whitespace and punctuation around words; in answer_mode "auto" an unmarked
-        completion is the answer as a whole) or "auto": "math" when any reference answer
-        reads as a number, else "string". Procedural tasks have their own check ("auto").
-      think_tag, answer_tag: R1-Zero format tag names (`<think>...</think>` etc.).
-      think_in_prompt: the prompt already opens the think tag (TinyZero's template).
-      model_path: saved reward model directory (kind="reward_model").
-      function: import path "module:name" of a custom reward, found as `python -m` finds
-        modules (the current directory first: ./my_reward.py is "my_reward:score").
-      function_form: "batch": `function(completions, metadata) -> rewards` is called once
-        per batch of this process's completions; "item": `function(completion, meta) ->
-        float` once per completion. `metadata` are the prompts' records: every field of
-        a file's record, and `source` ("file:line").
-      timeout_s: per-call time limit (one item, or one batch for a batch reward; the
-        calls run in `workers` worker processes; a call past the limit scores 0, is logged
-        with its prompts' file lines, and the run goes on).
-      workers: reward worker processes (0 = score in the training process, where a call
-        cannot be cut, so `timeout_s` does not apply).
-    """
-
-    kind: str = "accuracy"
-    accuracy_weight: float = 1.0
-    format_weight: float = 0.0
-    correct_reward: float = 1.0
-    answer_mode: str = "auto"
-    verifier: str = "auto"
-    think_tag: str = "think"
-    answer_tag: str = "answer"
-    think_in_prompt: bool = False
-    model_path: str | None = None
-    function: str | None = None
-    function_form: str = "batch"
-    timeout_s: float = 5.0
-    workers: int = 2
-
-    def __post_init__(self):
-        c = "RewardConfig"
-        if self.function is not None and self.kind == "accuracy":  # the default kind
-            object.__setattr__(self, "kind", "custom")  # reward.function implies custom
-        if self.function is not None and self.kind != "custom":
-            fail(c, "kind", self.kind, f"'custom' when function is set (function="
-                  f"{self.function!r} implies kind='custom'; unset one of them)")
-        check_choice(c, "function_form", self.function_form, FUNCTION_FORMS)
-        check_num(c, "workers", self.workers, lo=0, integer=True)
-        check_choice(c, "kind", self.kind, REWARD_KINDS)
-        for f in ("accuracy_weight", "format_weight", "correct_reward"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-                fail(c, f, v, "a number")
-        check_choice(c, "answer_mode", self.answer_mode, EXTRACT_MODES)
-        check_choice(c, "verifier", self.verifier, VERIFIER_CHOICES)
-        for f in ("think_tag", "answer_tag"):
-            _check_str(c, f, getattr(self, f))
-        if self.think_tag == self.answer_tag:
-            fail(c, "answer_tag", self.answer_tag, "a name different from think_tag")
-        check_bool(c, "think_in_prompt", self.think_in_prompt)
-        check_num(c, "timeout_s", self.timeout_s, lo=0, lo_open=True, finite=False)
-        if self.kind == "reward_model" and not self.model_path:
-            fail(c, "model_path", self.model_path, "a directory when kind='reward_model'")
-        if self.kind == "custom" and (not self.function or self.function.count(":") != 1):
-            fail(c, "function", self.function, "an import path 'pkg.mod:fn' when kind='custom'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +70,7 @@ class RunConfig:
 
     def __post_init__(self):
         c = "RunConfig"
-        _check_str(c, "dir", self.dir)
+        check_str(c, "dir", self.dir)
         check_num(c, "seed", self.seed, lo=0, integer=True)
         if self.seed >= 2**32:  # jax.random.key keeps 32 bits: 2**32 would repeat seed 0
             fail(c, "seed", self.seed, "an int in [0, 2**32 - 1]")
@@ -259,7 +84,7 @@ class RunConfig:
             fail(c, "resume", self.resume, "True, False or 'auto'")
         if self.resume and self.overwrite:
             fail(c, "overwrite", self.overwrite, "False when resume=True (choose one)")
-        _check_str(c, "wandb_project", self.wandb_project, optional=True)
+        check_str(c, "wandb_project", self.wandb_project, optional=True)
         try:
             parse_profile_steps(self.profile_steps)
         except ValueError as e:
@@ -348,7 +173,7 @@ class ExperimentConfig:
 
     def __post_init__(self):
         c = "ExperimentConfig"
-        _check_str(c, "name", self.name)
+        check_str(c, "name", self.name)
         if (self.model is None) == (self.hf_path is None):
             fail(c, "model", self.model,
                   "exactly one of model (a ModelConfig, random init) and hf_path (a folder)")
@@ -357,10 +182,10 @@ class ExperimentConfig:
         if self.model is not None and self.model.lora is not None:
             fail(c, "model.lora", self.model.lora, "None (set adapters in the lora section: "
                  "lora.rank, lora.alpha, lora.targets)")
-        _check_str(c, "hf_path", self.hf_path, optional=True)
+        check_str(c, "hf_path", self.hf_path, optional=True)
         if self.compute_dtype not in ("float32", "bfloat16"):
             fail(c, "compute_dtype", self.compute_dtype, "'float32' or 'bfloat16'")
-        _check_str(c, "tokenizer", self.tokenizer, optional=True)
+        check_str(c, "tokenizer", self.tokenizer, optional=True)
         if self.tokenizer is None and self.hf_path is None:
             fail(c, "tokenizer", None, "a folder or 'char' when there is no hf_path")
         for field, cls in _SECTIONS.items():
@@ -375,7 +200,7 @@ class ExperimentConfig:
         check_env_section(self)
         check_algorithm_sampling(self.algorithm, self.sampling, None if self.env is None else
                                  self.env.response_budget(self.sampling.max_new_tokens))
-        _check_str(c, "teacher", self.teacher, optional=True)
+        check_str(c, "teacher", self.teacher, optional=True)
         if self.algorithm.needs_teacher != (self.teacher is not None):
             fail(c, "teacher", self.teacher, "a run directory or Hugging Face folder when "
                   "algorithm.name='distill' (advantage_estimator='teacher'), else None "
@@ -385,7 +210,7 @@ class ExperimentConfig:
         check_choice(c, "attention", self.attention, ATTENTION_IMPLS)
         check_bool(c, "scan_layers", self.scan_layers)
         check_choice(c, "remat", self.remat, REMAT_POLICIES)
-        _check_str(c, "recipe", self.recipe, optional=True)
+        check_str(c, "recipe", self.recipe, optional=True)
         _check_answers(self.task, self.reward)
 
     @property
