@@ -257,6 +257,54 @@ def test_rules():
     assert classify(coll("all-to-all", over_fsdp, 256), exp) == (True, "d small")
 
 
+def test_a_gradient_crosses_dcn_once_per_update():
+    """On two slices (data = 2 over DCN) a gradient all-reduce over data may run once per
+    update, not once per micro-batch; over fsdp alone (inside a slice) once per
+    micro-batch stays fine."""
+    shape = {"data": 2, "fsdp": 4, "tensor": 1}
+    exp = Expectation(shape, {1024: 1}, micro_batches=4, activation_elems=0, updates=1,
+                      dcn_axes=frozenset({"data"}))
+    base = parse_collectives(_HLO.replace("GROUPS", "{{0,1}}"))[0]
+
+    def grad(groups, trips):
+        return dataclasses.replace(base, kind="all-reduce", groups=groups,
+                                   operand_shapes=(("f32", (1024,)),),
+                                   result_shapes=(("f32", (1024,)),),
+                                   unpadded_shapes=(("f32", (1024,)),),
+                                   loops=tuple(Loop("w", t) for t in trips))
+
+    over_data = ((0, 4), (1, 5), (2, 6), (3, 7))
+    over_fsdp = ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert classify(grad(over_data, ()), exp) == (True, "b gradient reduction")
+    assert classify(grad(over_data, (4,)), exp) == (
+        False, "gradient crosses DCN 4x, more than once per update")
+    assert classify(grad(over_fsdp, (4,)), exp) == (True, "b gradient reduction")
+    one_slice = dataclasses.replace(exp, dcn_axes=frozenset())  # control: ICI only
+    assert classify(grad(over_data, (4,)), one_slice) == (True, "b gradient reduction")
+
+
+def test_dcn_sends_are_read_and_held_to_once_per_update():
+    """XLA:TPU's cross-slice part of a reduction: a host-transfer send for the megascale
+    runtime (the form 0.5b-v5e16x2's learning program has), here inside a loop of 4."""
+    send = ('%aa = token[] after-all()\n  %sd = (f32[8,8,128]{2,1,0}, u32[], token[]) '
+            'send(%x, %aa), channel_id=2, is_host_transfer=true, frontend_attributes={'
+            '_xla_host_transfer_handler_name="xla_megascale_runtime",'
+            '_xla_megascale_reduce_operation="SUM",_xla_megascale_transfer_type="ALL_REDUCE"}')
+    hlo = _HLO.replace("GROUPS", "{{0,1}}").replace(
+        "  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %r)", f"  {send}\n  ROOT %t = (s32[], "
+        "f32[8]{0}) tuple(%i, %r)")
+    (_, c) = parse_collectives(hlo)
+    assert (c.kind, c.bytes, c.executions) == ("dcn-all-reduce", 8 * 8 * 128 * 4, 4)
+    shape = {"data": 2, "fsdp": 4, "tensor": 1}
+    exp = Expectation(shape, {1024: 1, 256: 2}, micro_batches=4, activation_elems=0)
+    assert classify(c, exp) == (False, "over DCN 4x: not a gradient reduction once per "
+                                       "update")
+    assert classify(c, dataclasses.replace(exp, updates=4)) == (
+        True, "e gradient reduction over DCN")  # one per update
+    layers = dataclasses.replace(exp, param_sizes={1024: 1, 256: 4})  # the loop: 4 layers
+    assert classify(c, layers) == (True, "e gradient reduction over DCN")
+
+
 def test_a_reduce_scatter_lowered_as_an_all_reduce_of_a_padded_gradient_is_a_reduction():
     """XLA:TPU's form on gsm8k_llama3_grpo/8b-v5p64 (fsdp 8): the gradient [4096, 3584] is
     padded to [4480, 3584] and all-reduced over fsdp, each chip keeping its slice."""

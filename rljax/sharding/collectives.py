@@ -13,10 +13,14 @@ audit"). `rljax.sharding.hlo_collectives` reads a compiled program's collectives
   (b) a gradient reduce-scatter or all-reduce over the batch axes, executed at most once
       per micro-batch (per layer, for a stacked layer's slice); its operands are
       parameter-shaped before XLA's padding (XLA:TPU reduce-scatters a dimension it
-      cannot split evenly as an all-reduce of a zero-padded operand);
+      cannot split evenly as an all-reduce of a zero-padded operand). Over an axis that
+      crosses DCN (``data`` on several slices): at most once per update;
   (c) an activation collective over the tensor axis only, no larger than one layer's
       activation at the ideal rows per device (micro-batch / (data x fsdp));
-  (d) at most 1 KiB on a chip.
+  (d) at most 1 KiB on a chip;
+  (e) on several slices, a reduction over DCN (``dcn-all-reduce``, XLA:TPU's cross-slice
+      part of a gradient reduction over ``data``) executed at most once per update (once
+      per layer inside a layer scan).
 
 Everything else is *unexpected*.
 """
@@ -30,12 +34,12 @@ from collections.abc import Mapping, Sequence
 import jax
 from flax import nnx
 
-from rljax.sharding.hlo_collectives import (Collective, Loop, activation_rows, group_axes,
-                                            parse_collectives, shapes_bytes)
+from rljax.sharding.hlo_collectives import (DCN_PREFIX, Collective, Loop, activation_rows,
+                                            group_axes, parse_collectives, shapes_bytes)
 from rljax.sharding.rules import logical_axes, state_shardings
 
-__all__ = ["Collective", "Expectation", "Loop", "activation_rows", "classify", "group_axes",
-           "parameter_sizes", "parse_collectives", "state_parameter_sizes"]
+__all__ = ["DCN_PREFIX", "Collective", "Expectation", "Loop", "activation_rows", "classify",
+           "group_axes", "parameter_sizes", "parse_collectives", "state_parameter_sizes"]
 
 SMALL_BYTES = 1024
 
@@ -88,12 +92,18 @@ class Expectation:
     activation_elems: one layer's activation on a chip at the ideal rows per device
       (rows x positions x the widest of hidden, MLP and attention widths): the most a
       tensor-axis collective may move.
+    updates: optimiser updates per run (epochs x minibatches; 1 without gradients): a
+      gradient may cross DCN this many times (times L for a stacked layer's slice).
+    dcn_axes: the mesh axes whose groups span several TPU slices (``{"data"}`` on a
+      multislice mesh, else empty).
     """
 
     mesh_shape: Mapping[str, int]
     param_sizes: Mapping[int, int]
     micro_batches: int
     activation_elems: int
+    updates: int = 1
+    dcn_axes: frozenset = frozenset()
 
 
 def _elems(shapes) -> list[int]:
@@ -105,6 +115,15 @@ def classify(coll: Collective, exp: Expectation) -> tuple[bool, str]:
     reduction, "c" tensor-parallel activation, "d" small) or why none does."""
     if coll.bytes <= SMALL_BYTES:
         return True, "d small"
+    if coll.kind.startswith(DCN_PREFIX):
+        # Its groups and operands are not in the text (operands are tiled): once per
+        # update, L times where its innermost loop is a layer scan (L or L - 1 trips).
+        layers = max(exp.param_sizes.values(), default=1)
+        per_layer = bool(coll.loops) and coll.loops[-1].trip_count in (layers - 1, layers)
+        allowed = exp.updates * (layers if per_layer else 1)
+        if coll.kind == DCN_PREFIX + "all-reduce" and coll.executions <= allowed:
+            return True, "e gradient reduction over DCN"
+        return False, f"over DCN {coll.executions}x: not a gradient reduction once per update"
     axes = set(group_axes(coll, exp.mesh_shape))
     if coll.kind == "all-gather" and axes == {"fsdp"} and all(
             n in exp.param_sizes for n in _elems(coll.result_shapes)):
@@ -122,6 +141,9 @@ def classify(coll: Collective, exp: Expectation) -> tuple[bool, str]:
         rest = sum(shapes_bytes([sh]) for sh, k in zip(shapes, per) if k is None)
         layers = max((k for k in per if k), default=0)
         if layers and rest <= SMALL_BYTES:
+            if axes & exp.dcn_axes and coll.executions > exp.updates * layers:
+                return False, (f"gradient crosses DCN {coll.executions}x, more than once "
+                               "per update")
             if coll.executions <= exp.micro_batches * layers:
                 return True, "b gradient reduction"
             return False, (f"gradient reduced {coll.executions}x, more than once per "
