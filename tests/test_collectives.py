@@ -125,6 +125,15 @@ def test_control_catches_rows_lost_in_micro_batch_loops(learn_old):
 
 
 def _head_grad_program(mesh, one_pass: bool, constraints: bool):
+    """The unexpected collectives of `_head_grad_hlo`."""
+    v, d = 40, HIDDEN
+    hlo = _head_grad_hlo(mesh, one_pass, constraints)
+    exp = Expectation(dict(mesh.shape), {v * d: 1, v * d // 8: 1}, 1, 0)
+    return [(c, why) for c in parse_collectives(hlo) for ok, why in [classify(c, exp)]
+            if not ok]
+
+
+def _head_grad_hlo(mesh, one_pass: bool, constraints: bool) -> str:
     """d/dW of a linear head's log-probs over batch-split hidden states, chunked: the
     rows (64 x 4 per chunk) outnumber the vocabulary, so the partitioner reduces dW."""
     b, t, d, v = 64, 3 * CHUNK, HIDDEN, 40
@@ -142,10 +151,17 @@ def _head_grad_program(mesh, one_pass: bool, constraints: bool):
 
     with jax.set_mesh(mesh), logical_constraints(constraints):
         fn = jax.jit(jax.grad(loss), out_shardings=w.sharding)
-        hlo = fn.lower(w, h, tgt).compile().as_text()
-    exp = Expectation(dict(mesh.shape), {v * d: 1, v * d // 8: 1}, 1, 0)
-    return [(c, why) for c in parse_collectives(hlo) for ok, why in [classify(c, exp)]
-            if not ok]
+        return fn.lower(w, h, tgt).compile().as_text()
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["linear_logprobs", "one_pass"])
+def test_head_gradient_is_reduce_scattered(one_pass):
+    """dW [D, V] is summed over the batch shards straight into each chip's D / fsdp slice
+    (a reduce-scatter), not all-reduced whole and sliced (twice the bytes)."""
+    d, v = HIDDEN, 40
+    colls = parse_collectives(_head_grad_hlo(_mesh(1, 8, 1), one_pass, constraints=True))
+    reductions = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter")]
+    assert [(c.kind, c.bytes) for c in reductions] == [("reduce-scatter", d * v * 4)]
 
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["linear_logprobs", "one_pass"])
