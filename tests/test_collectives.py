@@ -271,6 +271,15 @@ def test_rules():
     assert classify(coll("all-reduce", over_tensor, 4096), exp) == (True, "c tensor activation")
     assert classify(coll("all-reduce", over_tensor, 8192), exp)[0] is False
     assert classify(coll("all-to-all", over_fsdp, 256), exp) == (True, "d small")
+    # (f) rows between batch shards: an exchange up to one activation; a float all-gather
+    # of activations stays unexpected, an integer one (token ids) is rows moved.
+    assert classify(coll("all-to-all", over_fsdp, 4096), exp) == (
+        True, "f rows between batch shards")
+    assert classify(coll("all-to-all", over_fsdp, 8192), exp)[0] is False
+    assert classify(coll("all-gather", over_fsdp, 4096), exp)[0] is False
+    ids = dataclasses.replace(coll("all-gather", over_fsdp, 4096),
+                              operand_shapes=(("s32", (4096,)),))
+    assert classify(ids, exp) == (True, "f rows between batch shards")
 
 
 def test_a_gradient_crosses_dcn_once_per_update():

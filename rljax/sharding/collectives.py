@@ -20,7 +20,13 @@ audit"). `rljax.sharding.hlo_collectives` reads a compiled program's collectives
   (d) at most 1 KiB on a chip;
   (e) on several slices, a reduction over DCN (``dcn-all-reduce``, XLA:TPU's cross-slice
       part of a gradient reduction over ``data``) executed at most once per update (once
-      per layer inside a layer scan).
+      per layer inside a layer scan);
+  (f) batch rows moved between batch shards: an all-to-all or collective-permute within
+      the batch axes, or an all-gather / all-reduce of integer or boolean arrays (token
+      ids, masks, the lookup's indices) within them, no larger than one layer's
+      activation at the ideal rows (the embedding lookup's exchange of each chip's table
+      columns, the shared prompt's hidden states read from the shard that holds them, the
+      micro-batch layout); its bytes per step are what it costs.
 
 Everything else is *unexpected*.
 """
@@ -36,12 +42,13 @@ from flax import nnx
 
 from rljax.sharding.hlo_collectives import (DCN_PREFIX, Collective, Loop, activation_rows,
                                             group_axes, parse_collectives, shapes_bytes)
-from rljax.sharding.rules import logical_axes, state_shardings
+from rljax.sharding.rules import BATCH_AXES, logical_axes, state_shardings
 
 __all__ = ["DCN_PREFIX", "Collective", "Expectation", "Loop", "activation_rows", "classify",
            "group_axes", "parameter_sizes", "parse_collectives", "state_parameter_sizes"]
 
 SMALL_BYTES = 1024
+_INDEX_DTYPES = ("pred", "s8", "u8", "s16", "u16", "s32", "u32", "s64", "u64")
 
 
 def parameter_sizes(shapes_and_specs: Sequence, mesh_shape: Mapping[str, int]) -> dict:
@@ -148,8 +155,12 @@ def classify(coll: Collective, exp: Expectation) -> tuple[bool, str]:
                 return True, "b gradient reduction"
             return False, (f"gradient reduced {coll.executions}x, more than once per "
                            "micro-batch")
-    if axes == {"tensor"} and max(_elems(coll.operand_shapes) + _elems(coll.result_shapes)) \
-            <= exp.activation_elems:
+    largest = max(_elems(coll.operand_shapes) + _elems(coll.result_shapes))
+    if axes == {"tensor"} and largest <= exp.activation_elems:
         return True, "c tensor activation"
+    if axes and axes <= set(BATCH_AXES) and largest <= exp.activation_elems and (
+            coll.kind in ("all-to-all", "collective-permute") or all(
+                dt in _INDEX_DTYPES for dt, _ in coll.operand_shapes)):
+        return True, "f rows between batch shards"
     return False, "over " + ("x".join(sorted(axes)) or "no axis") + \
         (" at more than the ideal rows" if axes == {"tensor"} else "")
