@@ -344,3 +344,36 @@ def test_a_reduce_scatter_lowered_as_an_all_reduce_of_a_padded_gradient_is_a_red
     grads = Expectation(shape, {8: 1}, micro_batches=4, activation_elems=4096)
     assert classify(c, grads) == (True, "b gradient reduction")
     assert classify(c, dataclasses.replace(grads, param_sizes={400: 1}))[0] is False  # control
+
+
+@pytest.mark.parametrize("sizes", [(1, 8, 1), (2, 2, 2)])
+def test_embedding_gradient_needs_no_table_reduction(sizes):
+    """The table's gradient is scattered into each chip's own shard after the rows'
+    cotangents are moved (an all-to-all): no [V, D] reduction over fsdp; with data 2 only
+    the shard's reduction over data. Equal to `jnp.take`'s gradient."""
+    import numpy as np
+
+    from rljax.models.decoder import constrain_residual
+    from rljax.models.embedding import lookup
+
+    v, d, b, t = 64, 32, 16, 8
+    mesh = _mesh(*sizes)
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.normal(size=(v, d)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+    w = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    want = jax.grad(lambda tb: jnp.sum(jnp.take(tb, ids, axis=0) * w))(table)
+    with jax.set_mesh(mesh):
+        sh = NamedSharding(mesh, PartitionSpec("tensor", "fsdp"))
+        fn = jax.jit(jax.grad(lambda tb, ids, w: jnp.sum(constrain_residual(lookup(tb, ids))
+                                                         * w)), out_shardings=sh)
+        args = (jax.device_put(table, sh), jax.device_put(ids, batch_sharding(mesh, 2)),
+                jax.device_put(w, batch_sharding(mesh, 3)))
+        got = fn(*args)
+        hlo = fn.lower(*args).compile().as_text()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+    reductions = [c for c in parse_collectives(hlo) if c.kind in ("all-reduce", "reduce-scatter")]
+    shard = v // sizes[2] * d // sizes[1] * 4
+    assert all(c.bytes <= shard and group_axes(c, dict(mesh.shape)) == ("data",)
+               for c in reductions), [(c.kind, c.bytes) for c in reductions]
+    assert len(reductions) == (sizes[0] > 1)
