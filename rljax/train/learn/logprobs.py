@@ -180,7 +180,8 @@ def reduce_partial_dw(dw_SxDxV, names_DxV=DW_DXV_AXES):
     only its own slice of the sum: half the bytes of the all-reduce GSPMD makes of a sum
     followed by a slice) and an all-reduce over the others (``data``); where W's split does
     not allow that (D split by a non-batch axis, V by a batch one), the sum as GSPMD
-    places it."""
+    places it. XLA:CPU keeps the reduce-scatter; XLA:TPU (libtpu 0.0.42.1) decomposes it
+    into an all-reduce and a slice again (docs/pods.md)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not constraints_enabled():
         return constrain_logical(jnp.sum(dw_SxDxV, axis=0), names_DxV)
