@@ -45,7 +45,7 @@ from flax import nnx  # noqa: E402
 
 from rljax.models import Decoder  # noqa: E402
 from rljax.train.learn.packing import choose_spec  # noqa: E402
-from rljax.sharding.collectives import (Expectation, classify, group_axes,  # noqa: E402
+from rljax.sharding.collectives import (DCN_PREFIX, Expectation, classify, group_axes,  # noqa: E402
                                         parse_collectives, state_parameter_sizes)
 
 GIB = 2.0**30
@@ -97,11 +97,16 @@ def expectations(cfg, model_cfg, mesh) -> dict[str, Expectation]:
     width = max(model_cfg.hidden_size, model_cfg.intermediate_size, heads)
     sizes = _param_sizes(model_cfg, mesh)
     rows = lambda n: max(n // shards, 1)  # noqa: E731
-    ex = lambda passes, r, pos: Expectation(shape, sizes, passes, r * pos * width)  # noqa: E731
+    updates = alg.num_minibatches * alg.num_epochs
+    dcn = frozenset({"data"}) if len({getattr(d, "slice_index", 0)
+                                      for d in mesh.devices.flat}) > 1 else frozenset()
+
+    def ex(passes, r, pos, n_updates=1):
+        return Expectation(shape, sizes, passes, r * pos * width, n_updates, dcn)
+
     return {"prefill": ex(1, rows(n_prompts), p), "decode": ex(1, rows(b), 1),
             "logprob": ex(1, rows(micro_rows), p + t),
-            "learn": ex(num_micro * alg.num_minibatches * alg.num_epochs, rows(micro_rows),
-                        p + t)}
+            "learn": ex(num_micro * updates, rows(micro_rows), p + t, updates)}
 
 
 def _source(op_name: str) -> str:
@@ -126,7 +131,7 @@ def audit_recipe(label, cfg, rec, *, tiny: bool = False, dump: str | None = None
     write each program's HLO text there; `hlo`: read them from there instead of
     compiling (a re-audit of saved programs)."""
     devices = mb.tpu_devices(rec.tpu)
-    model_cfg = rec.model_config(cfg.compute_dtype)
+    model_cfg = cfg.policy_config(rec.model_config(cfg.compute_dtype))  # with cfg.lora
     if devices is None:  # CPU: XLA attention (interpret-mode splash is not a kernel)
         devices = jax.devices("cpu")[: rec.tpu.chips]
         model_cfg = dataclasses.replace(model_cfg, attention="xla")
@@ -148,6 +153,7 @@ def audit_recipe(label, cfg, rec, *, tiny: bool = False, dump: str | None = None
         for c in parse_collectives(text):
             ok, rule = classify(c, exp[name])
             rows.append(Row(label, name, c.kind,
+                            "DCN" if c.kind.startswith(DCN_PREFIX) else
                             "x".join(group_axes(c, exp[name].mesh_shape)) or "-",
                             _shape_text(c.operand_shapes), c.bytes, c.loop_text(), c.executions,
                             ok, rule, _source(c.op_name)))

@@ -97,6 +97,11 @@ RECIPES = {
     "1.5b-v5e16": Recipe("Qwen2.5-1.5B-Instruct", "v5e-16", MeshConfig(1, 8, 2), 64,
                          why="fsdp 8 x tensor 2 (the 2 kv heads split): half the weight "
                              "gathers per decode step; micro 64 = 8 rows per fsdp shard"),
+    # Two v5e-16 slices over DCN (a multislice job): the data axis splits over the slices,
+    # so parameters are replicated across them and the gradient crosses DCN once a step.
+    "0.5b-v5e16x2": Recipe("Qwen2.5-0.5B-Instruct", "v5e-16x2", MeshConfig(2, 16, 1), 64,
+                           why="data 2 (one per slice, over DCN) x fsdp 16; micro 64 = 2 "
+                               "rows/chip"),
     # Packed (docs/packing.md): each completion's real tokens packed into rows of 320 + 512
     # slots; a micro-batch is 32 packed rows (26,624 slots, as micro 32 padded) that hold
     # ~2-3 GSM8K completions each, so fewer micro-batches a step.

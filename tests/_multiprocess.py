@@ -27,8 +27,10 @@ restore reads only the checkpoint either way, and one pair compiles each program
 
 The pair's mesh receives its devices out of process order (`PAIR_DEVICE_ORDER`), the way
 a v5e-16 slice's topology interleaves its hosts' chips along a (1, 16, 1) mesh (process 0 held blocks 0, 1, 6
-and 15 under `jax.make_mesh`): `rljax.sharding.make_mesh` must still give each process
-one block of rows in process order, and every step must still equal 1 x 8.
+and 15 under `jax.make_mesh`), and starting with process 1's: `rljax.sharding.make_mesh`
+must still give each process one block of rows (process 1 the first, as the ring of rings
+gives hosts blocks out of process order on a TPU slice), and every step must still equal
+1 x 8.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ from rljax.run.run_dir import read_metrics
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DRIVER = pathlib.Path(__file__).with_name("_mp_driver.py")
 TIMEOUT_S = 900  # a guard against a hung collective, not a speed assertion
-# The pair's devices as its mesh receives them: process 0's chips 0, 1, process 1's four,
-# process 0's 3, 2 (positions in the process-ordered list; a plain reshape would give
-# process 0 blocks 0, 1, 6, 7).
-PAIR_DEVICE_ORDER = "0,1,4,5,6,7,3,2"
+# The pair's devices as its mesh receives them: process 1's chips 4, 5, process 0's 0, 1,
+# process 1's 6, 7, process 0's 3, 2 (positions in the process-ordered list; a plain
+# reshape would give process 1 blocks 0, 1, 4, 5). Devices without ICI coordinates are
+# tiled by process in the order first listed: process 1 holds rows 0-3, process 0 4-7.
+PAIR_DEVICE_ORDER = "4,5,0,1,6,7,3,2"
 
 EXPERIMENT = textwrap.dedent('''
     import jax.numpy as jnp

@@ -217,3 +217,44 @@ def test_trainers_trace_the_kernel_per_chip_on_their_mesh(mesh8, monkeypatch):
     want = {"data": 2, "fsdp": 2, "tensor": 2}
     # prefill, learning program (forward + backward), SFT update: each traced on the mesh
     assert len(seen) >= 3 and all(s == want for s in seen), seen
+
+
+def test_splash_blocks_are_sized_for_the_chip():
+    """A padded length up to 1024 runs as one block; longer ones are padded to 512s."""
+    from rljax.models.attention_kernels import padded_length, splash_blocks
+
+    assert [padded_length(t) for t in (40, 300, 832, 1024, 1025, 1100)] == [
+        128, 384, 896, 1024, 1536, 1536]
+    assert splash_blocks(832) == (896, 896)  # was 7 blocks of 128
+    assert splash_blocks(1100) == (512, 512)
+    assert splash_blocks(512, prefix=320) == (512, 896)  # shared prompt: 384 + 512 keys
+    assert splash_blocks(1100, prefix=320) == (512, 128)  # 384 + 1536 keys: 15 x 128
+
+
+@pytest.mark.parametrize("t", [300, 1100])
+def test_splash_matches_attend_at_one_block_and_at_512_blocks(t):
+    """T = 300 runs as one 384 block, T = 1100 as 3 x 3 blocks of 512 (1536 padded):
+    forward and gradients equal `attend`'s on real rows, in interpret mode."""
+    b, n, k, h = 1, 2, 1, 16
+    rng = np.random.default_rng(1)
+    q, kk, v = (jnp.asarray(rng.normal(size=s), jnp.float32)
+                for s in ((b, t, n, h), (b, t, k, h), (b, t, k, h)))
+    seg = np.full((b, t), -1, np.int32)
+    seg[0, 7:t // 2], seg[0, t // 2:t - 5] = 0, 1
+    seg = jnp.asarray(seg)
+    real = seg >= 0
+
+    def run(fn):
+        def f(q, kk, v):
+            o = fn(q, kk, v)
+            return _loss(o, real), o
+        (_, o), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, kk, v)
+        return np.asarray(o), [np.asarray(x) for x in g]
+
+    want_o, want_g = run(lambda q, kk, v: attend(q, kk.transpose(0, 2, 3, 1),
+                                                 v.transpose(0, 2, 1, 3), _allowed(seg)))
+    got_o, got_g = run(lambda q, kk, v: splash_attend(q, kk, v, seg, interpret=True))
+    r = np.asarray(real)
+    np.testing.assert_array_less(np.abs(got_o - want_o)[r], TOL)
+    for got, want in zip(got_g, want_g):
+        np.testing.assert_array_less(np.abs(got - want), TOL * np.abs(want).max())

@@ -125,6 +125,15 @@ def test_control_catches_rows_lost_in_micro_batch_loops(learn_old):
 
 
 def _head_grad_program(mesh, one_pass: bool, constraints: bool):
+    """The unexpected collectives of `_head_grad_hlo`."""
+    v, d = 40, HIDDEN
+    hlo = _head_grad_hlo(mesh, one_pass, constraints)
+    exp = Expectation(dict(mesh.shape), {v * d: 1, v * d // 8: 1}, 1, 0)
+    return [(c, why) for c in parse_collectives(hlo) for ok, why in [classify(c, exp)]
+            if not ok]
+
+
+def _head_grad_hlo(mesh, one_pass: bool, constraints: bool) -> str:
     """d/dW of a linear head's log-probs over batch-split hidden states, chunked: the
     rows (64 x 4 per chunk) outnumber the vocabulary, so the partitioner reduces dW."""
     b, t, d, v = 64, 3 * CHUNK, HIDDEN, 40
@@ -142,10 +151,17 @@ def _head_grad_program(mesh, one_pass: bool, constraints: bool):
 
     with jax.set_mesh(mesh), logical_constraints(constraints):
         fn = jax.jit(jax.grad(loss), out_shardings=w.sharding)
-        hlo = fn.lower(w, h, tgt).compile().as_text()
-    exp = Expectation(dict(mesh.shape), {v * d: 1, v * d // 8: 1}, 1, 0)
-    return [(c, why) for c in parse_collectives(hlo) for ok, why in [classify(c, exp)]
-            if not ok]
+        return fn.lower(w, h, tgt).compile().as_text()
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["linear_logprobs", "one_pass"])
+def test_head_gradient_is_reduce_scattered(one_pass):
+    """dW [D, V] is summed over the batch shards straight into each chip's D / fsdp slice
+    (a reduce-scatter), not all-reduced whole and sliced (twice the bytes)."""
+    d, v = HIDDEN, 40
+    colls = parse_collectives(_head_grad_hlo(_mesh(1, 8, 1), one_pass, constraints=True))
+    reductions = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter")]
+    assert [(c.kind, c.bytes) for c in reductions] == [("reduce-scatter", d * v * 4)]
 
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["linear_logprobs", "one_pass"])
@@ -255,6 +271,63 @@ def test_rules():
     assert classify(coll("all-reduce", over_tensor, 4096), exp) == (True, "c tensor activation")
     assert classify(coll("all-reduce", over_tensor, 8192), exp)[0] is False
     assert classify(coll("all-to-all", over_fsdp, 256), exp) == (True, "d small")
+    # (f) rows between batch shards: an exchange up to one activation; a float all-gather
+    # of activations stays unexpected, an integer one (token ids) is rows moved.
+    assert classify(coll("all-to-all", over_fsdp, 4096), exp) == (
+        True, "f rows between batch shards")
+    assert classify(coll("all-to-all", over_fsdp, 8192), exp)[0] is False
+    assert classify(coll("all-gather", over_fsdp, 4096), exp)[0] is False
+    ids = dataclasses.replace(coll("all-gather", over_fsdp, 4096),
+                              operand_shapes=(("s32", (4096,)),))
+    assert classify(ids, exp) == (True, "f rows between batch shards")
+
+
+def test_a_gradient_crosses_dcn_once_per_update():
+    """On two slices (data = 2 over DCN) a gradient all-reduce over data may run once per
+    update, not once per micro-batch; over fsdp alone (inside a slice) once per
+    micro-batch stays fine."""
+    shape = {"data": 2, "fsdp": 4, "tensor": 1}
+    exp = Expectation(shape, {1024: 1}, micro_batches=4, activation_elems=0, updates=1,
+                      dcn_axes=frozenset({"data"}))
+    base = parse_collectives(_HLO.replace("GROUPS", "{{0,1}}"))[0]
+
+    def grad(groups, trips):
+        return dataclasses.replace(base, kind="all-reduce", groups=groups,
+                                   operand_shapes=(("f32", (1024,)),),
+                                   result_shapes=(("f32", (1024,)),),
+                                   unpadded_shapes=(("f32", (1024,)),),
+                                   loops=tuple(Loop("w", t) for t in trips))
+
+    over_data = ((0, 4), (1, 5), (2, 6), (3, 7))
+    over_fsdp = ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert classify(grad(over_data, ()), exp) == (True, "b gradient reduction")
+    assert classify(grad(over_data, (4,)), exp) == (
+        False, "gradient crosses DCN 4x, more than once per update")
+    assert classify(grad(over_fsdp, (4,)), exp) == (True, "b gradient reduction")
+    one_slice = dataclasses.replace(exp, dcn_axes=frozenset())  # control: ICI only
+    assert classify(grad(over_data, (4,)), one_slice) == (True, "b gradient reduction")
+
+
+def test_dcn_sends_are_read_and_held_to_once_per_update():
+    """XLA:TPU's cross-slice part of a reduction: a host-transfer send for the megascale
+    runtime (the form 0.5b-v5e16x2's learning program has), here inside a loop of 4."""
+    send = ('%aa = token[] after-all()\n  %sd = (f32[8,8,128]{2,1,0}, u32[], token[]) '
+            'send(%x, %aa), channel_id=2, is_host_transfer=true, frontend_attributes={'
+            '_xla_host_transfer_handler_name="xla_megascale_runtime",'
+            '_xla_megascale_reduce_operation="SUM",_xla_megascale_transfer_type="ALL_REDUCE"}')
+    hlo = _HLO.replace("GROUPS", "{{0,1}}").replace(
+        "  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %r)", f"  {send}\n  ROOT %t = (s32[], "
+        "f32[8]{0}) tuple(%i, %r)")
+    (_, c) = parse_collectives(hlo)
+    assert (c.kind, c.bytes, c.executions) == ("dcn-all-reduce", 8 * 8 * 128 * 4, 4)
+    shape = {"data": 2, "fsdp": 4, "tensor": 1}
+    exp = Expectation(shape, {1024: 1, 256: 2}, micro_batches=4, activation_elems=0)
+    assert classify(c, exp) == (False, "over DCN 4x: not a gradient reduction once per "
+                                       "update")
+    assert classify(c, dataclasses.replace(exp, updates=4)) == (
+        True, "e gradient reduction over DCN")  # one per update
+    layers = dataclasses.replace(exp, param_sizes={1024: 1, 256: 4})  # the loop: 4 layers
+    assert classify(c, layers) == (True, "e gradient reduction over DCN")
 
 
 def test_a_reduce_scatter_lowered_as_an_all_reduce_of_a_padded_gradient_is_a_reduction():
@@ -271,3 +344,36 @@ def test_a_reduce_scatter_lowered_as_an_all_reduce_of_a_padded_gradient_is_a_red
     grads = Expectation(shape, {8: 1}, micro_batches=4, activation_elems=4096)
     assert classify(c, grads) == (True, "b gradient reduction")
     assert classify(c, dataclasses.replace(grads, param_sizes={400: 1}))[0] is False  # control
+
+
+@pytest.mark.parametrize("sizes", [(1, 8, 1), (2, 2, 2)])
+def test_embedding_gradient_needs_no_table_reduction(sizes):
+    """The table's gradient is scattered into each chip's own shard after the rows'
+    cotangents are moved (an all-to-all): no [V, D] reduction over fsdp; with data 2 only
+    the shard's reduction over data. Equal to `jnp.take`'s gradient."""
+    import numpy as np
+
+    from rljax.models.decoder import constrain_residual
+    from rljax.models.embedding import lookup
+
+    v, d, b, t = 64, 32, 16, 8
+    mesh = _mesh(*sizes)
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.normal(size=(v, d)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+    w = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    want = jax.grad(lambda tb: jnp.sum(jnp.take(tb, ids, axis=0) * w))(table)
+    with jax.set_mesh(mesh):
+        sh = NamedSharding(mesh, PartitionSpec("tensor", "fsdp"))
+        fn = jax.jit(jax.grad(lambda tb, ids, w: jnp.sum(constrain_residual(lookup(tb, ids))
+                                                         * w)), out_shardings=sh)
+        args = (jax.device_put(table, sh), jax.device_put(ids, batch_sharding(mesh, 2)),
+                jax.device_put(w, batch_sharding(mesh, 3)))
+        got = fn(*args)
+        hlo = fn.lower(*args).compile().as_text()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+    reductions = [c for c in parse_collectives(hlo) if c.kind in ("all-reduce", "reduce-scatter")]
+    shard = v // sizes[2] * d // sizes[1] * 4
+    assert all(c.bytes <= shard and group_axes(c, dict(mesh.shape)) == ("data",)
+               for c in reductions), [(c.kind, c.bytes) for c in reductions]
+    assert len(reductions) == (sizes[0] > 1)

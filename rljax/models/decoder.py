@@ -11,6 +11,7 @@ from rljax.models import grouped
 from rljax.models.attention import Attention
 from rljax.models.attention_kernels import SegmentMask, segment_ids_from_mask
 from rljax.models.config import ModelConfig
+from rljax.models.embedding import lookup
 from rljax.models.kv_cache import KVCache, init_kv_cache
 from rljax.models.layers import MLP, RMSNorm, compute_dtype, normal_param, rope_cos_sin
 from rljax.models.lora import lora_rngs
@@ -130,7 +131,7 @@ class Decoder(nnx.Module):
             self.lm_head = normal_param(rngs, (d, v), ("embed", "vocab"))
 
     def _embed(self, ids_BxT):
-        return constrain_residual(jnp.take(self.embed[...], ids_BxT, axis=0))
+        return constrain_residual(lookup(self.embed[...], jnp.asarray(ids_BxT)))
 
     def hidden_states(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike | None = None,
                       mask_BxT: ArrayLike | None = None, *, remat: bool = False,

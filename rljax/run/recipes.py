@@ -31,19 +31,23 @@ class TpuSlice:
     """A Cloud TPU slice: `topology` as `jax.experimental.topologies.get_topology_desc`
     names it, its number of chips (JAX devices), each chip's HBM in GiB, and one host's
     chips (`host_bounds`, libtpu's `chips_per_host_bounds`) where a VM holds more than
-    libtpu's default 2x2 (v5litepod-8 is one host of 2x4 chips)."""
+    libtpu's default 2x2 (v5litepod-8 is one host of 2x4 chips). `num_slices` > 1: a
+    multislice job of that many such slices joined over DCN (`chips` counts them all);
+    the mesh's data axis splits over the slices (`rljax.sharding.layout`)."""
 
     name: str
     topology: str
     chips: int
     hbm_gib: float
     host_bounds: tuple[int, int, int] | None = None
+    num_slices: int = 1
 
     def topology_kwargs(self) -> dict:
         """Keyword arguments of `get_topology_desc` that describe the slice's hosts as a
         run sees them (so ahead-of-time compiles lay the mesh out as a run does)."""
-        return {} if self.host_bounds is None else {
+        out = {} if self.host_bounds is None else {
             "chips_per_host_bounds": list(self.host_bounds)}
+        return out | ({"num_slices": self.num_slices} if self.num_slices > 1 else {})
 
 
 # Cloud TPU names count chips for v5e and TensorCores for v4 / v5p (two per chip).
@@ -52,6 +56,7 @@ SLICES = {s.name: s for s in (
     TpuSlice("v5e-8", "v5e:2x4", 8, 16.0, host_bounds=(2, 4, 1)),
     TpuSlice("v5e-16", "v5e:4x4", 16, 16.0),
     TpuSlice("v5e-64", "v5e:8x8", 64, 16.0),
+    TpuSlice("v5e-16x2", "v5e:4x4", 32, 16.0, num_slices=2),  # 2 x v5litepod-16 over DCN
     TpuSlice("v5p-64", "v5p:2x4x4", 32, 95.0),
 )}
 

@@ -13,10 +13,20 @@ audit"). `rljax.sharding.hlo_collectives` reads a compiled program's collectives
   (b) a gradient reduce-scatter or all-reduce over the batch axes, executed at most once
       per micro-batch (per layer, for a stacked layer's slice); its operands are
       parameter-shaped before XLA's padding (XLA:TPU reduce-scatters a dimension it
-      cannot split evenly as an all-reduce of a zero-padded operand);
+      cannot split evenly as an all-reduce of a zero-padded operand). Over an axis that
+      crosses DCN (``data`` on several slices): at most once per update;
   (c) an activation collective over the tensor axis only, no larger than one layer's
       activation at the ideal rows per device (micro-batch / (data x fsdp));
-  (d) at most 1 KiB on a chip.
+  (d) at most 1 KiB on a chip;
+  (e) on several slices, a reduction over DCN (``dcn-all-reduce``, XLA:TPU's cross-slice
+      part of a gradient reduction over ``data``) executed at most once per update (once
+      per layer inside a layer scan);
+  (f) batch rows moved between batch shards: an all-to-all or collective-permute within
+      the batch axes, or an all-gather / all-reduce of integer or boolean arrays (token
+      ids, masks, the lookup's indices) within them, no larger than one layer's
+      activation at the ideal rows (the embedding lookup's exchange of each chip's table
+      columns, the shared prompt's hidden states read from the shard that holds them, the
+      micro-batch layout); its bytes per step are what it costs.
 
 Everything else is *unexpected*.
 """
@@ -30,14 +40,15 @@ from collections.abc import Mapping, Sequence
 import jax
 from flax import nnx
 
-from rljax.sharding.hlo_collectives import (Collective, Loop, activation_rows, group_axes,
-                                            parse_collectives, shapes_bytes)
-from rljax.sharding.rules import logical_axes, state_shardings
+from rljax.sharding.hlo_collectives import (DCN_PREFIX, Collective, Loop, activation_rows,
+                                            group_axes, parse_collectives, shapes_bytes)
+from rljax.sharding.rules import BATCH_AXES, logical_axes, state_shardings
 
-__all__ = ["Collective", "Expectation", "Loop", "activation_rows", "classify", "group_axes",
-           "parameter_sizes", "parse_collectives", "state_parameter_sizes"]
+__all__ = ["DCN_PREFIX", "Collective", "Expectation", "Loop", "activation_rows", "classify",
+           "group_axes", "parameter_sizes", "parse_collectives", "state_parameter_sizes"]
 
 SMALL_BYTES = 1024
+_INDEX_DTYPES = ("pred", "s8", "u8", "s16", "u16", "s32", "u32", "s64", "u64")
 
 
 def parameter_sizes(shapes_and_specs: Sequence, mesh_shape: Mapping[str, int]) -> dict:
@@ -88,12 +99,18 @@ class Expectation:
     activation_elems: one layer's activation on a chip at the ideal rows per device
       (rows x positions x the widest of hidden, MLP and attention widths): the most a
       tensor-axis collective may move.
+    updates: optimiser updates per run (epochs x minibatches; 1 without gradients): a
+      gradient may cross DCN this many times (times L for a stacked layer's slice).
+    dcn_axes: the mesh axes whose groups span several TPU slices (``{"data"}`` on a
+      multislice mesh, else empty).
     """
 
     mesh_shape: Mapping[str, int]
     param_sizes: Mapping[int, int]
     micro_batches: int
     activation_elems: int
+    updates: int = 1
+    dcn_axes: frozenset = frozenset()
 
 
 def _elems(shapes) -> list[int]:
@@ -105,6 +122,15 @@ def classify(coll: Collective, exp: Expectation) -> tuple[bool, str]:
     reduction, "c" tensor-parallel activation, "d" small) or why none does."""
     if coll.bytes <= SMALL_BYTES:
         return True, "d small"
+    if coll.kind.startswith(DCN_PREFIX):
+        # Its groups and operands are not in the text (operands are tiled): once per
+        # update, L times where its innermost loop is a layer scan (L or L - 1 trips).
+        layers = max(exp.param_sizes.values(), default=1)
+        per_layer = bool(coll.loops) and coll.loops[-1].trip_count in (layers - 1, layers)
+        allowed = exp.updates * (layers if per_layer else 1)
+        if coll.kind == DCN_PREFIX + "all-reduce" and coll.executions <= allowed:
+            return True, "e gradient reduction over DCN"
+        return False, f"over DCN {coll.executions}x: not a gradient reduction once per update"
     axes = set(group_axes(coll, exp.mesh_shape))
     if coll.kind == "all-gather" and axes == {"fsdp"} and all(
             n in exp.param_sizes for n in _elems(coll.result_shapes)):
@@ -122,12 +148,19 @@ def classify(coll: Collective, exp: Expectation) -> tuple[bool, str]:
         rest = sum(shapes_bytes([sh]) for sh, k in zip(shapes, per) if k is None)
         layers = max((k for k in per if k), default=0)
         if layers and rest <= SMALL_BYTES:
+            if axes & exp.dcn_axes and coll.executions > exp.updates * layers:
+                return False, (f"gradient crosses DCN {coll.executions}x, more than once "
+                               "per update")
             if coll.executions <= exp.micro_batches * layers:
                 return True, "b gradient reduction"
             return False, (f"gradient reduced {coll.executions}x, more than once per "
                            "micro-batch")
-    if axes == {"tensor"} and max(_elems(coll.operand_shapes) + _elems(coll.result_shapes)) \
-            <= exp.activation_elems:
+    largest = max(_elems(coll.operand_shapes) + _elems(coll.result_shapes))
+    if axes == {"tensor"} and largest <= exp.activation_elems:
         return True, "c tensor activation"
+    if axes and axes <= set(BATCH_AXES) and largest <= exp.activation_elems and (
+            coll.kind in ("all-to-all", "collective-permute") or all(
+                dt in _INDEX_DTYPES for dt, _ in coll.operand_shapes)):
+        return True, "f rows between batch shards"
     return False, "over " + ("x".join(sorted(axes)) or "no axis") + \
         (" at more than the ideal rows" if axes == {"tensor"} else "")

@@ -6,7 +6,9 @@ module, the same text for XLA:CPU and XLA:TPU) into :class:`Collective` records:
 ``-start`` / ``-done`` pairs counted once), operand and result shapes with their bytes on
 one chip (and the operands before XLA's padding), the replica groups as device ids, and
 the while loops around it, outermost first, each with XLA's ``known_trip_count``; nested
-loops multiply (``Collective.executions``). Device ids in replica groups are positions in
+loops multiply (``Collective.executions``). On several slices XLA:TPU carries the part of
+a collective that crosses slices as a host-transfer ``send`` for the megascale runtime;
+these are read as kinds ``dcn-*`` (:data:`DCN_PREFIX`), groups unknown. Device ids in replica groups are positions in
 the program's device assignment, which for a jitted program on a ``Mesh`` is
 ``mesh.devices.flat``; :func:`group_axes` maps them to the mesh axes they span.
 :func:`activation_rows` reads the rows per chip of a program's activations. The rules
@@ -22,10 +24,15 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["KINDS", "Collective", "Loop", "activation_rows", "group_axes", "parse_collectives",
+__all__ = ["DCN_PREFIX", "KINDS", "Collective", "Loop", "activation_rows", "group_axes", "parse_collectives",
            "shapes_bytes"]
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+#: XLA:TPU's collectives between slices (over DCN): host-transfer sends that the megascale
+#: runtime carries, named by their transfer type ("dcn-all-reduce", "dcn-all-gather",
+#: "dcn-one-to-one" for a collective-permute). Their groups are not in the HLO text.
+DCN_PREFIX = "dcn-"
+_DCN_TYPE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
                 "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
                 "c64": 8, "c128": 16}
@@ -276,6 +283,12 @@ def parse_collectives(hlo: str) -> list[Collective]:
                     _shapes(rtype))
                 out.append(Collective(base, name, operands, result, _groups(rest), loops,
                                       _op_name(line), unpadded))
+            dcn = _DCN_TYPE.search(line) if op == "send" else None
+            if dcn:
+                sent = _shapes(rtype)[:1]  # (data, context, token): the data
+                kind = DCN_PREFIX + dcn.group(1).lower().replace("_", "-")
+                out.append(Collective(kind, name, sent, sent, ((),), loops, _op_name(line),
+                                      sent))
             if op == "while":
                 trip = _TRIP.search(line)
                 body = re.search(r"body=%?([\w.\-]+)", line).group(1)

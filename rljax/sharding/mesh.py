@@ -71,8 +71,9 @@ def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
     Auto axes let GSPMD propagate shardings from the parameter and batch annotations.
     `devices` defaults to `jax.devices()`; a TPU topology description's devices give the
     same layout (`rljax.sharding.layout.device_grid`): each process's devices hold one
-    contiguous block of batch rows, in process order, and the tensor axis stays inside a
-    host. Raises if the layout cannot give that (`check_process_blocks`).
+    contiguous block of batch rows, the fsdp rings follow the chip grid (hosts along a
+    cycle of the host grid), the tensor axis stays inside a host, and several TPU slices
+    split the data axis. Raises if the layout cannot give that (`check_process_blocks`).
     """
     cfg = MeshConfig() if cfg is None else cfg
     if not isinstance(cfg, MeshConfig):

@@ -6,8 +6,9 @@ observations in).
 On a pod every process runs the same programs on global ``jax.Array`` s; a process may
 only read the shards it holds. Batch rows are split over the mesh's ("data", "fsdp")
 axes. ``rljax.sharding.make_mesh`` lays devices out so that the rows a process holds form
-one contiguous block, blocks in process order (``rljax.sharding.layout``; on a TPU slice
-``jax.make_mesh`` does not); that block is also the prompts the process reads and scores.
+one contiguous block (``rljax.sharding.layout``; on a TPU slice ``jax.make_mesh`` does
+not), not necessarily in process order; that block is also the prompts the process reads
+and scores.
 Host rows cross processes by their global position (``gather_blocks``), never by
 assuming an order.
 Every function here that moves data runs under ``jax.transfer_guard("allow")``, so a

@@ -7,8 +7,8 @@ the tests read the JSON files it writes and need no libtpu:
 
 Each file is what ``jax.devices()`` returns on that slice as a run sees it: one device per
 chip (v4 slices are recorded with libtpu's "megacore" chip config, as a v4 VM reports
-them), each with ``id``, ``process_index``, ``coords``, ``core_on_chip``, ``device_kind``
-and ``platform``. Slices with one host of 8 chips (v5litepod-8, v6e-8) pass that host's
+them), each with ``id``, ``process_index``, ``coords``, ``core_on_chip``, ``device_kind``,
+``platform`` and ``slice_index`` (several slices: ``num_slices``). Slices with one host of 8 chips (v5litepod-8, v6e-8) pass that host's
 bounds; libtpu's default describes their 2x4 chips as two hosts of 2x2.
 """
 
@@ -29,6 +29,11 @@ SLICES = {
     "v5p-64": ("v5p:2x4x4", {}),
     "v6e-8": ("v6e:2x4", {"chips_per_host_bounds": [2, 4, 1]}),
     "v6e-16": ("v6e:4x4", {}),
+    "v5e-256": ("v5e:16x16", {}),
+    "v5p-32": ("v5p:2x2x4", {}),
+    "v5p-128": ("v5p:4x4x4", {}),
+    # Two v5e-16 slices joined over DCN (a multislice job): devices carry slice_index.
+    "v5e-16x2": ("v5e:4x4", {"num_slices": 2}),
 }
 
 
@@ -39,7 +44,7 @@ def record(name: str) -> dict:
     desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, **kwargs)
     devices = [{"id": d.id, "process_index": d.process_index, "coords": list(d.coords),
                 "core_on_chip": d.core_on_chip, "device_kind": d.device_kind,
-                "platform": d.platform} for d in desc.devices]
+                "platform": d.platform, "slice_index": getattr(d, "slice_index", 0)} for d in desc.devices]
     return {"slice": name, "topology": topology, "kwargs": kwargs, "devices": devices}
 
 

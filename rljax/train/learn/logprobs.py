@@ -22,10 +22,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 from jax.custom_derivatives import SymbolicZero
 
 from rljax.models.layers import compute_dtype as _compute_dtype
-from rljax.sharding import BATCH_AXES, constrain_logical, constraints_enabled
+from rljax.sharding import BATCH_AXES, constrain_logical, constraints_enabled, fitted_spec
 
 Array = Any
 
@@ -138,8 +139,8 @@ def linear_chunk_stats(w, h_BxCxD, tgt_BxC, vocab_major, cd, inv_temp):
 # per batch shard. Summed into a [D, V] accumulator inside the chunk loop, it is reduced
 # once per chunk (64 x 545 MB a step on 0.5b-v5e8, docs/pods.md "Collective audit").
 # Kept apart as [S, D, V] (S = the batch shards, split like the rows), each chunk's
-# product is local and one sum over S after the loop is the one reduce-scatter per
-# micro-batch, at the cost of D x V / tensor float32 a chip (0.5B: 545 MB) in the loop.
+# product is local and one sum over S after the loop (`reduce_partial_dw`: a
+# reduce-scatter) is the one reduction per micro-batch, at the cost of D x V / tensor float32 a chip (0.5B: 545 MB) in the loop.
 
 #: Logical axes of the partial accumulator ``[S, D, V]``: S split as the rows are.
 PARTIAL_DW_AXES = ("batch", None, "vocab")
@@ -167,9 +168,38 @@ def partial_dw(h_BxCxD, g_BxCxV, cd, s: int):
     return constrain_logical(dw, PARTIAL_DW_AXES)
 
 
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def reduce_partial_dw(dw_SxDxV, names_DxV=DW_DXV_AXES):
-    """The partial sums added over the batch shards, placed as the head weight is."""
-    return constrain_logical(jnp.sum(dw_SxDxV, axis=0), names_DxV)
+    """The partial sums added over the batch shards, placed as the head weight is.
+
+    On a mesh, a reduce-scatter over the batch axes that split W's D (each chip receives
+    only its own slice of the sum: half the bytes of the all-reduce GSPMD makes of a sum
+    followed by a slice) and an all-reduce over the others (``data``); where W's split does
+    not allow that (D split by a non-batch axis, V by a batch one), the sum as GSPMD
+    places it. XLA:CPU keeps the reduce-scatter; XLA:TPU (libtpu 0.0.42.1) decomposes it
+    into an all-reduce and a slice again (docs/pods.md)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not constraints_enabled():
+        return constrain_logical(jnp.sum(dw_SxDxV, axis=0), names_DxV)
+    s_spec = fitted_spec(("batch",), dw_SxDxV.shape[:1], mesh)[0]
+    d_spec, v_spec = fitted_spec(names_DxV, dw_SxDxV.shape[1:], mesh)
+    rows, d_axes, v_axes = _axes(s_spec), _axes(d_spec), _axes(v_spec)
+    if not rows or not set(d_axes) <= set(rows) or set(v_axes) & set(rows):
+        return constrain_logical(jnp.sum(dw_SxDxV, axis=0), names_DxV)
+    rest = tuple(a for a in rows if a not in d_axes and mesh.shape[a] > 1)
+
+    def local(dw):
+        x = jnp.sum(dw, axis=0)
+        x = jax.lax.psum(x, rest) if rest else x
+        return jax.lax.psum_scatter(x, d_axes, scatter_dimension=0, tiled=True) if d_axes \
+            else x
+
+    return jax.shard_map(local, in_specs=PartitionSpec(s_spec, None, v_spec),
+                         out_specs=PartitionSpec(d_spec, v_spec), check_vma=False)(dw_SxDxV)
 
 
 def chunk_grads(wc, h_BxCxD, tgt_BxC, p, a, ent_term, vocab_major, cd, inv_temp, shards):
