@@ -1,0 +1,145 @@
+"""Mixture-of-experts layers: dropless expert forms agree with a per-expert reference,
+router losses follow their papers (and HF's load-balance loss), replay routes as told."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from rljax.models import Decoder, ModelConfig
+from rljax.models.config import MoeConfig
+from rljax.models.hf_config import config_from_hf
+from rljax.models.moe import (aux_loss, compact_ids, experts_ragged, experts_tiled, route,
+                              router_loss, router_metrics, tile_rows, z_loss)
+
+TOL = 1e-5  # float32, same math in another summation order
+
+MOE = MoeConfig(num_experts=4, experts_per_token=2, intermediate_size=16)
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                  architecture="qwen3_moe", moe=MOE)
+
+
+def _reference(x, ids, wg, wu, wd):
+    """Per pair (n, j), expert ids[n, j]'s SwiGLU, one token at a time (numpy)."""
+    out = np.zeros((*ids.shape, x.shape[1]), np.float64)
+    for n in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[n, j]
+            g, u = x[n] @ wg[e], x[n] @ wu[e]
+            out[n, j] = (g / (1 + np.exp(-g)) * u) @ wd[e]
+    return out
+
+
+def _weights(seed, e=4, d=8, f=6):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(ks[0], (e, d, f)), jax.random.normal(ks[1], (e, d, f)),
+            jax.random.normal(ks[2], (e, f, d)))
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_dropless_forms_match_reference(skew):
+    """Every pair is computed, also when every token picks the same expert (no capacity
+    drops): tiled and ragged equal a token-by-token reference."""
+    n, k, e = 37, 2, 4
+    x = jax.random.normal(jax.random.key(1), (n, 8))
+    ids = jax.random.randint(jax.random.key(2), (n, k), 0, e)
+    if skew:
+        ids = ids.at[:, 0].set(3)
+    ws = _weights(3, e)
+    want = _reference(np.asarray(x, np.float64), np.asarray(ids), *map(np.asarray, ws))
+    tiled = jax.jit(experts_tiled, static_argnames="tile")
+    for got in (jax.jit(experts_ragged)(x, ids, *ws), tiled(x, ids, *ws, tile=8)):
+        assert np.abs(np.asarray(got) - want).max() <= TOL * max(1.0, np.abs(want).max())
+
+
+def test_tiled_gradients_equal_ragged():
+    n, k = 40, 2
+    x = jax.random.normal(jax.random.key(4), (n, 8))
+    ids = jax.random.randint(jax.random.key(5), (n, k), 0, 4)
+    ws = _weights(6)
+
+    def loss(fn, x, ws):
+        return jnp.sum(jnp.sin(fn(x, ids, *ws)))
+
+    g_r = jax.jit(jax.grad(lambda x, ws: loss(experts_ragged, x, ws), (0, 1)))(x, ws)
+    g_t = jax.jit(jax.grad(lambda x, ws: loss(lambda *a: experts_tiled(*a, tile=8), x, ws),
+                           (0, 1)))(x, ws)
+    for a, b in zip(jax.tree.leaves(g_r), jax.tree.leaves(g_t)):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= TOL * max(1.0, np.abs(a).max())
+
+
+def test_tile_rows_bounds_padding():
+    assert tile_rows(8192, 8) == 256
+    assert tile_rows(64, 128) == 8  # a decode step: the smallest tile
+    for pairs, e in ((8192, 8), (4096, 16), (2048, 4)):
+        assert e * tile_rows(pairs, e) <= pairs / 4
+
+
+def test_aux_loss_equals_transformers_and_z_loss_its_formula():
+    """One MoE layer: our Switch loss equals HF's `load_balancing_loss_func` (with a
+    padding mask); z-loss is mean(logsumexp^2) over real tokens."""
+    logits = jax.random.normal(jax.random.key(7), (24, 4)) * 2
+    mask = np.arange(24) % 5 != 0
+    _, ids, probs = route(logits, 2, True)
+    from rljax.models.moe import record
+
+    rec = jax.tree.map(lambda a: a[None], record(ids, probs, logits, jnp.asarray(mask), (4, 6)))
+    want = load_balancing_loss_func((torch.tensor(np.asarray(logits)),), 4, 2,
+                                    torch.tensor(mask.reshape(4, 6)))
+    assert abs(float(aux_loss(rec)) - float(want)) <= 1e-6
+    lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
+    assert abs(float(z_loss(rec)) - (lse[mask] ** 2).mean()) <= 1e-5
+    m = router_metrics(rec)
+    assert m["moe/load_E"].shape == (4,) and abs(float(m["moe/load_E"].sum()) - 1) <= 1e-6
+    assert float(router_loss(rec, MOE)) == 0.0  # coefficients default off
+    both = dataclasses.replace(MOE, aux_loss_coef=0.01, z_loss_coef=0.001)
+    assert abs(float(router_loss(rec, both)) - (0.01 * float(want) + 0.001 * float(z_loss(rec)))) <= 1e-7
+
+
+def test_replay_routes_by_given_ids_and_router_still_learns():
+    graphdef, state = nnx.split(Decoder(CFG, rngs=nnx.Rngs(0)))
+    ids = jax.random.randint(jax.random.key(8), (2, 7), 0, 64)
+
+    @jax.jit
+    def forward(st, replay):
+        h, rec = nnx.merge(graphdef, st).routed_hidden_states(ids, replay_ids_LxBxTxK=replay)
+        return h, rec.ids_BxTxK
+
+    h, own = jax.jit(lambda st: forward(st, None))(state)
+    assert own.shape == (2, 2, 7, 2)
+    h_same, _ = forward(state, own)
+    assert float(jnp.abs(h_same - h).max()) == 0.0
+    flipped = (own + 1) % 4  # other experts everywhere
+    h_flip, ids_flip = forward(state, flipped)
+    assert (ids_flip == flipped).all() and float(jnp.abs(h_flip - h).max()) > 1e-3
+    g = jax.jit(jax.grad(lambda st: jnp.sum(forward(st, flipped)[0] ** 2)))(state)
+    assert float(jnp.abs(g["layers"][0]["mlp"]["router"][...]).max()) > 0
+    assert compact_ids(flipped, 4).dtype == jnp.int8
+    assert compact_ids(flipped, 300).dtype == jnp.int16
+
+
+def test_config_refusals():
+    with pytest.raises(ValueError, match="scan_layers"):
+        dataclasses.replace(CFG, scan_layers=True,
+                            moe=dataclasses.replace(MOE, mlp_only_layers=(0,)))
+    with pytest.raises(ValueError, match="experts_per_token"):
+        MoeConfig(num_experts=2, experts_per_token=3, intermediate_size=4)
+    with pytest.raises(ValueError, match="impl"):
+        MoeConfig(num_experts=2, experts_per_token=1, intermediate_size=4, impl="dense")
+    with pytest.raises(ValueError, match="qwen3_moe"):
+        dataclasses.replace(CFG, architecture="qwen3")
+    hf = dict(model_type="qwen2_moe", vocab_size=8, hidden_size=8, intermediate_size=8,
+              num_hidden_layers=1, num_attention_heads=2, num_experts=4)
+    with pytest.raises(ValueError, match="model_type"):
+        config_from_hf(hf)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        config_from_hf({**hf, "model_type": "qwen3_moe", "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 4, "shared_expert_intermediate_size": 8})
+    with pytest.raises(ValueError, match="num_experts"):
+        config_from_hf({**hf, "model_type": "qwen3", "num_experts": 4})
