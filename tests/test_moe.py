@@ -2,6 +2,7 @@
 router losses follow their papers (and HF's load-balance loss), replay routes as told."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from rljax.models import Decoder, ModelConfig
 from rljax.models.config import MoeConfig
 from rljax.models.hf_config import config_from_hf
+from rljax.models.moe_parallel import expert_axis_size
+from rljax.sampling import generate
+from rljax.sharding import MeshConfig, batch_sharding, make_mesh, state_shardings
 from rljax.models.moe import (aux_loss, compact_ids, experts_ragged, experts_tiled, route,
                               router_loss, router_metrics, tile_rows, z_loss)
 
@@ -143,3 +147,52 @@ def test_config_refusals():
                         "moe_intermediate_size": 4, "shared_expert_intermediate_size": 8})
     with pytest.raises(ValueError, match="num_experts"):
         config_from_hf({**hf, "model_type": "qwen3", "num_experts": 4})
+
+
+EP_CFG = dataclasses.replace(CFG, scan_layers=True,
+                             moe=dataclasses.replace(MOE, num_experts=8, norm_topk_prob=False))
+EP_MESH = MeshConfig(data=2, fsdp=4, tensor=1)  # 2 experts a chip
+GRAD_TOL = 1e-5  # relative to the gradient norm (DESIGN.md testing policy)
+
+
+def _loss_and_grads(graphdef, state, ids, mask):
+    def loss(st):
+        h, rec = nnx.merge(graphdef, st).routed_hidden_states(ids, mask_BxT=mask)
+        logits = nnx.merge(graphdef, st).logits_from_hidden(h)
+        return jnp.sum(jnp.sin(logits) * mask[..., None]), (logits, rec)
+
+    return jax.value_and_grad(loss, has_aux=True)(state)
+
+
+def test_expert_parallel_equals_one_device():
+    """EP x FSDP on the 8-device mesh (experts over fsdp 4, rows over data 2 x fsdp 4)
+    equals one device: logits, router record, gradients, and the sampler's tokens."""
+    model = Decoder(EP_CFG, rngs=nnx.Rngs(1))
+    graphdef, state = nnx.split(model)
+    ids = jax.random.randint(jax.random.key(9), (8, 6), 0, 64)
+    mask = jnp.arange(6)[None, :] >= jnp.arange(8)[:, None] % 3  # some left padding
+    step = jax.jit(functools.partial(_loss_and_grads, graphdef))
+    (_, (logits, rec)), grads = step(state, ids, mask)
+    mesh = make_mesh(EP_MESH)
+    with jax.set_mesh(mesh):
+        assert expert_axis_size(8, 8) == 4
+        sharded = jax.device_put(state, state_shardings(state, mesh))
+        rows = batch_sharding(mesh)
+        compiled = step.lower(sharded, jax.device_put(ids, rows),
+                              jax.device_put(mask, rows)).compile()
+        (_, (logits_ep, rec_ep)), grads_ep = compiled(sharded, jax.device_put(ids, rows),
+                                                       jax.device_put(mask, rows))
+    text = compiled.as_text()
+    assert "all-gather" in text and "reduce-scatter" in text  # dispatch and combine
+    spec = dict(nnx.to_flat_state(sharded))[("layers", "mlp", "gate")].get_value().sharding.spec
+    assert spec[1] == "fsdp", spec  # [L, E, D, F]: experts over fsdp
+    assert np.abs(np.asarray(logits_ep) - np.asarray(logits)).max() <= TOL
+    assert (np.asarray(rec_ep.ids_BxTxK) == np.asarray(rec.ids_BxTxK)).all()
+    assert np.allclose(np.asarray(rec_ep.load_E), np.asarray(rec.load_E))
+    g1, g8 = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]) for g in (grads, grads_ep))
+    assert np.abs(g8 - g1).max() <= GRAD_TOL * np.linalg.norm(g1)
+    kw = dict(key=jax.random.key(3), max_new_tokens=6, num_samples=2, top_k=20)
+    prompts = [[5, 9, 2, 33], [11], [40, 41, 42], [3, 3]]
+    ref = generate(model, prompts, **kw)
+    res = generate((graphdef, sharded), prompts, mesh=mesh, **kw)
+    np.testing.assert_array_equal(np.asarray(res.tokens), np.asarray(ref.tokens))

@@ -21,11 +21,13 @@ forms of the same function (`MOE_IMPLS`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rljax.models import moe_parallel
 from rljax.models.config import ModelConfig, MoeConfig
 from rljax.models.layers import compute_dtype, normal_param
 
@@ -80,10 +82,11 @@ def tile_rows(pairs: int, num_experts: int) -> int:
 
 
 def _sorted_pairs(ids_NxK: jax.Array, num_experts: int):
-    """(order of the flat pairs by expert, experts in that order, group sizes ``[E]``)."""
+    """(order of the flat pairs by expert, experts in that order, group sizes ``[E + 1]``:
+    the last counts pairs with the sentinel id E, sorted last)."""
     flat = ids_NxK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=num_experts + 1).astype(jnp.int32)
     return order, flat[order], sizes
 
 
@@ -98,29 +101,33 @@ def _swiglu_rows(x_MxD, w_gate, w_up, w_down, matmul):
 
 def experts_ragged(x_NxD, ids_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     """Per pair (n, j): expert ``ids[n, j]``'s SwiGLU of ``x[n]``, ``[N, k, D]`` float32,
-    as grouped matmuls (`jax.lax.ragged_dot`) over the pairs sorted by expert."""
+    as grouped matmuls (`jax.lax.ragged_dot`) over the pairs sorted by expert. A pair
+    with the sentinel id E (no local expert: `rljax.models.moe_parallel`) gets zeros
+    and no compute (its rows lie past every group)."""
     n, k = ids_NxK.shape
-    order, _, sizes = _sorted_pairs(ids_NxK, w_gate_ExDxF.shape[0])
+    e = w_gate_ExDxF.shape[0]
+    order, _, sizes = _sorted_pairs(ids_NxK, e)
     rows = x_NxD[order // k]
 
     def matmul(a, w, out=None):
-        return jax.lax.ragged_dot(a, w, sizes, preferred_element_type=out)
+        return jax.lax.ragged_dot(a, w, sizes[:e], preferred_element_type=out)
 
     y = _swiglu_rows(rows, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, matmul)
-    return jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
+    y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
+    return jnp.where(ids_NxK[..., None] < e, y, 0.0)
 
 
 def experts_tiled(x_NxD, ids_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, tile: int):
     """`experts_ragged`'s function as one batched matmul over tiles of ``tile`` rows.
 
     Each expert's pairs fill whole tiles (the last padded with zero rows); tile i takes
-    the weights of its expert. The static row count ``N k + E tile`` bounds every
-    routing, so no pair is ever dropped.
+    the weights of its expert. The static row count ``N k + (E + 1) tile`` bounds every
+    routing, so no pair is ever dropped. Sentinel pairs (id E) get zeros.
     """
     n, k = ids_NxK.shape
     e = w_gate_ExDxF.shape[0]
     pairs = n * k
-    num_tiles = -(-(pairs + e * (tile - 1)) // tile)
+    num_tiles = -(-(pairs + (e + 1) * (tile - 1)) // tile)
     order, sorted_e, sizes = _sorted_pairs(ids_NxK, e)
     padded = -(-sizes // tile) * tile
     start = jnp.cumsum(sizes) - sizes
@@ -140,7 +147,7 @@ def experts_tiled(x_NxD, ids_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, tile: 
 
     y = _swiglu_rows(rows, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, matmul)
     out = jnp.zeros((pairs, y.shape[-1]), y.dtype).at[order].set(y[dest])
-    return out.reshape(n, k, -1)
+    return jnp.where(ids_NxK[..., None] < e, out.reshape(n, k, -1), 0.0)
 
 
 def resolve_impl(impl: str) -> str:
@@ -180,22 +187,51 @@ class MoeMLP(nnx.Module):
 
     def __call__(self, x_BxTxD: jax.Array, mask_BxT: jax.Array | None = None,
                  replay_ids_BxTxK: jax.Array | None = None) -> tuple[jax.Array, RouterRecord]:
-        """(float32 output ``[B, T, D]``, this layer's `RouterRecord`)."""
-        b, t, d = x_BxTxD.shape
-        x32 = x_BxTxD.reshape(b * t, d).astype(jnp.float32)
-        logits = jnp.dot(x32, self.router[...], preferred_element_type=jnp.float32)
-        replay = None if replay_ids_BxTxK is None else replay_ids_BxTxK.reshape(b * t, -1)
-        weights, ids, probs = route(logits, self.moe.experts_per_token,
-                                    self.moe.norm_topk_prob, replay)
-        x = x32.astype(self.dtype)
-        ws = (self.gate[...], self.up[...], self.down[...])
-        if resolve_impl(self.moe.impl) == "ragged":
-            y = experts_ragged(x, ids, *ws)
+        """(float32 output ``[B, T, D]``, this layer's `RouterRecord`). On a mesh whose
+        "fsdp" axis splits the experts, experts run in parallel
+        (`rljax.models.moe_parallel`); otherwise as GSPMD partitions the program."""
+        b, t, _ = x_BxTxD.shape
+        mask = jnp.ones((b, t), bool) if mask_BxT is None else jnp.asarray(mask_BxT, bool)
+        experts = (self.gate[...], self.up[...], self.down[...])
+        local = functools.partial(_moe_local, self.moe, self.dtype)
+        if moe_parallel.expert_axis_size(b, self.moe.num_experts) > 1:
+            out, ids, stats = moe_parallel.run_expert_parallel(
+                local, x_BxTxD, mask, replay_ids_BxTxK, self.router[...], experts)
         else:
-            y = experts_tiled(x, ids, *ws, tile_rows(b * t * ids.shape[1], ws[0].shape[0]))
-        out = jnp.einsum("nkd,nk->nd", y, weights)
-        mask = jnp.ones((b * t,), bool) if mask_BxT is None else mask_BxT.reshape(-1)
-        return out.reshape(b, t, d), record(ids, probs, logits, mask, (b, t))
+            out, ids, stats = local(x_BxTxD, mask, replay_ids_BxTxK, self.router[...],
+                                    experts)
+        return out, RouterRecord(ids, *stats)
+
+
+def _moe_local(moe: MoeConfig, dtype, x_BxTxD, mask_BxT, replay_BxTxK, router_DxE, experts,
+               axis: str | None = None, batch_axes: tuple[str, ...] = ()):
+    """One MoE layer on the rows at hand: ``(out [B, T, D], ids [B, T, k], (load_E,
+    prob_sum_E, z_sum, tokens))``. With ``axis`` (inside `shard_map`) ``experts`` are this
+    chip's slice: pairs are dispatched and combined over ``axis`` and the statistics
+    summed over ``batch_axes``."""
+    b, t, d = x_BxTxD.shape
+    x32 = x_BxTxD.reshape(b * t, d).astype(jnp.float32)
+    logits = jnp.dot(x32, router_DxE, preferred_element_type=jnp.float32)
+    replay = None if replay_BxTxK is None else replay_BxTxK.reshape(b * t, -1)
+    weights, ids, probs = route(logits, moe.experts_per_token, moe.norm_topk_prob, replay)
+    x = x32.astype(dtype)
+    rows, local_ids, local_w = x, ids, weights
+    if axis is not None:
+        rows, local_ids, local_w = moe_parallel.dispatch(x, ids, weights, experts[0].shape[0],
+                                                         axis)
+    if resolve_impl(moe.impl) == "ragged":
+        y = experts_ragged(rows, local_ids, *experts)
+    else:
+        pairs = local_ids.size
+        y = experts_tiled(rows, local_ids, *experts, tile_rows(pairs, experts[0].shape[0]))
+    out = jnp.einsum("nkd,nk->nd", y, local_w)
+    if axis is not None:
+        out = moe_parallel.combine(out, axis)
+    rec = record(ids, probs, logits, mask_BxT.reshape(-1), (b, t))
+    stats = (rec.load_E, rec.prob_sum_E, rec.z_sum, rec.tokens)
+    if batch_axes:
+        stats = jax.lax.psum(stats, batch_axes)
+    return out.reshape(b, t, d), rec.ids_BxTxK, stats
 
 
 def aux_loss(rec: RouterRecord) -> jax.Array:
