@@ -15,11 +15,13 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from rljax.models import Decoder, ModelConfig
 from rljax.models.config import MoeConfig
 from rljax.models.hf_config import config_from_hf
+from rljax.models.lora import LoraConfig
 from rljax.models.moe_parallel import expert_axis_size
 from rljax.sampling import generate
 from rljax.sharding import MeshConfig, batch_sharding, make_mesh, state_shardings
-from rljax.models.moe import (aux_loss, compact_ids, experts_ragged, experts_tiled, route,
-                              router_loss, router_metrics, tile_rows, z_loss)
+from rljax.models.moe import (aux_loss, compact_ids, experts_ragged, experts_tiled,
+                              mismatch_kl, route, router_loss, router_metrics, tile_rows,
+                              z_loss)
 
 TOL = 1e-5  # float32, same math in another summation order
 
@@ -90,7 +92,7 @@ def test_aux_loss_equals_transformers_and_z_loss_its_formula():
     padding mask); z-loss is mean(logsumexp^2) over real tokens."""
     logits = jax.random.normal(jax.random.key(7), (24, 4)) * 2
     mask = np.arange(24) % 5 != 0
-    _, ids, probs = route(logits, 2, True)
+    _, ids, probs, _ = route(logits, 2, True)
     from rljax.models.moe import record
 
     rec = jax.tree.map(lambda a: a[None], record(ids, probs, logits, jnp.asarray(mask), (4, 6)))
@@ -138,6 +140,9 @@ def test_config_refusals():
         MoeConfig(num_experts=2, experts_per_token=1, intermediate_size=4, impl="dense")
     with pytest.raises(ValueError, match="qwen3_moe"):
         dataclasses.replace(CFG, architecture="qwen3")
+    with pytest.raises(ValueError, match="attention projections"):
+        dataclasses.replace(CFG, lora=LoraConfig(rank=2))
+    assert dataclasses.replace(CFG, lora=LoraConfig(rank=2, targets=("q", "v"))).lora.rank == 2
     hf = dict(model_type="qwen2_moe", vocab_size=8, hidden_size=8, intermediate_size=8,
               num_hidden_layers=1, num_attention_heads=2, num_experts=4)
     with pytest.raises(ValueError, match="model_type"):
@@ -153,6 +158,9 @@ EP_CFG = dataclasses.replace(CFG, scan_layers=True,
                              moe=dataclasses.replace(MOE, num_experts=8, norm_topk_prob=False))
 EP_MESH = MeshConfig(data=2, fsdp=4, tensor=1)  # 2 experts a chip
 GRAD_TOL = 1e-5  # relative to the gradient norm (DESIGN.md testing policy)
+# One sampler setting for both sampler tests, so the one-device programs compile once.
+PROMPTS = [[5, 9, 2, 33], [11, 4], [40, 41, 42], [3]]
+SAMPLE = dict(max_new_tokens=8, num_samples=2)
 
 
 def _loss_and_grads(graphdef, state, ids, mask):
@@ -191,8 +199,51 @@ def test_expert_parallel_equals_one_device():
     assert np.allclose(np.asarray(rec_ep.load_E), np.asarray(rec.load_E))
     g1, g8 = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]) for g in (grads, grads_ep))
     assert np.abs(g8 - g1).max() <= GRAD_TOL * np.linalg.norm(g1)
-    kw = dict(key=jax.random.key(3), max_new_tokens=6, num_samples=2, top_k=20)
-    prompts = [[5, 9, 2, 33], [11], [40, 41, 42], [3, 3]]
-    ref = generate(model, prompts, **kw)
-    res = generate((graphdef, sharded), prompts, mesh=mesh, **kw)
+    ref = generate(model, PROMPTS, key=jax.random.key(3), **SAMPLE)
+    res = generate((graphdef, sharded), PROMPTS, key=jax.random.key(3), mesh=mesh, **SAMPLE)
     np.testing.assert_array_equal(np.asarray(res.tokens), np.asarray(ref.tokens))
+
+
+def _near_tied(model, eps):
+    """``model`` with every expert's router column the first one's plus ``eps``-relative
+    noise: router logits tied to float32 rounding, so top-k follows summation order."""
+    w = model.layers.mlp.router[...]  # stacked [L, D, E]
+    noise = jax.random.normal(jax.random.key(11), w.shape)
+    model.layers.mlp.router[...] = w[..., :1] * (1 + eps * noise)
+    return model
+
+
+def _learner_logp(graphdef, state, result, replay):
+    """The learner's log-probs of the sampled tokens: one full forward of the sequences
+    (as the trainer's), routed by the sampler's ids when ``replay``."""
+    ids, mask, pos = result.sequences()
+    model = nnx.merge(graphdef, state)
+    h, rec = model.routed_hidden_states(ids, pos, mask, replay_ids_LxBxTxK=(
+        result.expert_ids if replay else None))
+    p = result.prompt_tokens.shape[1]
+    logits = model.logits_from_hidden(h[:, p - 1:-1])
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), result.tokens[..., None], -1)[..., 0]
+    return logp, router_metrics(rec)["moe/routing_agreement"]
+
+
+def test_router_replay_makes_learner_logprobs_equal_the_samplers():
+    """Near-tied router logits: the sampler's cached decode and the learner's full forward
+    pick different experts for some tokens, and their log-probs differ; routed by the
+    sampler's recorded ids the learner's log-probs equal the sampler's (TOL)."""
+    model = _near_tied(Decoder(EP_CFG, rngs=nnx.Rngs(2)), 3e-7)
+    graphdef, state = nnx.split(model)
+    res = generate(model, PROMPTS, key=jax.random.key(4), **SAMPLE)
+    p = res.prompt_tokens.shape[1]
+    assert res.expert_ids.dtype == jnp.int8 and res.expert_ids.shape == (2, 8, p + 8, 2)
+    assert (np.asarray(res.expert_ids[:, :, -1]) == -1).all()  # the last token is never fed
+    learner = jax.jit(functools.partial(_learner_logp, graphdef), static_argnums=2)
+    m = np.asarray(res.completion_mask)
+    gaps, agreements = {}, {}
+    for replay in (False, True):
+        logp, agreements[replay] = learner(state, res, replay)
+        gaps[replay] = np.abs(np.asarray(logp) - np.asarray(res.logprobs))[m].max()
+        kl = mismatch_kl(res.logprobs, logp, m)
+        assert all(np.isfinite(float(v)) for v in kl.values())
+    assert gaps[True] <= TOL, gaps
+    assert gaps[False] > 100 * TOL, gaps  # the gap replay closes
+    assert float(agreements[True]) < 1.0  # the learner alone would have routed otherwise

@@ -139,7 +139,7 @@ class ModelConfig:
     lora: low-rank adapters on the projections (`rljax.models.lora.LoraConfig`), or None;
       a rank-0 config is stored as None (the model without adapters). Not written to
       config.json (an exported adapter folder has its own adapter_config.json).
-      Adapters sit on attention and on dense MLP layers; experts and routers stay frozen.
+      An MoE model takes adapters on attention only; experts and routers stay frozen.
     moe: `MoeConfig` for mixture-of-experts layers (architecture "qwen3_moe"), or None.
     """
 
@@ -218,6 +218,11 @@ class ModelConfig:
         if (self.moe is not None) != (self.architecture == "qwen3_moe"):
             raise ValueError(f"ModelConfig: architecture={self.architecture!r} with "
                              f"moe={self.moe!r}; a MoeConfig goes with 'qwen3_moe' only")
+        mlp_targets = set(self.lora.targets) & {"gate", "up", "down"} if self.lora else set()
+        if self.moe is not None and mlp_targets:
+            raise ValueError(f"ModelConfig.lora.targets={self.lora.targets!r} on an MoE model: "
+                             "experts and routers stay frozen; allowed: attention projections "
+                             "('q', 'k', 'v', 'o')")
         if self.moe is not None and self.scan_layers and len(set(self.moe_layers)) != 1:
             raise ValueError("ModelConfig.scan_layers=True needs every layer alike, but moe "
                              f"makes layers {self.moe_layers} MoE (True) or dense; set "

@@ -254,6 +254,14 @@ class Decoder(nnx.Module):
     def forward_cached(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike,
                        mask_BxT: ArrayLike, cache: KVCache, slot: ArrayLike,
                        prefix: KVCache | None = None) -> tuple[jax.Array, KVCache]:
+        """`forward_cached_routed` without the expert ids."""
+        return self.forward_cached_routed(input_ids_BxT, positions_BxT, mask_BxT, cache, slot,
+                                          prefix)[:2]
+
+    def forward_cached_routed(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike,
+                              mask_BxT: ArrayLike, cache: KVCache, slot: ArrayLike,
+                              prefix: KVCache | None = None,
+                              ) -> tuple[jax.Array, KVCache, jax.Array | None]:
         """Run T new tokens against the cache: returns (final hidden `[B,T,D]`, new cache).
 
         The new keys/values go to slots [slot, slot + T) (slot: int32 scalar shared by all
@@ -264,6 +272,9 @@ class Decoder(nnx.Module):
         prefix: a read-only cache of C rows (C divides B) that rows ``c B/C .. (c+1) B/C - 1``
         read before their own cache, e.g. the prompts of a sampled group, kept once per
         prompt instead of copied into every row; every query sees its valid slots.
+
+        Also returns the expert ids each MoE layer routed the T tokens to,
+        ``[L_moe, B, T, k]`` int32 (None for a dense model): what router replay records.
         """
         ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
         for name, c in (("cache", cache), ("prefix", prefix)):
@@ -297,14 +308,15 @@ class Decoder(nnx.Module):
                                                     prefix.valid_BxS)
         if self.config.scan_layers:
             return self._forward_cached_scanned(x, cos_sin, allowed, cache, slot, valid, gp)
-        keys, values = [], []
+        keys, values, routed = [], [], []
         for i, (layer, ck, cv) in enumerate(zip(self.layers, cache.keys, cache.values)):
-            x, (k, v), _ = layer(x, cos_sin, allowed, (ck, cv), slot, group_prefix=gp(i),
-                                 mask_BxT=mask)
+            x, (k, v), rec = layer(x, cos_sin, allowed, (ck, cv), slot, group_prefix=gp(i),
+                                   mask_BxT=mask)
             keys.append(k)
             values.append(v)
+            routed += [] if rec is None else [rec.ids_BxTxK]
         new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid_BxS=valid)
-        return self.final_norm(x), new_cache
+        return self.final_norm(x), new_cache, jnp.stack(routed) if routed else None
 
     def _forward_cached_scanned(self, x, cos_sin, allowed, cache, slot, valid, gp):
         """The cached forward of stacked layers: the `[L, ...]` cache rides in the scan's
@@ -316,9 +328,11 @@ class Decoder(nnx.Module):
 
         def body(layer, i, carry):
             h, k_L, v_L = carry
-            h, (k, v), _ = layer(h, cos_sin, allowed, (k_L[i], v_L[i]), slot, group_prefix=gp(i))
-            return h, k_L.at[i].set(k), v_L.at[i].set(v)
+            h, (k, v), rec = layer(h, cos_sin, allowed, (k_L[i], v_L[i]), slot,
+                                   group_prefix=gp(i))
+            return (h, k_L.at[i].set(k), v_L.at[i].set(v)), (None if rec is None
+                                                              else rec.ids_BxTxK)
 
-        x, k_L, v_L = scan_apply_indexed(self.layers, body, (x, cache.keys, cache.values),
-                                         self.config.num_layers)
-        return self.final_norm(x), KVCache(keys=k_L, values=v_L, valid_BxS=valid)
+        (x, k_L, v_L), routed = scan_apply_indexed(
+            self.layers, body, (x, cache.keys, cache.values), self.config.num_layers)
+        return self.final_norm(x), KVCache(keys=k_L, values=v_L, valid_BxS=valid), routed

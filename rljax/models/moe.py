@@ -30,6 +30,7 @@ from flax import nnx
 from rljax.models import moe_parallel
 from rljax.models.config import ModelConfig, MoeConfig
 from rljax.models.layers import compute_dtype, normal_param
+from rljax.objectives.kl import kl_estimate
 
 #: Logical axes of the stacked expert weights (`rljax.sharding.LOGICAL_RULES`).
 EXPERT_IN_AXES = ("expert", "expert_embed", "expert_mlp")
@@ -44,6 +45,8 @@ class RouterRecord:
 
     ids_BxTxK: the experts each position went to (int32; `compact_ids` stores them int16).
     load_E: routed token-expert choices per expert, over real tokens (sums to k tokens).
+    agree: routed choices (real tokens) that the router's own top-k holds too: with
+      replay, the choices the learner would have made itself; else every choice.
     prob_sum_E: router probabilities summed over real tokens.
     z_sum: sum over real tokens of logsumexp(router logits)^2.
     tokens: real tokens counted.
@@ -51,27 +54,34 @@ class RouterRecord:
 
     ids_BxTxK: jax.Array
     load_E: jax.Array
+    agree: jax.Array
     prob_sum_E: jax.Array
     z_sum: jax.Array
     tokens: jax.Array
 
 
 def route(logits_NxE: jax.Array, k: int, norm_topk_prob: bool,
-          replay_ids_NxK: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(gate weights ``[N, k]`` float32, expert ids ``[N, k]`` int32, probs ``[N, E]``).
+          replay_ids_NxK: jax.Array | None = None,
+          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(gate weights ``[N, k]`` float32, expert ids ``[N, k]`` int32, probs ``[N, E]``,
+    own top-k ids ``[N, k]``).
 
     Top-k of the float32 softmax (HF's `Qwen3MoeTopKRouter`), or the softmax gathered at
-    ``replay_ids_NxK`` when given; renormalised over the k when ``norm_topk_prob``.
+    ``replay_ids_NxK`` where given (a token whose replayed ids are negative, e.g. one the
+    sampler never fed, routes by its own top-k); renormalised over the k when
+    ``norm_topk_prob``.
     """
     probs = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    top_w, own = jax.lax.top_k(probs, k)
     if replay_ids_NxK is None:
-        weights, ids = jax.lax.top_k(probs, k)
+        weights, ids = top_w, own
     else:
-        ids = jnp.asarray(replay_ids_NxK, jnp.int32)
+        replay = jnp.asarray(replay_ids_NxK, jnp.int32)
+        ids = jnp.where(replay[:, :1] >= 0, replay, own)
         weights = jnp.take_along_axis(probs, ids, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32), probs
+    return weights, ids.astype(jnp.int32), probs, own
 
 
 def tile_rows(pairs: int, num_experts: int) -> int:
@@ -157,13 +167,17 @@ def resolve_impl(impl: str) -> str:
     return "tiled" if jax.default_backend() == "cpu" else "ragged"
 
 
-def record(ids_NxK, probs_NxE, logits_NxE, mask_N, shape_BxT) -> RouterRecord:
-    """The `RouterRecord` of one layer's routing, statistics over ``mask_N`` tokens."""
+def record(ids_NxK, probs_NxE, logits_NxE, mask_N, shape_BxT, own_NxK=None) -> RouterRecord:
+    """The `RouterRecord` of one layer's routing, statistics over ``mask_N`` tokens
+    (``own_NxK``: the router's own top-k, when ``ids_NxK`` were replayed)."""
     m = mask_N.astype(jnp.float32)
     e = probs_NxE.shape[-1]
     load = jnp.sum(jax.nn.one_hot(ids_NxK, e, dtype=jnp.float32) * m[:, None, None], (0, 1))
     z = jax.nn.logsumexp(logits_NxE.astype(jnp.float32), axis=-1)
+    own = ids_NxK if own_NxK is None else own_NxK
+    held = jnp.any(ids_NxK[:, :, None] == own[:, None, :], axis=-1)
     return RouterRecord(ids_BxTxK=ids_NxK.reshape(*shape_BxT, -1), load_E=load,
+                        agree=jnp.sum(held * m[:, None]),
                         prob_sum_E=jnp.sum(probs_NxE * m[:, None], 0),
                         z_sum=jnp.sum(jnp.square(z) * m), tokens=jnp.sum(m))
 
@@ -213,7 +227,8 @@ def _moe_local(moe: MoeConfig, dtype, x_BxTxD, mask_BxT, replay_BxTxK, router_Dx
     x32 = x_BxTxD.reshape(b * t, d).astype(jnp.float32)
     logits = jnp.dot(x32, router_DxE, preferred_element_type=jnp.float32)
     replay = None if replay_BxTxK is None else replay_BxTxK.reshape(b * t, -1)
-    weights, ids, probs = route(logits, moe.experts_per_token, moe.norm_topk_prob, replay)
+    weights, ids, probs, own = route(logits, moe.experts_per_token, moe.norm_topk_prob,
+                                     replay)
     x = x32.astype(dtype)
     rows, local_ids, local_w = x, ids, weights
     if axis is not None:
@@ -227,8 +242,8 @@ def _moe_local(moe: MoeConfig, dtype, x_BxTxD, mask_BxT, replay_BxTxK, router_Dx
     out = jnp.einsum("nkd,nk->nd", y, local_w)
     if axis is not None:
         out = moe_parallel.combine(out, axis)
-    rec = record(ids, probs, logits, mask_BxT.reshape(-1), (b, t))
-    stats = (rec.load_E, rec.prob_sum_E, rec.z_sum, rec.tokens)
+    rec = record(ids, probs, logits, mask_BxT.reshape(-1), (b, t), own)
+    stats = (rec.load_E, rec.agree, rec.prob_sum_E, rec.z_sum, rec.tokens)
     if batch_axes:
         stats = jax.lax.psum(stats, batch_axes)
     return out.reshape(b, t, d), rec.ids_BxTxK, stats
@@ -267,8 +282,24 @@ def router_metrics(rec: RouterRecord) -> dict[str, jax.Array]:
     load = jnp.sum(rec.load_E, axis=0)
     share = load / jnp.maximum(jnp.sum(load), 1.0)
     e = share.shape[-1]
+    k = rec.ids_BxTxK.shape[-1]
+    agreement = jnp.sum(rec.agree) / jnp.maximum(k * jnp.sum(rec.tokens), 1.0)
     return {"moe/aux_loss": aux_loss(rec), "moe/z_loss": z_loss(rec), "moe/load_E": share,
-            "moe/load_max_over_mean": jnp.max(share) * e}
+            "moe/load_max_over_mean": jnp.max(share) * e, "moe/routing_agreement": agreement}
+
+
+def mismatch_kl(sampler_logp: jax.Array, learner_logp: jax.Array,
+                mask: jax.Array) -> dict[str, jax.Array]:
+    """The sampler-learner mismatch both ways, from log-probs of tokens the sampler drew:
+    ``moe/kl_sampler_learner`` = KL(sampler || learner) (k3) and
+    ``moe/kl_learner_sampler`` = KL(learner || sampler) (k3 weighted by learner / sampler,
+    unbiased under the sampler's draws), means over ``mask``."""
+    m = jnp.asarray(mask, jnp.float32)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    fwd = kl_estimate(sampler_logp, learner_logp, "k3")
+    rev = kl_estimate(learner_logp, sampler_logp, "k3_ratio", old_logp=sampler_logp)
+    return {"moe/kl_sampler_learner": jnp.sum(fwd * m) / n,
+            "moe/kl_learner_sampler": jnp.sum(rev * m) / n}
 
 
 def compact_ids(ids: jax.Array, num_experts: int) -> jax.Array:
@@ -278,5 +309,5 @@ def compact_ids(ids: jax.Array, num_experts: int) -> jax.Array:
 
 
 __all__ = ["EXPERT_IN_AXES", "EXPERT_OUT_AXES", "MoeMLP", "RouterRecord", "aux_loss",
-           "compact_ids", "experts_ragged", "experts_tiled", "record", "resolve_impl",
+           "compact_ids", "experts_ragged", "experts_tiled", "mismatch_kl", "record", "resolve_impl",
            "route", "router_loss", "router_metrics", "tile_rows", "z_loss"]

@@ -79,12 +79,13 @@ def scan_apply(layers: nnx.Module, body: Callable, carry, remat: str = "none", x
 
 
 def scan_apply_indexed(layers: nnx.Module, body: Callable, carry, num_layers: int):
-    """Like `scan_apply` (no remat), but `body(layer_i, i, carry)` also gets the layer
-    index (an int32 scalar), to read and write per-layer slices of arrays in the carry."""
+    """Like `scan_apply` (no remat, no xs), but ``carry, y = body(layer_i, i, carry)`` also
+    gets the layer index (an int32 scalar), to read and write per-layer slices of arrays
+    in the carry; returns ``(carry, ys)``."""
     graphdef, state = nnx.split(layers)
 
     def step(c, xs):
         layer_state, i = xs
-        return body(nnx.merge(graphdef, layer_state), i, c), None
+        return body(nnx.merge(graphdef, layer_state), i, c)
 
-    return jax.lax.scan(step, carry, (state, jnp.arange(num_layers, dtype=jnp.int32)))[0]
+    return jax.lax.scan(step, carry, (state, jnp.arange(num_layers, dtype=jnp.int32)))
