@@ -117,8 +117,10 @@ def test_replay_routes_by_given_ids_and_router_still_learns():
         h, rec = nnx.merge(graphdef, st).routed_hidden_states(ids, replay_ids_LxBxTxK=replay)
         return h, rec.ids_BxTxK
 
-    h, own = jax.jit(lambda st: forward(st, None))(state)
-    assert own.shape == (2, 2, 7, 2)
+    unset = jnp.full((2, 2, 7, 2), -1, jnp.int8)  # -1: every token routes by its own top-k
+    h, own = forward(state, unset)
+    h_plain = jax.jit(lambda st: nnx.merge(graphdef, st).routed_hidden_states(ids)[0])(state)
+    assert own.shape == (2, 2, 7, 2) and float(jnp.abs(h - h_plain).max()) <= TOL
     h_same, _ = forward(state, own)
     assert float(jnp.abs(h_same - h).max()) == 0.0
     flipped = (own + 1) % 4  # other experts everywhere
@@ -213,17 +215,25 @@ def _near_tied(model, eps):
     return model
 
 
-def _learner_logp(graphdef, state, result, replay):
+def _learner_logp(graphdef, state, result, replay, shared_prompt=False):
     """The learner's log-probs of the sampled tokens: one full forward of the sequences
-    (as the trainer's), routed by the sampler's ids when ``replay``."""
+    (as the trainer's), or each group's prompt once (``shared_prompt``,
+    `Decoder.grouped_hidden_states`), routed by the sampler's ids when ``replay``."""
     ids, mask, pos = result.sequences()
     model = nnx.merge(graphdef, state)
-    h, rec = model.routed_hidden_states(ids, pos, mask, replay_ids_LxBxTxK=(
-        result.expert_ids if replay else None))
-    p = result.prompt_tokens.shape[1]
-    logits = model.logits_from_hidden(h[:, p - 1:-1])
+    p, g = result.prompt_tokens.shape[1], SAMPLE["num_samples"]
+    replay_ids = result.expert_ids if replay else None
+    if shared_prompt:
+        hp, hc = model.grouped_hidden_states(
+            result.prompt_tokens[::g], result.prompt_mask[::g], result.tokens[:, :-1],
+            result.completion_mask[:, :-1], replay_ids_LxBxSxK=replay_ids)
+        h, agreement = jnp.concatenate([jnp.repeat(hp[:, -1:], g, 0), hc], 1), jnp.nan
+    else:
+        h, rec = model.routed_hidden_states(ids, pos, mask, replay_ids_LxBxTxK=replay_ids)
+        h, agreement = h[:, p - 1:-1], router_metrics(rec)["moe/routing_agreement"]
+    logits = model.logits_from_hidden(h)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits), result.tokens[..., None], -1)[..., 0]
-    return logp, router_metrics(rec)["moe/routing_agreement"]
+    return logp, agreement
 
 
 def test_router_replay_makes_learner_logprobs_equal_the_samplers():
@@ -236,7 +246,7 @@ def test_router_replay_makes_learner_logprobs_equal_the_samplers():
     p = res.prompt_tokens.shape[1]
     assert res.expert_ids.dtype == jnp.int8 and res.expert_ids.shape == (2, 8, p + 8, 2)
     assert (np.asarray(res.expert_ids[:, :, -1]) == -1).all()  # the last token is never fed
-    learner = jax.jit(functools.partial(_learner_logp, graphdef), static_argnums=2)
+    learner = jax.jit(functools.partial(_learner_logp, graphdef), static_argnums=(2, 3))
     m = np.asarray(res.completion_mask)
     gaps, agreements = {}, {}
     for replay in (False, True):
@@ -247,3 +257,5 @@ def test_router_replay_makes_learner_logprobs_equal_the_samplers():
     assert gaps[True] <= TOL, gaps
     assert gaps[False] > 100 * TOL, gaps  # the gap replay closes
     assert float(agreements[True]) < 1.0  # the learner alone would have routed otherwise
+    shared = learner(state, res, True, True)[0]  # each group's prompt once, replayed
+    assert np.abs(np.asarray(shared) - np.asarray(res.logprobs))[m].max() <= TOL

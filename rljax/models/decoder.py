@@ -199,7 +199,8 @@ class Decoder(nnx.Module):
 
     def grouped_hidden_states(self, prompt_NxP: ArrayLike, prompt_mask_NxP: ArrayLike,
                               input_ids_BxT: ArrayLike, mask_BxT: ArrayLike, *,
-                              remat: bool = False) -> tuple[jax.Array, jax.Array]:
+                              remat: bool = False, replay_ids_LxBxSxK: ArrayLike | None = None,
+                              ) -> tuple[jax.Array, jax.Array]:
         """`hidden_states` of ``concat(prompt_n, row_b)`` with each prompt computed once.
 
         Rows ``n G .. n G + G - 1`` (G = B / N) follow prompt n (`rljax.models.grouped`).
@@ -209,6 +210,9 @@ class Decoder(nnx.Module):
         "splash"; `remat` as in `hidden_states`. On a mesh with more batch shards than
         prompts each prompt runs as one copy per shard holding its rows
         (`grouped.prompt_copies`), so no keys or values cross chips.
+        ``replay_ids_LxBxSxK``: router replay ids in the columns of ``concat(prompt, row)``
+        (``S >= P + T``; `rljax.sampling.SampleResult.expert_ids`): each group's first row
+        gives its prompt's, every row its own columns ``P .. P + T - 1``.
         """
         pids, ids = jnp.asarray(prompt_NxP), jnp.asarray(input_ids_BxT)
         g = grouped.check_groups(pids, prompt_mask_NxP, ids, mask_BxT)
@@ -222,14 +226,20 @@ class Decoder(nnx.Module):
         cs_p = rope_cos_sin(c, default_positions(pm))
         cs_c = rope_cos_sin(c, grouped.completion_positions(pm_B, cm))
 
-        def body(layer, xs, _):
-            xp, xc = xs
-            xp, (kp, vp), _ = layer(xp, cs_p, allowed_p)
+        replay = None
+        if replay_ids_LxBxSxK is not None:
+            r, p = jnp.asarray(replay_ids_LxBxSxK), pids.shape[1]
+            replay = (jax.vmap(lambda a: grouped.repeat_rows(a, k))(r[:, ::g, :p]),
+                      r[:, :, p:p + ids.shape[1]])
+
+        def body(layer, xs, rep):
+            (xp, xc), (rp, rc) = xs, rep or (None, None)
+            xp, (kp, vp), _ = layer(xp, cs_p, allowed_p, replay_ids_BxTxK=rp)
             prefix = (grouped.repeat_rows(kp, g // k), grouped.repeat_rows(vp, g // k))
-            return (xp, layer(xc, cs_c, allowed_c, prefix_kv=prefix)[0]), None
+            return (xp, layer(xc, cs_c, allowed_c, prefix_kv=prefix, replay_ids_BxTxK=rc)[0]), None
 
         (xp, xc), _ = self._apply_layers(body, (self._embed(pids), self._embed(ids)),
-                                         effective_remat(c.remat, remat))
+                                         effective_remat(c.remat, remat), replay)
         return self.final_norm(xp)[::k], self.final_norm(xc)
 
     def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
