@@ -19,6 +19,7 @@ from rljax.models.lora import LoraConfig
 from rljax.models.moe_parallel import expert_axis_size
 from rljax.sampling import generate
 from rljax.sharding import MeshConfig, batch_sharding, make_mesh, state_shardings
+from rljax.train.learn.logprobs import REPLAY_KEY, policy_logprobs
 from rljax.models.moe import (aux_loss, compact_ids, experts_ragged, experts_tiled,
                               mismatch_kl, route, router_loss, router_metrics, tile_rows,
                               z_loss)
@@ -215,25 +216,22 @@ def _near_tied(model, eps):
     return model
 
 
-def _learner_logp(graphdef, state, result, replay, shared_prompt=False):
-    """The learner's log-probs of the sampled tokens: one full forward of the sequences
-    (as the trainer's), or each group's prompt once (``shared_prompt``,
-    `Decoder.grouped_hidden_states`), routed by the sampler's ids when ``replay``."""
+def _learner_logp(graphdef, state, result, group):
+    """The learner's log-probs of the sampled tokens (`policy_logprobs`, the trainer's
+    forward; ``group`` G: each group's prompt once), with the sampler's expert ids in its
+    batch: routed by them when the graphdef's config says router_replay="replay"."""
+    seqs = {"prompt_BxP": result.prompt_tokens, "prompt_mask_BxP": result.prompt_mask,
+            "completion_BxT": result.tokens, "completion_mask_BxT": result.completion_mask,
+            REPLAY_KEY: result.expert_ids}
+    return policy_logprobs(graphdef, state, seqs, chunk=8, group=group)[0]
+
+
+def _agreement(graphdef, state, result):
+    """`moe/routing_agreement` of a full forward replaying the sampler's ids."""
     ids, mask, pos = result.sequences()
-    model = nnx.merge(graphdef, state)
-    p, g = result.prompt_tokens.shape[1], SAMPLE["num_samples"]
-    replay_ids = result.expert_ids if replay else None
-    if shared_prompt:
-        hp, hc = model.grouped_hidden_states(
-            result.prompt_tokens[::g], result.prompt_mask[::g], result.tokens[:, :-1],
-            result.completion_mask[:, :-1], replay_ids_LxBxSxK=replay_ids)
-        h, agreement = jnp.concatenate([jnp.repeat(hp[:, -1:], g, 0), hc], 1), jnp.nan
-    else:
-        h, rec = model.routed_hidden_states(ids, pos, mask, replay_ids_LxBxTxK=replay_ids)
-        h, agreement = h[:, p - 1:-1], router_metrics(rec)["moe/routing_agreement"]
-    logits = model.logits_from_hidden(h)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), result.tokens[..., None], -1)[..., 0]
-    return logp, agreement
+    rec = nnx.merge(graphdef, state).routed_hidden_states(
+        ids, pos, mask, replay_ids_LxBxTxK=jnp.swapaxes(result.expert_ids, 0, 1))[1]
+    return router_metrics(rec)["moe/routing_agreement"]
 
 
 def test_router_replay_makes_learner_logprobs_equal_the_samplers():
@@ -244,18 +242,20 @@ def test_router_replay_makes_learner_logprobs_equal_the_samplers():
     graphdef, state = nnx.split(model)
     res = generate(model, PROMPTS, key=jax.random.key(4), **SAMPLE)
     p = res.prompt_tokens.shape[1]
-    assert res.expert_ids.dtype == jnp.int8 and res.expert_ids.shape == (2, 8, p + 8, 2)
+    assert res.expert_ids.dtype == jnp.int8 and res.expert_ids.shape == (8, 2, p + 8, 2)
     assert (np.asarray(res.expert_ids[:, :, -1]) == -1).all()  # the last token is never fed
-    learner = jax.jit(functools.partial(_learner_logp, graphdef), static_argnums=(2, 3))
+    replaying = dataclasses.replace(EP_CFG, moe=dataclasses.replace(EP_CFG.moe,
+                                                                    router_replay="replay"))
+    graphdef_replay = nnx.split(nnx.eval_shape(lambda: Decoder(replaying, rngs=nnx.Rngs(0))))[0]
+    learner = jax.jit(_learner_logp, static_argnums=(0, 3))
     m = np.asarray(res.completion_mask)
-    gaps, agreements = {}, {}
-    for replay in (False, True):
-        logp, agreements[replay] = learner(state, res, replay)
-        gaps[replay] = np.abs(np.asarray(logp) - np.asarray(res.logprobs))[m].max()
+    gaps = {}
+    for gd, group in ((graphdef, 1), (graphdef_replay, 1), (graphdef_replay, 2)):
+        logp = learner(gd, state, res, group)
+        gaps[gd is graphdef_replay, group] = np.abs(np.asarray(logp - res.logprobs))[m].max()
         kl = mismatch_kl(res.logprobs, logp, m)
         assert all(np.isfinite(float(v)) for v in kl.values())
-    assert gaps[True] <= TOL, gaps
-    assert gaps[False] > 100 * TOL, gaps  # the gap replay closes
-    assert float(agreements[True]) < 1.0  # the learner alone would have routed otherwise
-    shared = learner(state, res, True, True)[0]  # each group's prompt once, replayed
-    assert np.abs(np.asarray(shared) - np.asarray(res.logprobs))[m].max() <= TOL
+    assert gaps[True, 1] <= TOL and gaps[True, 2] <= TOL, gaps
+    assert gaps[False, 1] > 100 * TOL, gaps  # the gap replay closes
+    agreement = jax.jit(_agreement, static_argnums=0)(graphdef, state, res)
+    assert float(agreement) < 1.0  # the learner alone would have routed otherwise

@@ -33,7 +33,7 @@ class SampleResult:
       sampled from (temperature, top-k, top-p; 0 for greedy and where masked).
     prompt_index: int32 ``[R]``, which input prompt each row continues (``row // G``).
     expert_ids: an MoE model's routing, for router replay: int8 / int16
-      ``[L_moe, R, P + N, k]`` in `sequences`' columns, the experts each MoE layer sent
+      ``[R, L_moe, P + N, k]`` in `sequences`' columns, the experts each MoE layer sent
       each prompt and completion token to; -1 where a token was never fed (the last
       completion column). None for a dense model.
     """

@@ -119,7 +119,7 @@ class DecodeState:
     step: int32 scalar, tokens drawn so far. slot: the cache slot of ``last_R``.
     last_R: the token to feed next; feed_pos_R: its position. done_R: emitted a stop id.
     lengths_R: completion lengths so far. tokens/logp/sampling_logp: ``[R, N]`` outputs.
-    experts_LxRxNxK: an MoE model's expert ids of each fed completion token, per MoE layer
+    experts_RxLxNxK: an MoE model's expert ids of each fed completion token, per MoE layer
       (int8 / int16, -1 where none was fed; `rljax.models.moe.compact_ids`); None for a
       dense model.
     """
@@ -135,7 +135,7 @@ class DecodeState:
     tokens_RxN: jax.Array
     logp_RxN: jax.Array
     sampling_logp_RxN: jax.Array
-    experts_LxRxNxK: jax.Array | None = None
+    experts_RxLxNxK: jax.Array | None = None
 
 
 def constrain(x, mesh, names):
@@ -161,8 +161,8 @@ def constrain_rows(s, mesh):
     rows = {f.name: constrain(getattr(s, f.name), mesh,
                               ("batch",) + (None,) * (getattr(s, f.name).ndim - 1))
             for f in dataclasses.fields(s) if f.name.endswith(("_R", "_RxN", "_RxT", "_RxL"))}
-    if getattr(s, "experts_LxRxNxK", None) is not None:
-        rows["experts_LxRxNxK"] = constrain(s.experts_LxRxNxK, mesh, (None, "batch", None, None))
+    if getattr(s, "experts_RxLxNxK", None) is not None:
+        rows["experts_RxLxNxK"] = constrain(s.experts_RxLxNxK, mesh, ("batch", None, None, None))
     return dataclasses.replace(s, cache=constrain_cache(s.cache, mesh), **rows)
 
 
@@ -170,9 +170,9 @@ def _record_experts(s: DecodeState, routed_LxRx1xK) -> DecodeState:
     """The fed token's expert ids (completion token ``step - 1``) written into ``s``."""
     if routed_LxRx1xK is None:
         return s
-    buf = s.experts_LxRxNxK
-    col = routed_LxRx1xK.astype(buf.dtype)
-    return dataclasses.replace(s, experts_LxRxNxK=jax.lax.dynamic_update_slice(
+    buf = s.experts_RxLxNxK
+    col = jnp.swapaxes(routed_LxRx1xK, 0, 1).astype(buf.dtype)
+    return dataclasses.replace(s, experts_RxLxNxK=jax.lax.dynamic_update_slice(
         buf, col, (0, 0, s.step - 1, 0)))
 
 
@@ -267,25 +267,25 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
         done_R=jnp.zeros((r,), bool), lengths_R=jnp.zeros((r,), jnp.int32),
         tokens_RxN=jnp.full((r, n), spec.pad_id, jnp.int32),
         logp_RxN=zeros_RxN, sampling_logp_RxN=zeros_RxN,
-        experts_LxRxNxK=_expert_buffer(model.config, routed_LxBxPxK, r, n),
+        experts_RxLxNxK=_expert_buffer(model.config, routed_LxBxPxK, r, n),
     )
     tok, lp, slp = sample_tokens_sharded(jax.random.fold_in(key, 0),
                                          _repeat_rows(logits_VxB, g, axis=1), spec.params, mesh)
     s = constrain_rows(_record(s, spec, None, tok, lp, slp), mesh)
     prompt = tuple(_repeat_rows(x, g) for x in (tokens_BxP, mask_BxP, pos_BxP))
     if routed_LxBxPxK is not None:
-        routed = compact_ids(routed_LxBxPxK, model.config.moe.num_experts)
-        prompt += (constrain(_repeat_rows(routed, g, axis=1), mesh, (None, "batch", None, None)),)
+        routed = jnp.swapaxes(compact_ids(routed_LxBxPxK, model.config.moe.num_experts), 0, 1)
+        prompt += (constrain(_repeat_rows(routed, g), mesh, ("batch", None, None, None)),)
     return s, prefix, prompt
 
 
 def _expert_buffer(config, routed_LxBxPxK, r: int, n: int):
-    """The completion tokens' expert-id buffer ``[L, R, N, k]`` of -1 (None when dense)."""
+    """The completion tokens' expert-id buffer ``[R, L, N, k]`` of -1 (None when dense)."""
     if routed_LxBxPxK is None:
         return None
     l, _, _, k = routed_LxBxPxK.shape
     dtype = compact_ids(routed_LxBxPxK[:0], config.moe.num_experts).dtype
-    return jnp.full((l, r, n, k), -1, dtype)
+    return jnp.full((r, l, n, k), -1, dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
@@ -389,7 +389,7 @@ def sample_arrays(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxP, mask_Bx
         lengths=s.lengths_R, truncated=~s.done_R,
         logprobs=s.logp_RxN, sampling_logprobs=s.sampling_logp_RxN,
         prompt_index=prompt_index_R,
-        expert_ids=(jnp.concatenate([pexperts[0], s.experts_LxRxNxK], axis=2) if pexperts
+        expert_ids=(jnp.concatenate([pexperts[0], s.experts_RxLxNxK], axis=2) if pexperts
                     else None),
     )
 
