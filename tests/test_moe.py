@@ -14,11 +14,12 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from rljax.models import Decoder, ModelConfig
 from rljax.models.config import MoeConfig
-from rljax.models.hf_config import config_from_hf
+from rljax.models.hf_config import config_from_hf, config_to_hf
 from rljax.models.lora import LoraConfig
 from rljax.models.moe_parallel import expert_axis_size
 from rljax.sampling import generate
 from rljax.sharding import MeshConfig, batch_sharding, make_mesh, state_shardings
+from rljax.train.config.dicts import config_from_dict, config_to_dict
 from rljax.train.learn.logprobs import REPLAY_KEY, policy_logprobs
 from rljax.models.moe import (aux_loss, compact_ids, experts_ragged, experts_tiled,
                               mismatch_kl, route, router_loss, router_metrics, tile_rows,
@@ -133,7 +134,11 @@ def test_replay_routes_by_given_ids_and_router_still_learns():
     assert compact_ids(flipped, 300).dtype == jnp.int16
 
 
-def test_config_refusals():
+def test_config_round_trips_and_refusals():
+    moe = dataclasses.replace(MOE, mlp_only_layers=(1,), router_replay="replay")
+    cfg = dataclasses.replace(CFG, moe=moe)
+    assert config_from_dict(ModelConfig, config_to_dict(cfg)) == cfg  # a run's config.json
+    assert config_from_hf(config_to_hf(cfg)).moe == dataclasses.replace(moe, router_replay="off")
     with pytest.raises(ValueError, match="scan_layers"):
         dataclasses.replace(CFG, scan_layers=True,
                             moe=dataclasses.replace(MOE, mlp_only_layers=(0,)))
