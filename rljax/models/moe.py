@@ -219,8 +219,8 @@ class MoeMLP(nnx.Module):
 
 def _moe_local(moe: MoeConfig, dtype, x_BxTxD, mask_BxT, replay_BxTxK, router_DxE, experts,
                axis: str | None = None, batch_axes: tuple[str, ...] = ()):
-    """One MoE layer on the rows at hand: ``(out [B, T, D], ids [B, T, k], (load_E,
-    prob_sum_E, z_sum, tokens))``. With ``axis`` (inside `shard_map`) ``experts`` are this
+    """One MoE layer on the rows at hand: ``(out [B, T, D], ids [B, T, k], (load_E, agree,
+    prob_sum_E, z_sum, tokens))`` (the `RouterRecord` fields). With ``axis`` (inside `shard_map`) ``experts`` are this
     chip's slice: pairs are dispatched and combined over ``axis`` and the statistics
     summed over ``batch_axes``."""
     b, t, d = x_BxTxD.shape
