@@ -21,7 +21,7 @@ from rljax.sampling import generate
 from rljax.sharding import MeshConfig, batch_sharding, make_mesh, state_shardings
 from rljax.train.config.dicts import config_from_dict, config_to_dict
 from rljax.train.learn.logprobs import REPLAY_KEY, policy_logprobs
-from rljax.models.moe import (aux_loss, compact_ids, experts_ragged, experts_tiled,
+from rljax.models.moe import (active_params, aux_loss, compact_ids, experts_ragged, experts_tiled,
                               mismatch_kl, route, router_loss, router_metrics, tile_rows,
                               z_loss)
 
@@ -137,6 +137,12 @@ def test_config_round_trips_and_refusals():
     cfg = dataclasses.replace(CFG, moe=moe)
     assert config_from_dict(ModelConfig, config_to_dict(cfg)) == cfg  # a run's config.json
     assert config_from_hf(config_to_hf(cfg)).moe == dataclasses.replace(moe, router_replay="off")
+    # Active parameters: the dense model of MLP width k F plus the routers.
+    dense = dataclasses.replace(CFG, architecture="qwen3", moe=None, intermediate_size=32)
+    count = lambda c: sum(x.size for x in jax.tree.leaves(
+        nnx.state(nnx.eval_shape(lambda: Decoder(c, rngs=nnx.Rngs(0))), nnx.Param)))
+    assert active_params(count(CFG), CFG) == count(dense) + 2 * 32 * 4
+    assert active_params(count(dense), dense) == count(dense)
     with pytest.raises(ValueError, match="scan_layers"):
         dataclasses.replace(CFG, scan_layers=True,
                             moe=dataclasses.replace(MOE, mlp_only_layers=(0,)))

@@ -302,12 +302,24 @@ def mismatch_kl(sampler_logp: jax.Array, learner_logp: jax.Array,
             "moe/kl_learner_sampler": jnp.sum(rev * m) / n}
 
 
+def active_params(num_params: int, config: ModelConfig) -> int:
+    """The parameters one token computes with (what FLOPs and MFU count): ``num_params``
+    (the model's total) less, in each MoE layer, the ``E - k`` experts it is not routed
+    to; ``num_params`` itself for a dense model."""
+    if config.moe is None:
+        return num_params
+    m = config.moe
+    idle = 3 * config.hidden_size * m.intermediate_size * (m.num_experts - m.experts_per_token)
+    return num_params - idle * sum(config.moe_layers)
+
+
 def compact_ids(ids: jax.Array, num_experts: int) -> jax.Array:
     """Expert ids in the smallest integer dtype that holds them (int8 below 128 experts,
     else int16): what a sampler keeps per position and MoE layer."""
     return ids.astype(jnp.int8 if num_experts <= 127 else jnp.int16)
 
 
-__all__ = ["EXPERT_IN_AXES", "EXPERT_OUT_AXES", "MoeMLP", "RouterRecord", "aux_loss",
+__all__ = ["EXPERT_IN_AXES", "EXPERT_OUT_AXES", "MoeMLP", "RouterRecord", "active_params",
+           "aux_loss",
            "compact_ids", "experts_ragged", "experts_tiled", "mismatch_kl", "record", "resolve_impl",
            "route", "router_loss", "router_metrics", "tile_rows", "z_loss"]
