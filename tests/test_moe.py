@@ -20,6 +20,7 @@ from rljax.models.moe_parallel import expert_axis_size
 from rljax.sampling import generate
 from rljax.sharding import MeshConfig, batch_sharding, make_mesh, state_shardings
 from rljax.train.config.dicts import config_from_dict, config_to_dict
+from rljax.train.learn import packing
 from rljax.train.learn.logprobs import REPLAY_KEY, policy_logprobs
 from rljax.models.moe import (active_params, aux_loss, compact_ids, experts_ragged, experts_tiled,
                               mismatch_kl, route, router_loss, router_metrics, tile_rows,
@@ -225,13 +226,19 @@ def _near_tied(model, eps):
     return model
 
 
-def _learner_logp(graphdef, state, result, group):
+def _learner_logp(graphdef, state, result, group, packed=False):
     """The learner's log-probs of the sampled tokens (`policy_logprobs`, the trainer's
-    forward; ``group`` G: each group's prompt once), with the sampler's expert ids in its
-    batch: routed by them when the graphdef's config says router_replay="replay"."""
+    forward; ``group`` G: each group's prompt once; ``packed``: rows packed by length,
+    `rljax.train.learn.packing`), with the sampler's expert ids in its batch: routed by
+    them when the graphdef's config says router_replay="replay"."""
     seqs = {"prompt_BxP": result.prompt_tokens, "prompt_mask_BxP": result.prompt_mask,
             "completion_BxT": result.tokens, "completion_mask_BxT": result.completion_mask,
             REPLAY_KEY: result.expert_ids}
+    if packed:
+        width = seqs["prompt_BxP"].shape[1] + seqs["completion_BxT"].shape[1]
+        spec = packing.choose_spec(8, 4 * width, width, 1)  # 4 packed rows a micro-batch
+        batch = {**seqs, **packing.make_plan(seqs, spec)}
+        return packing.packed_logprobs(graphdef, state, batch, spec, chunk=8, temperature=1.0)
     return policy_logprobs(graphdef, state, seqs, chunk=8, group=group)[0]
 
 
@@ -256,15 +263,18 @@ def test_router_replay_makes_learner_logprobs_equal_the_samplers():
     replaying = dataclasses.replace(EP_CFG, moe=dataclasses.replace(EP_CFG.moe,
                                                                     router_replay="replay"))
     graphdef_replay = nnx.split(nnx.eval_shape(lambda: Decoder(replaying, rngs=nnx.Rngs(0))))[0]
-    learner = jax.jit(_learner_logp, static_argnums=(0, 3))
+    learner = jax.jit(_learner_logp, static_argnums=(0, 3, 4))
     m = np.asarray(res.completion_mask)
     gaps = {}
-    for gd, group in ((graphdef, 1), (graphdef_replay, 1), (graphdef_replay, 2)):
-        logp = learner(gd, state, res, group)
-        gaps[gd is graphdef_replay, group] = np.abs(np.asarray(logp - res.logprobs))[m].max()
+    for gd, group, packed in ((graphdef, 1, False), (graphdef_replay, 1, False),
+                              (graphdef_replay, 2, False), (graphdef, 1, True),
+                              (graphdef_replay, 1, True)):
+        logp = learner(gd, state, res, group, packed)
+        gaps[gd is graphdef_replay, group + 10 * packed] = np.abs(
+            np.asarray(logp - res.logprobs))[m].max()
         kl = mismatch_kl(res.logprobs, logp, m)
         assert all(np.isfinite(float(v)) for v in kl.values())
-    assert gaps[True, 1] <= TOL and gaps[True, 2] <= TOL, gaps
-    assert gaps[False, 1] > 100 * TOL, gaps  # the gap replay closes
+    assert gaps[True, 1] <= TOL and gaps[True, 2] <= TOL and gaps[True, 11] <= TOL, gaps
+    assert gaps[False, 1] > 100 * TOL and gaps[False, 11] > 100 * TOL, gaps  # what replay closes
     agreement = jax.jit(_agreement, static_argnums=0)(graphdef, state, res)
     assert float(agreement) < 1.0  # the learner alone would have routed otherwise
