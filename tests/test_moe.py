@@ -278,3 +278,19 @@ def test_router_replay_makes_learner_logprobs_equal_the_samplers():
     assert gaps[False, 1] > 100 * TOL and gaps[False, 11] > 100 * TOL, gaps  # what replay closes
     agreement = jax.jit(_agreement, static_argnums=0)(graphdef, state, res)
     assert float(agreement) < 1.0  # the learner alone would have routed otherwise
+
+
+def test_router_replay_with_lora_adapters():
+    """LoRA (adapters on attention, experts frozen): the replayed learner equals the
+    sampler with the adapters on (their B drawn non-zero, so they change the function)."""
+    lora = LoraConfig(rank=2, targets=("q", "v"))
+    cfg = dataclasses.replace(EP_CFG, lora=lora, moe=dataclasses.replace(
+        EP_CFG.moe, router_replay="replay"))
+    model = _near_tied(Decoder(cfg, rngs=nnx.Rngs(5)), 3e-7)
+    for pair in (model.layers.attn.q_lora, model.layers.attn.v_lora):
+        pair.b[...] = 0.1 * jax.random.normal(jax.random.key(6), pair.b[...].shape)
+    graphdef, state = nnx.split(model)
+    res = generate(model, PROMPTS, key=jax.random.key(7), **SAMPLE)
+    logp = jax.jit(_learner_logp, static_argnums=(0, 3))(graphdef, state, res, 2)
+    m = np.asarray(res.completion_mask)
+    assert np.abs(np.asarray(logp - res.logprobs))[m].max() <= TOL
