@@ -13,6 +13,7 @@ from rljax.models import ModelConfig, from_pretrained
 
 grpo = load_experiment("bench_grpo_step")
 train = load_experiment("bench_train_step")
+moe = load_experiment("bench_moe")
 bench = sys.modules["_bench"]
 HAS_TRL = importlib.util.find_spec("trl") is not None
 
@@ -106,3 +107,10 @@ def test_grpo_step_without_trl_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", None)  # import trl -> ImportError
     with pytest.raises(SystemExit, match=r"pip install -e \.\[bench\]"):
         grpo.main(["--quick"])
+
+
+def test_bench_moe_quick_prints_its_result(capsys):
+    out = moe.main(["--quick", "--reps", "1", "--batch", "2", "--seq", "32"])
+    assert set(out) == {"moe_s", "dense_active_s", "ratio", "flops_over_active"}
+    assert _result(capsys.readouterr().out.strip().splitlines()[-1]) == pytest.approx(
+        {k: float(f"{v:.4g}") for k, v in out.items()})

@@ -14,9 +14,12 @@ import torch
 import transformers
 from flax import nnx
 
+from _hf_parity import PARITY_TOL
+from _hf_parity import hf_logits as _hf_logits
+from _hf_parity import logits as _logits
+from _hf_parity import max_diff as _max_diff
 from rljax.models import Decoder, ModelConfig, from_pretrained, save_pretrained
 
-PARITY_TOL = 1e-4  # float32 logits vs transformers (issue 3 acceptance)
 SHARD_TOL = 1e-5  # sharded vs single-device load
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2)
@@ -37,20 +40,6 @@ def _hf_model(cls, seed=0, **kw):
 
 def _ids(t=9, b=2, seed=0):
     return np.random.default_rng(seed).integers(0, SMALL["vocab_size"], (b, t))
-
-
-@nnx.jit
-def _logits(model, ids):
-    return model(ids)
-
-
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.numpy()
-
-
-def _max_diff(a, b):
-    return float(np.abs(np.asarray(a) - np.asarray(b)).max())
 
 
 CASES = {

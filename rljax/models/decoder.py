@@ -15,6 +15,7 @@ from rljax.models.embedding import lookup
 from rljax.models.kv_cache import KVCache, init_kv_cache
 from rljax.models.layers import MLP, RMSNorm, compute_dtype, normal_param, rope_cos_sin
 from rljax.models.lora import lora_rngs
+from rljax.models.moe import MoeMLP, RouterRecord
 from rljax.models.scanned import (effective_remat, remat_policy, scan_apply, scan_apply_indexed,
                                   stacked)
 from rljax.sharding import constrain_logical
@@ -36,26 +37,36 @@ def constrain_residual(x_BxTxD: jax.Array) -> jax.Array:
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    ``lora_rngs``: the adapters' key stream when ``config.lora`` is set."""
+    ``lora_rngs``: the adapters' key stream when ``config.lora`` is set. ``moe``: the
+    feed-forward is a mixture of experts (`rljax.models.moe.MoeMLP`)."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs,
-                 lora_rngs: nnx.Rngs | None = None) -> None:
+                 lora_rngs: nnx.Rngs | None = None, moe: bool = False) -> None:
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, rngs, lora_rngs)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, rngs, lora_rngs)
+        self.mlp = MoeMLP(config, rngs) if moe else MLP(config, rngs, lora_rngs)
 
     def __call__(self, x: jax.Array, cos_sin: tuple[jax.Array, jax.Array], allowed: jax.Array,
                  cache_kv: tuple[jax.Array, jax.Array] | None = None,
                  slot: jax.Array | int | None = None,
                  prefix_kv: tuple[jax.Array, jax.Array] | None = None,
-                 group_prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """(new residual stream, this layer's (keys, values)); see :class:`Attention`."""
+                 group_prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None, *,
+                 mask_BxT: jax.Array | None = None, replay_ids_BxTxK: jax.Array | None = None,
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], RouterRecord | None]:
+        """(new residual stream, this layer's (keys, values), its `RouterRecord` or None
+        for a dense MLP); see :class:`Attention`. An MoE layer counts router statistics
+        over ``mask_BxT`` (all positions when None) and routes by ``replay_ids_BxTxK``
+        when given (router replay)."""
         a, kv = self.attn(self.attn_norm(x), cos_sin, allowed, cache_kv, slot, prefix_kv,
                           group_prefix)
         x = constrain_residual(x + a)
-        return constrain_residual(x + self.mlp(self.mlp_norm(x))), kv
+        h = self.mlp_norm(x)
+        if isinstance(self.mlp, MoeMLP):
+            y, rec = self.mlp(h, mask_BxT, replay_ids_BxTxK)
+        else:
+            y, rec = self.mlp(h), None
+        return constrain_residual(x + y), kv, rec
 
 
 def _check_ids(input_ids_BxT, positions_BxT, mask_BxT, segment_ids_BxT=None):
@@ -71,14 +82,14 @@ def _check_ids(input_ids_BxT, positions_BxT, mask_BxT, segment_ids_BxT=None):
     return ids
 
 
-def _run_layer(layer, body, carry, remat: str):
-    """`body(layer, carry)`, under `jax.checkpoint` unless remat is "none"."""
+def _run_layer(layer, body, carry, remat: str, x=None):
+    """`body(layer, carry, x)`, under `jax.checkpoint` unless remat is "none"."""
     if remat == "none":
-        return body(layer, carry)
+        return body(layer, carry, x)
     graphdef, state = nnx.split(layer)
-    fn = jax.checkpoint(lambda st, c: body(nnx.merge(graphdef, st), c),
+    fn = jax.checkpoint(lambda st, c, xx: body(nnx.merge(graphdef, st), c, xx),
                         policy=remat_policy(remat))
-    return fn(state, carry)
+    return fn(state, carry, x)
 
 
 def _causal_mask(config: ModelConfig, mask_BxT: jax.Array,
@@ -121,11 +132,12 @@ class Decoder(nnx.Module):
         v, d = config.vocab_size, config.hidden_size
         self.embed = normal_param(rngs, (v, d), ("vocab", "embed"))
         lr = lora_rngs(rngs) if config.lora is not None else None
+        moe = config.moe_layers
         if config.scan_layers:  # one Block with parameters [L, ...]; see rljax/models/scanned.py
-            self.layers = stacked(lambda *r: Block(config, *r), config.num_layers, rngs,
-                                  *(() if lr is None else (lr,)))
+            self.layers = stacked(lambda r, *lr_: Block(config, r, *lr_, moe=moe[0]),
+                                  config.num_layers, rngs, *(() if lr is None else (lr,)))
         else:
-            self.layers = nnx.List([Block(config, rngs, lr) for _ in range(config.num_layers)])
+            self.layers = nnx.List([Block(config, rngs, lr, moe=m) for m in moe])
         self.final_norm = RMSNorm(d, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = normal_param(rngs, (d, v), ("embed", "vocab"))
@@ -145,26 +157,51 @@ class Decoder(nnx.Module):
         packed rows (``rljax.train.learn.packing``): a token attends to the earlier tokens
         with its own id only (pass each segment's own positions).
         """
+        return self.routed_hidden_states(input_ids_BxT, positions_BxT, mask_BxT, remat=remat,
+                                         segment_ids_BxT=segment_ids_BxT)[0]
+
+    def routed_hidden_states(self, input_ids_BxT: ArrayLike,
+                             positions_BxT: ArrayLike | None = None,
+                             mask_BxT: ArrayLike | None = None, *, remat: bool = False,
+                             segment_ids_BxT: ArrayLike | None = None,
+                             replay_ids_LxBxTxK: ArrayLike | None = None,
+                             ) -> tuple[jax.Array, RouterRecord | None]:
+        """`hidden_states` and the MoE layers' `RouterRecord` (stacked over the L MoE
+        layers; None for a dense model). ``replay_ids_LxBxTxK``: expert ids to route by
+        (router replay), e.g. what the sampler recorded; None routes by the router."""
         ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT, segment_ids_BxT)
         mask = jnp.ones(ids.shape, bool) if mask_BxT is None else jnp.asarray(mask_BxT, bool)
         pos = default_positions(mask) if positions_BxT is None else jnp.asarray(positions_BxT)
         allowed = _causal_mask(self.config, mask, segment_ids_BxT)
         cos_sin = rope_cos_sin(self.config, pos)
-        x = self._apply_layers(lambda lyr, xx: lyr(xx, cos_sin, allowed)[0], self._embed(ids),
-                               effective_remat(self.config.remat, remat))
-        return self.final_norm(x)
 
-    def _apply_layers(self, body, carry, remat: str):
-        """`carry = body(layer, carry)` through every layer (a scan for stacked layers)."""
+        def body(lyr, xx, replay):
+            xx, _, rec = lyr(xx, cos_sin, allowed, mask_BxT=mask, replay_ids_BxTxK=replay)
+            return xx, rec
+
+        replay = None if replay_ids_LxBxTxK is None else jnp.asarray(replay_ids_LxBxTxK)
+        x, recs = self._apply_layers(body, self._embed(ids),
+                                     effective_remat(self.config.remat, remat), replay)
+        return self.final_norm(x), recs
+
+    def _apply_layers(self, body, carry, remat: str, xs=None):
+        """``carry, y = body(layer, carry, x)`` through every layer (a scan for stacked
+        layers); ``x``: an MoE layer's slice of ``xs`` (``[L_moe, ...]``), None for a dense
+        layer. Returns ``(carry, ys)``, the non-None ``y`` stacked (None if there are none)."""
         if self.config.scan_layers:
-            return scan_apply(self.layers, body, carry, remat)
-        for layer in self.layers:
-            carry = _run_layer(layer, body, carry, remat)
-        return carry
+            return scan_apply(self.layers, body, carry, remat, xs)
+        ys = []
+        for layer, is_moe in zip(self.layers, self.config.moe_layers):
+            x = None if xs is None or not is_moe else jax.tree.map(lambda a: a[len(ys)], xs)
+            carry, y = _run_layer(layer, body, carry, remat, x)
+            if y is not None:
+                ys.append(y)
+        return carry, (jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys else None)
 
     def grouped_hidden_states(self, prompt_NxP: ArrayLike, prompt_mask_NxP: ArrayLike,
                               input_ids_BxT: ArrayLike, mask_BxT: ArrayLike, *,
-                              remat: bool = False) -> tuple[jax.Array, jax.Array]:
+                              remat: bool = False, replay_ids_LxBxSxK: ArrayLike | None = None,
+                              ) -> tuple[jax.Array, jax.Array]:
         """`hidden_states` of ``concat(prompt_n, row_b)`` with each prompt computed once.
 
         Rows ``n G .. n G + G - 1`` (G = B / N) follow prompt n (`rljax.models.grouped`).
@@ -174,6 +211,9 @@ class Decoder(nnx.Module):
         "splash"; `remat` as in `hidden_states`. On a mesh with more batch shards than
         prompts each prompt runs as one copy per shard holding its rows
         (`grouped.prompt_copies`), so no keys or values cross chips.
+        ``replay_ids_LxBxSxK``: router replay ids in the columns of ``concat(prompt, row)``
+        (``S >= P + T``; `rljax.sampling.SampleResult.expert_ids`): each group's first row
+        gives its prompt's, every row its own columns ``P .. P + T - 1``.
         """
         pids, ids = jnp.asarray(prompt_NxP), jnp.asarray(input_ids_BxT)
         g = grouped.check_groups(pids, prompt_mask_NxP, ids, mask_BxT)
@@ -187,14 +227,20 @@ class Decoder(nnx.Module):
         cs_p = rope_cos_sin(c, default_positions(pm))
         cs_c = rope_cos_sin(c, grouped.completion_positions(pm_B, cm))
 
-        def body(layer, xs):
-            xp, xc = xs
-            xp, (kp, vp) = layer(xp, cs_p, allowed_p)
-            prefix = (grouped.repeat_rows(kp, g // k), grouped.repeat_rows(vp, g // k))
-            return xp, layer(xc, cs_c, allowed_c, prefix_kv=prefix)[0]
+        replay = None
+        if replay_ids_LxBxSxK is not None:
+            r, p = jnp.asarray(replay_ids_LxBxSxK), pids.shape[1]
+            replay = (jax.vmap(lambda a: grouped.repeat_rows(a, k))(r[:, ::g, :p]),
+                      r[:, :, p:p + ids.shape[1]])
 
-        xp, xc = self._apply_layers(body, (self._embed(pids), self._embed(ids)),
-                                    effective_remat(c.remat, remat))
+        def body(layer, xs, rep):
+            (xp, xc), (rp, rc) = xs, rep or (None, None)
+            xp, (kp, vp), _ = layer(xp, cs_p, allowed_p, replay_ids_BxTxK=rp)
+            prefix = (grouped.repeat_rows(kp, g // k), grouped.repeat_rows(vp, g // k))
+            return (xp, layer(xc, cs_c, allowed_c, prefix_kv=prefix, replay_ids_BxTxK=rc)[0]), None
+
+        (xp, xc), _ = self._apply_layers(body, (self._embed(pids), self._embed(ids)),
+                                         effective_remat(c.remat, remat), replay)
         return self.final_norm(xp)[::k], self.final_norm(xc)
 
     def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
@@ -219,6 +265,14 @@ class Decoder(nnx.Module):
     def forward_cached(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike,
                        mask_BxT: ArrayLike, cache: KVCache, slot: ArrayLike,
                        prefix: KVCache | None = None) -> tuple[jax.Array, KVCache]:
+        """`forward_cached_routed` without the expert ids."""
+        return self.forward_cached_routed(input_ids_BxT, positions_BxT, mask_BxT, cache, slot,
+                                          prefix)[:2]
+
+    def forward_cached_routed(self, input_ids_BxT: ArrayLike, positions_BxT: ArrayLike,
+                              mask_BxT: ArrayLike, cache: KVCache, slot: ArrayLike,
+                              prefix: KVCache | None = None,
+                              ) -> tuple[jax.Array, KVCache, jax.Array | None]:
         """Run T new tokens against the cache: returns (final hidden `[B,T,D]`, new cache).
 
         The new keys/values go to slots [slot, slot + T) (slot: int32 scalar shared by all
@@ -229,6 +283,9 @@ class Decoder(nnx.Module):
         prefix: a read-only cache of C rows (C divides B) that rows ``c B/C .. (c+1) B/C - 1``
         read before their own cache, e.g. the prompts of a sampled group, kept once per
         prompt instead of copied into every row; every query sees its valid slots.
+
+        Also returns the expert ids each MoE layer routed the T tokens to,
+        ``[L_moe, B, T, k]`` int32 (None for a dense model): what router replay records.
         """
         ids = _check_ids(input_ids_BxT, positions_BxT, mask_BxT)
         for name, c in (("cache", cache), ("prefix", prefix)):
@@ -262,13 +319,15 @@ class Decoder(nnx.Module):
                                                     prefix.valid_BxS)
         if self.config.scan_layers:
             return self._forward_cached_scanned(x, cos_sin, allowed, cache, slot, valid, gp)
-        keys, values = [], []
+        keys, values, routed = [], [], []
         for i, (layer, ck, cv) in enumerate(zip(self.layers, cache.keys, cache.values)):
-            x, (k, v) = layer(x, cos_sin, allowed, (ck, cv), slot, group_prefix=gp(i))
+            x, (k, v), rec = layer(x, cos_sin, allowed, (ck, cv), slot, group_prefix=gp(i),
+                                   mask_BxT=mask)
             keys.append(k)
             values.append(v)
+            routed += [] if rec is None else [rec.ids_BxTxK]
         new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid_BxS=valid)
-        return self.final_norm(x), new_cache
+        return self.final_norm(x), new_cache, jnp.stack(routed) if routed else None
 
     def _forward_cached_scanned(self, x, cos_sin, allowed, cache, slot, valid, gp):
         """The cached forward of stacked layers: the `[L, ...]` cache rides in the scan's
@@ -280,9 +339,11 @@ class Decoder(nnx.Module):
 
         def body(layer, i, carry):
             h, k_L, v_L = carry
-            h, (k, v) = layer(h, cos_sin, allowed, (k_L[i], v_L[i]), slot, group_prefix=gp(i))
-            return h, k_L.at[i].set(k), v_L.at[i].set(v)
+            h, (k, v), rec = layer(h, cos_sin, allowed, (k_L[i], v_L[i]), slot,
+                                   group_prefix=gp(i))
+            return (h, k_L.at[i].set(k), v_L.at[i].set(v)), (None if rec is None
+                                                              else rec.ids_BxTxK)
 
-        x, k_L, v_L = scan_apply_indexed(self.layers, body, (x, cache.keys, cache.values),
-                                         self.config.num_layers)
-        return self.final_norm(x), KVCache(keys=k_L, values=v_L, valid_BxS=valid)
+        (x, k_L, v_L), routed = scan_apply_indexed(
+            self.layers, body, (x, cache.keys, cache.values), self.config.num_layers)
+        return self.final_norm(x), KVCache(keys=k_L, values=v_L, valid_BxS=valid), routed

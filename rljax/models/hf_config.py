@@ -7,10 +7,14 @@ decoder cannot reproduce exactly is refused with the config field and value name
 
 from __future__ import annotations
 
-from rljax.models.config import Llama3RopeScaling, ModelConfig
+from rljax.models.config import Llama3RopeScaling, ModelConfig, MoeConfig
 
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM"}
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+# Qwen2-MoE's shared expert, DeepSeek's shared / grouped routing: not in the decoder yet
+# (docs/moe.md says what each would need).
+_UNSUPPORTED_MOE_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "topk_group")
 
 
 def _unsupported(field, value, allowed):
@@ -26,9 +30,10 @@ def _require(cfg: dict, field: str):
 
 
 def _check_supported(cfg: dict, model_type: str):
-    for field in _MOE_FIELDS:
+    for field in _MOE_FIELDS if model_type != "qwen3_moe" else _UNSUPPORTED_MOE_FIELDS:
         if cfg.get(field):
-            raise _unsupported(field, cfg[field], "dense models only (no mixture of experts)")
+            raise _unsupported(field, cfg[field], "mixtures of experts of model_type "
+                               "'qwen3_moe' only (no shared experts)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise _unsupported("hidden_act", cfg["hidden_act"], "'silu' (SwiGLU)")
     if cfg.get("use_sliding_window"):
@@ -36,7 +41,7 @@ def _check_supported(cfg: dict, model_type: str):
     for kind in cfg.get("layer_types") or ():
         if kind != "full_attention":
             raise _unsupported("layer_types", kind, "'full_attention' in every layer")
-    if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
+    if model_type in ("llama", "qwen3", "qwen3_moe") and cfg.get("attention_bias"):
         raise _unsupported("attention_bias", True, f"False for model_type {model_type!r}")
     if cfg.get("mlp_bias"):
         raise _unsupported("mlp_bias", True, "False")
@@ -85,6 +90,7 @@ def config_from_hf(cfg: dict, compute_dtype: str = "float32",
     _check_supported(cfg, model_type)
     theta, scaling = _rope(cfg)
     heads = int(_require(cfg, "num_attention_heads"))
+    moe = _moe_from_hf(cfg) if model_type == "qwen3_moe" else None
     return ModelConfig(
         vocab_size=int(_require(cfg, "vocab_size")),
         hidden_size=int(_require(cfg, "hidden_size")),
@@ -98,12 +104,36 @@ def config_from_hf(cfg: dict, compute_dtype: str = "float32",
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         compute_dtype=compute_dtype,
         architecture=model_type,
         attention=attention,
+        moe=moe,
     )
+
+
+def _moe_from_hf(cfg: dict) -> MoeConfig:
+    """The `MoeConfig` of a qwen3_moe config.json (transformers 5 writes the expert count
+    as num_local_experts, 4.x as num_experts)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        raise ValueError("config.json: qwen3_moe lacks num_experts (or num_local_experts)")
+    return MoeConfig(num_experts=int(experts),
+                     experts_per_token=int(_require(cfg, "num_experts_per_tok")),
+                     intermediate_size=int(_require(cfg, "moe_intermediate_size")),
+                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                     sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+                     mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
+
+
+def _moe_to_hf(moe: MoeConfig) -> dict:
+    return {"num_experts": moe.num_experts, "num_local_experts": moe.num_experts,
+            "num_experts_per_tok": moe.experts_per_token,
+            "moe_intermediate_size": moe.intermediate_size,
+            "norm_topk_prob": moe.norm_topk_prob, "decoder_sparse_step": moe.sparse_step,
+            "mlp_only_layers": list(moe.mlp_only_layers),
+            "router_aux_loss_coef": moe.aux_loss_coef}
 
 
 def config_to_hf(config: ModelConfig) -> dict:
@@ -131,8 +161,10 @@ def config_to_hf(config: ModelConfig) -> dict:
         "rope_parameters": rope,
         "dtype": "float32",
     }
-    if config.architecture in ("llama", "qwen3"):
+    if config.architecture in ("llama", "qwen3", "qwen3_moe"):
         out["attention_bias"] = False
+    if config.moe is not None:
+        out.update(_moe_to_hf(config.moe))
     if config.architecture == "llama":
         out["mlp_bias"] = False
     else:

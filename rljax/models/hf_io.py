@@ -27,6 +27,7 @@ from rljax.models.adapters import init_adapters
 from rljax.models.config import ModelConfig
 from rljax.models.decoder import Decoder
 from rljax.models.hf_config import config_from_hf, config_to_hf
+from rljax.models.moe_io import EXPERT_LAYOUTS, expand_fused, fuse_specs, moe_entries
 from rljax.models.peft_io import merged_getter
 from rljax.models.safetensors_io import SafetensorsFile, write_safetensors
 from rljax.models.writes import atomic_dir
@@ -68,10 +69,13 @@ def weight_map(config: ModelConfig) -> list[tuple[str, tuple, tuple[int, ...], t
             *[(p + f"self_attn.{x}_proj.weight", s + ("attn", x), (m * h, d), _linear(m, h))
               for x, m in qkv],
             (p + "self_attn.o_proj.weight", s + ("attn", "o"), (d, n * h), _out_proj(n, h)),
-            (p + "mlp.gate_proj.weight", s + ("mlp", "gate"), (f, d), _TRANSPOSE),
-            (p + "mlp.up_proj.weight", s + ("mlp", "up"), (f, d), _TRANSPOSE),
-            (p + "mlp.down_proj.weight", s + ("mlp", "down"), (d, f), _TRANSPOSE),
         ]
+        if c.moe_layers[i]:
+            out += moe_entries(c, p, s)
+        else:
+            out += [(p + "mlp.gate_proj.weight", s + ("mlp", "gate"), (f, d), _TRANSPOSE),
+                    (p + "mlp.up_proj.weight", s + ("mlp", "up"), (f, d), _TRANSPOSE),
+                    (p + "mlp.down_proj.weight", s + ("mlp", "down"), (d, f), _TRANSPOSE)]
         if c.qkv_bias:
             out += [(p + f"self_attn.{x}_proj.bias", s + ("attn", f"{x}_bias"), (m * h,),
                      (lambda b, m=m: b.reshape(m, h), lambda b: b.reshape(-1))) for x, m in qkv]
@@ -81,13 +85,30 @@ def weight_map(config: ModelConfig) -> list[tuple[str, tuple, tuple[int, ...], t
     return out
 
 
-def state_location(config: ModelConfig, spath: tuple) -> tuple[tuple, int | None]:
+def state_location(config: ModelConfig, spath: tuple) -> tuple[tuple, tuple | None]:
     """Where `weight_map`'s per-layer state path lives in a model of `config`:
-    `(path, None)` unscanned; `(("layers", ...), i)`, slice i of a stacked `[L, ...]`
-    parameter, for a scanned decoder (`scan_layers=True`)."""
+    `(path, None)` for a whole parameter; `(path, index)`, a slice of a stacked parameter:
+    `(i,)` of a scanned decoder's `[L, ...]` (`scan_layers=True`), `(e,)` of an expert
+    stack `[E, ...]` (the path's trailing int), `(i, e)` of both."""
+    index = ()
+    if isinstance(spath[-1], int):
+        spath, index = spath[:-1], (spath[-1],)
     if config.scan_layers and spath[0] == "layers":
-        return ("layers", *spath[2:]), spath[1]
-    return spath, None
+        spath, index = ("layers", *spath[2:]), (spath[1], *index)
+    return spath, (index or None)
+
+
+def state_getter(model: Decoder):
+    """``get(state path of weight_map) -> host array`` of `model`'s parameters (adapters
+    too), one slice of a stacked parameter at a time."""
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+
+    def get(spath):
+        path, index = state_location(model.config, spath)
+        value = flat[path].get_value()
+        return jax.device_get(value if index is None else value[index])
+
+    return get
 
 
 def _read_config(path: pathlib.Path) -> dict:
@@ -187,7 +208,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
     config = config_from_hf(_read_config(path), compute_dtype=_parse_dtype(dtype),
                             attention=attention)
     config = dataclasses.replace(config, scan_layers=scan_layers, remat=remat, lora=lora)
-    tensors = _open_weights(path)
+    tensors = expand_fused(_open_weights(path))
     wmap = weight_map(config)
     _check_names(wmap, tensors, config)
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
@@ -197,17 +218,20 @@ def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike = jnp.float32,
         shardings = dict(nnx.to_flat_state(state_shardings(abs_state, mesh)))
     values, stacks = {}, {}
     located = [(state_location(config, entry[1]), entry) for entry in wmap]
-    if config.scan_layers:
-        # All layers of one stacked parameter, then the next: one [L, ...] host buffer
-        # is alive at a time.
-        located.sort(key=lambda e: (e[0][1] is not None, e[0][0], e[0][1] or 0))
-    for (path, i), (name, _, hf_shape, (to_ours, _)) in located:
+    if config.scan_layers or config.moe is not None:
+        # All slices of one stacked parameter, then the next: one [L, ...] (or [E, ...])
+        # host buffer is alive at a time.
+        located.sort(key=lambda e: (e[0][1] is not None, e[0][0], e[0][1] or ()))
+    filled = {}
+    for (path, index), (name, _, hf_shape, (to_ours, _)) in located:
         sharding = shardings[path].get_value() if mesh else None
         ours = _read_tensor(tensors[name], name, hf_shape, to_ours)
-        if i is not None:
-            buf = stacks.setdefault(path, np.empty(targets[path].get_value().shape, np.float32))
-            buf[i] = ours
-            if i < config.num_layers - 1:
+        if index is not None:
+            shape = targets[path].get_value().shape
+            buf = stacks.setdefault(path, np.empty(shape, np.float32))
+            buf[index] = ours
+            filled[path] = filled.get(path, 0) + 1
+            if filled[path] < int(np.prod(shape[:len(index)])):
                 continue
             ours = stacks.pop(path)
         values[path] = targets[path].replace(_place(ours, sharding))
@@ -233,7 +257,8 @@ def special_token_ids(tokenizer) -> dict[str, int]:
 
 def save_pretrained(model: Decoder, path: str | os.PathLike, *,
                     max_shard_bytes: int | None = None, dtype: str = "float32",
-                    special_ids: dict[str, int] | None = None) -> None:
+                    special_ids: dict[str, int] | None = None,
+                    expert_layout: str = "per_expert") -> None:
     """Write `model` as an HF checkpoint (config.json + safetensors) to `path`; a model
     with LoRA adapters is written merged (`rljax.models.peft_io.merged_getter`).
 
@@ -241,39 +266,41 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *,
     dtype: "float32" (default) or "bfloat16" for the written weights.
     special_ids: token ids (`special_token_ids(tokenizer)`) for config.json and
       generation_config.json, so transformers' `generate` stops at EOS and pads.
+    expert_layout: an MoE model's experts as "per_expert" tensors (what transformers
+      writes) or "fused" (its in-memory `gate_up_proj` / `down_proj`; `rljax.models.moe_io`).
     Atomic: everything is written to a temporary folder first (see `atomic_dir`).
     """
     if not isinstance(model, Decoder):
         raise TypeError(f"save_pretrained: model must be a Decoder, got {type(model).__name__}")
-    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))  # nnx.Param: the adapters too
-
-    def get(spath):  # one layer of a stacked parameter at a time
-        path, i = state_location(model.config, spath)
-        value = flat[path].get_value()
-        return jax.device_get(value if i is None else value[i])
-
+    get = state_getter(model)
     write_pretrained(model.config, merged_getter(model.config, get, get), path,
-                     max_shard_bytes=max_shard_bytes, dtype=dtype, special_ids=special_ids)
+                     max_shard_bytes=max_shard_bytes, dtype=dtype, special_ids=special_ids,
+                     expert_layout=expert_layout)
 
 
 def write_pretrained(config: ModelConfig, get_tensor, path: str | os.PathLike | None, *,
                      max_shard_bytes: int | None = None, dtype: str = "float32",
-                     special_ids: dict[str, int] | None = None) -> None:
+                     special_ids: dict[str, int] | None = None,
+                     expert_layout: str = "per_expert") -> None:
     """Write an HF checkpoint of `config` whose tensors come one at a time, in
     `weight_map` order, from `get_tensor(state_path)` (an array in rljax's layout); only
     one converted tensor is alive at a time.
 
     path=None writes nothing but calls `get_tensor` in the same order: what the other
     processes of a multi-process export do, taking part in each tensor's gather while
-    process 0 writes. Sharding into files, `special_ids` and atomicity as in
-    `save_pretrained`.
+    process 0 writes. Sharding into files, `special_ids`, `expert_layout` and atomicity
+    as in `save_pretrained`.
     """
     if dtype not in _WRITE_DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed: {sorted(_WRITE_DTYPES)}")
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout={expert_layout!r}; allowed: {EXPERT_LAYOUTS}")
     np_dtype = _WRITE_DTYPES[dtype]
     specs = [(name, hf_shape, np_dtype,
               lambda s=spath, f=to_hf, n=name: _finite_in(f(np.asarray(get_tensor(s))), n, dtype))
              for name, spath, hf_shape, (_, to_hf) in weight_map(config)]
+    if expert_layout == "fused":
+        specs = fuse_specs(specs)
     groups = _shard_groups(specs, max_shard_bytes)
     if path is None:
         for _, _, _, produce in specs:

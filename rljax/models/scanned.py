@@ -56,10 +56,11 @@ def stacked(factory: Callable[..., nnx.Module], num_layers: int,
     return module
 
 
-def scan_apply(layers: nnx.Module, body: Callable, carry, remat: str = "none"):
-    """`carry = body(layer_i, carry)` for each layer slice i of stacked `layers`, as one
-    `jax.lax.scan` over the split state; `remat` ("none" | "full" | "dots_saveable") wraps
-    `body` in `jax.checkpoint`.
+def scan_apply(layers: nnx.Module, body: Callable, carry, remat: str = "none", xs=None):
+    """``carry, y = body(layer_i, carry, x_i)`` for each layer slice i of stacked
+    `layers`, as one `jax.lax.scan` over the split state and ``xs`` (a pytree of
+    ``[L, ...]`` arrays, or None); returns ``(carry, ys)`` with ``ys`` stacked ``[L, ...]``.
+    `remat` ("none" | "full" | "dots_saveable") wraps `body` in `jax.checkpoint`.
 
     `jax.lax.scan` over `nnx.split` state rather than `nnx.scan`: the sampler and the
     trainer call the model inside JAX loops (`lax.while_loop`, `lax.scan`) on a model
@@ -69,21 +70,22 @@ def scan_apply(layers: nnx.Module, body: Callable, carry, remat: str = "none"):
         raise ValueError(f"scan_apply: remat={remat!r}; allowed: {REMAT_POLICIES}")
     graphdef, state = nnx.split(layers)
 
-    def step(c, layer_state):
-        return body(nnx.merge(graphdef, layer_state), c)
+    def step(c, layer_state, x):
+        return body(nnx.merge(graphdef, layer_state), c, x)
 
     if remat != "none":
         step = jax.checkpoint(step, policy=remat_policy(remat))
-    return jax.lax.scan(lambda c, st: (step(c, st), None), carry, state)[0]
+    return jax.lax.scan(lambda c, sx: step(c, *sx), carry, (state, xs))
 
 
 def scan_apply_indexed(layers: nnx.Module, body: Callable, carry, num_layers: int):
-    """Like `scan_apply` (no remat), but `body(layer_i, i, carry)` also gets the layer
-    index (an int32 scalar), to read and write per-layer slices of arrays in the carry."""
+    """Like `scan_apply` (no remat, no xs), but ``carry, y = body(layer_i, i, carry)`` also
+    gets the layer index (an int32 scalar), to read and write per-layer slices of arrays
+    in the carry; returns ``(carry, ys)``."""
     graphdef, state = nnx.split(layers)
 
     def step(c, xs):
         layer_state, i = xs
-        return body(nnx.merge(graphdef, layer_state), i, c), None
+        return body(nnx.merge(graphdef, layer_state), i, c)
 
-    return jax.lax.scan(step, carry, (state, jnp.arange(num_layers, dtype=jnp.int32)))[0]
+    return jax.lax.scan(step, carry, (state, jnp.arange(num_layers, dtype=jnp.int32)))

@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 
 from rljax.models import Decoder
 from rljax.models.hf_config import config_from_hf
-from rljax.models.hf_io import (from_pretrained, special_token_ids, state_location,
+from rljax.models.hf_io import (from_pretrained, special_token_ids, state_getter, state_location,
                                 write_pretrained)
 from rljax.models.peft_io import merged_getter, write_peft
 from rljax.models.tokenizer import (build_char_tokenizer, encode_prompts, load_tokenizer,
@@ -198,8 +198,7 @@ def export_hf(source: str | pathlib.Path, out_dir: str | os.PathLike, *,
     cfg = None
     if not is_run_dir(source):
         model, tokenizer, _ = load_policy(source, step=step, run_seed=run_seed)
-        flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-        config, get = model.config, lambda spath: jax.device_get(flat[spath].get_value())
+        config, get = model.config, state_getter(model)
     else:
         mesh = make_mesh(MeshConfig()) if jax.device_count() > 1 else None
         cfg, config, policy, _ = restore_policy(run_path(source), step, mesh, run_seed)

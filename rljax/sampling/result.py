@@ -32,6 +32,10 @@ class SampleResult:
     sampling_logprobs: float32 ``[R, N]``, the log-prob under the distribution actually
       sampled from (temperature, top-k, top-p; 0 for greedy and where masked).
     prompt_index: int32 ``[R]``, which input prompt each row continues (``row // G``).
+    expert_ids: an MoE model's routing, for router replay: int8 / int16
+      ``[R, L_moe, P + N, k]`` in `sequences`' columns, the experts each MoE layer sent
+      each prompt and completion token to; -1 where a token was never fed (the last
+      completion column). None for a dense model.
     """
 
     prompt_tokens: jax.Array
@@ -45,6 +49,7 @@ class SampleResult:
     logprobs: jax.Array
     sampling_logprobs: jax.Array
     prompt_index: jax.Array
+    expert_ids: jax.Array | None = None
 
     def sequences(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Full sequences ``(ids_RxT, mask_RxT, positions_RxT)`` with ``T = P + N``.

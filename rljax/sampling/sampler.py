@@ -62,6 +62,7 @@ from jax.sharding import Mesh, NamedSharding
 from rljax.models import ModelConfig, grow_kv_cache, kv_cache_shardings
 from rljax.models.grouped import prompt_copies
 from rljax.models.layers import cast_matmul_weights, compute_dtype
+from rljax.models.moe import compact_ids
 from rljax.sampling.head import state_vocab_major_weight, vocab_major_head
 from rljax.sampling.ops import SamplingParams
 from rljax.sampling.prompts import PackedPrompts
@@ -118,6 +119,9 @@ class DecodeState:
     step: int32 scalar, tokens drawn so far. slot: the cache slot of ``last_R``.
     last_R: the token to feed next; feed_pos_R: its position. done_R: emitted a stop id.
     lengths_R: completion lengths so far. tokens/logp/sampling_logp: ``[R, N]`` outputs.
+    experts_RxLxNxK: an MoE model's expert ids of each fed completion token, per MoE layer
+      (int8 / int16, -1 where none was fed; `rljax.models.moe.compact_ids`); None for a
+      dense model.
     """
 
     cache: object  # the rows' own KVCache inside the decode loop, None between programs
@@ -131,6 +135,7 @@ class DecodeState:
     tokens_RxN: jax.Array
     logp_RxN: jax.Array
     sampling_logp_RxN: jax.Array
+    experts_RxLxNxK: jax.Array | None = None
 
 
 def constrain(x, mesh, names):
@@ -156,7 +161,19 @@ def constrain_rows(s, mesh):
     rows = {f.name: constrain(getattr(s, f.name), mesh,
                               ("batch",) + (None,) * (getattr(s, f.name).ndim - 1))
             for f in dataclasses.fields(s) if f.name.endswith(("_R", "_RxN", "_RxT", "_RxL"))}
+    if getattr(s, "experts_RxLxNxK", None) is not None:
+        rows["experts_RxLxNxK"] = constrain(s.experts_RxLxNxK, mesh, ("batch", None, None, None))
     return dataclasses.replace(s, cache=constrain_cache(s.cache, mesh), **rows)
+
+
+def _record_experts(s: DecodeState, routed_LxRx1xK) -> DecodeState:
+    """The fed token's expert ids (completion token ``step - 1``) written into ``s``."""
+    if routed_LxRx1xK is None:
+        return s
+    buf = s.experts_RxLxNxK
+    col = jnp.swapaxes(routed_LxRx1xK, 0, 1).astype(buf.dtype)
+    return dataclasses.replace(s, experts_RxLxNxK=jax.lax.dynamic_update_slice(
+        buf, col, (0, 0, s.step - 1, 0)))
 
 
 def _record(s: DecodeState, spec: DecodeSpec, cache, tok_R, logp_R, slogp_R) -> DecodeState:
@@ -235,7 +252,8 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
     model, head_VxD = decode_model(graphdef, params, head_VxD, mesh)
     b, p = tokens_BxP.shape
     cache = constrain_cache(model.init_cache(b, p), mesh)
-    h_BxPxD, cache = model.forward_cached(tokens_BxP, pos_BxP, mask_BxP, cache, 0)
+    h_BxPxD, cache, routed_LxBxPxK = model.forward_cached_routed(tokens_BxP, pos_BxP, mask_BxP,
+                                                                  cache, 0)
     logits_VxB = vocab_major_head(model, head_VxD)(h_BxPxD[:, -1])
     g, n = spec.num_samples, spec.max_new_tokens
     prefix = constrain_cache(
@@ -249,12 +267,25 @@ def _prefill(graphdef, spec: DecodeSpec, mesh, params, head_VxD, tokens_BxP, mas
         done_R=jnp.zeros((r,), bool), lengths_R=jnp.zeros((r,), jnp.int32),
         tokens_RxN=jnp.full((r, n), spec.pad_id, jnp.int32),
         logp_RxN=zeros_RxN, sampling_logp_RxN=zeros_RxN,
+        experts_RxLxNxK=_expert_buffer(model.config, routed_LxBxPxK, r, n),
     )
     tok, lp, slp = sample_tokens_sharded(jax.random.fold_in(key, 0),
                                          _repeat_rows(logits_VxB, g, axis=1), spec.params, mesh)
     s = constrain_rows(_record(s, spec, None, tok, lp, slp), mesh)
     prompt = tuple(_repeat_rows(x, g) for x in (tokens_BxP, mask_BxP, pos_BxP))
+    if routed_LxBxPxK is not None:
+        routed = jnp.swapaxes(compact_ids(routed_LxBxPxK, model.config.moe.num_experts), 0, 1)
+        prompt += (constrain(_repeat_rows(routed, g), mesh, ("batch", None, None, None)),)
     return s, prefix, prompt
+
+
+def _expert_buffer(config, routed_LxBxPxK, r: int, n: int):
+    """The completion tokens' expert-id buffer ``[R, L, N, k]`` of -1 (None when dense)."""
+    if routed_LxBxPxK is None:
+        return None
+    l, _, _, k = routed_LxBxPxK.shape
+    dtype = compact_ids(routed_LxBxPxK[:0], config.moe.num_experts).dtype
+    return jnp.full((r, l, n, k), -1, dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
@@ -273,9 +304,10 @@ def _decode(graphdef, spec: DecodeSpec, mesh, params, head_VxD, s: DecodeState, 
     s = dataclasses.replace(s, cache=model.init_cache(r, own_len(spec.phases[0][1])))
 
     def body(s):
-        h_Rx1xD, cache = model.forward_cached(
+        h_Rx1xD, cache, routed = model.forward_cached_routed(
             s.last_R[:, None], s.feed_pos_R[:, None], ones_Rx1, s.cache, s.slot - p, prefix
         )
+        s = _record_experts(s, routed)
         tok, lp, slp = sample_tokens_sharded(jax.random.fold_in(s.key, s.step),
                                              head(h_Rx1xD[:, 0]), spec.params, mesh)
         return constrain_rows(_record(s, spec, cache, tok, lp, slp), mesh)
@@ -341,8 +373,8 @@ def sample_arrays(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxP, mask_Bx
     device or traced): callable inside ``jax.jit`` and ``jax.vmap``, so a caller can
     compile sampling into a larger program (``rljax.train.programs.device``). ``prompt_index_R``
     defaults to ``row // num_samples``."""
-    s, prefix, (ptok, pmask, ppos) = _prefill(graphdef, spec, mesh, params, head_VxD,
-                                              tokens_BxP, mask_BxP, positions_BxP, key)
+    s, prefix, (ptok, pmask, ppos, *pexperts) = _prefill(
+        graphdef, spec, mesh, params, head_VxD, tokens_BxP, mask_BxP, positions_BxP, key)
     s = _decode(graphdef, spec, mesh, params, head_VxD, s, prefix)
     n, g = spec.max_new_tokens, spec.num_samples
     cols_N = jnp.arange(n, dtype=jnp.int32)
@@ -357,6 +389,8 @@ def sample_arrays(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxP, mask_Bx
         lengths=s.lengths_R, truncated=~s.done_R,
         logprobs=s.logp_RxN, sampling_logprobs=s.sampling_logp_RxN,
         prompt_index=prompt_index_R,
+        expert_ids=(jnp.concatenate([pexperts[0], s.experts_RxLxNxK], axis=2) if pexperts
+                    else None),
     )
 
 

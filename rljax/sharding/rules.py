@@ -28,6 +28,11 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("vocab", "tensor"),
     ("norm", None),
     ("layers", None),
+    # Mixture-of-experts weights [E, D, F] / [E, F, D]: experts over fsdp (expert
+    # parallelism, rljax/models/moe_parallel.py), each expert's hidden dim whole.
+    ("expert", "fsdp"),
+    ("expert_embed", None),
+    ("expert_mlp", "tensor"),
 )
 _RULES = dict(LOGICAL_RULES)
 # The mesh axes that split the batch (and, for fsdp, the training layout's parameters).

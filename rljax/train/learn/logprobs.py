@@ -355,31 +355,49 @@ def head_weight(model) -> tuple[Array, bool] | None:
     return getattr(model, name)[...], bool(tied)
 
 
+#: The ``seqs`` key of router-replay ids (`rljax.sampling.SampleResult.expert_ids`, rows
+#: first like every ``seqs`` array, so micro-batches slice them alike).
+REPLAY_KEY = "expert_ids_BxLxSxK"
+
+
 def completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT, completion_mask_BxT,
-                      *, remat: bool = False, group: int = 1) -> Array:
+                      *, remat: bool = False, group: int = 1, replay_BxLxSxK=None) -> Array:
     """Hidden states ``[B, T, D]`` that predict each completion token.
 
     Runs the decoder on ``concat(prompt, completion)`` (left-padded prompts, right-padded
     completions) and keeps positions ``P - 1 .. P + T - 2``. ``group`` G > 1: rows
     ``n G .. n G + G - 1`` share one prompt (the rollout's layout), which runs through the
     decoder once (``Decoder.grouped_hidden_states``; the rows' last slot, which predicts
-    nothing, is left out): the same values on real positions.
+    nothing, is left out): the same values on real positions. ``replay_BxLxSxK``: the
+    sampler's expert ids of an MoE model (`REPLAY_KEY`), routed by when its
+    ``MoeConfig.router_replay`` is "replay" (`rljax.models.moe`), ignored otherwise.
     """
     (b, p), t, g = prompt_BxP.shape, completion_BxT.shape[1], group
+    moe = getattr(model.config, "moe", None)
+    replay = None
+    if replay_BxLxSxK is not None and moe is not None and moe.router_replay == "replay":
+        replay = jnp.swapaxes(replay_BxLxSxK, 0, 1)
+
+    def forward(ids, mask, replay_LxBxSxK):
+        if replay_LxBxSxK is None:
+            return model.hidden_states(ids, mask_BxT=mask, remat=remat)
+        return model.routed_hidden_states(ids, mask_BxT=mask, remat=remat,
+                                          replay_ids_LxBxTxK=replay_LxBxSxK)[0]
+
     if g <= 1:
         ids = jnp.concatenate([prompt_BxP, completion_BxT], axis=1).astype(jnp.int32)
         mask = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT], axis=1) > 0
-        return model.hidden_states(ids, mask_BxT=mask, remat=remat)[:, p - 1 : p + t - 1]
+        return forward(ids, mask, replay)[:, p - 1 : p + t - 1]
     if b % g:
         raise ValueError(f"completion_hidden: {b} rows do not split into groups of {g}")
     prompt_NxP = prompt_BxP.reshape(b // g, g, p)[:, 0].astype(jnp.int32)
     pmask_NxP = prompt_mask_BxP.reshape(b // g, g, p)[:, 0] > 0
     if t == 1:
-        h_NxPxD = model.hidden_states(prompt_NxP, mask_BxT=pmask_NxP, remat=remat)
+        h_NxPxD = forward(prompt_NxP, pmask_NxP, None if replay is None else replay[:, ::g, :p])
         return jnp.repeat(h_NxPxD[:, -1:], g, axis=0)
     h_NxPxD, h_BxTxD = model.grouped_hidden_states(
         prompt_NxP, pmask_NxP, completion_BxT[:, : t - 1].astype(jnp.int32),
-        completion_mask_BxT[:, : t - 1] > 0, remat=remat)
+        completion_mask_BxT[:, : t - 1] > 0, remat=remat, replay_ids_LxBxSxK=replay)
     return jnp.concatenate([jnp.repeat(h_NxPxD[:, -1:], g, axis=0), h_BxTxD], axis=1)
 
 
@@ -393,14 +411,14 @@ def policy_logprobs(graphdef, params, seqs: dict, *, chunk: int, temperature: fl
     """Completion-token log-probs and entropies of the decoder ``(graphdef, params)``.
 
     ``seqs`` holds ``prompt_BxP``, ``prompt_mask_BxP``, ``completion_BxT`` and
-    ``completion_mask_BxT``. ``group``: rows share their prompt in groups of this many
+    ``completion_mask_BxT`` (and, for router replay, `REPLAY_KEY`). ``group``: rows share their prompt in groups of this many
     (see :func:`completion_hidden`). Returns ``(logp_BxT, entropy_BxT)`` float32; values
     at masked positions are finite but meaningless.
     """
     model = nnx.merge(graphdef, params)
     h_BxTxD = completion_hidden(model, seqs["prompt_BxP"], seqs["prompt_mask_BxP"],
                                 seqs["completion_BxT"], seqs["completion_mask_BxT"],
-                                remat=remat, group=group)
+                                remat=remat, group=group, replay_BxLxSxK=seqs.get(REPLAY_KEY))
     return hidden_logprobs(graphdef, params, model, h_BxTxD, seqs["completion_BxT"],
                            chunk=chunk, temperature=temperature)
 

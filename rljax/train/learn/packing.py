@@ -27,7 +27,10 @@ packed rows): ``pack_tokens_SxW``, ``pack_segments_SxW`` (-1: padding),
 ``pack_positions_SxW``, ``pack_targets_SxW`` (the next token), ``pack_dst_SxW`` (the
 shard-local flat ``[R, T]`` slot of the completion token a position predicts; ``R x T``:
 none), ``pack_micro_S`` (the micro-batch of each packed row), ``pack_bin_B`` (each row's
-packed row within its shard), ``pack_col_BxT`` (the column predicting completion token t).
+packed row within its shard), ``pack_col_BxT`` (the column predicting completion token t);
+for an MoE batch with router-replay ids (``seqs[REPLAY_KEY]``), ``pack_replay_SxWxLxK``
+(each position's expert ids, -1 on padding; the forwards route by them when the model's
+``router_replay`` is "replay").
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from flax import nnx
 
 from rljax.models.layers import compute_dtype
 from rljax.sharding import logical_axes
-from rljax.train.learn.logprobs import head_weight, hidden_logprobs
+from rljax.train.learn.logprobs import REPLAY_KEY, head_weight, hidden_logprobs
 from rljax.train.learn.micro import merge_micro, split_micro
 from rljax.train.learn.onepass import one_pass_head, padded_width
 
@@ -133,9 +136,16 @@ def choose_spec(bins: int, tokens_per_micro_batch: int, width: int, shards: int)
 
 _PACKED = ("pack_tokens_SxW", "pack_segments_SxW", "pack_positions_SxW", "pack_targets_SxW",
            "pack_dst_SxW", "pack_micro_S")
+#: An MoE batch's router-replay ids packed like the tokens (-1 on padding), when ``seqs``
+#: holds `REPLAY_KEY`.
+REPLAY_PACKED = "pack_replay_SxWxLxK"
 
 
-def _shard_plan(ids_RxL, mask_RxL, len_R, p: int, s: int, w: int, m: int):
+def _packed_keys(batch: dict) -> tuple[str, ...]:
+    return _PACKED + ((REPLAY_PACKED,) if REPLAY_PACKED in batch else ())
+
+
+def _shard_plan(ids_RxL, mask_RxL, len_R, replay_RxLx, p: int, s: int, w: int, m: int):
     r, length = ids_RxL.shape
     t = length - p
     b_R, off_R, _ = _first_fit(len_R, w)
@@ -156,7 +166,11 @@ def _shard_plan(ids_RxL, mask_RxL, len_R, p: int, s: int, w: int, m: int):
     flat = (jnp.arange(r)[:, None] * t + jnp.arange(t)[None]).reshape(-1)
     dst = jnp.full((s * w,), r * t, jnp.int32).at[slot].set(flat, mode="drop").reshape(s, w)
     micro = jnp.arange(s, dtype=jnp.int32) % m
-    return tokens, segments, positions, targets, dst, micro, b_R, col_RxT
+    if replay_RxLx is not None:  # [R, columns, L, K]: every column's ids, like a token
+        tail = replay_RxLx.shape[2:]
+        replay_RxLx = jnp.full((s * w, *tail), -1, replay_RxLx.dtype).at[dest].set(
+            replay_RxLx.reshape(-1, *tail), mode="drop").reshape(s, w, *tail)
+    return tokens, segments, positions, targets, dst, micro, b_R, col_RxT, replay_RxLx
 
 
 def make_plan(seqs: dict, spec: PackSpec) -> dict:
@@ -171,11 +185,13 @@ def make_plan(seqs: dict, spec: PackSpec) -> dict:
     ids = jnp.concatenate([seqs["prompt_BxP"], seqs["completion_BxT"]], axis=1).astype(jnp.int32)
     mask = jnp.concatenate([seqs["prompt_mask_BxP"], seqs["completion_mask_BxT"]], axis=1) > 0
     w = ids.shape[1]
-    plan = jax.vmap(lambda i, msk, n: _shard_plan(i, msk, n, p, spec.rows // d, w,
-                                                  spec.num_micro))(
-        _by_shard(ids, d), _by_shard(mask, d), _by_shard(_lengths(seqs), d))
-    names = _PACKED + ("pack_bin_B", "pack_col_BxT")
-    return {k: x.reshape(-1, *x.shape[2:]) for k, x in zip(names, plan)}
+    replay = seqs.get(REPLAY_KEY)
+    replay = None if replay is None else _by_shard(jnp.swapaxes(replay[:, :, :w], 1, 2), d)
+    plan = jax.vmap(lambda i, msk, n, rp: _shard_plan(i, msk, n, rp, p, spec.rows // d, w,
+                                                      spec.num_micro))(
+        _by_shard(ids, d), _by_shard(mask, d), _by_shard(_lengths(seqs), d), replay)
+    names = _PACKED + ("pack_bin_B", "pack_col_BxT", REPLAY_PACKED)
+    return {k: x.reshape(-1, *x.shape[2:]) for k, x in zip(names, plan) if x is not None}
 
 
 def useful_token_frac(plan: dict) -> Array:
@@ -210,6 +226,12 @@ def _unpack_micro(x_SxW: Array, mb: dict, d: int, m: int) -> Array:
 
 def _hidden(model, pk: dict, remat: bool) -> Array:
     seg = pk["pack_segments_SxW"]
+    moe = getattr(model.config, "moe", None)
+    if REPLAY_PACKED in pk and moe is not None and moe.router_replay == "replay":
+        return model.routed_hidden_states(
+            pk["pack_tokens_SxW"], pk["pack_positions_SxW"], seg >= 0, remat=remat,
+            segment_ids_BxT=seg,
+            replay_ids_LxBxTxK=jnp.transpose(pk[REPLAY_PACKED], (2, 0, 1, 3)))[0]
     return model.hidden_states(pk["pack_tokens_SxW"], pk["pack_positions_SxW"], seg >= 0,
                                remat=remat, segment_ids_BxT=seg)
 
@@ -228,7 +250,7 @@ def _token_values(graphdef, params, pk: dict, remat=False):
 def _over_micro(fn: Callable, batch: dict, m: int) -> Array:
     """``fn(packed arrays) -> [S_m, W]`` over the ``m`` micro-batches' packed rows,
     ``[S, W]`` in packed-row order."""
-    pk = {k: batch[k] for k in _PACKED}
+    pk = {k: batch[k] for k in _packed_keys(batch)}
     if m == 1:
         return fn(pk)
     return merge_micro(jax.lax.map(fn, jax.tree.map(lambda x: split_micro(x, m), pk)))
@@ -253,8 +275,9 @@ def packed_values(graphdef, params, batch: dict, spec: PackSpec) -> Array:
 def split_packed(batch: dict, num_micro: int) -> tuple[dict, dict]:
     """``rljax.train.learn.update.accumulate``'s split of a packed batch: ``(xs, shared)``,
     the packed arrays split into micro-batches, every ``[B, ...]`` array whole."""
-    xs = {k: split_micro(batch[k], num_micro) for k in _PACKED}
-    return xs, {k: v for k, v in batch.items() if k not in _PACKED}
+    keys = _packed_keys(batch)
+    xs = {k: split_micro(batch[k], num_micro) for k in keys}
+    return xs, {k: v for k, v in batch.items() if k not in keys}
 
 
 def this_micro(mb: dict, spec: PackSpec) -> dict:
