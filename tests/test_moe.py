@@ -294,3 +294,37 @@ def test_router_replay_with_lora_adapters():
     logp = jax.jit(_learner_logp, static_argnums=(0, 3))(graphdef, state, res, 2)
     m = np.asarray(res.completion_mask)
     assert np.abs(np.asarray(logp - res.logprobs))[m].max() <= TOL
+
+
+class _IdTok:
+    """Ids 2..63 as characters (pad 0, eos 1): a tokenizer for EP_CFG's 64-id vocabulary."""
+
+    pad_token_id, eos_token_id = 0, 1
+
+    def encode(self, s):
+        return [2 + ord(c) - 48 for c in s]
+
+    def decode(self, ids):
+        return "".join(chr(48 + i - 2) for i in ids if i >= 2)
+
+
+def test_rl_step_replays_the_samplers_routing():
+    """The RL step (host reward, ``rljax.train.driver``): the rollout carries the sampler's
+    expert ids into the learning program, so on near-tied routers the first update's
+    log-probs equal the sampler's (``sampler_gap`` at float rounding) with
+    ``router_replay="replay"`` and differ without it."""
+    from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
+    from rljax.train.rl import RLTrainer
+
+    gaps = {}
+    for mode in ("off", "replay"):
+        cfg = dataclasses.replace(EP_CFG, moe=dataclasses.replace(EP_CFG.moe, router_replay=mode))
+        graphdef, state = nnx.split(_near_tied(Decoder(cfg, rngs=nnx.Rngs(2)), 3e-7))
+        tr = RLTrainer(graphdef, _IdTok(), lambda c, m: np.arange(len(c), dtype=np.float32),
+                       algorithm=algorithm_preset("grpo", group_size=2, kl_coef=0.0),
+                       optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=8),
+                       rl=RLConfig(steps=1, prompts_per_step=4, logp_chunk=8), prompt_len=8)
+        prompts = lambda start, n: (["5920", "?4", "XYZ", "3"][:n], [{}] * n)  # noqa: E731
+        _, m = tr.step(tr.init_state(state, seed=0), prompts)
+        gaps[mode] = m["sampler_gap"]
+    assert gaps["replay"] <= 1e-6 and gaps["off"] > 10 * gaps["replay"] + 1e-6, gaps

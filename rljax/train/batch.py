@@ -22,11 +22,14 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PromptSource", "Rollout", "stack_states", "to_rollout", "unstack",
+__all__ = ["PromptSource", "REPLAY_KEY", "Rollout", "stack_states", "to_rollout", "unstack",
            "widen_prompts", "zero_variance_groups"]
 
 Array = Any
 PromptSource = Callable[[int, int], tuple[Sequence[str], Sequence[dict]]]
+#: The ``seqs`` key of router-replay ids (`rljax.sampling.SampleResult.expert_ids`, rows
+#: first like every ``seqs`` array, so micro-batches slice them alike).
+REPLAY_KEY = "expert_ids_BxLxSxK"
 
 
 @jax.tree_util.register_dataclass
@@ -47,6 +50,10 @@ class Rollout:
       ``completion_mask_BxT``); None means every completion token. Tokens the model did
       not choose (a tool's or an environment's output in a multi-turn rollout) are in the
       completion, attended to, and 0 here. ``loss_mask()`` resolves it.
+    expert_ids_BxLxSxK: an MoE sampler's routing (`rljax.sampling.SampleResult.expert_ids`,
+      int8 / int16 over prompt and completion positions, -1 where never fed), or None;
+      ``seqs()`` hands it to the learner's forwards, which route by it under
+      ``MoeConfig.router_replay="replay"`` (router replay).
     """
 
     prompt_BxP: Array
@@ -59,6 +66,7 @@ class Rollout:
     correct_B: Array
     weight_B: Array
     loss_mask_BxT: Array | None = None
+    expert_ids_BxLxSxK: Array | None = None
     group_size: int = dataclasses.field(default=1, metadata=dict(static=True))
     has_correct: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -68,10 +76,14 @@ class Rollout:
         return jnp.sum(self.completion_mask_BxT, axis=1)
 
     def seqs(self) -> dict:
-        """The sequence arrays of the trainer's layout (``rljax.train.batching``)."""
-        return {"prompt_BxP": self.prompt_BxP, "prompt_mask_BxP": self.prompt_mask_BxP,
-                "completion_BxT": self.completion_BxT,
-                "completion_mask_BxT": self.completion_mask_BxT}
+        """The sequence arrays of the trainer's layout (``rljax.train.batching``), with the
+        sampler's expert ids under `REPLAY_KEY` when the rollout has them."""
+        out = {"prompt_BxP": self.prompt_BxP, "prompt_mask_BxP": self.prompt_mask_BxP,
+               "completion_BxT": self.completion_BxT,
+               "completion_mask_BxT": self.completion_mask_BxT}
+        if self.expert_ids_BxLxSxK is not None:
+            out[REPLAY_KEY] = self.expert_ids_BxLxSxK
+        return out
 
     def loss_mask(self) -> Array:
         """The per-token loss mask ``[B, T]`` (the completion mask where none is set)."""
@@ -119,10 +131,16 @@ def to_rollout(ptok, pmask, tokens, cmask, slogp, truncated, rewards_B, correct_
 
 
 def widen_prompts(ro: Rollout, width: int, pad_id: int) -> Rollout:
-    """``ro`` with its prompts left-padded to ``width`` columns (a wider bucket)."""
-    pad = ((0, 0), (width - ro.prompt_BxP.shape[1], 0))
+    """``ro`` with its prompts left-padded to ``width`` columns (a wider bucket); expert
+    ids, over prompt and completion positions, get as many never-fed slots (-1) first."""
+    extra = width - ro.prompt_BxP.shape[1]
+    pad = ((0, 0), (extra, 0))
+    ids = ro.expert_ids_BxLxSxK
+    if ids is not None:
+        ids = jnp.pad(ids, ((0, 0), (0, 0), (extra, 0), (0, 0)), constant_values=-1)
     return dataclasses.replace(ro, prompt_BxP=jnp.pad(ro.prompt_BxP, pad, constant_values=pad_id),
-                               prompt_mask_BxP=jnp.pad(ro.prompt_mask_BxP, pad))
+                               prompt_mask_BxP=jnp.pad(ro.prompt_mask_BxP, pad),
+                               expert_ids_BxLxSxK=ids)
 
 
 def stack_states(states: Sequence) -> Any:

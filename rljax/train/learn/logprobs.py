@@ -27,6 +27,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from rljax.models.layers import compute_dtype as _compute_dtype
 from rljax.sharding import BATCH_AXES, constrain_logical, constraints_enabled, fitted_spec
+from rljax.train.batch import REPLAY_KEY
 
 Array = Any
 
@@ -355,9 +356,6 @@ def head_weight(model) -> tuple[Array, bool] | None:
     return getattr(model, name)[...], bool(tied)
 
 
-#: The ``seqs`` key of router-replay ids (`rljax.sampling.SampleResult.expert_ids`, rows
-#: first like every ``seqs`` array, so micro-batches slice them alike).
-REPLAY_KEY = "expert_ids_BxLxSxK"
 
 
 def completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT, completion_mask_BxT,

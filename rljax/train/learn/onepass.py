@@ -31,8 +31,9 @@ from jax.custom_derivatives import SymbolicZero
 
 from rljax.models.layers import compute_dtype
 from rljax.sharding import constrain_logical, logical_axes
-from rljax.train.learn.logprobs import (DW_DXV_AXES, PARTIAL_DW_AXES, batch_shards,
-                                        check_linear_args, chunk_grads, completion_hidden,
+from rljax.train.learn.logprobs import (DW_DXV_AXES, PARTIAL_DW_AXES, REPLAY_KEY,
+                                        batch_shards, check_linear_args, chunk_grads,
+                                        completion_hidden,
                                         head_weight, join_chunks, linear_chunk_stats,
                                         reduce_partial_dw, split_chunks)
 
@@ -177,7 +178,7 @@ def policy_one_pass(graphdef, params, seqs: dict, token_grads: TokenGrads, aux: 
         return None
     h_BxTxD = completion_hidden(model, seqs["prompt_BxP"], seqs["prompt_mask_BxP"],
                                 seqs["completion_BxT"], seqs["completion_mask_BxT"],
-                                remat=remat, group=group)
+                                remat=remat, group=group, replay_BxLxSxK=seqs.get(REPLAY_KEY))
     w, vocab_major = head
     names = logical_axes(getattr(model, "embed" if vocab_major else "lm_head"))
     return one_pass_head(w, h_BxTxD, seqs["completion_BxT"], token_grads, aux,

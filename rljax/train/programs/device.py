@@ -53,7 +53,8 @@ def device_rollout(graphdef, params, prompts: tuple, task: dict, key, *, spec: D
     fields = to_rollout(out.prompt_tokens, out.prompt_mask, out.tokens, out.completion_mask,
                         out.sampling_logprobs, out.truncated, rewards_R, correct_R,
                         jnp.ones_like(rewards_R))
-    return Rollout(*fields, group_size=g, has_correct=verifier)
+    return Rollout(*fields, expert_ids_BxLxSxK=out.expert_ids, group_size=g,
+                   has_correct=verifier)
 
 
 @functools.partial(jax.jit, static_argnums=0)

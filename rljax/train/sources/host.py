@@ -133,7 +133,8 @@ class Rollouts(PromptRows):
                                   out.completion_mask, out.sampling_logprobs, out.truncated,
                                   glob(rewards), glob(correct),
                                   glob(np.ones(hi - lo, np.float32))),
-                     group_size=g, has_correct=self.accuracy_fn is not None)
+                     expert_ids_BxLxSxK=out.expert_ids, group_size=g,
+                     has_correct=self.accuracy_fn is not None)
         ph.times["reward"] = ph.times.get("reward", 0.0) + time.perf_counter() - t0
         return ro
 
