@@ -145,6 +145,14 @@ def test_parse_value_unions():
 
 # --- `none` and `preset` on the real experiment config --------------------------------
 
+def _section(sec):
+    """A None section built: its defaults, or an example where it has required fields."""
+    from rljax.models.config import MoeConfig
+    examples = {MoeConfig: lambda: MoeConfig(num_experts=4, experts_per_token=2,
+                                             intermediate_size=16)}
+    return examples.get(sec, sec)()
+
+
 def _leaf_keys(obj, prefix=""):
     """Every settable leaf `section.field` of a config tree (None sections built)."""
     from rljax.run.overrides import _field_types
@@ -154,7 +162,7 @@ def _leaf_keys(obj, prefix=""):
         if cls is None and value is None:
             from rljax.train.config.dicts import dataclass_in
             sec = dataclass_in(tp)
-            cls = sec() if sec is not None else None
+            cls = _section(sec) if sec is not None else None
         if cls is not None:
             yield from _leaf_keys(cls, f"{prefix}{name}.")
         else:

@@ -190,7 +190,10 @@ def test_seed_sft_updates_only_active_seeds():
     np.testing.assert_allclose(ms[0]["loss"], m["loss"], rtol=1e-5)
 
 
-def test_seed_batch_needs_a_device_reward():
-    gd, _ = tiny_model()
-    with pytest.raises(ValueError, match="device reward"):
-        SeedRL(_trainer(gd, lambda c, m: np.zeros(len(c), np.float32)))
+def test_seed_batch_refuses_a_device_reward_on_a_mesh(mesh8):
+    """With a device reward the seeds' vmapped step is one device's; a host reward's seeds
+    run anywhere (tests/test_composition.py)."""
+    gd, _ = tiny_model(mesh=mesh8)
+    with pytest.raises(ValueError, match="with a device reward seeds are vmapped on one device"):
+        SeedRL(_trainer(gd, REWARD, mesh=mesh8))
+    SeedRL(_trainer(gd, lambda c, m: np.zeros(len(c), np.float32), mesh=mesh8))

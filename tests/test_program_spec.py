@@ -219,7 +219,10 @@ EXAMPLES = {"objective": ["rljax.objectives.recent:cispo"],
             "rope_scaling": [Llama3RopeScaling()],
             "lora": [LoraConfig(rank=2)], "targets": [("q",), ("q", "v", "o")]}
 # Fields that no value changes for the base trainer (GRPO, KL in the loss), and why.
-FIXED = {"algorithm.adaptive_kl_target": "the controller needs kl_in='reward' (PPO)"}
+FIXED = {"algorithm.adaptive_kl_target": "the controller needs kl_in='reward' (PPO)",
+         # Not varied alone: ModelConfig refuses a MoeConfig unless architecture is
+         # 'qwen3_moe' (two fields at once); tests/test_moe.py compiles the MoE programs.
+         "model.moe": "a MoeConfig needs architecture='qwen3_moe' too"}
 
 
 def _alternatives(cfg, field: str, value) -> list:

@@ -22,12 +22,12 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType
 
-from rljax.objectives.batch import DIFFERENTIABLE_FIELDS, OPTIONAL_FIELDS, Coef, ObjectiveBatch
+from rljax.objectives.batch import OPTIONAL_FIELDS, Coef, ObjectiveBatch
 from rljax.objectives.separable import token_separable
-from rljax.testing._compare import (F32_EPS, compare_outputs, check_failure, scalar_values,
-                                    float32_rtol)
+from rljax.testing._compare import F32_EPS, compare_outputs, check_failure, float32_rtol
+from rljax.testing._harness import Harness, check_mesh, magnitudes, micro_outputs
 from rljax.testing._mesh8 import DEVICES, run_in_subprocess
 from rljax.testing._separable import check_separable
 
@@ -82,49 +82,6 @@ def default_batch(seed: int = 0, *, B: int = 16, T: int = 12, values: bool = Tru
     )
 
 
-class _Harness:
-    """One jitted (loss pieces, gradient of loss_sum) function, with a trace counter."""
-
-    def __init__(self, fn: Objective):
-        self.traces = 0
-
-        def loss_sum(diff, batch, coef):
-            self.traces += 1  # runs only while tracing: counts (re)compilations
-            out = fn(dataclasses.replace(batch, **diff), coef)
-            _check_structure(out)
-            loss_sum, count, metrics = out
-            return loss_sum, (loss_sum, count, metrics)
-
-        self.jitted = jax.jit(jax.grad(loss_sum, has_aux=True))
-
-    def __call__(self, batch: ObjectiveBatch, coef: Any):
-        diff = {n: getattr(batch, n) for n in DIFFERENTIABLE_FIELDS  # those present
-                if getattr(batch, n) is not None}
-        grads, (loss_sum, count, metrics) = self.jitted(diff, batch, coef)
-        to_np = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
-        return to_np(loss_sum), to_np(count), to_np(metrics), to_np(grads)
-
-
-def _check_structure(out: Any) -> None:
-    if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[2], dict)):
-        raise check_failure("contract", f"must return (loss_sum, count, metrics: dict); got {type(out).__name__}")
-    for name, x in (("loss_sum", out[0]), ("count", out[1])):
-        if jnp.shape(x) != ():
-            raise check_failure("contract", f"{name} must be a scalar; got shape {jnp.shape(x)}")
-    for k, v in out[2].items():
-        if not (isinstance(v, tuple) and len(v) == 2 and all(jnp.shape(x) == () for x in v)):
-            raise check_failure("contract", f"metric {k!r} must be a (sum, count) pair of scalars")
-
-
-def _magnitudes(parts: list, ref) -> dict[str, float]:
-    """Each output's scale for the tolerance: the sum over the micro-batch `parts` of
-    |the part's output|, at least |the full batch's output|. A loss sum whose parts cancel
-    is then compared at the size of its terms, where float32 rounds, not at the size of
-    its small total."""
-    sums = [scalar_values(p) for p in parts]
-    return {k: max(abs(float(v)), sum(abs(float(p[k])) for p in sums))
-            for k, v in scalar_values(ref).items()}
-
 
 def _check_grads(out, batch: ObjectiveBatch, require_logp_grad: bool) -> None:
     loss_sum, count, metrics, grads = out
@@ -158,7 +115,7 @@ def _pad(batch: ObjectiveBatch, pad: int, seed: int) -> ObjectiveBatch:
     return dataclasses.replace(batch, **{f.name: one(f.name, getattr(batch, f.name)) for f in dataclasses.fields(batch)})
 
 
-def _check_padding(h: _Harness, batch, coef, ref, pad: int, seed: int, rtol: float,
+def _check_padding(h: Harness, batch, coef, ref, pad: int, seed: int, rtol: float,
                    scale: dict) -> None:
     T = batch.logp_BxT.shape[1]
     got = h(_pad(batch, pad, seed), coef)
@@ -166,14 +123,6 @@ def _check_padding(h: _Harness, batch, coef, ref, pad: int, seed: int, rtol: flo
     compare_outputs("padding", ref, (*got[:3], unpadded), rtol, scale)
     if any(np.any(g[:, T:] != 0) for g in got[3].values()):
         raise check_failure("padding", "padded (masked) columns get nonzero gradient")
-
-
-def _micro_outputs(h: _Harness, batch, coef, n_micro: int) -> list:
-    B = batch.logp_BxT.shape[0]
-    if B % n_micro:
-        raise ValueError(f"micro_batches entry {n_micro} does not divide B={B}")
-    return [h(jax.tree.map(lambda x: x[i * B // n_micro:(i + 1) * B // n_micro], batch), coef)
-            for i in range(n_micro)]
 
 
 def _check_micro_batches(ref, outs: list, rtol: float, scale: dict) -> None:
@@ -216,22 +165,12 @@ def _cache_size(jitted) -> int:
     return size() if callable(size) else -1
 
 
-def _check_no_recompile(h: _Harness, batch, coef) -> None:
+def _check_no_recompile(h: Harness, batch, coef) -> None:
     before = h.traces, _cache_size(h.jitted)
     h(batch, _perturb(coef))
     if (h.traces, _cache_size(h.jitted)) != before:
         raise check_failure("recompile", "changing a coefficient's value retraced the objective; "
                     "coefficients must be traced arrays, never Python branches or static values")
-
-
-def _check_mesh(h: _Harness, batch, coef, ref, mesh, rtol: float, scale: dict) -> None:
-    """`ref` is the unsharded run (one device); the sharded run must match it."""
-    B = batch.logp_BxT.shape[0]
-    if B % mesh.size:
-        raise ValueError(f"batch size B={B} must be divisible by the mesh's {mesh.size} devices")
-    rows = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    sharded = (jax.device_put(batch, rows), jax.device_put(coef, NamedSharding(mesh, P())))
-    compare_outputs(f"mesh ({mesh.size} devices)", ref, h(*sharded), rtol, scale)
 
 
 #: Why the trainer leaves each optional field None (the message of a failed variant).
@@ -255,7 +194,7 @@ def _no_kl(coef: Any) -> Any:
     return dataclasses.replace(coef, kl=0.0) if isinstance(coef, Coef) else coef
 
 
-def _check_batch(h: _Harness, batch, coef, mesh, *, micro_batches, pad, rtol, seed,
+def _check_batch(h: Harness, batch, coef, mesh, *, micro_batches, pad, rtol, seed,
                  require_logp_grad, recompile: bool = True) -> tuple:
     """Every check on one batch (the mesh check unless `mesh` is None, the recompile
     check if `recompile`); returns the full batch's outputs."""
@@ -268,17 +207,17 @@ def _check_batch(h: _Harness, batch, coef, mesh, *, micro_batches, pad, rtol, se
     if recompile:
         _check_no_recompile(h, batch, coef)
     tol = float32_rtol(batch) if rtol is None else rtol
-    parts = {n: _micro_outputs(h, batch, coef, n) for n in micro_batches}
-    scale = _magnitudes(parts[max(parts)] if parts else [], ref)  # the finest split
+    parts = {n: micro_outputs(h, batch, coef, n) for n in micro_batches}
+    scale = magnitudes(parts[max(parts)] if parts else [], ref)  # the finest split
     _check_padding(h, batch, coef, ref, pad, seed, tol, scale)
     for n in micro_batches:
         _check_micro_batches(ref, parts[n], tol, scale)
     if mesh is not None:
-        _check_mesh(h, batch, coef, ref, mesh, tol, scale)
+        check_mesh(h, batch, coef, ref, mesh, tol, scale)
     return ref
 
 
-def _minimal_fails(h: _Harness, batch, coef, absent: Sequence[str], e: Exception) -> AssertionError:
+def _minimal_fails(h: Harness, batch, coef, absent: Sequence[str], e: Exception) -> AssertionError:
     """The failure of the batch without `absent`, naming the fields whose absence breaks it."""
     culprits = []
     for name in absent:
@@ -372,7 +311,7 @@ def check_objective(
     in_process, skipped = mesh.size > 1, {}
     opts = dict(micro_batches=micro_batches, pad=pad, rtol=rtol,
                 require_logp_grad=require_logp_grad)
-    h = _Harness(fn)
+    h = Harness(fn)
     names, first = [], None
     for s, b in zip(seeds, batches):
         ref = _check_batch(h, b, coef, mesh if in_process else None, seed=s, **opts)

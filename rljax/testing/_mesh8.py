@@ -59,19 +59,20 @@ def _main() -> None:
     from jax.sharding import AxisType
 
     from rljax import testing as t
+    from rljax.testing._harness import Harness, check_mesh, magnitudes, micro_outputs
 
     fn, coef, batches, micro_batches, rtol = pickle.loads(sys.stdin.buffer.read())
     if jax.device_count() != DEVICES:
         raise SystemExit(f"expected {DEVICES} devices, got {jax.device_count()}")
     mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Auto,))
-    h = t._Harness(fn)
+    h = Harness(fn)
     try:
         for b in batches:
             b = jax.tree.map(jnp.asarray, b)
             ref = h(b, coef)
-            parts = t._micro_outputs(h, b, coef, max(micro_batches)) if micro_batches else []
-            t._check_mesh(h, b, coef, ref, mesh, t.float32_rtol(b) if rtol is None else rtol,
-                          t._magnitudes(parts, ref))
+            parts = micro_outputs(h, b, coef, max(micro_batches)) if micro_batches else []
+            check_mesh(h, b, coef, ref, mesh, t.float32_rtol(b) if rtol is None else rtol,
+                       magnitudes(parts, ref))
     except AssertionError as e:
         print(_FAILED + str(e), flush=True)
         raise SystemExit(1) from None
