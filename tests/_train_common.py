@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from rljax.models import Decoder, ModelConfig
+from rljax.rewards.device import DeviceReward
 
 
 class CharTok:
@@ -83,3 +85,20 @@ def check_run_files(run_dir) -> None:
                  "tokenizer"):
         assert (run_dir / name).exists(), name
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+
+
+def digit_share(completions, metadata):
+    """Host reward: the share of digits in the text, times the prompt's weight."""
+    return np.array([m["weight"] * sum(c.isdigit() for c in t) / 3
+                     for t, m in zip(completions, metadata)], np.float32)
+
+
+class DigitShare(DeviceReward):
+    """The same reward on token ids (digits are ids 2..11 of CharTok)."""
+
+    def task_arrays(self, metadata):
+        return {"weight": np.array([m["weight"] for m in metadata], np.float32)}
+
+    def __call__(self, tokens_BxT, mask_BxT, task):
+        digit = (tokens_BxT >= 2) & (tokens_BxT <= 11) & (mask_BxT > 0)
+        return task["weight"] * jnp.sum(digit, axis=1) / 3

@@ -15,16 +15,14 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from _mp_multiturn import LIMITS, CountEnv, source as episode_source
-from _train_common import CharTok, tiny_config, tiny_model
+from _train_common import CharTok, DigitShare, digit_share, tiny_config, tiny_model
 from rljax.models import ValueModel
 from rljax.models.lora import LoraConfig
-from rljax.rewards.device import DeviceReward
 from rljax.sharding import shard_params
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
 from rljax.train.multiturn import MultiTurnConfig
@@ -70,23 +68,6 @@ def refusal(cell) -> str | None:
 def prompt_source(start, n):
     idx = [(start + i) % len(PROMPTS) for i in range(n)]
     return [PROMPTS[i] for i in idx], [{"weight": 1.0 + i % 3} for i in idx]
-
-
-def digit_share(completions, metadata):
-    """Host reward: the share of digits in the text, times the prompt's weight."""
-    return np.array([m["weight"] * sum(c.isdigit() for c in t) / 3
-                     for t, m in zip(completions, metadata)], np.float32)
-
-
-class DigitShare(DeviceReward):
-    """The same reward on token ids (digits are ids 2..11 of CharTok)."""
-
-    def task_arrays(self, metadata):
-        return {"weight": np.array([m["weight"] for m in metadata], np.float32)}
-
-    def __call__(self, tokens_BxT, mask_BxT, task):
-        digit = (tokens_BxT >= 2) & (tokens_BxT <= 11) & (mask_BxT > 0)
-        return task["weight"] * jnp.sum(digit, axis=1) / 3
 
 
 REWARD = DigitShare()

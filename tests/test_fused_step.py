@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _train_common import CharTok, tiny_model as _tiny_model
-from rljax.rewards.device import DeviceReward
+from _train_common import CharTok, DigitShare, digit_share, tiny_model as _tiny_model
 from rljax.train.batching import encode_pairs
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, SFTConfig, algorithm_preset
 from rljax.train.programs import CompileLog
@@ -32,23 +31,6 @@ PROMPTS = ["1+2=", "3+4=", "15+6=", "7+8=", "2*3=", "9-1="]
 def source(start, n):
     idx = [(start + i) % len(PROMPTS) for i in range(n)]
     return [PROMPTS[i] for i in idx], [{"weight": 1.0 + i % 3} for i in idx]
-
-
-def digit_share(completions, metadata):
-    """Host reward: the share of digits in the text, times the prompt's weight."""
-    return np.array([m["weight"] * sum(c.isdigit() for c in t) / 3
-                     for t, m in zip(completions, metadata)], np.float32)
-
-
-class DigitShare(DeviceReward):
-    """The same reward on token ids (digits are ids 2..11 of CharTok)."""
-
-    def task_arrays(self, metadata):
-        return {"weight": np.array([m["weight"] for m in metadata], np.float32)}
-
-    def __call__(self, tokens_BxT, mask_BxT, task):
-        digit = (tokens_BxT >= 2) & (tokens_BxT <= 11) & (mask_BxT > 0)
-        return task["weight"] * jnp.sum(digit, axis=1) / 3
 
 
 REWARD = DigitShare()  # one instance: trainers with it share their compiled programs
