@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from rljax.models import ModelConfig, grow_kv_cache, kv_cache_shardings
 from rljax.models.grouped import prompt_copies
@@ -68,7 +68,8 @@ from rljax.sampling.ops import SamplingParams
 from rljax.sampling.prompts import PackedPrompts
 from rljax.sampling.result import SampleResult
 from rljax.sampling.vocab_shards import sample_tokens_sharded
-from rljax.sharding import BATCH_AXES, inference_shardings, logical_sharding, mesh_context
+from rljax.sharding import (BATCH_AXES, inference_shardings, logical_sharding, mesh_context,
+                            mesh_of)
 
 __all__ = ["DecodeSpec", "DecodeState", "compiled_count", "inference_layout", "plan_phases",
            "sample_arrays"]
@@ -328,15 +329,6 @@ def compiled_count() -> int:
     size and settings must not raise it.
     """
     return _prefill._cache_size() + _decode._cache_size()
-
-
-def mesh_of(params):
-    """The mesh the parameters live on (None for a single device / unsharded)."""
-    for leaf in jax.tree.leaves(params):
-        sh = getattr(leaf, "sharding", None)
-        if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
-            return sh.mesh
-    return None
 
 
 def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec: DecodeSpec,

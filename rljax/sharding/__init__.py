@@ -5,7 +5,8 @@ logically; `LOGICAL_RULES` maps those names to the mesh axes ("data", "fsdp", "t
 """
 
 from rljax.sharding.layout import check_process_blocks, device_grid, process_blocks
-from rljax.sharding.mesh import MESH_AXES, MeshConfig, OnMesh, make_mesh, mesh_context, on_mesh
+from rljax.sharding.mesh import (MESH_AXES, MeshConfig, OnMesh, make_mesh, mesh_context, mesh_of,
+                                 on_mesh)
 from rljax.sharding.placement import canonical_sharding, output_shardings, place_outputs, put_on
 from rljax.sharding.rules import (
     BATCH_AXES,
@@ -46,6 +47,7 @@ __all__ = [
     "logical_sharding",
     "logical_spec",
     "make_mesh",
+    "mesh_of",
     "mesh_context",
     "on_mesh",
     "process_blocks",

@@ -8,7 +8,7 @@ import math
 from typing import Callable
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from rljax.sharding.layout import check_process_blocks, device_grid
 
@@ -121,3 +121,12 @@ def on_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
     """``fn`` run under ``jax.set_mesh(mesh)`` (an ``OnMesh``); ``fn`` itself when
     ``mesh`` is None."""
     return fn if mesh is None else OnMesh(fn, mesh)
+
+
+def mesh_of(params):
+    """The mesh the parameters live on (None for a single device / unsharded)."""
+    for leaf in jax.tree.leaves(params):
+        sh = getattr(leaf, "sharding", None)
+        if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
+            return sh.mesh
+    return None

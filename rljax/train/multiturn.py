@@ -40,10 +40,10 @@ from rljax.sampling.generate import config_of
 from rljax.sampling.head import state_vocab_major_weight
 from rljax.sampling.ops import SamplingParams
 from rljax.sampling.prompts import bucket_length
-from rljax.sampling.sampler import inference_layout, mesh_of
+from rljax.sampling.sampler import inference_layout
 from rljax.sampling.turns import (TurnSpec, cache_slots, decode_turn, observe, start,
                                   turn_flags)
-from rljax.sharding import mesh_context
+from rljax.sharding import mesh_context, mesh_of
 from rljax.train import hosts
 from rljax.train.batching import encode_text, pad_left, special_ids, stop_ids
 from rljax.train.config import SamplingConfig

@@ -31,11 +31,11 @@ from jax.custom_derivatives import SymbolicZero
 
 from rljax.models.layers import compute_dtype
 from rljax.sharding import constrain_logical, logical_axes
-from rljax.train.learn.logprobs import (DW_DXV_AXES, PARTIAL_DW_AXES, REPLAY_KEY,
-                                        batch_shards, check_linear_args, chunk_grads,
-                                        completion_hidden,
-                                        head_weight, join_chunks, linear_chunk_stats,
-                                        reduce_partial_dw, split_chunks)
+from rljax.train.batch import REPLAY_KEY
+from rljax.train.learn.linear_head import (DW_DXV_AXES, PARTIAL_DW_AXES, batch_shards,
+                                           check_linear_args, chunk_grads, join_chunks,
+                                           linear_chunk_stats, reduce_partial_dw, split_chunks)
+from rljax.train.learn.logprobs import completion_hidden, head_weight
 
 Array = Any
 #: ``token_grads(aux, logp_BxC, entropy_BxC, start) -> (a_BxC, e_BxC)``: the loss's
