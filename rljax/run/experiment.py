@@ -48,11 +48,12 @@ class RunConfig:
       profile_steps: RL steps to trace with the JAX profiler into `<dir>/profile/`, as
         "3,5" or "3-5" (numbered as in metrics.jsonl, from 1; "" = none); see
         `rljax.run.profiling`. Not part of the config hash: a resumed run may change it.
-      seeds: independent runs trained at once in one compiled program (seeds `seed`,
-        `seed + 1`, ...; `rljax.run.seed_runs`); > 1 needs a device reward (the
+      seeds: independent runs trained at once, each step's programs vmapped over them
+        (seeds `seed`, `seed + 1`, ...; `rljax.run.seed_runs`): with a device reward (the
         arithmetic task's accuracy reward, or a custom `reward.function` that is a
-        `rljax.rewards.device.DeviceReward`) and one device; such a run resumes as one
-        run does.
+        `rljax.rewards.device.DeviceReward`) the whole step is one program, with a host
+        reward each seed's batch is scored on the host; one device; such a run resumes
+        as one run does.
     """
 
     dir: str = "runs/default"
