@@ -7,7 +7,9 @@ reward, device reward, episodes} x layout {padded, packed} x parameters {full, L
 cell. Each cell runs two RL steps with finite metrics, or raises a refusal whose message
 matches ``REFUSED`` (the same table, with reasons, is in docs/reference.md, "What composes").
 A combination that runs must be right: ``test_packed_equals_padded_in_the_matrix``
-compares one packed cell with the same run padded.
+compares one packed cell with the same run padded, and
+``test_seeds_on_a_mesh_equal_each_seed_alone`` two seeds in one vmapped program with each
+seed run alone on the same mesh (bit for bit).
 """
 
 from __future__ import annotations
