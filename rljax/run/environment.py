@@ -34,7 +34,7 @@ from rljax.envs.protocol import RETURN_MODES
 from rljax.rewards.imported import load_function
 from rljax.train.batching import encode_pairs, encode_traces
 from rljax.train.config.checks import check_bool, check_choice, check_num, fail
-from rljax.train.multiturn import MultiTurnConfig
+from rljax.train.multiturn import MultiTurnConfig, response_budget
 
 __all__ = ["EnvConfig", "EnvFactory", "build_multiturn", "check_env", "check_env_section",
            "encode_sft", "episode_eval", "trace_examples"]
@@ -66,8 +66,7 @@ class EnvConfig:
 
     def response_budget(self, turn_tokens: int) -> int:
         """The model's tokens an episode may hold (``MultiTurnConfig.response_budget``)."""
-        return (self.max_model_tokens if self.max_model_tokens is not None
-                else self.limits.max_turns * int(turn_tokens))
+        return response_budget(self.max_model_tokens, self.limits, turn_tokens)
 
     def __post_init__(self):
         c = "EnvConfig"

@@ -49,7 +49,16 @@ from rljax.train.batching import encode_text, pad_left, special_ids, stop_ids
 from rljax.train.config import SamplingConfig
 from rljax.train.batch import PromptSource, Rollout, to_rollout
 
-__all__ = ["MultiTurnConfig", "MultiTurnRollouts", "MultiTurnOutput", "stop_sequences"]
+__all__ = ["MultiTurnConfig", "MultiTurnRollouts", "MultiTurnOutput", "response_budget",
+           "stop_sequences"]
+
+
+def response_budget(max_model_tokens: int | None, limits: EnvLimits, turn_tokens: int) -> int:
+    """The model's tokens an episode may hold: ``max_model_tokens``, or
+    ``limits.max_turns x turn_tokens`` (the per-turn budget, ``sampling.max_new_tokens``)."""
+    if max_model_tokens is not None:
+        return max_model_tokens
+    return limits.max_turns * int(turn_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +103,7 @@ class MultiTurnConfig:
         the per-turn budget). Where a single-turn run reads ``max_new_tokens`` as the
         response budget (the overlong window, Dr.GRPO's constant), a multi-turn run reads
         this."""
-        if self.max_model_tokens is not None:
-            return self.max_model_tokens
-        return self.limits.max_turns * int(turn_tokens)
+        return response_budget(self.max_model_tokens, self.limits, turn_tokens)
 
 
 def stop_sequences(tokenizer: Any, stop_strings) -> tuple[tuple[int, ...], ...]:
