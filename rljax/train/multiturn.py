@@ -218,11 +218,14 @@ class MultiTurnRollouts:
         return np.minimum(envs.remaining_tokens_B(), n).astype(np.int32)
 
     def sample(self, params, source: PromptSource, pos: int, n_prompts: int, key, *,
-               greedy: bool = False, group_size: int | None = None) -> MultiTurnOutput:
+               greedy: bool = False, group_size: int | None = None,
+               dispatched: Callable | None = None) -> MultiTurnOutput:
         """Episodes of prompts ``pos .. pos + n_prompts`` (``source(start, n) -> (prompts,
         metadata)``; each row's environment is reset with its metadata, with
         ``"prompt"`` set to the prompt where the metadata has none), ``group_size``
-        (default: the trainer's) rows each; ``greedy``: temperature 0."""
+        (default: the trainer's) rows each; ``greedy``: temperature 0. ``dispatched()``
+        runs once the first turn's programs are dispatched, before the host waits for
+        them (what the caller queued behind them runs while the environments step)."""
         g = self.group_size if group_size is None else group_size
         b = n_prompts * g
         lo, hi = hosts.own_groups(b, g, self.mesh)
@@ -256,6 +259,8 @@ class MultiTurnRollouts:
             while True:
                 s, turn_RxN, len_R = decode_turn(*prog, s)
                 turns += 1
+                if dispatched is not None and turns == 1:
+                    dispatched()
                 out = self._env_turn(envs, turn_RxN, len_R, lo, hi)
                 obs_len = np.array([len(x) for x in out.observation_ids], np.int32)
                 all_done, widest = hosts.turn_flags(turn_flags(glob(out.done_B),

@@ -34,6 +34,7 @@ from rljax.train import throughput
 from rljax.train.batch import PromptSource, Rollout
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling, check_packing)
+from rljax.train.async_driver import async_step
 from rljax.train.driver import rl_step
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
@@ -54,6 +55,21 @@ from rljax.train.sources.refill import Refill
 from rljax.train.throughput import PhaseTimes
 
 __all__ = ["PhaseTimes", "PromptSource", "RLTrainer", "rl_loss"]
+
+
+def _check_async(rl: RLConfig, algorithm: AlgorithmConfig, device_reward) -> None:
+    """An asynchronous step's needs (``RLConfig.max_staleness >= 1``)."""
+    if not rl.max_staleness:
+        return
+    if device_reward is not None:
+        raise ValueError("RLConfig.max_staleness >= 1 overlaps the host's scoring with "
+                         "learning; a device reward's step is one program with no host work "
+                         "to overlap: use max_staleness=0, or a host reward")
+    if algorithm.old_logp == "sampler":
+        raise ValueError("RLConfig.max_staleness >= 1 takes the ratio against the proximal "
+                         "policy (the weights before the update) and corrects the sampler's "
+                         "with tis_cap / is_mode; algorithm.old_logp='sampler' would take "
+                         "it against the stale sampler: use old_logp='auto' or 'recompute'")
 
 
 def _check_multiturn(multiturn, reward_fns, algorithm) -> None:
@@ -139,6 +155,7 @@ class RLTrainer:
         check_algorithm_sampling(algorithm, sampling, budget)
         overlong = alg.resolve_overlong_buffer(algorithm, budget)
         check_packing(rl, algorithm, self.device_reward is not None)
+        _check_async(rl, algorithm, self.device_reward)
         self.last_packing: PackSpec | None = None  # the latest step's (packing_for)
         self.num_params = 0  # the policy's parameter count (init_state): the step's FLOPs
         self.paths = resolve_paths(
@@ -242,13 +259,19 @@ class RLTrainer:
     # ------------------------------------------------------------------ one RL step
     def step(self, state: TrainState, source: PromptSource):
         """One RL step on prompts ``source(state.data_pos, prompts_per_step)`` (more when
-        dynamic sampling refills; ``rljax.train.driver.rl_step``). Returns ``(state,
-        metrics: dict[str, float])``."""
-        window = Window(source, int(hosts.fetch_scalars(state.data_pos)),
-                        self.rl.prompts_per_step)
-        out = rl_step(self.step_spec(state), self.source, state, window,
-                      teacher_params=self.teacher_params,
-                      layout=self.packing_for)
+        dynamic sampling refills; ``rljax.train.driver.rl_step``), or with
+        ``rl.max_staleness >= 1`` on the oldest in-flight batch while the next is
+        collected (``rljax.train.async_driver.async_step``). Returns ``(state, metrics:
+        dict[str, float])``."""
+        n = self.rl.prompts_per_step
+        if self.rl.max_staleness:
+            out = async_step(self.step_spec(state), self.source, state, source, n,
+                             self.rl.max_staleness, teacher_params=self.teacher_params,
+                             layout=self.packing_for)
+        else:
+            window = Window(source, int(hosts.fetch_scalars(state.data_pos)), n)
+            out = rl_step(self.step_spec(state), self.source, state, window,
+                          teacher_params=self.teacher_params, layout=self.packing_for)
         self.last_packing = out.spec.packing
         return out.state, self.finish_metrics(out.metrics, out.times, out.state.params)
 

@@ -46,8 +46,12 @@ class PhaseTimes:
         t0 = time.perf_counter()
         out = fn(*args, **kw)
         jax.block_until_ready(out)
-        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+        self.add(name, time.perf_counter() - t0)
         return out
+
+    def add(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` to phase ``name``."""
+        self.times[name] = self.times.get(name, 0.0) + seconds
 
 
 # Dense (no sparsity) bfloat16 matmul peak per chip, by `jax.Device.device_kind`, first

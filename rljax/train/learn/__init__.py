@@ -206,8 +206,10 @@ def _updates(spec, update, params, opt_state, counters, batch, coef, key,
                                                       (rows_UxN, sel_keys_U, first_U))
     skipped_U = m_U.pop("skipped_update")
     metrics = {k: jnp.mean(v) for k, v in m_U.items()}
-    # The gap is between the sampler and the weights it sampled with: the first update.
-    metrics["sampler_gap"] = m_U["sampler_gap"][0]
+    # The gap between the behaviour policy and the weights before the updates (the
+    # proximal policy; rljax.objectives.behaviour_gap): the first update's.
+    for k in ("sampler_gap", "mismatch_kl", "is_weight_max", "is_weight_min"):
+        metrics[k] = m_U[k][0]
     metrics["skipped_updates"] = jnp.sum(skipped_U)
     return params, opt_state, counters, metrics
 

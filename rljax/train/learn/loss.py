@@ -130,8 +130,5 @@ def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, te
         chunk=chunk, temperature=temperature, remat=remat, group=group, one_pass=one_pass,
         packing=packing, **fields)
     loss_sum, count, metrics = objective(_objective_batch(mb, logp, ent, values, **fields), coef)
-    n = jnp.sum(m)
-    gap = jnp.where(m > 0, jnp.abs(sg(logp) - mb["sampler_logp_BxT"]), 0.0)
-    metrics = dict(metrics)
-    metrics["sampler_gap"] = (jnp.sum(gap), n)
+    metrics = dict(metrics, **obj.behaviour_gap(logp, mb["sampler_logp_BxT"], m))
     return loss_sum + surrogate, count, metrics

@@ -115,13 +115,20 @@ class Rollouts(PromptRows):
         tot = hosts.gather_rows(sums[None]).sum(axis=0).reshape(-1, 2)  # every process's
         return {f"reward/{k}": float(s / max(n, 1.0)) for k, (s, n) in zip(names, tot)}
 
-    def sample_round(self, params, window: Window, key, ph) -> Rollout:
+    def sample_round(self, params, window: Window, key, ph,
+                     dispatched: Callable | None = None) -> Rollout:
         """Rollouts of ``window``'s prompts (this process reads its own block), scored on
-        its own rows."""
+        its own rows; ``dispatched()`` runs once the sampler is dispatched, before the
+        host waits for it (the protocol's ``collect``)."""
         g = self.group_size
         b = window.n * g
         lo, hi, meta, tok, mask = self.own_prompts(window.prompts, window.pos, window.n)
-        out = ph.timed("rollout", self.generate, params, tok, mask, key, num_samples=g)
+        t0 = time.perf_counter()
+        out = self.generate(params, tok, mask, key, num_samples=g)
+        if dispatched is not None:
+            dispatched()
+        jax.block_until_ready(out)
+        ph.add("rollout", time.perf_counter() - t0)
         t0 = time.perf_counter()
         texts = self.own_texts(out, lo, hi)
         rep_meta = [m for m in meta for _ in range(g)]
@@ -135,14 +142,15 @@ class Rollouts(PromptRows):
                                   glob(np.ones(hi - lo, np.float32))),
                      expert_ids_BxLxSxK=out.expert_ids, group_size=g,
                      has_correct=self.accuracy_fn is not None)
-        ph.times["reward"] = ph.times.get("reward", 0.0) + time.perf_counter() - t0
+        ph.add("reward", time.perf_counter() - t0)
         return ro
 
-    def collect(self, params, window: Window, key, ph) -> Collected:
+    def collect(self, params, window: Window, key, ph,
+                dispatched: Callable | None = None) -> Collected:
         """One sampling round of ``window`` (its key split as each of DAPO's rounds
         splits it, ``rljax.train.sources.refill``) and the reward terms' means."""
         _, k = jax.random.split(key)
-        ro = self.sample_round(params, window, k, ph)
+        ro = self.sample_round(params, window, k, ph, dispatched)
         return Collected(ro, window.pos + window.n, self.step_metrics())
 
     def eval_batch(self, params, prompts: list, metadata: list, first: int) -> dict:
