@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from _experiments import load_experiment
 from _mp_multiturn import LIMITS, CountEnv, source as episode_source
 from _train_common import CharTok, DigitShare, digit_share, tiny_model
 from rljax.train import async_driver
@@ -26,6 +27,7 @@ from rljax.train.rl import RLTrainer
 from rljax.train.sources import Window
 
 TOK = CharTok()
+arithmetic_grpo = load_experiment("arithmetic_grpo")  # four seeds in one program
 PROMPTS = ["1+2=", "3+4=", "15+6=", "7+8=", "2*3=", "9-1=", "4+4=", "8-2="]
 
 
@@ -181,12 +183,19 @@ def test_every_host_source_runs_one_step_off(kind, mesh8):
     ("device", "a device reward's step is one program"),
     ("sampler", "old_logp='sampler' would take it against the stale sampler"),
     ("negative", "max_staleness"),
+    ("rloo", "has no importance ratio: set algorithm.tis_cap"),
+    ("seeds", "several seeds learn in one vmapped program"),
 ])
 def test_refusals_name_why(case, pattern):
     gd, _ = tiny_model(num_layers=1)
     with pytest.raises(ValueError, match=pattern):
         if case == "negative":
             RLConfig(max_staleness=-1)
+        elif case == "seeds":
+            cfg = arithmetic_grpo.config()
+            dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, max_staleness=1))
+        elif case == "rloo":
+            _trainer(gd, 1, name="rloo")
         elif case == "device":
             _trainer(gd, 1, reward=DigitShare())
         else:

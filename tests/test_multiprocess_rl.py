@@ -1,6 +1,7 @@
 """Issue 16's acceptance on two processes x 4 CPU devices through the CLI (`rljax train
 --distributed --coordinator ...`), against one process x 8 devices, for GRPO, PPO (value
-model, GAE, KL in the reward, 2 epochs x 2 minibatches with the in-graph permutation) and
+model, GAE, KL in the reward, 2 epochs x 2 minibatches with the in-graph permutation, one
+step off: ``rl.max_staleness=1``, its checkpoints holding the in-flight batch) and
 DAPO (dynamic sampling with refill rounds of different prompt widths; its per-term reward
 means, over every process's rows and every round, equal too), DAPO's policy with LoRA
 adapters (split over the mesh by the logical rules, the base frozen). GRPO is scored by a
@@ -37,10 +38,12 @@ def runs(tmp_path_factory):
         # A device reward: each step one program, sample -> score -> learn
         "grpo": mp.Scenario(root, "mp_grpo", 'name="grpo", group_size=4', prompts=4,
                             plots=True, reward="rljax_experiment_mp_grpo:even_reward"),
-        # 4 prompts x 4 samples, as GRPO: the same sampler programs
+        # 4 prompts x 4 samples, as GRPO: the same sampler programs; one step off
+        # (asynchronous): its checkpoints hold the in-flight batch, resumed on both
         "ppo": mp.Scenario(root, "mp_ppo", 'name="ppo", group_size=4, kl_coef=0.02, '
                            'num_epochs=2, num_minibatches=2', prompts=4,
-                           sft="SFTConfig(steps=2, batch_size=8)"),
+                           sft="SFTConfig(steps=2, batch_size=8)",
+                           sets=("rl.max_staleness=1",)),
         # With LoRA adapters on every projection (the update trains them alone): what it
         # checks of the refills is independent of which weights train, and GRPO and PPO
         # compare full-parameter updates; a scenario of its own cost the fixture ~45%.
@@ -67,7 +70,11 @@ def test_grpo_steps_equal_one_process(runs):
 
 
 def test_ppo_steps_equal_one_process(runs):
+    """PPO one step off: 2 x 4 equals 1 x 8 (the learned batch was sampled a step
+    earlier from step 2 on, on both)."""
     mp.check_steps_equal_one_process(runs["ppo"], PPO, later=("kl_ref", "value_loss"))
+    rows = mp.rl_rows(runs["ppo"].dir("mp"))
+    assert [rows[k]["async/staleness"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0]
 
 
 def test_sft_warm_up_steps_equal_one_process(runs):

@@ -56,6 +56,7 @@ from rljax.run.startup import startup_summary
 from rljax.run.teacher import load_teacher
 from rljax.run.warmup_stop import WarmupStop
 from rljax.sharding import shard_params
+from rljax.train.async_driver import inflight_meta, inflight_target
 from rljax.train.checkpoint import Checkpointer
 from rljax.train.rl import RLTrainer
 from rljax.train.sft import SFTTrainer
@@ -172,8 +173,11 @@ def _evaluate(trainer, params, task, rd, name: str, step: int) -> dict:
 
 
 def _meta(cfg, rd, state, phase: str, acc_before: float) -> dict:
-    return {"phase": phase, "config_hash": rd.config_hash, "data_pos": int(state.data_pos),
+    meta = {"phase": phase, "config_hash": rd.config_hash, "data_pos": int(state.data_pos),
             "accuracy_before": acc_before, "seed": cfg.run.seed}
+    if state.inflight:  # an asynchronous run's batches in flight: a resume's target
+        meta["inflight"] = inflight_meta(state)
+    return meta
 
 
 def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunResult:
@@ -265,6 +269,9 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
     """Restore the latest checkpoint (resume) or warm up, evaluate and build a fresh state."""
     if cfg.run.resume and ck.latest_step() is not None:
         fresh = trainer.init_state(params, seed=cfg.run.seed, value_params=value_params)
+        saved = ck.read_meta().get("inflight")
+        if saved:  # the in-flight batches' arrays, shaped as their record says
+            fresh = dataclasses.replace(fresh, inflight=inflight_target(saved, mesh))
         state, meta = rd.restore(ck, fresh)
         rd.begin()
         rd.truncate_metrics(int(meta["step"]))

@@ -34,6 +34,7 @@ from rljax.train import throughput
 from rljax.train.batch import PromptSource, Rollout
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling, check_packing)
+from rljax.train.config.checks import corrects_sampler
 from rljax.train.async_driver import async_step
 from rljax.train.driver import rl_step
 from rljax.train.learn import algorithms as alg
@@ -65,6 +66,13 @@ def _check_async(rl: RLConfig, algorithm: AlgorithmConfig, device_reward) -> Non
         raise ValueError("RLConfig.max_staleness >= 1 overlaps the host's scoring with "
                          "learning; a device reward's step is one program with no host work "
                          "to overlap: use max_staleness=0, or a host reward")
+    if not algorithm.loss.ratio and algorithm.objective is None and not corrects_sampler(
+            algorithm):
+        raise ValueError(f"RLConfig.max_staleness={rl.max_staleness} learns from samples up "
+                         f"to {rl.max_staleness} updates old, and algorithm "
+                         f"{algorithm.name!r}'s loss (A log pi) has no importance ratio: "
+                         "set algorithm.tis_cap (the behaviour-policy correction) or use a "
+                         "clipped ratio (name='grpo', 'ppo')")
     if algorithm.old_logp == "sampler":
         raise ValueError("RLConfig.max_staleness >= 1 takes the ratio against the proximal "
                          "policy (the weights before the update) and corrects the sampler's "
