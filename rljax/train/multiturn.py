@@ -35,12 +35,10 @@ import numpy as np
 
 from rljax.envs import EnvBatch, EnvLimits
 from rljax.envs.protocol import check_return_mode
-from rljax.models.layers import cast_matmul_weights, compute_dtype
 from rljax.sampling.generate import config_of
-from rljax.sampling.head import state_vocab_major_weight
 from rljax.sampling.ops import SamplingParams
 from rljax.sampling.prompts import bucket_length
-from rljax.sampling.sampler import inference_layout
+from rljax.sampling.sampler import sampler_weights
 from rljax.sampling.turns import (TurnSpec, cache_slots, decode_turn, observe, start,
                                   turn_flags)
 from rljax.sharding import mesh_context, mesh_of
@@ -247,11 +245,8 @@ class MultiTurnRollouts:
         spec = self.spec(tok_BxP.shape[1], greedy)
         glob = functools.partial(hosts.to_global, n_rows=b, mesh=self.mesh)
         mesh = mesh_of(params) if self.mesh is None else self.mesh
-        config = config_of(self.gd, params)
-        params = cast_matmul_weights(params, compute_dtype(config))  # as the sampler's run
         with jax.transfer_guard("allow"):  # the inference copy of the weights (no host data)
-            params, _ = inference_layout(params, None, mesh, place=jax.device_put)
-        head = state_vocab_major_weight(params, config)
+            params, head = sampler_weights(params, config_of(self.gd, params), mesh)
         prog = (self.gd, spec, mesh, params, head)
         turns = 0
         with mesh_context(mesh):
