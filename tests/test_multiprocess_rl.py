@@ -18,7 +18,8 @@ rewards (rollout, scoring on the host, learning program):
 
 The runs are described in tests/_multiprocess.py: one pair of processes runs all three
 algorithms and both resumes. Packed rows (`rl.tokens_per_micro_batch`, GRPO with a host
-reward): 2x4 equals 1x8, and step 1 equals the padded program's on 1x8."""
+reward) of a Qwen3-MoE policy (experts over fsdp, router replay): 2x4 equals 1x8, router
+metrics too, and step 1 equals the padded program's on 1x8."""
 
 import _multiprocess as mp
 import numpy as np
@@ -50,9 +51,10 @@ def runs(tmp_path_factory):
         "dapo": mp.Scenario(root, "mp_dapo", 'name="dapo", group_size=4, max_refill_rounds=3',
                             prompts=4, resume=False, widths=True,
                             sets=("lora.rank=4", "lora.alpha=8")),
-        # Packed rows (a host reward): 12-slot rows, one a micro-batch per batch shard
+        # Packed rows (a host reward): 12-slot rows, one a micro-batch per batch shard; an
+        # MoE policy (experts over fsdp) replaying the sampler's routing
         "packed": mp.Scenario(root, "mp_packed", 'name="grpo", group_size=4', prompts=4,
-                              resume=False, sets=("rl.tokens_per_micro_batch=12",)),
+                              resume=False, sets=("rl.tokens_per_micro_batch=12",), moe=True),
     }
     mp.run_all(root, list(scenarios.values()))
     return scenarios
@@ -148,12 +150,20 @@ def test_lora_adapters_equal_one_process(runs):
                                    err_msg=str(p))
 
 
-def test_packed_steps_equal_one_process_and_the_padded_program(runs):
-    """The packing plan, made in the program from the masks, is the same on both processes:
-    2x4 equals 1x8; and step 1 (the same rollout) equals the padded program's."""
+MOE = ("moe/aux_loss", "moe/z_loss", "moe/load_max_over_mean")
+
+
+def test_packed_moe_steps_equal_one_process_and_the_padded_program(runs):
+    """An MoE policy with router replay, on packed rows: the packing plan (made in the
+    program from the masks) and the expert ids the sampler recorded are the same on both
+    processes, so 2x4 equals 1x8, router metrics too; and step 1 (the same rollout, the
+    same routing) equals the padded program's (router metrics aside: statistics of
+    micro-batches that packing groups otherwise)."""
     s = runs["packed"]
-    mp.check_steps_equal_one_process(s, GRPO, later=("kl_ref",))
+    mp.check_steps_equal_one_process(s, GRPO + MOE, later=("kl_ref",))
+    ref = mp.rl_rows(s.dir("ref"))[1]
+    assert ref["moe/kl_sampler_learner"] <= 1e-10 and ref["sampler_gap"] <= 1e-5, ref
     s.in_process("padded", "rl.tokens_per_micro_batch=0")
-    packed, padded = mp.rl_rows(s.dir("ref"))[1], mp.rl_rows(s.dir("padded"))[1]
+    packed, padded = ref, mp.rl_rows(s.dir("padded"))[1]
     assert 0 < packed.pop("useful_token_frac") <= 1 and "useful_token_frac" not in padded
     mp.assert_close(packed, padded, GRPO, mp.FIRST_RTOL, "packed vs padded")

@@ -17,7 +17,8 @@ own rows' environments, ``rljax.train.hosts.own_rows``):
    are prefilled, written into the completion with loss mask 0);
 3. the completion (model turns and observations), its masks, the sampler's log-probs
    (0 at observation tokens) and the episode returns become a ``Rollout`` with
-   ``loss_mask_BxT`` set.
+   ``loss_mask_BxT`` set (and, for an MoE policy, the expert ids of every position fed:
+   prompt, drawn tokens and observations, for router replay).
 
 Token in, token out: the completion holds the ids the sampler drew and the ids
 ``EnvBatch`` returned (``encode`` of each observation, once), never a re-tokenised text.
@@ -294,7 +295,8 @@ class MultiTurnRollouts:
                                  glob(truncated), glob(rewards),
                                  glob(np.zeros(hi - lo, np.float32)),
                                  glob(np.ones(hi - lo, np.float32))),
-                     loss_mask_BxT=s.loss_RxT, group_size=g, has_correct=False)
+                     loss_mask_BxT=s.loss_RxT, expert_ids_BxLxSxK=s.experts_RxLxSxK,
+                     group_size=g, has_correct=False)
         sums = envs.metrics()
         names = sorted(sums)
         tot = hosts.gather_rows(np.asarray([[sums[k][0] for k in names] + [len(envs)]],

@@ -45,7 +45,7 @@ from rljax.train.learn.reference import lora_base, make_reference
 from rljax.train.learn.update import (NonFiniteError, TrainState, init_opt_state, new_train_state,
                                       num_micro_batches)
 from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts
-from rljax.train.programs.paths import resolve_paths
+from rljax.train.programs.paths import graph_model_config, resolve_paths
 from rljax.train.programs.step import StepSpec, optimizers, schedule_updates
 from rljax.train.sources import Window
 from rljax.train.sources.device import DeviceRewardSource
@@ -314,13 +314,17 @@ class RLTrainer:
             self.alg.needs_value_model and self.old_mode == "self"))
             + (alg.cov_rule(self.alg) is not None) * self.alg.num_epochs)
         size = lambda t: 0 if t is None else sum(x.size for x in jax.tree.leaves(t))
+        # An MoE model computes with its active parameters (the k experts a token uses).
+        active = lambda gd, n: n if gd is None else throughput.active_count(
+            n, graph_model_config(gd))
         policy = None if params is None else params.get("policy")
         lora = policy is not None and has_adapters(policy)  # weight gradients: adapters only
         flops = throughput.step_model_flops(
-            self.num_params or size(policy), gen_tokens=gen, seq_tokens=computed, extra_forwards=fwd,
-            epochs=self.alg.num_epochs, teacher_params=size(self.teacher_params),
-            prefill_tokens=prefill,
-            value_params=size(None if params is None else params.get("value")),
+            active(self.gd, self.num_params or size(policy)), gen_tokens=gen,
+            seq_tokens=computed, extra_forwards=fwd, epochs=self.alg.num_epochs,
+            teacher_params=active(self.teacher_gd, size(self.teacher_params)),
+            prefill_tokens=prefill, value_params=active(
+                self.value_gd, size(None if params is None else params.get("value"))),
             trainable_params=size(split_trainable(policy)[0]) if lora else None)
         chips, kind = throughput.chips_and_kind(self.mesh)
         m.update(throughput.step_throughput(

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from rljax import objectives as obj
 from rljax.train.learn import packing as pack
 from rljax.train.learn import ppo as ppo_lib
+from rljax.train.learn import router
 from rljax.train.learn.logprobs import policy_logprobs
 from rljax.train.learn.micro import loss_mask
 from rljax.train.learn.onepass import padded_width, policy_one_pass
@@ -120,15 +121,20 @@ def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, te
     ``one_pass``: the head form "one-pass" (``rljax.train.programs.paths.ForwardPaths.head``;
     module docstring): the same loss and, to rounding, the same gradients.
     ``packing``: the batch's ``rljax.train.learn.packing.PackSpec`` (None: padded rows);
-    ``mb`` is then one packed micro-batch and its loss terms are its rows'."""
+    ``mb`` is then one packed micro-batch and its loss terms are its rows'. An MoE
+    policy adds its router losses and metrics (``rljax.train.learn.router``)."""
     if packing is not None:
         mb = pack.this_micro(mb, packing)
     m = loss_mask(mb)
     fields = dict(self_old=self_old, use_sampler=use_sampler, entropy_grad=entropy_grad)
-    values, surrogate, logp, ent = _current(
-        params, mb, coef, policy_gd=policy_gd, value_gd=value_gd, objective=objective,
-        chunk=chunk, temperature=temperature, remat=remat, group=group, one_pass=one_pass,
-        packing=packing, **fields)
+    with router.recording() as records:  # an MoE policy's router records
+        values, surrogate, logp, ent = _current(
+            params, mb, coef, policy_gd=policy_gd, value_gd=value_gd, objective=objective,
+            chunk=chunk, temperature=temperature, remat=remat, group=group,
+            one_pass=one_pass, packing=packing, **fields)
     loss_sum, count, metrics = objective(_objective_batch(mb, logp, ent, values, **fields), coef)
     metrics = dict(metrics, **obj.behaviour_gap(logp, mb["sampler_logp_BxT"], m))
-    return loss_sum + surrogate, count, metrics
+    router_sum, router_metrics = router.loss_terms(records, count, sg(logp),
+                                                   mb["sampler_logp_BxT"], m)
+    metrics.update(router_metrics)
+    return loss_sum + surrogate + router_sum, count, metrics

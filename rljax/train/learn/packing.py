@@ -45,6 +45,7 @@ from flax import nnx
 
 from rljax.models.layers import compute_dtype
 from rljax.sharding import logical_axes
+from rljax.train.learn import router
 from rljax.train.learn.logprobs import REPLAY_KEY, head_weight, hidden_logprobs
 from rljax.train.learn.micro import merge_micro, split_micro
 from rljax.train.learn.onepass import one_pass_head, padded_width
@@ -227,13 +228,16 @@ def _unpack_micro(x_SxW: Array, mb: dict, d: int, m: int) -> Array:
 def _hidden(model, pk: dict, remat: bool) -> Array:
     seg = pk["pack_segments_SxW"]
     moe = getattr(model.config, "moe", None)
-    if REPLAY_PACKED in pk and moe is not None and moe.router_replay == "replay":
-        return model.routed_hidden_states(
-            pk["pack_tokens_SxW"], pk["pack_positions_SxW"], seg >= 0, remat=remat,
-            segment_ids_BxT=seg,
-            replay_ids_LxBxTxK=jnp.transpose(pk[REPLAY_PACKED], (2, 0, 1, 3)))[0]
-    return model.hidden_states(pk["pack_tokens_SxW"], pk["pack_positions_SxW"], seg >= 0,
-                               remat=remat, segment_ids_BxT=seg)
+    replay = REPLAY_PACKED in pk and moe is not None and moe.router_replay == "replay"
+    if not (replay or router.wanted(model)):
+        return model.hidden_states(pk["pack_tokens_SxW"], pk["pack_positions_SxW"], seg >= 0,
+                                   remat=remat, segment_ids_BxT=seg)
+    h, rec = model.routed_hidden_states(
+        pk["pack_tokens_SxW"], pk["pack_positions_SxW"], seg >= 0, remat=remat,
+        segment_ids_BxT=seg,
+        replay_ids_LxBxTxK=jnp.transpose(pk[REPLAY_PACKED], (2, 0, 1, 3)) if replay else None)
+    router.note(rec, model.config)
+    return h
 
 
 def _token_logprobs(graphdef, params, pk: dict, *, chunk, temperature, remat=False):
