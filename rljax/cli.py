@@ -4,6 +4,7 @@
                 [--distributed [--coordinator HOST:PORT --num-processes N --process-id I]
                  [--heartbeat-timeout S]]
     rljax eval SOURCE [--experiment EXP] [--set ...] [--num-prompts N] [--k K] [--seed S]
+               [--step N] [--pass-threshold R]
     rljax sample SOURCE --prompt TEXT [--prompt ...] [--num-samples N] [--max-new-tokens N]
                  [--raw] [--seed S] [--sampling-seed N]
     rljax export SOURCE OUT_DIR [--step N] [--dtype float32|bfloat16] [--max-shard-size SIZE]
@@ -40,7 +41,7 @@ from collections.abc import Sequence
 
 import jax
 
-from rljax.run.artifacts import evaluate_source, export_hf, sample_texts
+from rljax.run.artifacts import PASS_THRESHOLD, evaluate_source, export_hf, sample_texts
 from rljax.run.experiment_files import load_experiment
 from rljax.run.plots import plot_metrics
 from rljax.run.preemption import Preempted
@@ -99,13 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "(same as --set run.profile_steps=STEPS)")
     _add_launch(p)
 
-    p = sub.add_parser("eval", help="greedy accuracy and pass@k (rljax.run.artifacts.evaluate_source)")
+    p = sub.add_parser("eval", help="greedy accuracy (a reward without a verifier: its mean) "
+                                    "and pass@k (rljax.run.artifacts.evaluate_source)")
     p.add_argument("source", help="run directory or HF model folder")
     p.add_argument("--experiment", default=None,
                    help="experiment giving the task and reward (default: the run's own config)")
     _add_set(p)
     p.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default rl.eval_prompts)")
     p.add_argument("--k", type=int, default=1, help="samples per prompt for pass@k (default 1)")
+    p.add_argument("--pass-threshold", type=float, default=None, metavar="R",
+                   help="a reward without a verifier: a sampled completion passes pass@k when "
+                        f"its reward is >= R (default {PASS_THRESHOLD}); a verifier decides "
+                        "otherwise")
     _add_checkpoint(p)
 
     p = sub.add_parser(
@@ -239,7 +245,7 @@ def _cmd_train(args) -> int:
 def _cmd_eval(args) -> int:
     result = evaluate_source(args.source, experiment=args.experiment, overrides=args.overrides,
                              num_prompts=args.num_prompts, k=args.k, step=args.step,
-                             run_seed=args.seed)
+                             run_seed=args.seed, pass_threshold=args.pass_threshold)
     print(json.dumps(result, indent=2))
     return 0
 

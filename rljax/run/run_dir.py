@@ -47,6 +47,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from rljax.run import plots as _plots
+from rljax.run.checkpoint_fit import orbax_reason, shape_changes
 from rljax.run.run_lock import LOCK_FILE, RunLock, RunLockedError
 from rljax.run.run_writers import (METRICS_FILE, BucketLines, TensorBoardRuns, is_local,
                                    read_metrics, run_path)
@@ -224,7 +225,12 @@ class RunDir:
 
     def restore(self, ck, fresh) -> tuple:
         """`ck.restore(fresh)` for a resume: a checkpoint that does not fit `fresh` (this
-        config's state) raises `mismatch`'s error, before anything is written."""
+        config's state) raises `mismatch`'s error, before anything is written; one whose
+        arrays' shapes differ from `fresh`'s before anything is read
+        (`rljax.run.checkpoint_fit`)."""
+        changed = shape_changes(ck, fresh)
+        if changed:
+            raise self.mismatch(ValueError("; ".join(changed)))
         try:
             return ck.restore(fresh)
         except (ValueError, KeyError, TypeError) as e:
@@ -232,12 +238,12 @@ class RunDir:
 
     def mismatch(self, err: BaseException) -> RunDirError:
         """The error of a resume whose checkpoint does not fit this config (`err`, e.g.
-        orbax's shape error), naming the config fields that differ."""
+        orbax's shape error, without orbax's advice on its own arguments), naming the
+        config fields that differ."""
         fields = "; ".join(self.changed) if self.changed else "no config field differs"
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return RunDirError(f"run.resume: the checkpoint in {self.checkpoint_dir} does not fit "
-                           f"this config (changed: {fields}): {first}. Nothing was written; "
-                           "undo the change, or start a new run.dir")
+                           f"this config (changed: {fields}): {orbax_reason(err)}. Nothing "
+                           "was written; undo the change, or start a new run.dir")
 
     def _unlock(self) -> None:
         if self._lock is not None:
