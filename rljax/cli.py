@@ -16,7 +16,9 @@ directory (its latest checkpoint) or a Hugging Face model folder. Each command i
 layer over one Python call (named in its help), so everything here is also a library call.
 A run of several seeds (`run.seeds`) keeps them in one checkpoint: `--seed S` picks one for
 eval / sample / export (default the run's first seed, `run.seed`); `plot` draws one curve
-per seed (or only `--seed S`'s).
+per seed (or only `--seed S`'s). `eval` and `sample` keep their compiled programs in JAX's
+persistent compilation cache (`rljax.run.compile_cache`: ~/.cache/rljax/jax;
+RLJAX_COMPILE_CACHE=DIR or 0), so a second call with the same model skips compiling.
 Bad input (ValueError, TypeError, FileNotFoundError, FileExistsError: a missing experiment,
 an unknown or mistyped override, a run directory that holds another run or is in use) prints
 one line `rljax <command>: error: ...` and exits with status 2 (argparse's usage errors too);
@@ -42,6 +44,7 @@ from collections.abc import Sequence
 import jax
 
 from rljax.run.artifacts import PASS_THRESHOLD, evaluate_source, export_hf, sample_texts
+from rljax.run.compile_cache import use_compile_cache
 from rljax.run.experiment_files import load_experiment
 from rljax.run.plots import plot_metrics
 from rljax.run.preemption import Preempted
@@ -243,6 +246,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_eval(args) -> int:
+    use_compile_cache()
     result = evaluate_source(args.source, experiment=args.experiment, overrides=args.overrides,
                              num_prompts=args.num_prompts, k=args.k, step=args.step,
                              run_seed=args.seed, pass_threshold=args.pass_threshold)
@@ -251,6 +255,7 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_sample(args) -> int:
+    use_compile_cache()
     outs = sample_texts(args.source, args.prompt, num_samples=args.num_samples,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         seed=args.sampling_seed, step=args.step, run_seed=args.seed,

@@ -1,10 +1,14 @@
 """`rljax eval` of a run whose custom reward has no verifier (issue 59 item 4): the greedy
 reward mean and pass@k at a reward threshold, on the run's held-out file or another one,
-at any checkpoint step, through the command line. About 25 s on 2 idle cores (a 2-step run
-and three evaluations)."""
+at any checkpoint step, through the command line; a second `rljax eval` reads its programs
+from JAX's persistent compilation cache (issue 59 item 9). About 35 s on 2 idle cores (a
+2-step run, three evaluations in process and two as commands)."""
 
 import io
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +16,7 @@ import pytest
 from _own_task import records, write_task
 from rljax.cli import main
 from rljax.run.artifacts import PASS_THRESHOLD, sample_texts
+from rljax.run.compile_cache import use_compile_cache
 from rljax.run.experiment_files import load_experiment
 from rljax.run.runner import run_experiment
 
@@ -70,3 +75,28 @@ def test_eval_threshold_refusals(run, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(run))
     assert main(["eval", str(run / "runs/own"), "--pass-threshold", "nan"]) == 2
     assert "--pass-threshold must be a finite number" in capsys.readouterr().err
+
+
+def test_a_second_eval_reads_its_programs_from_the_compile_cache(run, tmp_path):
+    """`rljax eval` as a user runs it (one device, a process of its own), twice: the first
+    call fills the cache folder, the second compiles nothing new and scores the same."""
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=os.pathsep.join([str(run), *sys.path]), RLJAX_COMPILE_CACHE=str(cache))
+    argv = [sys.executable, "-m", "rljax", "eval", "runs/own", "--k", "2"]
+    outs, entries = [], []
+    for _ in range(2):
+        done = subprocess.run(argv, cwd=run, env=env, capture_output=True, text=True,
+                              timeout=300)  # a hang guard
+        assert done.returncode == 0, done.stderr[-2000:]
+        outs.append(json.loads(done.stdout))
+        entries.append(sorted(p.name for p in cache.iterdir()))
+    assert entries[0] and entries[1] == entries[0]
+    assert outs[1] == outs[0]
+
+
+def test_the_compile_cache_stays_off_where_it_must(monkeypatch):
+    monkeypatch.delenv("RLJAX_COMPILE_CACHE", raising=False)
+    assert use_compile_cache() is None  # this suite's 8 CPU devices: restored programs hang
+    monkeypatch.setenv("RLJAX_COMPILE_CACHE", "0")
+    assert use_compile_cache() is None
