@@ -303,3 +303,16 @@ def test_a_new_run_that_fails_before_logging_leaves_no_directory(tmp_path):
         raise RuntimeError("the restore failed")
     assert read_metrics(tmp_path / "logged")[0]["eval/accuracy"] == 0.5
 
+
+
+def test_orbax_reasons_keep_what_differs_and_drop_its_advice():
+    from rljax.run.checkpoint_fit import orbax_reason
+
+    err = ValueError("Requested shape: (48, 32) is not compatible with the stored shape: "
+                     "(64, 32). Truncating/padding is disabled. To enable it, set `strict="
+                     "False` in `ArrayRestoreArgs` for any array in v0 API.")
+    assert orbax_reason(err) == ("Requested shape: (48, 32) is not compatible with the "
+                                 "stored shape: (64, 32)")
+    assert orbax_reason(ValueError("tree structures do not match:\n  a: b")) == \
+        "tree structures do not match"
+    assert orbax_reason(KeyError()) == "KeyError"

@@ -62,7 +62,11 @@ def shape_changes(ck, fresh: Any, step: int | None = None) -> list[str]:
     step = ck.latest_step() if step is None else step
     if step is None:
         return []
-    saved, now = _saved_shapes(ck, step), _shapes(fresh)
+    try:
+        saved = _saved_shapes(ck, step)
+    except (OSError, ValueError, KeyError, TypeError):  # no readable metadata: the restore
+        return []  # itself then says what does not fit
+    now = _shapes(fresh)
     both = sorted(set(saved) & set(now), key=lambda p: (p[0] != "params", p))  # weights first
     diff = [f"{'.'.join(p)}: saved {saved[p]}, this config {now[p]}"
             for p in both if saved[p] != now[p]]
@@ -73,9 +77,9 @@ def shape_changes(ck, fresh: Any, step: int | None = None) -> list[str]:
 
 def orbax_reason(err: BaseException) -> str:
     """The first line of `err` without orbax's advice on its own restore arguments and
-    without a trailing period (the caller's sentence goes on)."""
+    without a trailing period or colon (the caller's sentence goes on)."""
     text = str(err).strip()
     first = text.splitlines()[0] if text else type(err).__name__
     sentences = re.split(r"(?<=\.)\s+", first)
     kept = [s for s in sentences if not _ADVICE.search(s)] or sentences[:1]
-    return " ".join(kept).rstrip(".")
+    return " ".join(kept).rstrip(".:")
