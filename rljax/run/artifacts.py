@@ -330,6 +330,10 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
         raise ValueError(f"num_prompts must be in 1..{len(task.eval_prompts)} "
                          f"(rl.eval_prompts), got {num_prompts!r}")
     if cfg.env is not None:  # an environment run: episodes, their returns
+        if pass_threshold is not None:
+            raise ValueError(f"--pass-threshold {pass_threshold}: an environment run's eval "
+                             "reports its sampled episodes' mean and best return "
+                             "(sample_reward_mean, best@k_reward_mean), no pass@k")
         return episode_eval(cfg, model, tokenizer, task, n, k)
     reward_fns, accuracy_fn = build_reward(cfg, task)
     threshold = _pass_threshold(cfg, reward_fns, accuracy_fn, pass_threshold)
