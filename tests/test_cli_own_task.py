@@ -12,8 +12,8 @@ with no reference answers and a tiny 2-step run, made in a folder as a user has 
   (item 9).
 
 Commands run in this process through `rljax.cli.main`, or as a user runs them (one
-device, a process of their own) where that is the point. About 45 s on 2 idle cores (the
-run, three evaluations in process, five commands)."""
+device, a process of their own) where that is the point: the run, three evaluations in
+process, four commands; 48 s (46 CPU-s) on 2 cores with other work running."""
 
 import io
 import json
@@ -25,6 +25,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from conftest import TEST_XLA_FLAGS
 from rljax.cli import main
 from rljax.run.artifacts import PASS_THRESHOLD, sample_texts
 from rljax.run.compile_cache import use_compile_cache
@@ -138,11 +139,13 @@ def test_eval_threshold_refusals(run, capsys, monkeypatch):
 
 
 def _command(run, *args: str, **env: str) -> subprocess.Popen:
-    """`rljax ARGS` started as a user starts it in the task's folder: one device (no
-    XLA_FLAGS), the reward module found as `python -m` finds it."""
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **env,
+    """`rljax ARGS` (or `python -c CODE ...`) started as a user starts it in the task's
+    folder: one device (the suite's cheap-compile flags only), the reward module found as
+    `python -m` finds it."""
+    env = {**os.environ, **env, "XLA_FLAGS": TEST_XLA_FLAGS,
            "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.Popen([sys.executable, "-m", "rljax", *args], cwd=run, env=env,
+    argv = [sys.executable, *(args if args[0] == "-c" else ("-m", "rljax", *args))]
+    return subprocess.Popen(argv, cwd=run, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -171,19 +174,34 @@ def test_each_error_is_the_last_line_of_stderr(run):
     assert not (run / "runs/new").exists()  # the others made no run directory
 
 
-def test_a_second_eval_reads_its_programs_from_the_compile_cache(run, tmp_path):
-    """`rljax eval` as a user runs it, twice: the first call fills the cache folder, the
-    second compiles nothing new and scores the same."""
-    cache = tmp_path / "cache"
-    outs, entries = [], []
+# Two `rljax eval` calls in one process of a user's kind (one device), the compiled
+# programs held in memory dropped in between (one import instead of two: ~5 s here).
+TWICE = textwrap.dedent('''
+    import contextlib, io, json, pathlib, sys
+    import jax
+    from rljax.cli import main
+
+    cache, outs, entries = pathlib.Path(sys.argv[1]), [], []
     for _ in range(2):
-        proc = _command(run, "eval", "runs/own", "--k", "2", RLJAX_COMPILE_CACHE=str(cache))
-        out, err = proc.communicate(timeout=300)  # a hang guard
-        assert proc.returncode == 0, err[-2000:]
-        outs.append(json.loads(out))
+        jax.clear_caches()
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert main(["eval", "runs/own", "--k", "2"]) == 0
+        outs.append(json.loads(out.getvalue()))
         entries.append(sorted(p.name for p in cache.iterdir()))
-    assert entries[0] and entries[1] == entries[0]
-    assert outs[1] == outs[0]
+    print(json.dumps({"outs": outs, "entries": entries}))
+''')
+
+
+def test_a_second_eval_reads_its_programs_from_the_compile_cache(run, tmp_path):
+    """The first `rljax eval` fills the cache folder; the second compiles nothing new
+    (no entry added) and scores the same."""
+    cache = tmp_path / "cache"
+    proc = _command(run, "-c", TWICE, str(cache), RLJAX_COMPILE_CACHE=str(cache))
+    out, err = proc.communicate(timeout=300)  # a hang guard
+    assert proc.returncode == 0, err[-2000:]
+    res = json.loads(out.splitlines()[-1])
+    assert res["entries"][0] and res["entries"][1] == res["entries"][0]
+    assert res["outs"][1] == res["outs"][0]
 
 
 def test_the_compile_cache_stays_off_where_it_must(monkeypatch):
