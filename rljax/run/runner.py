@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import sys
-import time
 from typing import TextIO
 
 import jax
@@ -48,7 +47,7 @@ from rljax.run.experiment import ExperimentConfig
 from rljax.run.lora_runs import base_model, lora_checkpoints
 from rljax.run.loop import Seeds, rl_loop
 from rljax.run.preemption import StopSignal
-from rljax.run.report import Progress, format_summary
+from rljax.run.report import Progress, algorithm_label, format_summary
 from rljax.run.run_dir import RunDir, is_local
 from rljax.run.run_writers import write_folder
 from rljax.run.seed_runs import SeedsResult, run_seeds
@@ -192,7 +191,6 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
         res = run_seeds(cfg, out=out)
         return RunResult(res.result["accuracy_before"], res.result["accuracy_after"],
                          res.wall_s, res.run_dir, cfg.rl.steps, res.summary, seeds=res)
-    t0 = time.perf_counter()
     primary = jax.process_index() == 0
     if not primary:
         out = _Silent()
@@ -217,7 +215,7 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
                 warm.close()
         if cfg.run.plots:
             rd.plot()
-    return _finish(cfg, rd, acc_before, after, t0, out, verifier)
+    return _finish(cfg, rd, acc_before, after, out, verifier)
 
 
 def _train(cfg, rd, ck, mesh, warm, stop, out):
@@ -309,21 +307,21 @@ def _one(step_out: tuple) -> tuple:
     return state, [metrics]
 
 
-def _finish(cfg, rd, acc_before, after: dict, t0: float, out, verifier=None) -> RunResult:
-    wall = time.perf_counter() - t0
+def _finish(cfg, rd, acc_before, after: dict, out, verifier=None) -> RunResult:
+    wall = rd.clock.wall_s()  # a resumed run's: every process's
     acc_after = _headline(after)
     metric = "accuracy" if "accuracy" in after else "reward"
     scored = (f"{cfg.env.env} episode return" if cfg.env is not None
               else cfg.reward.function or cfg.reward.kind)
     by = verifier if metric == "accuracy" else f"{scored} (held-out mean; no verifier)"
     rows = [r for r in rd.metrics() if r.get("phase") == "rl" and "rollout_tok_s" in r]
-    details = {"experiment": cfg.name, "algorithm": cfg.algorithm.name,
+    details = {"experiment": cfg.name, "algorithm": algorithm_label(cfg.algorithm),
                "RL steps": cfg.rl.steps, "reward after": after.get("reward_mean", float("nan"))}
     if rows:
         details["rollout tok/s"] = sum(r["rollout_tok_s"] for r in rows) / len(rows)
     text = format_summary(accuracy_before=acc_before, accuracy_after=acc_after, wall_s=wall,
                           run_dir=rd.path, title=f"rljax: {cfg.name}", details=details,
-                          metric=metric, measured_by=by)
+                          metric=metric, measured_by=by, segments=rd.clock.segments)
     print(text, file=out if out is not None else sys.stdout, flush=True)
     return RunResult(acc_before, acc_after, wall, str(rd.path), cfg.rl.steps, text)
 

@@ -166,19 +166,30 @@ class Rollouts(PromptRows):
         return sum_rows(sums)
 
     def eval_samples(self, params, prompts: list, metadata: list, first: int, k: int,
-                     key) -> dict:
-        """``k`` completions of each held-out prompt at the sampling temperature, verified:
-        sums over every process's prompts of ``"pass@k"`` (any of its ``k`` correct: Chen
-        et al. 2021's estimator with n = k) and ``"sample_accuracy"`` (the mean of its
-        ``k``)."""
-        if self.accuracy_fn is None:
-            raise ValueError("pass@k counts verified completions; this reward has no "
-                             "verifier (accuracy_fn)")
+                     key, *, threshold: float | None = None) -> dict:
+        """``k`` completions of each held-out prompt at the sampling temperature: sums over
+        every process's prompts of ``"pass@k"`` (any of its ``k`` passes: Chen et al.
+        2021's estimator with n = k) and the mean of its ``k``. With a verifier a
+        completion passes when verified (the mean is ``"sample_accuracy"``); without one,
+        when its reward is ``>= threshold`` (the means are ``"sample_pass"`` and
+        ``"sample_reward_mean"``). ``threshold`` is for a reward without a verifier only."""
+        if (self.accuracy_fn is None) == (threshold is None):
+            raise ValueError(
+                "pass@k counts verified completions when the reward has a verifier "
+                "(accuracy_fn) and completions whose reward reaches a threshold when it has "
+                f"none: give threshold without a verifier only (verifier: "
+                f"{self.accuracy_fn is not None}, threshold: {threshold!r})")
         tok, mask = self.encode_all(prompts)
         lo, hi = hosts.own_groups(len(prompts) * k, k, self.mesh)
         out = self.generate(params, tok, mask, key, num_samples=k)
         meta = [m for m in metadata[lo // k:hi // k] for _ in range(k)]
-        ok_Nxk = self._verify(self.own_texts(out, lo, hi), meta, k, first + lo // k) > 0
-        ok_Nxk = ok_Nxk.reshape(-1, k)
-        return sum_rows({f"pass@{k}": float(ok_Nxk.any(axis=1).sum()),
-                         "sample_accuracy": float(ok_Nxk.mean(axis=1).sum())})
+        texts, first_own = self.own_texts(out, lo, hi), first + lo // k
+        if threshold is None:
+            ok_Nxk = (self._verify(texts, meta, k, first_own) > 0).reshape(-1, k)
+            means = {"sample_accuracy": ok_Nxk.mean(axis=1)}
+        else:
+            r_Nxk = np.asarray(self.score(texts, meta, k, first_own), np.float64).reshape(-1, k)
+            ok_Nxk = r_Nxk >= threshold
+            means = {"sample_pass": ok_Nxk.mean(axis=1), "sample_reward_mean": r_Nxk.mean(axis=1)}
+        sums = {name: float(v.sum()) for name, v in means.items()}
+        return sum_rows({f"pass@{k}": float(ok_Nxk.any(axis=1).sum()), **sums})
