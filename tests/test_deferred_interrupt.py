@@ -57,6 +57,26 @@ def test_a_process_that_ignores_ctrl_c_keeps_ignoring_it():
     assert not held.hit and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
+def test_a_dropped_ctrl_c_still_stops_the_run_after_its_next_step():
+    """Outside a step, Ctrl-C raises at once; when a library drops that KeyboardInterrupt
+    (Python does, inside a garbage-collection callback), the next step's block starts
+    with `hit` set, so the run stops after it."""
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignal() as stop:
+        with stop.guard() as held:
+            pass
+        assert not held.hit
+        try:
+            _sigint()
+            raise AssertionError("Ctrl-C outside a step did not raise")
+        except KeyboardInterrupt:
+            pass  # dropped, as a garbage-collection callback drops it
+        with stop.guard() as held:
+            x = jnp.arange(2) + 1  # the step runs to its end
+        assert held.hit and x.tolist() == [1, 2]
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def _donated_state():
     state = {"w": jnp.ones(4)}
     jax.jit(lambda s: s, donate_argnums=0)(state)  # the program took the buffers

@@ -27,7 +27,11 @@ same step, or the checkpoint's collective save would hang or mix steps.
 process, during an RL or SFT step, is held until the step
 ends (`DeferredInterrupt`, from `StopSignal.guard()`): a step donates the state's buffers to
 its program, so a KeyboardInterrupt raised inside it would leave no state to save.
-`save_interrupted` then saves the step reached; a second Ctrl-C stops at once.
+`save_interrupted` then saves the step reached; a second Ctrl-C stops at once. Outside a
+step, `StopSignal`'s handler raises KeyboardInterrupt as Python's own does, and remembers
+the Ctrl-C: Python drops a KeyboardInterrupt raised inside a garbage-collection callback
+(JAX runs one at every collection; "Exception ignored in ..."), and the run then stops
+after its next step instead of going on (`StopSignal.guard`).
 
 On several processes a Ctrl-C usually reaches some of them (the terminal of one host), and a
 checkpoint is a collective write that a lone process would wait on forever. So there, while
@@ -79,12 +83,18 @@ class StopSignal:
         self._flag = False
         self._previous: dict[int, object] = {}  # signal -> the handler to put back
         self.cause = "SIGTERM"
+        self.ctrl_c = False  # one process: a Ctrl-C came (its KeyboardInterrupt may be lost)
 
     def _handle(self, signum, frame) -> None:
         if not self._flag:  # acknowledged when received, once
             print("\n[rljax] SIGTERM received: the run stops after the current step and "
                   "saves it", file=sys.stderr, flush=True)
         self._flag = True
+
+    def _ctrl_c(self, signum, frame) -> None:
+        """One process, outside a step: Python's own Ctrl-C, remembered (module docstring)."""
+        self.ctrl_c = True
+        raise KeyboardInterrupt
 
     def _forward_ctrl_c(self, signum, frame) -> None:
         """Several processes: the first Ctrl-C asks for an agreed stop (module docstring)."""
@@ -100,8 +110,11 @@ class StopSignal:
             return self  # Python delivers signals to the main thread only
         if not self.distributed:
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
-        elif self._agreed and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            previous = signal.signal(signal.SIGINT, self._forward_ctrl_c)
+        ctrl_c = self._forward_ctrl_c if self._agreed else (
+            None if self.distributed else self._ctrl_c)
+        # A process that ignores SIGINT (started in the background) keeps ignoring it.
+        if ctrl_c is not None and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            previous = signal.signal(signal.SIGINT, ctrl_c)
             self._previous[signal.SIGINT] = (signal.default_int_handler if previous is None
                                              else previous)
         return self
@@ -114,8 +127,12 @@ class StopSignal:
     def guard(self) -> DeferredInterrupt:
         """The block around one RL step: on one process a `DeferredInterrupt` (Ctrl-C held
         to the step's end); on several, none (Ctrl-C is an agreed stop, or, without JAX's
-        service, a KeyboardInterrupt that saves nothing), with the same `hit` attribute."""
-        return DeferredInterrupt(hold=not self.distributed)
+        service, a KeyboardInterrupt that saves nothing), with the same `hit` attribute.
+        After a Ctrl-C whose KeyboardInterrupt was dropped, `hit` is set from the start:
+        the run stops after this step."""
+        held = DeferredInterrupt(hold=not self.distributed)
+        held.hit = self.ctrl_c
+        return held
 
     def reached(self, step: int) -> bool:
         """True at the boundary after `step` where every process stops. Call it at every
