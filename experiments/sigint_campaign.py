@@ -12,8 +12,9 @@ one attempt (`rljax train ... run.resume=auto`, in a process group of its own, a
 terminal's foreground job) that gets one SIGINT sent to the whole group -- the trainer and
 its reward workers, as a terminal's Ctrl-C -- at a random moment of one of two kinds, in
 turn: "any", uniform over the reference attempt's wall time (start-up, compilation and
-evaluation included); "rl", once the attempt has logged its first step, uniform over the
-reference's time for the steps left. A final attempt completes each run.
+evaluation included); "rl", once the attempt has logged a step drawn uniformly from those
+left (all but the last), uniform over the reference's fastest step: in the next step or at
+its boundary. A final attempt completes each run.
 
 Per trial: the exit status must be 130 (the CLI's status; `-2`, a death by SIGINT before
 Python's handler exists, is what a shell also reports as 130 and is counted apart as
@@ -24,8 +25,8 @@ run: the final attempt exits 0, and the run's metric lines and final checkpoint 
 reference's bit for bit (`mismatched_runs` counts those that do not). An attempt that
 finished before its SIGINT came is not a trial (`finished_first`), nor is one that
 finished after it (`ignored`: the Ctrl-C did not stop the run; nothing is lost).
-Last line: `RESULT trials=... exit130=... lost_steps=... resumed=... ...`; each trial's
-record is in ROOT/sigint.jsonl.
+Last line: `RESULT trials=... exit130=... lost_steps=... resumed=... ...`; each attempt's
+record (`trial`: whether it counts) is in ROOT/sigint.jsonl.
 """
 
 from __future__ import annotations
@@ -83,14 +84,14 @@ class SigintCampaign:
         return Attempt(self.kc, run_dir, n, None, session=True, extra=EXTRA)
 
     def _reference(self) -> None:
-        """The uninterrupted run: its metric lines, wall time and step time."""
+        """The uninterrupted run: its metric lines, wall time and fastest step."""
         ref = self._attempt(self.root / "ref", 0)
         if ref.wait() != [0]:
             raise RuntimeError(f"the uninterrupted run failed:\n{ref.log()[-3000:]}")
         self.kc.ref_rows = metric_rows(self.root / "ref")
         times = [sum(v for k, v in r.items() if k.startswith("time_"))
                  for r in self._rows("ref")[1:]]  # the first step compiles
-        self.ref_wall_s, self.ref_step_s = ref.wall_s, float(np.median(times))
+        self.ref_wall_s, self.ref_step_s = ref.wall_s, float(np.min(times))
 
     def _rows(self, name: str) -> list[dict]:
         from rljax.run.run_dir import read_metrics
@@ -98,16 +99,16 @@ class SigintCampaign:
 
     def _moment(self, kind: str, attempt: Attempt, run_dir: pathlib.Path) -> float | None:
         """Seconds since the attempt's start at which to send SIGINT (None: it ended
-        before an "rl" moment could be chosen)."""
+        before an "rl" moment came)."""
         if kind == "any":
             return float(self.rng.uniform(0, self.ref_wall_s))
-        before = _steps_logged(run_dir)
-        while _steps_logged(run_dir) == before:
+        first = _steps_logged(run_dir) + 1
+        target = int(self.rng.integers(first, max(first + 1, self.kc.steps)))
+        while _steps_logged(run_dir) < target:
             if attempt.procs[0].poll() is not None:
                 return None
-            time.sleep(0.005)
-        left = self.kc.steps - _steps_logged(run_dir)
-        return time.monotonic() - attempt.t0 + float(self.rng.uniform(0, left * self.ref_step_s))
+            time.sleep(0.002)
+        return time.monotonic() - attempt.t0 + float(self.rng.uniform(0, self.ref_step_s))
 
     def _interrupt(self, attempt: Attempt, kind: str, run_dir: pathlib.Path) -> dict:
         """Send SIGINT to the attempt's process group at a random moment; its exit."""
@@ -140,20 +141,23 @@ class SigintCampaign:
     def _one_run(self, r: int, trials: int) -> int:
         """Up to `trials` trials of run `r`, then the final attempt and the comparisons;
         returns the trials made (fewer when the run finished first)."""
-        run_dir, problems, pending, made = self.root / f"run{r}", [], [], []
+        run_dir, pending, made, n = self.root / f"run{r}", [], [], 0
         while len(made) < trials and _latest(run_dir) < self.kc.steps - 1:
             before = _steps_logged(run_dir)
-            rec = self._trial(run_dir, len(made) + self.finished_first)
+            rec = self._trial(run_dir, n)
+            n += 1
             _confirm(pending, rec["resumed_from"], rec["logged"] > before)
-            if rec["exit"] == 0 or not rec["sent"]:  # not a trial: the run finished
+            rec["trial"] = rec["sent"] and rec["exit"] != 0
+            self._log(rec)
+            if not rec["trial"]:  # the run finished before its SIGINT, or after it
                 self.finished_first += not rec["sent"]
-                self.ignored += rec["sent"]  # went on to the end after its Ctrl-C
+                self.ignored += rec["sent"]
                 break
             pending.append(rec)
             made.append(rec)
-        final = self._attempt(run_dir, 99)  # logs in runN.99.p0.log
-        if final.wait() != [0]:
-            problems.append(f"the final attempt failed:\n{final.log()[-2000:]}")
+        final = self._attempt(run_dir, n)
+        problems = [] if final.wait() == [0] else [
+            f"the final attempt failed:\n{final.log()[-2000:]}"]
         _confirm(pending, resumed_step(final.log()), True)
         rows = metric_rows(run_dir)
         if sorted(rows) != sorted(self.kc.ref_rows):
@@ -162,10 +166,14 @@ class SigintCampaign:
         problems += checkpoint_differences(self.root / "ref", run_dir, self.kc.steps)
         if problems:
             self.problems[run_dir.name] = problems
-        with open(self.root / "sigint.jsonl", "a") as fh:
-            fh.writelines(json.dumps(rec) + "\n" for rec in made)
         self.records += made
         return len(made)
+
+    def _log(self, rec: dict) -> None:
+        """Append the attempt's record to ROOT/sigint.jsonl (`resumed` is known later: in
+        the records `run()` returns)."""
+        with open(self.root / "sigint.jsonl", "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
 
     def run(self) -> dict:
         """Every run of the campaign; the summary (RESULT keys)."""

@@ -1,40 +1,57 @@
-"""`python -m rljax ...` runs the `rljax` command line (see `rljax.cli`).
+"""`python -m rljax ...` and the `rljax` command run the command line (`rljax.cli`) by `run`.
 
-A Ctrl-C while the command line loads (JAX's imports take seconds) exits 130 once the
-imports are done, like one during the command; a second one stops at once. Python's own
-handler would raise KeyboardInterrupt wherever the main thread is: inside a C extension's
-initialisation it becomes an ImportError, and inside a library's garbage-collection
-callback (JAX registers one) it is printed and dropped, so the run would go on.
+Ctrl-C always ends the command with status 130. While the command line loads (JAX's
+imports take seconds) a Ctrl-C is held until the imports are done; a second one stops at
+once. Then, for the command, `rljax.run.preemption.CtrlC` raises KeyboardInterrupt as
+Python's own handler does and remembers the Ctrl-C: Python drops a KeyboardInterrupt
+raised inside a library's garbage-collection callback (JAX registers one; "Exception
+ignored in ..."), and inside a C extension's initialisation it becomes an ImportError. A
+run reads the mark at its next step (`rljax.run.preemption.StopSignal`); a command that
+went on to its end after a dropped Ctrl-C exits 130 too.
 """
 
 import signal
 import sys
 
-_CTRL_C: list[int] = []
+_HELD: list[int] = []
 
 
-def _ctrl_c(signum, frame):
-    """The first Ctrl-C is remembered; the next one raises (Python's own handler)."""
-    _CTRL_C.append(signum)
+def _hold(signum, frame):
+    """While loading: the first Ctrl-C is remembered; the next one raises (Python's own)."""
+    _HELD.append(signum)
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _load():
-    """`rljax.cli.main`, imported with Ctrl-C held (unless SIGINT is ignored: a process
-    started in the background keeps ignoring it); exits 130 after a Ctrl-C."""
-    held = signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    if held:
-        signal.signal(signal.SIGINT, _ctrl_c)
+def _interrupted() -> int:
+    print("rljax: interrupted", file=sys.stderr)
+    return 130
+
+
+def run() -> int:
+    """The `rljax` command: `rljax.cli.main()` with Ctrl-C handled as the module docstring
+    says (unless SIGINT is ignored: a process started in the background keeps ignoring
+    it); its exit status."""
+    own = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if own:
+        signal.signal(signal.SIGINT, _hold)
     try:
         from rljax.cli import main
+        from rljax.run.preemption import CtrlC
     finally:
-        if held and not _CTRL_C:
+        if own and not _HELD:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-    if _CTRL_C:
-        print("rljax: interrupted", file=sys.stderr)
-        sys.exit(130)
-    return main
+    if _HELD:
+        return _interrupted()
+    latch = CtrlC()
+    if own:
+        signal.signal(signal.SIGINT, latch)
+    try:
+        status = main()
+    finally:
+        if own:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    return _interrupted() if latch.hit and status == 0 else status
 
 
 if __name__ == "__main__":
-    sys.exit(_load()())
+    sys.exit(run())

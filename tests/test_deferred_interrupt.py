@@ -60,21 +60,25 @@ def test_a_process_that_ignores_ctrl_c_keeps_ignoring_it():
 def test_a_dropped_ctrl_c_still_stops_the_run_after_its_next_step():
     """Outside a step, Ctrl-C raises at once; when a library drops that KeyboardInterrupt
     (Python does, inside a garbage-collection callback), the next step's block starts
-    with `hit` set, so the run stops after it."""
+    with `hit` set, so the run stops after it; after the last step, the `StopSignal` block
+    raises it as it ends."""
     before = signal.getsignal(signal.SIGINT)
-    with StopSignal() as stop:
-        with stop.guard() as held:
-            pass
-        assert not held.hit
-        try:
-            _sigint()
-            raise AssertionError("Ctrl-C outside a step did not raise")
-        except KeyboardInterrupt:
-            pass  # dropped, as a garbage-collection callback drops it
-        with stop.guard() as held:
-            x = jnp.arange(2) + 1  # the step runs to its end
-        assert held.hit and x.tolist() == [1, 2]
+    with pytest.raises(KeyboardInterrupt):  # dropped after the last step: raised at the end
+        with StopSignal() as stop:
+            with stop.guard() as held:
+                pass
+            assert not held.hit
+            try:
+                _sigint()
+                raise AssertionError("Ctrl-C outside a step did not raise")
+            except KeyboardInterrupt:
+                pass  # dropped, as a garbage-collection callback drops it
+            with stop.guard() as held:
+                x = jnp.arange(2) + 1  # the step runs to its end
+            assert held.hit and x.tolist() == [1, 2]
     assert signal.getsignal(signal.SIGINT) is before
+    with StopSignal():  # no Ctrl-C: the block ends quietly
+        pass
 
 
 def _donated_state():

@@ -31,7 +31,8 @@ its program, so a KeyboardInterrupt raised inside it would leave no state to sav
 step, `StopSignal`'s handler raises KeyboardInterrupt as Python's own does, and remembers
 the Ctrl-C: Python drops a KeyboardInterrupt raised inside a garbage-collection callback
 (JAX runs one at every collection; "Exception ignored in ..."), and the run then stops
-after its next step instead of going on (`StopSignal.guard`).
+after its next step instead of going on (`StopSignal.guard`), or, after the last one, when
+the `StopSignal` block ends.
 
 On several processes a Ctrl-C usually reaches some of them (the terminal of one host), and a
 checkpoint is a collective write that a lone process would wait on forever. So there, while
@@ -52,7 +53,22 @@ import threading
 import jax
 from jax.experimental import multihost_utils
 
-__all__ = ["DeferredInterrupt", "Preempted", "StopSignal", "save_interrupted", "save_step"]
+__all__ = ["CtrlC", "DeferredInterrupt", "Preempted", "StopSignal", "save_interrupted",
+           "save_step"]
+
+
+class CtrlC:
+    """Python's own Ctrl-C handler (KeyboardInterrupt at once) that remembers the Ctrl-C in
+    `hit`: Python drops a KeyboardInterrupt raised inside a garbage-collection callback,
+    so code that must stop reads `hit` at its next boundary (`StopSignal`; the `rljax`
+    command, `rljax.__main__`, for the whole command)."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    def __call__(self, signum, frame) -> None:
+        self.hit = True
+        raise KeyboardInterrupt
 
 
 class Preempted(Exception):
@@ -83,7 +99,7 @@ class StopSignal:
         self._flag = False
         self._previous: dict[int, object] = {}  # signal -> the handler to put back
         self.cause = "SIGTERM"
-        self.ctrl_c = False  # one process: a Ctrl-C came (its KeyboardInterrupt may be lost)
+        self._ctrl_c: CtrlC | None = None  # one process: the SIGINT handler while entered
 
     def _handle(self, signum, frame) -> None:
         if not self._flag:  # acknowledged when received, once
@@ -91,10 +107,10 @@ class StopSignal:
                   "saves it", file=sys.stderr, flush=True)
         self._flag = True
 
-    def _ctrl_c(self, signum, frame) -> None:
-        """One process, outside a step: Python's own Ctrl-C, remembered (module docstring)."""
-        self.ctrl_c = True
-        raise KeyboardInterrupt
+    @property
+    def ctrl_c(self) -> bool:
+        """One process: whether a Ctrl-C came (its KeyboardInterrupt may have been dropped)."""
+        return self._ctrl_c is not None and self._ctrl_c.hit
 
     def _forward_ctrl_c(self, signum, frame) -> None:
         """Several processes: the first Ctrl-C asks for an agreed stop (module docstring)."""
@@ -110,19 +126,26 @@ class StopSignal:
             return self  # Python delivers signals to the main thread only
         if not self.distributed:
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
-        ctrl_c = self._forward_ctrl_c if self._agreed else (
-            None if self.distributed else self._ctrl_c)
+        current = signal.getsignal(signal.SIGINT)
+        if not self.distributed and isinstance(current, CtrlC):
+            self._ctrl_c = current  # the command's: a Ctrl-C during its set-up counts
+            return self
+        if not self.distributed:
+            self._ctrl_c = CtrlC()
+        handler = self._forward_ctrl_c if self._agreed else self._ctrl_c
         # A process that ignores SIGINT (started in the background) keeps ignoring it.
-        if ctrl_c is not None and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            previous = signal.signal(signal.SIGINT, ctrl_c)
-            self._previous[signal.SIGINT] = (signal.default_int_handler if previous is None
-                                             else previous)
+        if handler is not None and current is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, handler)
+            self._previous[signal.SIGINT] = (signal.default_int_handler if current is None
+                                             else current)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if self.ctrl_c and exc_type is None:  # dropped after the last step: stop here
+            raise KeyboardInterrupt
 
     def guard(self) -> DeferredInterrupt:
         """The block around one RL step: on one process a `DeferredInterrupt` (Ctrl-C held
