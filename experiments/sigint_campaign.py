@@ -13,8 +13,8 @@ terminal's foreground job) that gets one SIGINT sent to the whole group -- the t
 its reward workers, as a terminal's Ctrl-C -- at a random moment of one of two kinds, in
 turn: "any", uniform over the reference attempt's wall time (start-up, compilation and
 evaluation included); "rl", once the attempt has logged a step drawn uniformly from those
-left (all but the last), uniform over the reference's fastest step: in the next step or at
-its boundary. A final attempt completes each run.
+left (all but the last), uniform over that step's time: in the next step or at its
+boundary. A final attempt completes each run; the reference runs beside the first trial.
 
 Per trial: the exit status must be 130 (the CLI's status; `-2`, a death by SIGINT before
 Python's handler exists, is what a shell also reports as 130 and is counted apart as
@@ -58,6 +58,14 @@ def _steps_logged(run_dir: pathlib.Path) -> int:
     return max((s for s, _ in metric_rows(run_dir)), default=0)
 
 
+def _step_s(run_dir: pathlib.Path) -> float:
+    """The seconds the last logged step's phases took (its `time_*` metrics)."""
+    from rljax.run.run_dir import read_metrics
+
+    rows = [r for r in read_metrics(run_dir) if r["phase"] == "rl"]
+    return sum(v for k, v in rows[-1].items() if k.startswith("time_")) if rows else 0.0
+
+
 def _latest(run_dir: pathlib.Path) -> int:
     """The latest complete checkpoint step (0: none)."""
     return (complete_steps(run_dir / "checkpoints") or [0])[-1]
@@ -78,37 +86,34 @@ class SigintCampaign:
         self.rng = np.random.default_rng(seed)
         self.records: list[dict] = []
         self.problems: dict[str, list[str]] = {}
-        self.ref_wall_s, self.ref_step_s, self.finished_first, self.ignored = 0.0, 0.0, 0, 0
+        self.finished_first, self.ignored, self.ref_wall_s = 0, 0, None
+        self._ref: Attempt | None = None
 
     def _attempt(self, run_dir: pathlib.Path, n: int) -> Attempt:
         return Attempt(self.kc, run_dir, n, None, session=True, extra=EXTRA)
 
-    def _reference(self) -> None:
-        """The uninterrupted run: its metric lines, wall time and fastest step."""
-        ref = self._attempt(self.root / "ref", 0)
-        if ref.wait() != [0]:
-            raise RuntimeError(f"the uninterrupted run failed:\n{ref.log()[-3000:]}")
-        self.kc.ref_rows = metric_rows(self.root / "ref")
-        times = [sum(v for k, v in r.items() if k.startswith("time_"))
-                 for r in self._rows("ref")[1:]]  # the first step compiles
-        self.ref_wall_s, self.ref_step_s = ref.wall_s, float(np.min(times))
-
-    def _rows(self, name: str) -> list[dict]:
-        from rljax.run.run_dir import read_metrics
-        return [r for r in read_metrics(self.root / name) if r["phase"] == "rl"]
+    def _reference(self) -> float:
+        """The uninterrupted run (started beside the first trial), waited for: its metric
+        lines (for the comparisons); its wall time."""
+        if self.ref_wall_s is None:
+            if self._ref.wait() != [0]:
+                raise RuntimeError(f"the uninterrupted run failed:\n{self._ref.log()[-3000:]}")
+            self.kc.ref_rows = metric_rows(self.root / "ref")
+            self.ref_wall_s = self._ref.wall_s
+        return self.ref_wall_s
 
     def _moment(self, kind: str, attempt: Attempt, run_dir: pathlib.Path) -> float | None:
         """Seconds since the attempt's start at which to send SIGINT (None: it ended
         before an "rl" moment came)."""
         if kind == "any":
-            return float(self.rng.uniform(0, self.ref_wall_s))
+            return float(self.rng.uniform(0, self._reference()))
         first = _steps_logged(run_dir) + 1
         target = int(self.rng.integers(first, max(first + 1, self.kc.steps)))
         while _steps_logged(run_dir) < target:
             if attempt.procs[0].poll() is not None:
                 return None
             time.sleep(0.002)
-        return time.monotonic() - attempt.t0 + float(self.rng.uniform(0, self.ref_step_s))
+        return time.monotonic() - attempt.t0 + float(self.rng.uniform(0, _step_s(run_dir)))
 
     def _interrupt(self, attempt: Attempt, kind: str, run_dir: pathlib.Path) -> dict:
         """Send SIGINT to the attempt's process group at a random moment; its exit."""
@@ -159,6 +164,7 @@ class SigintCampaign:
         problems = [] if final.wait() == [0] else [
             f"the final attempt failed:\n{final.log()[-2000:]}"]
         _confirm(pending, resumed_step(final.log()), True)
+        self._reference()
         rows = metric_rows(run_dir)
         if sorted(rows) != sorted(self.kc.ref_rows):
             problems.append(f"steps {sorted(rows)} != {sorted(self.kc.ref_rows)}")
@@ -178,7 +184,7 @@ class SigintCampaign:
     def run(self) -> dict:
         """Every run of the campaign; the summary (RESULT keys)."""
         t0 = time.perf_counter()
-        self._reference()
+        self._ref = self._attempt(self.root / "ref", 0)
         left, r, idle = self.trials, 0, 0
         while left:
             done = self._one_run(r, min(self.per_run, left))

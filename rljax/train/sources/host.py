@@ -120,8 +120,8 @@ class Rollouts(PromptRows):
 
     def step_metrics(self) -> dict:
         """``{"reward/<term>": mean}`` and ``reward/timeouts`` over the rows sampled since
-        the last call (every process's, every round's), then starts over. Every process calls it once per
-        step: with several processes the sums are reduced over them."""
+        the last call (every process's, every round's), then starts over. Every process
+        calls it once per step: with several processes the sums are reduced over them."""
         names = sorted(self._terms)
         if not names:
             return {}
