@@ -10,8 +10,9 @@ The experiment is the kill campaign's tiny GRPO run (`experiments/kill_campaign.
 all. It runs once uninterrupted ("ref"), then as runs of `--per-run` trials. A trial is
 one attempt (`rljax train ... run.resume=auto`, in a process group of its own, as a
 terminal's foreground job) that gets one SIGINT sent to the whole group -- the trainer and
-its reward workers, as a terminal's Ctrl-C -- at a random moment of one of two kinds, in
-turn: "any", uniform over the reference attempt's wall time (start-up, compilation and
+its reward workers, as a terminal's Ctrl-C -- at a random moment of one of two kinds
+(`--kinds`; the trials of a run share one, picked in turn by the trials made before it):
+"any", uniform over the reference attempt's wall time (start-up, compilation and
 evaluation included); "rl", once the attempt has logged a step drawn uniformly from those
 left (all but the last), uniform over that step's time: in the next step or at its
 boundary. A final attempt completes each run; the reference runs beside the first trial.

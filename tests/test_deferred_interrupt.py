@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from rljax.run.preemption import DeferredInterrupt, Preempted, StopSignal, save_interrupted
+from rljax.run.preemption import (DeferredInterrupt, Preempted, StopSignal, save_interrupted,
+                                  save_step)
 from rljax.train.checkpoint import Checkpointer
 
 
@@ -99,6 +100,35 @@ def test_a_donated_state_is_not_saved_over_the_checkpoints(tmp_path):
         save_interrupted(ck, 2, {"w": jnp.ones(4)}, {"phase": "interrupted"}, out)
         assert ck.latest_step() == 2 and "checkpoint saved" in out.getvalue()
 
+
+class _CtrlCInSave(Checkpointer):
+    """A checkpointer whose first save gets a Ctrl-C as orbax's call returns (its write
+    goes on in the background)."""
+
+    def save(self, step, state, meta=None, *, force=False):
+        started = super().save(step, state, meta, force=force)
+        if not getattr(self, "signalled", False):
+            self.signalled = True
+            _sigint()
+        return started
+
+
+def test_ctrl_c_during_a_save_waits_for_it_and_saves_the_step_once(tmp_path):
+    """A Ctrl-C that cut orbax's save of the last step half-way left its temporary
+    directory, which the interrupt's own save of that step then failed to replace (an
+    OSError, and a hang in orbax's shutdown): the campaign's lost run."""
+    out = io.StringIO()
+    with Checkpointer(tmp_path / "ck") as plain, StopSignal() as stop:
+        plain.save(1, {"w": jnp.zeros(4)}, {"phase": "rl"}, force=True)  # still writing:
+        save_interrupted(plain, 1, {"w": jnp.zeros(4)}, {"phase": "interrupted"}, out)
+        assert plain.all_steps() == [1] and "interrupted at step 1" in out.getvalue()
+    with _CtrlCInSave(tmp_path / "ck") as ck, StopSignal() as stop:
+        with pytest.raises(KeyboardInterrupt) as e:
+            save_step(ck, 2, 2, {"w": jnp.ones(4)}, lambda phase: {"phase": phase}, stop,
+                      stop.guard())
+        assert e.traceback[-1].name == "save_step"  # held: raised once the call returned
+        save_interrupted(ck, 2, {"w": jnp.ones(4)}, {"phase": "interrupted"}, out)
+        assert ck.all_steps() == [1, 2] and ck.read_meta(2)["phase"] == "done"
 
 
 def _as_two_processes(monkeypatch):

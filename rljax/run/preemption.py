@@ -212,20 +212,26 @@ def save_step(ck, done: int, steps: int, state, meta, stop: StopSignal, held) ->
     takes it: a Ctrl-C during the step (`held`, the step's `stop.guard()`) raises
     KeyboardInterrupt for the caller to save; a stop request before the last step saves
     this one, waits until it is on disk and raises `Preempted` naming `stop.cause`;
-    otherwise the `run.save_every` schedule's save, forced for the last step."""
+    otherwise the `run.save_every` schedule's save, forced for the last step. A Ctrl-C
+    while orbax starts a save is held until the call returns (one that cut it half-way
+    left orbax a temporary directory it then failed to replace), then raises."""
     if held.hit:
         raise KeyboardInterrupt
-    if done < steps and stop.reached(done):  # before orbax's own check
-        ck.save(done, state, meta("preempted"), force=True)
-        ck.wait_until_finished()
-        raise Preempted(done, str(ck.directory), stop.cause, "rl")
-    last = done == steps  # the final state: saved as soon as it exists
-    ck.save(done, state, meta("done" if last else "rl"), force=last)
+    with DeferredInterrupt(hold=not stop.distributed) as saving:
+        if done < steps and stop.reached(done):  # before orbax's own check
+            ck.save(done, state, meta("preempted"), force=True)
+            ck.wait_until_finished()
+            raise Preempted(done, str(ck.directory), stop.cause, "rl")
+        last = done == steps  # the final state: saved as soon as it exists
+        ck.save(done, state, meta("done" if last else "rl"), force=last)
+    if saving.hit:
+        raise KeyboardInterrupt
 
 
 def save_interrupted(ck, step: int, state, meta: dict, out) -> None:
-    """After a KeyboardInterrupt: save `state` as checkpoint `step` (forced), wait for the
-    write and say how to continue (the caller re-raises). A state whose buffers a cut
+    """After a KeyboardInterrupt: save `state` as checkpoint `step` (forced; once a save
+    of it in flight is finished, nothing: it is that state), wait for the write and say
+    how to continue (the caller re-raises). A state whose buffers a cut
     step had donated is not saved, nor is anything on several processes (a checkpoint is a
     collective write the others are not making): the checkpoints on disk stay as they were."""
     if jax.process_count() > 1:
@@ -239,6 +245,7 @@ def save_interrupted(ck, step: int, state, meta: dict, out) -> None:
               f"checkpoint in {ck.directory} is intact (continue with --set "
               "run.resume=true)", file=out)
         return
+    ck.wait_until_finished()  # a save of `step` started before the Ctrl-C ends first
     ck.save(step, state, meta, force=True)
     ck.wait_until_finished()
     print(f"\n[rljax] interrupted at step {step}; checkpoint saved in {ck.directory}; "
