@@ -12,8 +12,8 @@ one attempt (`rljax train ... run.resume=auto`, in a process group of its own, a
 terminal's foreground job) that gets one SIGINT sent to the whole group -- the trainer and
 its reward workers, as a terminal's Ctrl-C -- at a random moment of one of two kinds
 (`--kinds`; the trials of a run share one, picked in turn by the trials made before it):
-"any", uniform over the reference attempt's wall time (start-up, compilation and
-evaluation included); "rl", once the attempt has logged a step drawn uniformly from those
+"any", uniform over the shortest attempt seen to its end (the reference's at first;
+start-up, compilation and evaluation included); "rl", once the attempt has logged a step drawn uniformly from those
 left (all but the last), uniform over that step's time: in the next step or at its
 boundary. A final attempt completes each run; the reference runs beside the first trial.
 
@@ -95,7 +95,8 @@ class SigintCampaign:
 
     def _reference(self) -> float:
         """The uninterrupted run (started beside the first trial), waited for: its metric
-        lines (for the comparisons); its wall time."""
+        lines (for the comparisons); the shortest wall time of an attempt that ran to its
+        end (the reference's, then any shorter one that finished before its SIGINT)."""
         if self.ref_wall_s is None:
             if self._ref.wait() != [0]:
                 raise RuntimeError(f"the uninterrupted run failed:\n{self._ref.log()[-3000:]}")
@@ -157,6 +158,7 @@ class SigintCampaign:
             self._log(rec)
             if not rec["trial"]:  # the run finished before its SIGINT, or after it
                 self.finished_first += not rec["sent"]
+                self.ref_wall_s = min(self._reference(), rec["wall_s"])  # "any": within it
                 self.ignored += rec["sent"]
                 break
             pending.append(rec)

@@ -2,8 +2,9 @@
 
 `reward/timeouts` (the share of completions whose reward a time limit cut) in a step's
 metrics and in the held-out results; a batch reward in chunks (`reward.batch_chunk`) loses
-only the hanging chunk; `env/tool_timeouts` is checked in tests/test_envs.py. About 15 s
-on 2 loaded cores (most of it one sampler compilation and the workers' time limits).
+only the hanging chunk; `env/tool_timeouts` is checked in tests/test_envs.py. 40 s
+measured on the 2 shared cores at load average 10 (other sessions' runs): the sampler's
+two compilations, the workers' start and 0.5 s limits.
 """
 
 import time
