@@ -7,7 +7,8 @@ Python's own handler does and remembers the Ctrl-C: Python drops a KeyboardInter
 raised inside a library's garbage-collection callback (JAX registers one; "Exception
 ignored in ..."), and inside a C extension's initialisation it becomes an ImportError. A
 run reads the mark at its next step (`rljax.run.preemption.StopSignal`); a command that
-went on to its end after a dropped Ctrl-C exits 130 too.
+went on to its end after a dropped Ctrl-C exits 130 too, and one during the exit's
+clean-up (workers stopped, files closed) ends the process by SIGINT itself.
 """
 
 import signal
@@ -45,11 +46,9 @@ def run() -> int:
     latch = CtrlC()
     if own:
         signal.signal(signal.SIGINT, latch)
-    try:
-        status = main()
-    finally:
-        if own:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+    status = main()
+    if own:  # the command is done: a Ctrl-C during the exit's clean-up ends it at once
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # (a shell reports 130)
     return _interrupted() if latch.hit and status == 0 else status
 
 

@@ -131,6 +131,29 @@ def test_ctrl_c_during_a_save_waits_for_it_and_saves_the_step_once(tmp_path):
         assert ck.all_steps() == [1, 2] and ck.read_meta(2)["phase"] == "done"
 
 
+def test_ctrl_c_between_a_step_and_its_metric_line_keeps_the_line(tmp_path):
+    """The campaign's run whose step 10 was saved without its line: a Ctrl-C in the
+    evaluation after step 2 writes step 2's line before its checkpoint."""
+    from types import SimpleNamespace as NS
+
+    from rljax.run.loop import Seeds, rl_loop
+
+    lines, saved = [], []
+    rd = NS(path=tmp_path, log=lambda step, m: lines.append(step))
+    ck = NS(directory=tmp_path, wait_until_finished=lambda: None,
+            save=lambda step, *a, **k: saved.append(step) or True)
+
+    def evaluate(params):  # Ctrl-C while the held-out prompts are scored
+        _sigint()
+
+    cfg = NS(rl=NS(steps=4, eval_due=lambda d: d == 2), run=NS(log_every=1, profile_steps=""))
+    run = Seeds(step=lambda s: (s, [{"loss": 1.0}]), evaluate=evaluate)
+    with pytest.raises(KeyboardInterrupt), StopSignal() as stop:
+        rl_loop(cfg, rd, ck, NS(params={"policy": None}), 0, run, lambda *a: {}, stop,
+                io.StringIO(), ("loss",))
+    assert lines == [1, 2] and saved == [1, 2]
+
+
 def _as_two_processes(monkeypatch):
     """This process seen as one of two, with JAX's preemption service."""
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
