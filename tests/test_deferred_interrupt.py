@@ -154,6 +154,26 @@ def test_ctrl_c_between_a_step_and_its_metric_line_keeps_the_line(tmp_path):
     assert lines == [1, 2] and saved == [1, 2]
 
 
+def test_a_ctrl_c_while_waiting_for_a_save_lets_the_save_finish(tmp_path):
+    """The campaign's run that lost 13 steps: a Ctrl-C cut the wait for the last step's
+    write, and the process exited before orbax finalised it."""
+    finished = []
+    with pytest.raises(KeyboardInterrupt):
+        with Checkpointer(tmp_path / "ck") as ck:
+            ck.save(1, {"w": jnp.ones(4)}, {"phase": "done"}, force=True)
+            wait = ck._mgr.wait_until_finished
+
+            def cut():  # Ctrl-C as the wait begins
+                _sigint()
+                wait()
+                finished.append(1)
+
+            ck._mgr.wait_until_finished = cut
+    assert finished == [1]  # the wait ran to its end; then KeyboardInterrupt
+    with Checkpointer(tmp_path / "ck") as ck:
+        assert ck.all_steps() == [1]
+
+
 def _as_two_processes(monkeypatch):
     """This process seen as one of two, with JAX's preemption service."""
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
