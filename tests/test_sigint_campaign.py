@@ -5,7 +5,7 @@ terminal's Ctrl-C; it must exit 130 with its last logged step saved (nothing els
 it: no scheduled checkpoint before the last step), and the next attempt resumes exactly
 that step; the run's metric lines and final checkpoint then equal an uninterrupted run's,
 bit for bit. The full campaign (20 trials, every kind of moment) is the experiment's
-(docs/reliability.md). 70 s measured on the 2 shared cores at load average 10 (other
+(docs/reliability.md). 70-85 s measured on the 2 shared cores at load average 10 (other
 sessions' runs): four `rljax train` processes, the reference beside the first.
 """
 
