@@ -76,9 +76,7 @@ from rljax.sharding import (  # noqa: E402
     replicated,
     state_shardings,
 )
-from rljax.train.learn import _map_micro  # noqa: E402
-from rljax.train.learn.packing import choose_spec, make_plan, packed_logprobs  # noqa: E402
-from rljax.train.learn.logprobs import policy_logprobs  # noqa: E402
+from rljax.train.learn.layout import Packed, Padded, frozen_logprobs  # noqa: E402
 from rljax.train.learn.reference import lora_base, reference_model  # noqa: E402
 from rljax.train.learn.update import opt_state_shardings, trainable  # noqa: E402
 from rljax.train.programs.step import learn_step  # noqa: E402
@@ -281,20 +279,18 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     # Reference log-probs over the batch (the learning program's first pass, alone).
     ro = _rollout(trainer, mesh, b, p, t)
     d = mesh.shape["data"] * mesh.shape["fsdp"]  # packed: the largest bucket
-    spec_l = dataclasses.replace(trainer.base_spec, packing=choose_spec(
-        b // d, cfg.rl.tokens_per_micro_batch, p + t, d) if cfg.rl.tokens_per_micro_batch else None)
+    layout = trainer.base_spec.layout
+    layout = layout.sized(b // d, p + t) if isinstance(layout, Packed) else layout
+    spec_l = dataclasses.replace(trainer.base_spec, layout=layout)
+    # The reference pass alone: padded, every row's prompt.
+    ref_layout = layout if isinstance(layout, Packed) else Padded(num_micro=layout.num_micro)
     # Its arguments: the reference's weights (LoRA: the policy's and the adapters' copy).
     w = (policy, ref) if lora and ref is not None else ref if ref is not None else policy
     model = (lambda w: reference_model(graphdef, *w)) if lora and ref is not None else (
         lambda w: (graphdef, w))
-    logp = jax.jit(lambda w, seqs: _map_micro(
-        lambda mb: policy_logprobs(*model(w), mb, chunk=spec_l.chunk,
-                                   temperature=spec_l.temperature)[0],
-        seqs, spec_l.num_micro))
-    if spec_l.packing is not None:  # packed rows, micro-batched by tokens
-        logp = jax.jit(lambda w, seqs: packed_logprobs(
-            *model(w), {**seqs, **make_plan(seqs, spec_l.packing)}, spec_l.packing,
-            chunk=spec_l.chunk, temperature=spec_l.temperature))
+    logp = jax.jit(lambda w, seqs: frozen_logprobs(
+        ref_layout, *model(w), ref_layout.plan(seqs)[0], chunk=spec_l.chunk,
+        temperature=spec_l.temperature))
     record("logprob", lambda: logp.lower(w, ro.seqs()).compile(),
            sum(state_bytes.values()) - per_chip_bytes(w))
     scalars = dict(updates=jnp.int32, nonfinite_run=jnp.int32, skipped=jnp.int32,
@@ -302,7 +298,7 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     scalars = {k: jax.ShapeDtypeStruct((), v, sharding=rep) for k, v in scalars.items()}
     spec = dataclasses.replace(trainer.step_spec(types.SimpleNamespace(params=params,
                                                                        opt_state=opt)),
-                               packing=spec_l.packing)
+                               layout=layout)
 
     def learn():
         with mesh_context(mesh):

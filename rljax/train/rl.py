@@ -31,19 +31,19 @@ from rljax.rewards.device import is_device_reward
 from rljax.sharding import check_process_blocks, output_shardings
 from rljax.train import hosts
 from rljax.train import throughput
-from rljax.train.batch import PromptSource, Rollout
+from rljax.train.batch import PromptSource
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling, check_packing)
 from rljax.train.driver import rl_step
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
-from rljax.train.learn.packing import PackSpec, choose_spec, pack_bins
+from rljax.train.learn.layout import Layout
 from rljax.models.lora import has_adapters, split_trainable
 from rljax.train.learn.reference import lora_base, make_reference
 from rljax.train.learn.update import (NonFiniteError, TrainState, init_opt_state, new_train_state,
                                       num_micro_batches)
 from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts
-from rljax.train.programs.paths import resolve_paths
+from rljax.train.programs.paths import resolve_layout, resolve_paths
 from rljax.train.programs.step import StepSpec, optimizers, schedule_updates
 from rljax.train.sources import Window
 from rljax.train.sources.device import DeviceRewardSource
@@ -139,7 +139,7 @@ class RLTrainer:
         check_algorithm_sampling(algorithm, sampling, budget)
         overlong = alg.resolve_overlong_buffer(algorithm, budget)
         check_packing(rl, algorithm, self.device_reward is not None)
-        self.last_packing: PackSpec | None = None  # the latest step's (packing_for)
+        self.last_layout: Layout | None = None  # the latest step's (a packed one sized)
         self.num_params = 0  # the policy's parameter count (init_state): the step's FLOPs
         self.paths = resolve_paths(
             policy_graphdef, objective=alg.make_objective(algorithm, budget),
@@ -171,12 +171,17 @@ class RLTrainer:
             self.source = Refill(self.source, max_refill_rounds=algorithm.max_refill_rounds)
         total = rl.steps * algorithm.num_epochs * algorithm.num_minibatches
         self.base_spec = StepSpec(
-            algorithm.spec(), self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
+            algorithm.spec(), self.old_mode, self.uses_ref,
+            resolve_layout(self.paths, num_micro, self._batch_shards()), rl.logp_chunk,
             sampling.temperature, budget, overlong, policy_graphdef,
             value_graphdef, self.teacher_gd, optim, schedule_updates(optim, total),
             rl.value_lr_ratio if value_graphdef is not None else 1.0, rl.remat, self.paths,
             self.device_reward, mesh)
         self.txs = {k: v[0] for k, v in optimizers(self.base_spec).items()}
+
+    def _batch_shards(self) -> int:
+        """The batch shards (data x fsdp; 1 without a mesh)."""
+        return 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
     def _check_divisions(self) -> int:
         a = self.alg
@@ -189,26 +194,13 @@ class RLTrainer:
             raise ValueError(f"AlgorithmConfig.micro_batch_size={a.micro_batch_size} does not "
                              f"divide the minibatch of {mb} completions")
         num_micro = num_micro_batches(mb, a.micro_batch_size, "minibatch")
-        n_dev = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        n_dev = self._batch_shards()
         if (mb // num_micro) % n_dev:
             raise ValueError(f"micro-batches of {mb // num_micro} completions do not split over "
                              f"the data x fsdp = {n_dev} devices; choose prompts_per_step, "
                              f"num_minibatches and micro_batch_size so they are a multiple "
                              f"of {n_dev}")
         return num_micro
-
-    def packing_for(self, ro: Rollout) -> PackSpec | None:
-        """The packed batch's shape for ``ro`` (``rl.tokens_per_micro_batch``; None:
-        padded rows): packed rows of width ``P + T``, ``tokens_per_micro_batch`` slots a
-        micro-batch (at least one row per batch shard), and the bucket, from the plan's
-        packed-row count: one replicated scalar, the step's one packing transfer."""
-        tokens = self.rl.tokens_per_micro_batch
-        if not tokens:
-            return None
-        d = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        bins = hosts.fetch_scalars(pack_bins(ro.masked_by_weight().seqs(), d))
-        return choose_spec(int(bins), tokens, ro.prompt_BxP.shape[1] + ro.completion_BxT.shape[1],
-                           d)
 
     def step_spec(self, state: TrainState) -> StepSpec:
         """The spec of this trainer's step programs for ``state``: ``base_spec`` with, on a
@@ -247,9 +239,8 @@ class RLTrainer:
         window = Window(source, int(hosts.fetch_scalars(state.data_pos)),
                         self.rl.prompts_per_step)
         out = rl_step(self.step_spec(state), self.source, state, window,
-                      teacher_params=self.teacher_params,
-                      layout=self.packing_for)
-        self.last_packing = out.spec.packing
+                      teacher_params=self.teacher_params)
+        self.last_layout = out.spec.layout
         return out.state, self.finish_metrics(out.metrics, out.times, out.state.params)
 
     def finish_metrics(self, m: dict, ph: PhaseTimes, params: dict | None = None,
