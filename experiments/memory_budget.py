@@ -63,7 +63,6 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from rljax.models import Decoder, ValueModel  # noqa: E402
 from rljax.models.layers import cast_matmul_weights, compute_dtype  # noqa: E402
-from rljax.models.lora import has_adapters, split_trainable  # noqa: E402
 from rljax.run.experiment_files import experiment_module, load_experiment  # noqa: E402
 from rljax.sampling import sampler as sampler_lib  # noqa: E402
 from rljax.sampling.head import _to_VxD_jit, _source  # noqa: E402
@@ -178,9 +177,10 @@ def _trainer(cfg, graphdef, value_gd, mesh, model_cfg):
 
 def _opt_state(trainer, params, mesh):
     """The optimiser state as `init_opt_state` places it."""
+    filters = {"policy": trainer.trainable}  # a LoRA policy: its adapters only
     shapes = jax.eval_shape(lambda p: {k: trainer.txs[k].init(p[k]) for k in p},
-                            trainable(params)[0])  # a LoRA policy: its adapters only
-    return _abstract(shapes, opt_state_shardings(trainer.txs, params, mesh))
+                            trainable(params, filters)[0])
+    return _abstract(shapes, opt_state_shardings(trainer.txs, params, mesh, filters))
 
 
 def _head(params, model_cfg, mesh):
@@ -220,18 +220,19 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     if cfg.algorithm.resolve().name == "ppo":
         value_gd, value = abstract_params(lambda: ValueModel(model_cfg, rngs=nnx.Rngs(0)), mesh)
     trainer = _trainer(cfg, graphdef, value_gd, mesh, model_cfg)
-    lora = has_adapters(policy)
+    lora = trainer.trainable.adapters
     if lora:  # RLTrainer.init_state: the frozen base in the compute dtype, adapters float32
         policy = jax.tree.map(lambda o, x: jax.ShapeDtypeStruct(o.shape, o.dtype,
                                                                 sharding=x.sharding),
-                              jax.eval_shape(lambda w: lora_base(graphdef, w), policy), policy)
+                              jax.eval_shape(lambda w: lora_base(graphdef, w, trainer.trainable),
+                                             policy), policy)
     params = {"policy": policy} | ({"value": value} if value is not None else {})
     opt = _opt_state(trainer, params, mesh)
     # A LoRA policy's KL reference copies its adapters only, in the compute dtype
     # (make_reference); the base is the policy's own.
     ref = None
     if trainer.uses_ref:
-        ref = (_cast(split_trainable(policy)[0], jnp.dtype(compute_dtype(model_cfg)).name)
+        ref = (_cast(trainer.trainable.split(policy)[0], jnp.dtype(compute_dtype(model_cfg)).name)
                if lora else _cast(policy, getattr(cfg.rl, "ref_dtype", "float32")))
     n_prompts, g = cfg.rl.prompts_per_step, trainer.alg.group_size
     p, t, b = cfg.task.max_prompt_tokens, cfg.sampling.max_new_tokens, n_prompts * g
@@ -286,8 +287,8 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     ref_layout = layout if isinstance(layout, Packed) else Padded(num_micro=layout.num_micro)
     # Its arguments: the reference's weights (LoRA: the policy's and the adapters' copy).
     w = (policy, ref) if lora and ref is not None else ref if ref is not None else policy
-    model = (lambda w: reference_model(graphdef, *w)) if lora and ref is not None else (
-        lambda w: (graphdef, w))
+    model = (lambda w: reference_model(graphdef, *w, trainer.trainable)) if (
+        lora and ref is not None) else (lambda w: (graphdef, w))
     logp = jax.jit(lambda w, seqs: frozen_logprobs(
         ref_layout, *model(w), ref_layout.plan(seqs)[0], chunk=spec_l.chunk,
         temperature=spec_l.temperature))

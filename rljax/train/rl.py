@@ -38,7 +38,7 @@ from rljax.train.driver import rl_step
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
 from rljax.train.learn.layout import Layout
-from rljax.models.lora import has_adapters, split_trainable
+from rljax.models.lora import trainable_of
 from rljax.train.learn.reference import lora_base, make_reference
 from rljax.train.learn.update import (NonFiniteError, TrainState, init_opt_state, new_train_state,
                                       num_micro_batches)
@@ -141,6 +141,8 @@ class RLTrainer:
         check_packing(rl, algorithm, self.device_reward is not None)
         self.last_layout: Layout | None = None  # the latest step's (a packed one sized)
         self.num_params = 0  # the policy's parameter count (init_state): the step's FLOPs
+        # What of the policy trains (every parameter, or its adapters): decided here, once.
+        self.trainable = trainable_of(policy_graphdef)
         self.paths = resolve_paths(
             policy_graphdef, objective=alg.make_objective(algorithm, budget),
             one_pass_head=rl.one_pass_head,
@@ -176,7 +178,7 @@ class RLTrainer:
             sampling.temperature, budget, overlong, policy_graphdef,
             value_graphdef, self.teacher_gd, optim, schedule_updates(optim, total),
             rl.value_lr_ratio if value_graphdef is not None else 1.0, rl.remat, self.paths,
-            self.device_reward, mesh)
+            self.device_reward, mesh, trainable=self.trainable)
         self.txs = {k: v[0] for k, v in optimizers(self.base_spec).items()}
 
     def _batch_shards(self) -> int:
@@ -221,14 +223,15 @@ class RLTrainer:
         The state takes ownership of ``policy_params`` / ``value_params``: updates donate
         their buffers, so do not use the passed arrays afterwards (copy them first)."""
         self.num_params = sum(x.size for x in jax.tree.leaves(policy_params))
-        params = {"policy": lora_base(self.gd, policy_params)}  # with adapters: the base in cd
+        params = {"policy": lora_base(self.gd, policy_params, self.trainable)}
         if self.value_gd is not None:
             if value_params is None:
                 raise ValueError("RLTrainer.init_state: value_params is required for PPO")
             params["value"] = value_params
-        ref = (make_reference(self.gd, policy_params, self.rl.ref_dtype) if self.uses_ref
-               else None)
-        return new_train_state(params, init_opt_state(self.txs, params, self.mesh), seed,
+        ref = (make_reference(self.gd, policy_params, self.rl.ref_dtype,
+                              trainable=self.trainable) if self.uses_ref else None)
+        opt_state = init_opt_state(self.txs, params, self.mesh, {"policy": self.trainable})
+        return new_train_state(params, opt_state, seed,
                                ref_params=ref, kl_coef=self.alg.kl_coef, mesh=self.mesh)
 
     # ------------------------------------------------------------------ one RL step
@@ -275,13 +278,13 @@ class RLTrainer:
             + (alg.cov_rule(self.alg) is not None) * self.alg.num_epochs)
         size = lambda t: 0 if t is None else sum(x.size for x in jax.tree.leaves(t))
         policy = None if params is None else params.get("policy")
-        lora = policy is not None and has_adapters(policy)  # weight gradients: adapters only
+        lora = policy is not None and self.trainable.adapters  # weight gradients: adapters
         flops = throughput.step_model_flops(
             self.num_params or size(policy), gen_tokens=gen, seq_tokens=computed, extra_forwards=fwd,
             epochs=self.alg.num_epochs, teacher_params=size(self.teacher_params),
             prefill_tokens=prefill,
             value_params=size(None if params is None else params.get("value")),
-            trainable_params=size(split_trainable(policy)[0]) if lora else None)
+            trainable_params=size(self.trainable.split(policy)[0]) if lora else None)
         chips, kind = throughput.chips_and_kind(self.mesh)
         m.update(throughput.step_throughput(
             gen_tokens=gen, seq_tokens=seq, epochs=self.alg.num_epochs, times=ph.times,

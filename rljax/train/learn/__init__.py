@@ -66,7 +66,7 @@ def _prepare(spec, params, ref_params, ro: Rollout, kl_coef, teacher_params=None
     batch = dict(seqs, sampler_logp_BxT=ro.sampler_logp_BxT, loss_mask_BxT=mask_BxT)
     if spec.uses_ref:  # a LoRA policy's reference: its base with the reference's adapters
         batch["ref_logp_BxT"] = _logprobs(spec, *reference_model(
-            spec.policy_gd, params["policy"], ref_params), seqs)
+            spec.policy_gd, params["policy"], ref_params, spec.trainable), seqs)
     if spec.teacher_gd is not None:
         batch["teacher_logp_BxT"] = _logprobs(spec, spec.teacher_gd, teacher_params, seqs)
     if spec.old_mode == "recompute" or (a.needs_value_model and spec.old_mode == "self"):
@@ -203,7 +203,7 @@ def make_learn(spec, loss_fn, txs: dict, schedules: dict, constrain: Callable | 
     layout = spec.layout
     layout.check(spec.alg.num_minibatches)
     update = make_update(loss_fn, txs, schedules, layout.num_micro, constrain, layout.group,
-                         layout.split)
+                         layout.split, {"policy": spec.trainable})
     select = _cov_selector(spec)
 
     def learn(params, opt_state, counters, ref_params, ro: Rollout, kl_coef, key,

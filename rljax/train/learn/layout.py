@@ -1,22 +1,16 @@
-"""How a learning batch's rows are laid out for the forwards: one object, chosen once.
+"""How a learning batch's rows are laid out for the forwards: one object, chosen once
+(``rljax.train.programs.paths.resolve_layout``) and held in the ``StepSpec``. The learning
+program asks it, never a flag, how rows are laid out, how a micro-batch is formed and
+how each forward's outputs return to the ``[B, T]`` layout of advantages and objective.
 
-The layout is resolved with the trainer (``rljax.train.programs.paths.resolve_layout``)
-and held in its ``StepSpec``; the learning program asks it, never a flag, how rows are
-laid out, how a micro-batch is formed and how each forward's per-position outputs are
-gathered back to the ``[B, T]`` layout where advantages and the objective run.
+| layout | a forward's rows | micro-batch i | back to ``[B, T]`` |
+|---|---|---|---|
+| ``Padded(group=1)`` (per row) | each row's prompt and completion, ``P + T`` | rows i, i + M, ... | as computed |
+| ``Padded(group=G)`` (shared prompts) | each group's prompt once, then its G completions | groups i, i + M, ... | as computed |
+| ``Packed(tokens, shards, shape)`` | real tokens of several rows side by side (``rljax.train.learn.packing``) | packed rows i, i + M, ... | gathered from the packed columns |
 
-| layout | object | a forward's rows | micro-batch i | back to ``[B, T]`` |
-|---|---|---|---|---|
-| per-row | ``Padded(group=1)`` | each row's prompt and completion, ``P + T`` | rows i, i + M, ... | as computed |
-| shared prompts | ``Padded(group=G)`` | each group's prompt once, then its G completions | groups i, i + M, ... | as computed |
-| packed | ``Packed(tokens, shards, shape)`` | real tokens of several rows side by side (``rljax.train.learn.packing``) | packed rows i, i + M, ... | gathered from the packed columns |
-
-Every layout has the same methods: ``plan`` (the batch arrays it needs), ``over_micro``
-(a frozen forward over the micro-batches), ``micro`` (one micro-batch of the update),
-``hidden`` / ``targets`` (the decoder's positions), ``rows`` (one micro-batch's outputs in
-``[B, T]``), ``values`` (a value model's predictions) and ``token_grads`` (the one-pass
-head's per-chunk derivatives). :func:`head_logprobs` and :func:`head_one_pass` run the
-output head on any layout: the one place its forward and backward are called.
+:func:`head_logprobs` and :func:`head_one_pass` run the output head on any layout: the
+one place its forward and backward are called.
 """
 
 from __future__ import annotations
@@ -42,74 +36,75 @@ Array = Any
 __all__ = ["Layout", "Packed", "Padded", "frozen_logprobs", "head_logprobs", "head_one_pass"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Padded:
-    """Rows as sampled: left-padded prompts and right-padded completions (``P + T``).
+class Layout:
+    """What every layout does; the defaults keep rows as they are.
 
-    group: G > 1 when each group of G consecutive rows shares its prompt and every
-      policy forward computes it once (micro-batches and minibatches then hold whole
-      groups); 1: every row computes its prompt.
-    num_micro: micro-batches per minibatch update (and per frozen forward).
+    | member | what |
+    |---|---|
+    | ``name``, ``group``, ``num_micro`` | the start-up line's name; rows share their prompt in groups of ``group`` (micro-batches and minibatches keep them whole); micro-batches per update and per frozen forward |
+    | ``split`` | the update's micro-batch split (``update.accumulate``; None: every array by rows) |
+    | ``for_rollout(ro)``, ``check(num_minibatches)`` | the layout sized for a rollout's batch; ValueError for a minibatch count it cannot take |
+    | ``plan(seqs)`` | ``(seqs with the arrays the layout needs, extra metrics)`` |
+    | ``over_micro(fn, seqs)`` | ``fn(micro-batch)`` over a frozen forward's micro-batches, in ``[B, T]`` |
+    | ``micro(mb)`` | one micro-batch of the update as the loss reads it |
+    | ``hidden(model, mb, remat)``, ``targets(mb)`` | the decoder's hidden states at the layout's positions, and the token each predicts |
+    | ``rows(x, mb)`` | one micro-batch's per-position outputs in ``[B, T]`` |
+    | ``values(graphdef, params, mb, remat)`` | a value model's predictions at the positions |
+    | ``token_grads(loss_of, aux, mb, chunk)`` | ``(token_grads, aux)`` for :func:`head_one_pass`: a chunk's derivatives by ``loss_of(aux, logp_BxT, ent_BxT)`` (a token-separable loss on ``[B, T]``) with the chunk's values in place (elsewhere the sampler's log-probs: any finite values do) |
     """
 
     group: int = 1
-    num_micro: int = 1
-    split = None  # the update splits every batch array by rows (``update.accumulate``)
+    split = None
 
-    @property
-    def name(self) -> str:
-        """``"shared(G=4)"`` or ``"per-row"``."""
-        return f"shared(G={self.group})" if self.group > 1 else "per-row"
-
-    def for_rollout(self, ro) -> Padded:
-        """The layout of a rollout's batch: itself (its shape is the config's)."""
+    def for_rollout(self, ro) -> Layout:
         return self
 
     def check(self, num_minibatches: int) -> None:
-        """Any number of minibatches takes padded rows."""
+        return None
 
     def plan(self, seqs: dict) -> tuple[dict, dict]:
-        """``(seqs, extra metrics)``: padded rows need no plan."""
         return seqs, {}
 
+    def micro(self, mb: dict) -> dict:
+        return mb
+
+    def rows(self, x: Array, mb: dict) -> Array:
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Padded(Layout):
+    """Rows as sampled: left-padded prompts and right-padded completions (``P + T``); with
+    ``group`` G > 1 each group's prompt computed once by every policy forward."""
+
+    group: int = 1
+    num_micro: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"shared(G={self.group})" if self.group > 1 else "per-row"
+
     def over_micro(self, fn: Callable, seqs: dict) -> Array:
-        """``fn(micro-batch) -> [B/M, T]`` over the ``num_micro`` row-strided micro-batches
-        (whole groups), ``[B, T]`` in row order."""
         if self.num_micro == 1:
             return fn(seqs)
         micro = jax.tree.map(lambda x: split_micro(x, self.num_micro, self.group), seqs)
         return merge_micro(jax.lax.map(fn, micro), self.group)
 
-    def micro(self, mb: dict) -> dict:
-        """One micro-batch of the update as the loss reads it: as split."""
-        return mb
-
     def hidden(self, model, mb: dict, remat: bool) -> Array:
-        """Hidden states ``[B, T, D]`` predicting each completion token."""
         return completion_hidden(model, mb["prompt_BxP"], mb["prompt_mask_BxP"],
                                  mb["completion_BxT"], mb["completion_mask_BxT"],
                                  remat=remat, group=self.group,
                                  replay_BxLxSxK=mb.get(REPLAY_KEY))
 
     def targets(self, mb: dict) -> Array:
-        """The token each hidden state predicts."""
         return mb["completion_BxT"]
 
-    def rows(self, x_BxT: Array, mb: dict) -> Array:
-        """Per-position outputs of one micro-batch in ``[B, T]``: as computed."""
-        return x_BxT
-
     def values(self, graphdef, params, mb: dict, remat: bool = False) -> Array:
-        """A value model's predictions at the positions (every row computes its prompt:
-        the value model has no shared-prompt forward)."""
+        # Every row computes its prompt: the value model has no shared-prompt forward.
         return value_predictions(graphdef, params, mb, remat=remat)
 
     def token_grads(self, loss_of: Callable, aux, mb: dict, chunk: int):
-        """``(token_grads, aux)`` for :func:`head_one_pass`: each chunk's derivatives come
-        from ``loss_of(aux, logp_BxT, ent_BxT)`` on the whole micro-batch with that chunk's
-        values in place (the other columns hold the sampler's log-probs: any finite values
-        do for a separable objective), at the chunks' padded width."""
-        b, t = mb["completion_mask_BxT"].shape
+        b, t = mb["completion_mask_BxT"].shape  # at the chunks' padded width
         c, width = min(chunk, t), padded_width(t, chunk)
         pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, width - t)))
         arrays, values, coef = aux
@@ -127,30 +122,23 @@ class Padded:
 
 
 @dataclasses.dataclass(frozen=True)
-class Packed:
-    """Each row's real tokens packed into rows of width ``P + T`` within each batch shard
-    (``rljax.train.learn.packing``); micro-batches by a token budget.
-
-    tokens: token slots a micro-batch (``RLConfig.tokens_per_micro_batch``).
-    shards: batch shards (data x fsdp; 1 off a mesh) the rows are packed within.
-    shape: this batch's bucket (``packing.PackSpec``), set per rollout by
-      :meth:`for_rollout`; None until then (no program can be built without it).
-    """
+class Packed(Layout):
+    """Each row's real tokens packed into rows of width ``P + T`` within each of
+    ``shards`` batch shards, ``tokens`` slots a micro-batch
+    (``RLConfig.tokens_per_micro_batch``); ``shape``: this batch's bucket
+    (``packing.PackSpec``), set per rollout by :meth:`for_rollout` (None until then)."""
 
     tokens: int
     shards: int = 1
     shape: pack.PackSpec | None = None
-    group = 1  # packed rows compute every row's prompt
     split = staticmethod(pack.split_packed)
 
     @property
     def name(self) -> str:
-        """``"packed(tokens=1144)"``."""
         return f"packed(tokens={self.tokens})"
 
     @property
     def num_micro(self) -> int:
-        """Micro-batches of this batch's bucket."""
         return self._shape().num_micro
 
     def _shape(self) -> pack.PackSpec:
@@ -166,59 +154,42 @@ class Packed:
                                                                 self.shards))
 
     def for_rollout(self, ro) -> Packed:
-        """This layout sized for ``ro``: the bucket from the plan's packed-row count, one
-        replicated scalar (the step's one packing transfer)."""
+        # The plan's packed-row count: one replicated scalar, the step's packing transfer.
         bins = hosts.fetch_scalars(pack.pack_bins(ro.masked_by_weight().seqs(), self.shards))
         return self.sized(bins, ro.prompt_BxP.shape[1] + ro.completion_BxT.shape[1])
 
     def check(self, num_minibatches: int) -> None:
-        """Packed rows take one minibatch: the plan packs the whole batch once."""
         if num_minibatches > 1:
             raise ValueError(f"make_learn: packed rows (RLConfig.tokens_per_micro_batch) need "
                              f"num_minibatches=1, got {num_minibatches}: the plan packs "
                              "the whole batch once")
 
     def plan(self, seqs: dict) -> tuple[dict, dict]:
-        """``(seqs with the plan's pack_* arrays, {"useful_token_frac"})``: the plan comes
-        from the masks, the same on every process."""
+        # From the masks alone: the same plan on every process.
         seqs = dict(seqs, **pack.make_plan(seqs, self._shape()))
         return seqs, {"useful_token_frac": pack.useful_token_frac(seqs)}
 
     def over_micro(self, fn: Callable, batch: dict) -> Array:
-        """``fn(packed micro-batch) -> [S_m, W]`` over the micro-batches, unpacked to
-        ``[B, T]``."""
         return pack.unpack(pack.over_micro(fn, batch, self.num_micro), batch, self.shards)
 
     def micro(self, mb: dict) -> dict:
-        """One packed micro-batch, its loss mask cut to the rows it holds."""
         return pack.this_micro(mb, self._shape())
 
     def hidden(self, model, mb: dict, remat: bool) -> Array:
-        """Hidden states ``[S, W, D]`` of the packed rows."""
         return pack.packed_hidden(model, mb, remat)
 
     def targets(self, mb: dict) -> Array:
-        """The next token of every packed position."""
         return mb["pack_targets_SxW"]
 
     def rows(self, x_SxW: Array, mb: dict) -> Array:
-        """One micro-batch's packed outputs at its rows' completion tokens, ``[B, T]``."""
         return pack.unpack_micro(x_SxW, mb, self.shards, self.num_micro)
 
     def values(self, graphdef, params, mb: dict, remat: bool = False) -> Array:
-        """A value model's predictions at the packed positions."""
         model = nnx.merge(graphdef, params)
         return model.values_from_hidden(self.hidden(model, mb, remat)).astype(jnp.float32)
 
     def token_grads(self, loss_of: Callable, aux, mb: dict, chunk: int):
-        """``(token_grads, aux)`` for :func:`head_one_pass`: each chunk of packed columns is
-        put into ``[B, T]`` (over the sampler's log-probs: any finite values do),
-        differentiated there by ``loss_of(aux, logp_BxT, ent_BxT)`` and read back."""
         return pack.packed_token_grads(loss_of, aux, mb, chunk, self.shards)
-
-
-#: A learning batch's layout: :class:`Padded` or :class:`Packed`.
-Layout = Padded | Packed
 
 
 def head_logprobs(layout: Layout, graphdef, params, mb: dict, *, chunk: int,

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from rljax.models.lora import ALL_PARAMETERS, Trainable
 from rljax.sharding import mesh_context, place_outputs
 from rljax.train.config import OptimConfig
 from rljax.train.config.algorithm import AlgorithmSpec
@@ -65,6 +66,9 @@ class StepSpec:
     out_shardings: on a mesh, ``(treedef, leaves)`` of the ``(params, opt_state)``
       shardings the program returns (those of the state it updates, so the next step's
       arguments match and their buffers are donated in place).
+    trainable: what of the policy trains (``rljax.models.lora.Trainable``: every
+      parameter, or its adapters), chosen once with the trainer: its gradients, optimiser
+      state and KL reference follow it; the value model trains every parameter.
     """
 
     alg: AlgorithmSpec
@@ -86,6 +90,7 @@ class StepSpec:
     device_reward: Any = None
     mesh: Any = None
     out_shardings: tuple | None = None
+    trainable: Trainable = ALL_PARAMETERS
 
     @property
     def share_group(self) -> int:
