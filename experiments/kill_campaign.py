@@ -4,6 +4,7 @@ lost and no half-written checkpoint is ever read.
     python experiments/kill_campaign.py --kills 50 --processes 1
     python experiments/kill_campaign.py --kills 20 --processes 2      # 2 processes x 4 devices
     python experiments/kill_campaign.py --kills 20 --seeds 2          # 2 seeds in one program
+    python experiments/kill_campaign.py --kills 12 --staleness 1      # one step off (async)
 
 A tiny GRPO experiment (1-layer decoder, 4 prompts x 4 samples, a checkpoint every step,
 the last 2 kept) runs once uninterrupted ("ref"), then as runs of `--kills-per-run` kills
@@ -21,7 +22,10 @@ each kill) or the final checkpoint (parameters, optimiser state, counters, bit f
 differs from the uninterrupted run's: same seed, same process count, so equal means equal.
 With `--seeds N` (one process) the experiment trains N seeds in one program
 (`rljax.run.seed_runs`), scored by a device reward; its metric lines are compared per step
-and seed, and "update" is the step's one program (sample, score, learn).
+and seed, and "update" is the step's one program (sample, score, learn). With
+`--staleness K` the run is asynchronous (`rl.max_staleness=K`): its checkpoints hold the
+in-flight batches, and "update" is the learning program from its dispatch, while the
+host scores the next batch.
 
 One process uses 1 device and JAX's persistent compilation cache (no collectives, so the
 restored-collective deadlock of tests/conftest.py cannot occur), so a restart costs its
@@ -89,7 +93,8 @@ EXPERIMENT = textwrap.dedent('''
             reward=RewardConfig(kind="custom", function="{reward}"),
             algorithm=AlgorithmConfig(name="grpo", group_size=4), optim=OptimConfig(lr=3e-3),
             sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
-            rl=RLConfig(steps={steps}, prompts_per_step=4, eval_prompts=4, logp_chunk=8),
+            rl=RLConfig(steps={steps}, prompts_per_step=4, eval_prompts=4, logp_chunk=8,
+                        max_staleness={staleness}),
             run=RunConfig(dir="runs/unset", save_every=1, keep=2, plots=False,
                           tensorboard=False, seeds={seeds}))
 ''')
@@ -171,11 +176,13 @@ class Campaign:
 
     def __init__(self, root: pathlib.Path, *, kills: int, processes: int, kills_per_run: int,
                  seed: int, kinds: tuple[str, ...] = KINDS, devices: int | None = None,
-                 seeds: int = 1):
+                 seeds: int = 1, staleness: int = 0):
         if kills < 1 or processes not in (1, 2) or kills_per_run < 1 or seeds < 1:
             raise ValueError("kills, kills_per_run and seeds must be >= 1 and processes 1 or 2")
         if seeds > 1 and processes != 1:
             raise ValueError(f"seeds={seeds}: several-seed runs use one process")
+        if staleness < 0 or (staleness and seeds > 1):
+            raise ValueError(f"staleness={staleness}: an int >= 0, with seeds=1")
         if not set(kinds) <= set(KINDS) or not kinds:
             raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds}")
         self.root, self.kills, self.processes, self.kinds = root, kills, processes, kinds
@@ -184,9 +191,10 @@ class Campaign:
         self.steps = 3 * kills_per_run + 2  # room for every kill of a run to progress
         self.exp = root / "killexp.py"
         root.mkdir(parents=True, exist_ok=True)
-        self.seeds = seeds
+        self.seeds, self.staleness = seeds, staleness
         (root / "killrewards.py").write_text(REWARDS)  # found in the attempts' directory
-        self.exp.write_text(EXPERIMENT.format(steps=self.steps, seeds=seeds, reward=(
+        self.exp.write_text(EXPERIMENT.format(steps=self.steps, seeds=seeds,
+                                              staleness=staleness, reward=(
             "rljax_experiment_killexp:even_share" if seeds > 1 else "killrewards:digits")))
         self.records: list[dict] = []
         self.problems: dict[str, list[str]] = {}
@@ -203,7 +211,10 @@ class Campaign:
         from rljax.run.run_dir import read_metrics
         rows = [r for r in read_metrics(self.root / "ref") if r["phase"] == "rl"][self.seeds:]
         med = lambda *ks: float(np.median([sum(r[k] for k in ks) for r in rows]))  # noqa: E731
-        if "time_learn" in rows[0]:
+        if self.staleness:  # the learning program runs beside the next batch's scoring
+            self.delays.update(rollout=med("time_rollout"),
+                               update=med("time_reward", "time_learn"))
+        elif "time_learn" in rows[0]:
             self.delays.update(rollout=med("time_rollout", "time_reward"),
                                update=med("time_learn"))
         else:  # one program a step (a device reward): the host only packs prompts first
@@ -316,6 +327,7 @@ class Campaign:
                 "kills_during_save": sum(rec["during_save"] for rec in self.records),
                 "finished_before_kill": self.finished,
                 "processes": self.processes, "devices": self.devices, "seeds": self.seeds,
+                "staleness": self.staleness,
                 "phases": by("phase"), "worst_attempt_s": max(rec["wall_s"] for rec in
                                                              self.records),
                 "wall_s": round(time.perf_counter() - t0, 1), "problems": self.problems}
@@ -332,11 +344,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0, help="the campaign's random moments")
     p.add_argument("--seeds", type=int, default=1,
                    help="seeds trained in one program (run.seeds; one process)")
+    p.add_argument("--staleness", type=int, default=0,
+                   help="rl.max_staleness of the runs (0: synchronous; one seed)")
     p.add_argument("--root", default=None, help="work folder (default: a new temporary one)")
     a = p.parse_args(argv)
     root = pathlib.Path(a.root or tempfile.mkdtemp(prefix="kill_campaign_")).resolve()
     out = Campaign(root, kills=a.kills, processes=a.processes, kills_per_run=a.kills_per_run,
-                   seed=a.seed, kinds=tuple(a.kinds.split(",")), seeds=a.seeds).run()
+                   seed=a.seed, kinds=tuple(a.kinds.split(",")), seeds=a.seeds,
+                   staleness=a.staleness).run()
     for name, problems in out["problems"].items():
         print(f"LOST {name}:\n  " + "\n  ".join(problems), file=sys.stderr)
     print(f"work folder {root}; phases at the kill {out['phases']}")

@@ -13,7 +13,9 @@ this module wraps three rljax entry points (only in this process; rljax is uncha
   "host" after it (metrics, logging);
 - the step's timer for "learn" (`rljax.train.rl.PhaseTimes.timed`), or for "step" where the
   whole step is one program (a device reward): the phase is "update" while the jitted
-  program runs (its compilation included on a first step);
+  program runs (its compilation included on a first step); in an asynchronous run
+  (`rl.max_staleness`) the phase is "update" from the learning program's dispatch
+  (`rljax.train.async_driver.run`), while the host scores the next batch;
 - `Checkpointer.save`: once the asynchronous save of step K has started ("save"), its
   write runs in orbax's background thread while the loop goes on.
 
@@ -91,13 +93,14 @@ def install(plan: dict[str, Any]) -> None:
     """Wrap the entry points (module docstring) and arm `plan`."""
     import numpy as np
 
-    from rljax.train import rl, seeds
+    from rljax.train import async_driver, rl, seeds
     from rljax.train.checkpoint import Checkpointer
 
     if plan.get("phase") not in PHASES or not isinstance(plan.get("step"), int):
         raise ValueError(f"{PLAN_ENV}: phase must be one of {PHASES} and step an int, got {plan}")
     _plan.update(plan)
     step_fn, timed_fn, save_fn = rl.RLTrainer.step, rl.PhaseTimes.timed, Checkpointer.save
+    dispatch_fn = async_driver.run
     seed_step_fn = seeds.SeedRL.step
 
     def wrap(fn):
@@ -116,6 +119,10 @@ def install(plan: dict[str, Any]) -> None:
         _enter("host")
         return out
 
+    def dispatch(*args, **kw):
+        _enter("update")
+        return dispatch_fn(*args, **kw)
+
     def save(self, step_, state, meta=None, *, force=False):
         _where["ckpt_dir"] = os.fspath(self.directory)
         started = save_fn(self, step_, state, meta, force=force)
@@ -127,6 +134,7 @@ def install(plan: dict[str, Any]) -> None:
 
     rl.RLTrainer.step, seeds.SeedRL.step = wrap(step_fn), wrap(seed_step_fn)
     rl.PhaseTimes.timed, Checkpointer.save = timed, save
+    async_driver.run = dispatch
 
 
 def install_from_env() -> None:

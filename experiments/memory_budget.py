@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import math
 import os
 import pathlib
 import sys
@@ -56,32 +55,25 @@ if __name__ == "__main__" and not HAVE_LIBTPU:  # CPU estimates need one device 
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=64")
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # this folder's _aot
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
+import _aot as aot  # noqa: E402
+from _aot import GIB, abstract_params, per_chip_bytes  # noqa: E402
 from rljax.models import Decoder, ValueModel  # noqa: E402
 from rljax.models.layers import cast_matmul_weights, compute_dtype  # noqa: E402
 from rljax.run.experiment_files import experiment_module, load_experiment  # noqa: E402
 from rljax.sampling import sampler as sampler_lib  # noqa: E402
-from rljax.sampling.head import _to_VxD_jit, _source  # noqa: E402
 from rljax.sampling.ops import SamplingParams  # noqa: E402
-from rljax.sharding import (  # noqa: E402
-    batch_sharding,
-    inference_shardings,
-    make_mesh,
-    mesh_context,
-    replicated,
-    state_shardings,
-)
+from rljax.sharding import inference_shardings, make_mesh, mesh_context, replicated  # noqa: E402
 from rljax.train.learn.layout import Packed, Padded, frozen_logprobs  # noqa: E402
 from rljax.train.learn.reference import lora_base, reference_model  # noqa: E402
-from rljax.train.learn.update import opt_state_shardings, trainable  # noqa: E402
 from rljax.train.programs.step import learn_step  # noqa: E402
-from rljax.train.rl import RLTrainer  # noqa: E402
 
-GIB = 2.0**30
+PROGRAMS = ("prefill", "decode", "logprob", "learn")
 EXPERIMENTS = ("gsm8k_qwen25_grpo", "gsm8k_qwen25_ppo", "gsm8k_llama3_grpo")
 
 
@@ -115,103 +107,40 @@ class ProgramMemory:
         return self.total_gib <= self.hbm_gib
 
 
-def per_chip_bytes(tree) -> int:
-    """Bytes one chip holds of a pytree of sharded abstract arrays (the largest shard)."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
-    return total
-
-
-def _abstract(values, shardings):
-    return jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-                        values, shardings)
-
-
-def _outputs(compiled):
-    """A compiled program's outputs as sharded abstract arrays (inputs of the next one)."""
-    return _abstract(compiled.out_info, compiled.output_shardings)
-
-
 def _memory(compiled) -> tuple[int, int, int, int, int]:
     m = compiled.memory_analysis()
     return (m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
             m.generated_code_size_in_bytes, m.alias_size_in_bytes)
 
 
-def abstract_params(module_fn, mesh):
-    """`(graphdef, params)` of `module_fn()` built with `jax.eval_shape`, every leaf an
-    abstract array with its sharding from rljax's logical rules."""
-    with jax.set_mesh(mesh):
-        graphdef, state = nnx.split(nnx.eval_shape(module_fn))
-    return graphdef, _abstract(state, state_shardings(state, mesh))
-
-
-def _cast(tree, dtype: str):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
-        sharding=x.sharding), tree)
-
-
-def _key(mesh):
-    k = jax.eval_shape(lambda: jax.random.key(0))
-    return jax.ShapeDtypeStruct(k.shape, k.dtype, sharding=replicated(mesh))
-
-
-def _batch(mesh, shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))
-
-
-class _Tokenizer(types.SimpleNamespace):
-    """What the trainer reads of a tokenizer before sampling: the pad and stop ids."""
-
-
-def _trainer(cfg, graphdef, value_gd, mesh, model_cfg):
-    eos = model_cfg.vocab_size - 1
-    return RLTrainer(graphdef, _Tokenizer(eos_token_id=eos, pad_token_id=eos), lambda c, m: None,
-                     algorithm=cfg.algorithm, optim=cfg.optim, sampling=cfg.sampling,
-                     rl=cfg.rl, prompt_len=cfg.task.max_prompt_tokens,
-                     value_graphdef=value_gd, mesh=mesh)
-
-
-def _opt_state(trainer, params, mesh):
-    """The optimiser state as `init_opt_state` places it."""
-    filters = {"policy": trainer.trainable}  # a LoRA policy: its adapters only
-    shapes = jax.eval_shape(lambda p: {k: trainer.txs[k].init(p[k]) for k in p},
-                            trainable(params, filters)[0])
-    return _abstract(shapes, opt_state_shardings(trainer.txs, params, mesh, filters))
-
-
-def _head(params, model_cfg, mesh):
-    """The sampler's vocab-major output weight (`state_vocab_major_weight`)."""
-    name, already = _source(model_cfg)
-    var = params[name]
-    w = var.get_value() if hasattr(var, "get_value") else var
-    if already and w.dtype == jnp.dtype(model_cfg.compute_dtype):
-        return w
-    with jax.set_mesh(mesh):
-        return _outputs(_to_VxD_jit.lower(w, already, jnp.dtype(model_cfg.compute_dtype))
-                        .compile())
-
-
-def _rollout(trainer, mesh, b, p, t):
-    from rljax.train.batch import Rollout
-
-    f32, i32 = jnp.float32, jnp.int32
-    return Rollout(prompt_BxP=_batch(mesh, (b, p), i32), prompt_mask_BxP=_batch(mesh, (b, p), f32),
-                   completion_BxT=_batch(mesh, (b, t), i32),
-                   completion_mask_BxT=_batch(mesh, (b, t), f32),
-                   sampler_logp_BxT=_batch(mesh, (b, t), f32), truncated_B=_batch(mesh, (b,), f32),
-                   rewards_B=_batch(mesh, (b,), f32), correct_B=_batch(mesh, (b,), f32),
-                   weight_B=_batch(mesh, (b,), f32), group_size=trainer.alg.group_size,
-                   has_correct=True)
+def sampler_programs(record, graphdef, mesh, policy, cfg, model_cfg, resident, log):
+    """Compile the sampler's prefill and decode through `record` (`compile_recipe`'s)."""
+    n_prompts, g = cfg.rl.prompts_per_step, cfg.algorithm.resolve().group_size
+    p, t = cfg.task.max_prompt_tokens, cfg.sampling.max_new_tokens
+    cd = compute_dtype(model_cfg)  # run() casts the matmul weights before the copy
+    infer = aot.abstract(jax.eval_shape(lambda w: cast_matmul_weights(w, cd), policy),
+                         inference_shardings(policy, mesh))
+    head = aot.sampler_head(infer, model_cfg, mesh)
+    spec = sampler_lib.DecodeSpec(SamplingParams(temperature=cfg.sampling.temperature),
+                                  (model_cfg.vocab_size - 1,), g, t,
+                                  sampler_lib.plan_phases(p, t, p + t - 1, 4),
+                                  model_cfg.vocab_size - 1)
+    log(f"inference copy of the policy per chip: {per_chip_bytes(infer) / GIB:.2f} GiB")
+    prompts = tuple(aot.batch(mesh, (n_prompts, p), dt)
+                    for dt in (jnp.int32, jnp.bool_, jnp.int32))
+    pre = record("prefill", lambda: sampler_lib._prefill.lower(
+        graphdef, spec, mesh, infer, head, *prompts, aot.key(mesh)).compile(), resident,
+                 needed_by="decode")
+    s, cache, _ = aot.outputs(pre)
+    record("decode", lambda: sampler_lib._decode.lower(
+        graphdef, spec, mesh, infer, head, s, cache).compile(), resident)
 
 
 def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
-                   log=print, inspect=None) -> list[ProgramMemory]:
-    """Compile `cfg`'s prefill, decode, logprob and learn programs for `devices` (a mesh
-    of `cfg.mesh` over them) with the model shapes `model_cfg`; their per-chip memory.
+                   log=print, inspect=None, programs: tuple = PROGRAMS) -> list[ProgramMemory]:
+    """Compile `cfg`'s prefill, decode, logprob and learn programs (those in `programs`)
+    for `devices` (a mesh of `cfg.mesh` over them) with the model shapes `model_cfg`;
+    their per-chip memory.
     `inspect(name, compiled)`, when given, sees each compiled program (the collective
     audit, `experiments/collective_budget.py`, reads its HLO)."""
     mesh = make_mesh(cfg.mesh, devices=devices)
@@ -219,7 +148,7 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     value_gd, value = None, None
     if cfg.algorithm.resolve().name == "ppo":
         value_gd, value = abstract_params(lambda: ValueModel(model_cfg, rngs=nnx.Rngs(0)), mesh)
-    trainer = _trainer(cfg, graphdef, value_gd, mesh, model_cfg)
+    trainer = aot.trainer(cfg, graphdef, value_gd, mesh, model_cfg)
     lora = trainer.trainable.adapters
     if lora:  # RLTrainer.init_state: the frozen base in the compute dtype, adapters float32
         policy = jax.tree.map(lambda o, x: jax.ShapeDtypeStruct(o.shape, o.dtype,
@@ -227,13 +156,13 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
                               jax.eval_shape(lambda w: lora_base(graphdef, w, trainer.trainable),
                                              policy), policy)
     params = {"policy": policy} | ({"value": value} if value is not None else {})
-    opt = _opt_state(trainer, params, mesh)
+    opt = aot.opt_state(trainer, params, mesh)
     # A LoRA policy's KL reference copies its adapters only, in the compute dtype
     # (make_reference); the base is the policy's own.
     ref = None
     if trainer.uses_ref:
-        ref = (_cast(trainer.trainable.split(policy)[0], jnp.dtype(compute_dtype(model_cfg)).name)
-               if lora else _cast(policy, getattr(cfg.rl, "ref_dtype", "float32")))
+        ref = (aot.cast(trainer.trainable.split(policy)[0], jnp.dtype(compute_dtype(model_cfg)).name)
+               if lora else aot.cast(policy, getattr(cfg.rl, "ref_dtype", "float32")))
     n_prompts, g = cfg.rl.prompts_per_step, trainer.alg.group_size
     p, t, b = cfg.task.max_prompt_tokens, cfg.sampling.max_new_tokens, n_prompts * g
     state_bytes = {"params": per_chip_bytes(params), "opt": per_chip_bytes(opt),
@@ -244,7 +173,9 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
            "a copy of the adapters, on the policy's base)" if lora else ""))
     out, rep = [], replicated(mesh)
 
-    def record(name, fn, resident):
+    def record(name, fn, resident, needed_by=""):
+        if name not in programs:  # compiled all the same when a later program needs it
+            return fn() if needed_by in programs else None
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):  # a mesh over TPU devices traces the real splash kernel
             compiled = fn()
@@ -260,25 +191,11 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     # Sampler: the policy's inference copy (and the head built from it) are arguments;
     # the training parameters (the policy's FSDP shard included), Adam moments and the
     # reference stay resident beside them.
-    cd = compute_dtype(model_cfg)  # run() casts the matmul weights before the copy
-    infer = _abstract(jax.eval_shape(lambda p: cast_matmul_weights(p, cd), policy),
-                      inference_shardings(policy, mesh))
-    head = _head(infer, model_cfg, mesh)
-    spec = sampler_lib.DecodeSpec(SamplingParams(temperature=cfg.sampling.temperature),
-                                  (model_cfg.vocab_size - 1,), g, t,
-                                  sampler_lib.plan_phases(p, t, p + t - 1, 4),
-                                  model_cfg.vocab_size - 1)
-    sampling_resident = sum(state_bytes.values())
-    log(f"[{label}] inference copy of the policy per chip: {per_chip_bytes(infer) / GIB:.2f} GiB")
-    prompts = (_batch(mesh, (n_prompts, p), jnp.int32), _batch(mesh, (n_prompts, p), jnp.bool_),
-               _batch(mesh, (n_prompts, p), jnp.int32))
-    pre = record("prefill", lambda: sampler_lib._prefill.lower(
-        graphdef, spec, mesh, infer, head, *prompts, _key(mesh)).compile(), sampling_resident)
-    s, cache, _ = _outputs(pre)
-    record("decode", lambda: sampler_lib._decode.lower(
-        graphdef, spec, mesh, infer, head, s, cache).compile(), sampling_resident)
+    if {"prefill", "decode"} & set(programs):
+        sampler_programs(record, graphdef, mesh, policy, cfg, model_cfg,
+                         sum(state_bytes.values()), lambda m: log(f"[{label}] {m}"))
     # Reference log-probs over the batch (the learning program's first pass, alone).
-    ro = _rollout(trainer, mesh, b, p, t)
+    ro = aot.rollout(trainer, mesh, b, p, t)
     d = mesh.shape["data"] * mesh.shape["fsdp"]  # packed: the largest bucket
     layout = trainer.base_spec.layout
     layout = layout.sized(b // d, p + t) if isinstance(layout, Packed) else layout
@@ -303,7 +220,7 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
 
     def learn():
         with mesh_context(mesh):
-            return learn_step.lower(spec, params, opt, scalars, ref, ro, _key(mesh), None)
+            return learn_step.lower(spec, params, opt, scalars, ref, ro, aot.key(mesh), None)
     record("learn", lambda: learn().compile(), 0)
     return out
 
@@ -319,19 +236,21 @@ def tpu_devices(tpu):
                                              **tpu.topology_kwargs()).devices)
 
 
-def recipes(selected: list[str] | None = None):
+def recipes(selected: list[str] | None = None, overrides: list[str] = ()):
     """`(label, ExperimentConfig, Recipe)` of every recipe (or of `selected` labels,
-    "experiment/recipe", in their order: the riskiest first)."""
+    "experiment/recipe", in their order: the riskiest first), with `overrides`
+    (``--set`` strings, e.g. ``remat=none``) applied after the recipe's own settings."""
     found = {f"{exp}/{name}": (exp, name, rec) for exp in EXPERIMENTS for name, rec in
              experiment_module(pathlib.Path(__file__).with_name(f"{exp}.py")).RECIPES.items()}
     for label in selected or found:
         if label in found:
             exp, name, rec = found[label]
             yield label, load_experiment(pathlib.Path(__file__).with_name(f"{exp}.py"),
-                                         [f"recipe={name}"]), rec
+                                         [f"recipe={name}", *overrides]), rec
 
 
-def budget_recipe(label, cfg, rec, log=print) -> tuple[list[ProgramMemory], str]:
+def budget_recipe(label, cfg, rec, log=print, programs: tuple = PROGRAMS,
+                  inspect=None) -> tuple[list[ProgramMemory], str]:
     """Compile one recipe for its TPU slice (or CPU devices without libtpu)."""
     devices = tpu_devices(rec.tpu)
     model_cfg = cfg.policy_config(rec.model_config(cfg.compute_dtype))  # with cfg.lora
@@ -342,7 +261,7 @@ def budget_recipe(label, cfg, rec, log=print) -> tuple[list[ProgramMemory], str]
     log(f"[{label}] {rec.model} on {rec.slice} ({rec.tpu.topology}, {len(devices)} x {kind}), "
         f"mesh {cfg.mesh.resolve(len(devices))}, micro {cfg.algorithm.micro_batch_size}: {rec.why}")
     return compile_recipe(cfg, model_cfg, devices, label=label, hbm_gib=rec.tpu.hbm_gib,
-                          log=log), kind
+                          log=log, programs=programs, inspect=inspect), kind
 
 
 def table(rows: list[ProgramMemory]) -> str:
@@ -370,11 +289,17 @@ def main(argv: list[str] | None = None) -> int:
     """Compile every (or each `--recipes`) recipe; print the table and the RESULT line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", nargs="*", help="labels 'experiment/recipe' (default: all)")
+    ap.add_argument("--set", nargs="*", default=[], dest="overrides",
+                    help="overrides after the recipe's settings, e.g. remat=none rl.remat=false "
+                         "algorithm.micro_batch_size=128 (a sizing candidate)")
+    ap.add_argument("--programs", nargs="*", default=list(PROGRAMS), choices=PROGRAMS,
+                    help="compile only these (logprob and learn are the ones remat and "
+                         "micro-batch change)")
     args = ap.parse_args(argv)
     rows, kinds, failed = [], set(), []
-    for label, cfg, rec in recipes(args.recipes):
+    for label, cfg, rec in recipes(args.recipes, args.overrides):
         try:
-            got, kind = budget_recipe(label, cfg, rec)
+            got, kind = budget_recipe(label, cfg, rec, programs=tuple(args.programs))
         except Exception as e:  # noqa: BLE001 - report a program that does not compile, go on
             print(f"[{label}] did not compile: {type(e).__name__}: {e}", flush=True)
             failed.append(label)

@@ -4,6 +4,7 @@
                 [--distributed [--coordinator HOST:PORT --num-processes N --process-id I]
                  [--heartbeat-timeout S]]
     rljax eval SOURCE [--experiment EXP] [--set ...] [--num-prompts N] [--k K] [--seed S]
+               [--step N] [--pass-threshold R]
     rljax sample SOURCE --prompt TEXT [--prompt ...] [--num-samples N] [--max-new-tokens N]
                  [--raw] [--seed S] [--sampling-seed N]
     rljax export SOURCE OUT_DIR [--step N] [--dtype float32|bfloat16] [--max-shard-size SIZE]
@@ -15,7 +16,9 @@ directory (its latest checkpoint) or a Hugging Face model folder. Each command i
 layer over one Python call (named in its help), so everything here is also a library call.
 A run of several seeds (`run.seeds`) keeps them in one checkpoint: `--seed S` picks one for
 eval / sample / export (default the run's first seed, `run.seed`); `plot` draws one curve
-per seed (or only `--seed S`'s).
+per seed (or only `--seed S`'s). `eval` and `sample` keep their compiled programs in JAX's
+persistent compilation cache (`rljax.run.compile_cache`: ~/.cache/rljax/jax;
+RLJAX_COMPILE_CACHE=DIR or 0), so a second call with the same model skips compiling.
 Bad input (ValueError, TypeError, FileNotFoundError, FileExistsError: a missing experiment,
 an unknown or mistyped override, a run directory that holds another run or is in use) prints
 one line `rljax <command>: error: ...` and exits with status 2 (argparse's usage errors too);
@@ -40,7 +43,8 @@ from collections.abc import Sequence
 
 import jax
 
-from rljax.run.artifacts import evaluate_source, export_hf, sample_texts
+from rljax.run.artifacts import PASS_THRESHOLD, evaluate_source, export_hf, sample_texts
+from rljax.run.compile_cache import use_compile_cache
 from rljax.run.experiment_files import load_experiment
 from rljax.run.plots import plot_metrics
 from rljax.run.preemption import Preempted
@@ -99,13 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "(same as --set run.profile_steps=STEPS)")
     _add_launch(p)
 
-    p = sub.add_parser("eval", help="greedy accuracy and pass@k (rljax.run.artifacts.evaluate_source)")
+    p = sub.add_parser("eval", help="greedy accuracy (a reward without a verifier: its mean) "
+                                    "and pass@k (rljax.run.artifacts.evaluate_source)")
     p.add_argument("source", help="run directory or HF model folder")
     p.add_argument("--experiment", default=None,
                    help="experiment giving the task and reward (default: the run's own config)")
     _add_set(p)
     p.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default rl.eval_prompts)")
     p.add_argument("--k", type=int, default=1, help="samples per prompt for pass@k (default 1)")
+    p.add_argument("--pass-threshold", type=float, default=None, metavar="R",
+                   help="a reward without a verifier: a sampled completion passes pass@k when "
+                        f"its reward is >= R (default {PASS_THRESHOLD}); a verifier decides "
+                        "otherwise")
     _add_checkpoint(p)
 
     p = sub.add_parser(
@@ -237,14 +246,16 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_eval(args) -> int:
+    use_compile_cache()
     result = evaluate_source(args.source, experiment=args.experiment, overrides=args.overrides,
                              num_prompts=args.num_prompts, k=args.k, step=args.step,
-                             run_seed=args.seed)
+                             run_seed=args.seed, pass_threshold=args.pass_threshold)
     print(json.dumps(result, indent=2))
     return 0
 
 
 def _cmd_sample(args) -> int:
+    use_compile_cache()
     outs = sample_texts(args.source, args.prompt, num_samples=args.num_samples,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         seed=args.sampling_seed, step=args.step, run_seed=args.seed,

@@ -67,6 +67,7 @@ EXPERIMENT = textwrap.dedent('''
     import jax.numpy as jnp
     import numpy as np
     from rljax.models import ModelConfig
+    from rljax.models.config import MoeConfig
     from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                     SFTConfig)
     from rljax.run.experiment import ExperimentConfig, RewardConfig, RunConfig, TaskConfig
@@ -90,7 +91,7 @@ EXPERIMENT = textwrap.dedent('''
             name="{name}",
             model=ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
                               num_layers=1, num_heads=2, num_kv_heads=1,
-                              max_position_embeddings=64),
+                              max_position_embeddings=64{model}),
             task={task},
             reward=RewardConfig(kind="custom", function="{reward}"),
             algorithm=AlgorithmConfig({algorithm}),
@@ -102,6 +103,11 @@ EXPERIMENT = textwrap.dedent('''
         )
 ''')
 ARITHMETIC = 'TaskConfig(name="arithmetic", difficulty=1, max_prompt_tokens=8)'
+# A `Scenario(moe=True)` model: Qwen3-MoE, 4 experts (2 a chip over fsdp), top 2, the
+# learner replaying the sampler's routing (router losses off, the RL default: they are
+# statistics of a micro-batch's tokens, which packed and padded micro-batches group apart).
+MOE_MODEL = (', architecture="qwen3_moe", qk_norm=True, moe=MoeConfig(num_experts=4, '
+             'experts_per_token=2, intermediate_size=16, router_replay="replay")')
 # Prompts of two widths: 5-9 tokens (the 16 bucket) and 21-29 tokens (the 32 bucket).
 WIDTHS = 'TaskConfig(name="jsonl", path="{path}", max_prompt_tokens=32)'
 
@@ -169,7 +175,8 @@ class Scenario:
 
     def __init__(self, root: pathlib.Path, name: str, algorithm: str, prompts: int, *,
                  plots: bool = False, resume: bool = True, widths: bool = False,
-                 sft: str = "None", reward: str = "_verifiers:digit_share", sets: tuple = ()):
+                 sft: str = "None", reward: str = "_verifiers:digit_share", sets: tuple = (),
+                 moe: bool = False):
         self.root, self.name, self.plots, self.resume = root / name, name, plots, resume
         self.sets = sets  # `--set` overrides of every run (a run's own `sets` win)
         self.root.mkdir(parents=True)
@@ -180,7 +187,8 @@ class Scenario:
             reward = "_verifiers:width_terms"
         self.exp = self.root / f"{name}.py"
         self.exp.write_text(EXPERIMENT.format(name=name, algorithm=algorithm, prompts=prompts,
-                                              task=task, reward=reward, sft=sft))
+                                              task=task, reward=reward, sft=sft,
+                                              model=MOE_MODEL if moe else ""))
         self.logs: dict[str, str] = {}
 
     def dir(self, run: str) -> pathlib.Path:

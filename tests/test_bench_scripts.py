@@ -114,3 +114,16 @@ def test_bench_moe_quick_prints_its_result(capsys):
     assert set(out) == {"moe_s", "dense_active_s", "ratio", "flops_over_active"}
     assert _result(capsys.readouterr().out.strip().splitlines()[-1]) == pytest.approx(
         {k: float(f"{v:.4g}") for k, v in out.items()})
+
+
+def test_bench_async_prints_its_result_line(capsys):
+    """experiments/bench_async.py at a tiny size: its RESULT keys, the asynchronous
+    trainer one step off (no timing asserted)."""
+    load_experiment("bench_async").main(["--quick", "--steps", "1", "--warmup", "1",
+                                         "--sources", "reward"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("RESULT source=reward "), line
+    res = _result(line.replace("source=reward ", ""))
+    for key in ("sync_s", "async_s", "speedup", "ideal", "efficiency", "overlap_frac"):
+        assert math.isfinite(res[key]), key
+    assert res["staleness_mean"] == 1.0

@@ -93,6 +93,8 @@ def test_eval_command(tiny, capsys):
     assert main(["eval", str(tiny.hf_dir)]) == 2
     assert "--experiment" in capsys.readouterr().err
     assert main(argv[:2] + ["--k", "0"]) == 2
+    assert main(argv[:2] + ["--pass-threshold", "0.3"]) == 2  # for a reward without a verifier
+    assert "this run's reward has a verifier" in capsys.readouterr().err
     assert main(argv[:2] + ["--num-prompts", "99", "--set", "rl.eval_prompts=6"]) == 2
 
 

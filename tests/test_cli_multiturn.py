@@ -88,6 +88,8 @@ def test_train_episodes_resume_eval_sample_export(exp, tmp_path, capsys, monkeyp
     after = json.loads((a / "eval_after.json").read_text())
     assert res["reward_mean"] == pytest.approx(after["reward_mean"])
     assert res["n"] == 8 and res["k"] == 2 and "best@2_reward_mean" in res
+    assert main(["eval", "runs/a", "--pass-threshold", "0.5"]) == 2  # episodes: no pass@k
+    assert "an environment run's eval" in capsys.readouterr().err
     assert main(["sample", "runs/a", "--prompt", "1+2="]) == 0
     assert "=== prompt: '1+2=' sample 0" in capsys.readouterr().out
     assert main(["export", "runs/a", "exported"]) == 0

@@ -32,6 +32,10 @@ def test_jsonl_bad_lines_name_file_and_line(tmp_path):
     p = write_jsonl(tmp_path / "bad.jsonl", GSM[:2], ["{not json"])
     with pytest.raises(ValueError, match=rf"{p}:3: not valid JSON"):
         D.load_jsonl(p)
+    p = write_jsonl(tmp_path / "cut.jsonl", GSM[:1], ['{"q": "2+2", "x": '])  # cut short
+    with pytest.raises(ValueError, match=rf"{p}:2: not valid JSON \(Expecting value at "
+                       r"column 19\)"):  # the line's own end, not column 1 of a next line
+        D.load_jsonl(p)
     p = write_jsonl(tmp_path / "missing.jsonl", GSM[:2] + [{"question": "q"}])
     with pytest.raises(ValueError, match=rf"{p}:3: missing field 'answer' \(mapped to "
                        r"'target'\); fields present: \['question'\]"):

@@ -12,6 +12,7 @@ import torch
 from flax import nnx
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+from _moe_common import near_tied
 from rljax.models import Decoder, ModelConfig
 from rljax.models.config import MoeConfig
 from rljax.models.hf_config import config_from_hf, config_to_hf
@@ -217,15 +218,6 @@ def test_expert_parallel_equals_one_device():
     np.testing.assert_array_equal(np.asarray(res.tokens), np.asarray(ref.tokens))
 
 
-def _near_tied(model, eps):
-    """``model`` with every expert's router column the first one's plus ``eps``-relative
-    noise: router logits tied to float32 rounding, so top-k follows summation order."""
-    w = model.layers.mlp.router[...]  # stacked [L, D, E]
-    noise = jax.random.normal(jax.random.key(11), w.shape)
-    model.layers.mlp.router[...] = w[..., :1] * (1 + eps * noise)
-    return model
-
-
 def _learner_logp(graphdef, state, result, group, packed=False):
     """The learner's log-probs of the sampled tokens (`policy_logprobs`, the trainer's
     forward; ``group`` G: each group's prompt once; ``packed``: rows packed by length,
@@ -254,7 +246,7 @@ def test_router_replay_makes_learner_logprobs_equal_the_samplers():
     """Near-tied router logits: the sampler's cached decode and the learner's full forward
     pick different experts for some tokens, and their log-probs differ; routed by the
     sampler's recorded ids the learner's log-probs equal the sampler's (TOL)."""
-    model = _near_tied(Decoder(EP_CFG, rngs=nnx.Rngs(2)), 3e-7)
+    model = near_tied(Decoder(EP_CFG, rngs=nnx.Rngs(2)), 3e-7)
     graphdef, state = nnx.split(model)
     res = generate(model, PROMPTS, key=jax.random.key(4), **SAMPLE)
     p = res.prompt_tokens.shape[1]
@@ -286,7 +278,7 @@ def test_router_replay_with_lora_adapters():
     lora = LoraConfig(rank=2, targets=("q", "v"))
     cfg = dataclasses.replace(EP_CFG, lora=lora, moe=dataclasses.replace(
         EP_CFG.moe, router_replay="replay"))
-    model = _near_tied(Decoder(cfg, rngs=nnx.Rngs(5)), 3e-7)
+    model = near_tied(Decoder(cfg, rngs=nnx.Rngs(5)), 3e-7)
     for pair in (model.layers.attn.q_lora, model.layers.attn.v_lora):
         pair.b[...] = 0.1 * jax.random.normal(jax.random.key(6), pair.b[...].shape)
     graphdef, state = nnx.split(model)
@@ -308,23 +300,37 @@ class _IdTok:
         return "".join(chr(48 + i - 2) for i in ids if i >= 2)
 
 
-def test_rl_step_replays_the_samplers_routing():
+def test_rl_step_replays_the_samplers_routing(monkeypatch):
     """The RL step (host reward, ``rljax.train.driver``): the rollout carries the sampler's
     expert ids into the learning program, so on near-tied routers the first update's
-    log-probs equal the sampler's (``sampler_gap`` at float rounding) with
-    ``router_replay="replay"`` and differ without it."""
+    log-probs equal the sampler's (``sampler_gap`` and the mismatch KL at float rounding)
+    with ``router_replay="replay"`` and differ without it. The step reports the router
+    losses and the load histogram (``rljax.train.learn.router``), and its FLOPs count
+    active parameters."""
+    from rljax.train import throughput
     from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
     from rljax.train.rl import RLTrainer
 
-    gaps = {}
+    got = {}
     for mode in ("off", "replay"):
-        cfg = dataclasses.replace(EP_CFG, moe=dataclasses.replace(EP_CFG.moe, router_replay=mode))
-        graphdef, state = nnx.split(_near_tied(Decoder(cfg, rngs=nnx.Rngs(2)), 3e-7))
+        cfg = dataclasses.replace(EP_CFG, moe=dataclasses.replace(
+            EP_CFG.moe, router_replay=mode, aux_loss_coef=0.01, z_loss_coef=1e-3))
+        graphdef, state = nnx.split(near_tied(Decoder(cfg, rngs=nnx.Rngs(2)), 3e-7))
         tr = RLTrainer(graphdef, _IdTok(), lambda c, m: np.arange(len(c), dtype=np.float32),
                        algorithm=algorithm_preset("grpo", group_size=2, kl_coef=0.0),
                        optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=8),
                        rl=RLConfig(steps=1, prompts_per_step=4, logp_chunk=8), prompt_len=8)
         prompts = lambda start, n: (["5920", "?4", "XYZ", "3"][:n], [{}] * n)  # noqa: E731
-        _, m = tr.step(tr.init_state(state, seed=0), prompts)
-        gaps[mode] = m["sampler_gap"]
-    assert gaps["replay"] <= 1e-6 and gaps["off"] > 10 * gaps["replay"] + 1e-6, gaps
+        _, got[mode] = tr.step(tr.init_state(state, seed=0), prompts)
+    off, on = got["off"], got["replay"]
+    assert on["sampler_gap"] <= 1e-6 and off["sampler_gap"] > 10 * on["sampler_gap"] + 1e-6
+    assert on["moe/kl_sampler_learner"] <= 1e-10 < off["moe/kl_sampler_learner"], (on, off)
+    assert on["moe/routing_agreement"] < 1.0 == off["moe/routing_agreement"]
+    for m in (on, off):
+        assert abs(sum(m[f"moe/load_e{j}"] for j in range(8)) - 1.0) <= 1e-6
+        assert m["moe/aux_loss"] > 0 and m["moe/z_loss"] > 0
+        assert 1.0 <= m["moe/load_max_over_mean_l0"] <= 8.0 and "moe/load_max_over_mean_l1" in m
+    seen = []
+    monkeypatch.setattr(throughput, "step_model_flops", lambda n, **kw: seen.append(n) or 1.0)
+    tr.add_throughput(dict(on), throughput.PhaseTimes({"rollout": 1.0, "learn": 1.0}))
+    assert seen == [active_params(tr.num_params, cfg)] and seen[0] < tr.num_params

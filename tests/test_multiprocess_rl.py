@@ -1,6 +1,7 @@
 """Issue 16's acceptance on two processes x 4 CPU devices through the CLI (`rljax train
 --distributed --coordinator ...`), against one process x 8 devices, for GRPO, PPO (value
-model, GAE, KL in the reward, 2 epochs x 2 minibatches with the in-graph permutation) and
+model, GAE, KL in the reward, 2 epochs x 2 minibatches with the in-graph permutation, one
+step off: ``rl.max_staleness=1``, its checkpoints holding the in-flight batch) and
 DAPO (dynamic sampling with refill rounds of different prompt widths; its per-term reward
 means, over every process's rows and every round, equal too), DAPO's policy with LoRA
 adapters (split over the mesh by the logical rules, the base frozen). GRPO is scored by a
@@ -17,7 +18,8 @@ rewards (rollout, scoring on the host, learning program):
 
 The runs are described in tests/_multiprocess.py: one pair of processes runs all three
 algorithms and both resumes. Packed rows (`rl.tokens_per_micro_batch`, GRPO with a host
-reward): 2x4 equals 1x8, and step 1 equals the padded program's on 1x8."""
+reward) of a Qwen3-MoE policy (experts over fsdp, router replay): 2x4 equals 1x8, router
+metrics too, and step 1 equals the padded program's on 1x8."""
 
 import _multiprocess as mp
 import numpy as np
@@ -37,19 +39,22 @@ def runs(tmp_path_factory):
         # A device reward: each step one program, sample -> score -> learn
         "grpo": mp.Scenario(root, "mp_grpo", 'name="grpo", group_size=4', prompts=4,
                             plots=True, reward="rljax_experiment_mp_grpo:even_reward"),
-        # 4 prompts x 4 samples, as GRPO: the same sampler programs
+        # 4 prompts x 4 samples, as GRPO: the same sampler programs; one step off
+        # (asynchronous): its checkpoints hold the in-flight batch, resumed on both
         "ppo": mp.Scenario(root, "mp_ppo", 'name="ppo", group_size=4, kl_coef=0.02, '
                            'num_epochs=2, num_minibatches=2', prompts=4,
-                           sft="SFTConfig(steps=2, batch_size=8)"),
+                           sft="SFTConfig(steps=2, batch_size=8)",
+                           sets=("rl.max_staleness=1",)),
         # With LoRA adapters on every projection (the update trains them alone): what it
         # checks of the refills is independent of which weights train, and GRPO and PPO
         # compare full-parameter updates; a scenario of its own cost the fixture ~45%.
         "dapo": mp.Scenario(root, "mp_dapo", 'name="dapo", group_size=4, max_refill_rounds=3',
                             prompts=4, resume=False, widths=True,
                             sets=("lora.rank=4", "lora.alpha=8")),
-        # Packed rows (a host reward): 12-slot rows, one a micro-batch per batch shard
+        # Packed rows (a host reward): 12-slot rows, one a micro-batch per batch shard; an
+        # MoE policy (experts over fsdp) replaying the sampler's routing
         "packed": mp.Scenario(root, "mp_packed", 'name="grpo", group_size=4', prompts=4,
-                              resume=False, sets=("rl.tokens_per_micro_batch=12",)),
+                              resume=False, sets=("rl.tokens_per_micro_batch=12",), moe=True),
     }
     mp.run_all(root, list(scenarios.values()))
     return scenarios
@@ -67,7 +72,11 @@ def test_grpo_steps_equal_one_process(runs):
 
 
 def test_ppo_steps_equal_one_process(runs):
+    """PPO one step off: 2 x 4 equals 1 x 8 (the learned batch was sampled a step
+    earlier from step 2 on, on both)."""
     mp.check_steps_equal_one_process(runs["ppo"], PPO, later=("kl_ref", "value_loss"))
+    rows = mp.rl_rows(runs["ppo"].dir("mp"))
+    assert [rows[k]["async/staleness"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0]
 
 
 def test_sft_warm_up_steps_equal_one_process(runs):
@@ -141,12 +150,20 @@ def test_lora_adapters_equal_one_process(runs):
                                    err_msg=str(p))
 
 
-def test_packed_steps_equal_one_process_and_the_padded_program(runs):
-    """The packing plan, made in the program from the masks, is the same on both processes:
-    2x4 equals 1x8; and step 1 (the same rollout) equals the padded program's."""
+MOE = ("moe/aux_loss", "moe/z_loss", "moe/load_max_over_mean")
+
+
+def test_packed_moe_steps_equal_one_process_and_the_padded_program(runs):
+    """An MoE policy with router replay, on packed rows: the packing plan (made in the
+    program from the masks) and the expert ids the sampler recorded are the same on both
+    processes, so 2x4 equals 1x8, router metrics too; and step 1 (the same rollout, the
+    same routing) equals the padded program's (router metrics aside: statistics of
+    micro-batches that packing groups otherwise)."""
     s = runs["packed"]
-    mp.check_steps_equal_one_process(s, GRPO, later=("kl_ref",))
+    mp.check_steps_equal_one_process(s, GRPO + MOE, later=("kl_ref",))
+    ref = mp.rl_rows(s.dir("ref"))[1]
+    assert ref["moe/kl_sampler_learner"] <= 1e-10 and ref["sampler_gap"] <= 1e-5, ref
     s.in_process("padded", "rl.tokens_per_micro_batch=0")
-    packed, padded = mp.rl_rows(s.dir("ref"))[1], mp.rl_rows(s.dir("padded"))[1]
+    packed, padded = ref, mp.rl_rows(s.dir("padded"))[1]
     assert 0 < packed.pop("useful_token_frac") <= 1 and "useful_token_frac" not in padded
     mp.assert_close(packed, padded, GRPO, mp.FIRST_RTOL, "packed vs padded")

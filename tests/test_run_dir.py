@@ -8,7 +8,8 @@ import math
 import pytest
 
 from rljax.run.plots import metric_series, plot_metrics
-from rljax.run.report import Progress, format_summary
+from rljax.run import run_clock
+from rljax.run.report import Progress, algorithm_label, format_summary
 from rljax.run.run_dir import RunDir, RunDirError, config_hash, config_to_dict, read_metrics
 
 
@@ -129,6 +130,20 @@ def test_plots_keep_sft_steps_apart_and_skip_timings(tmp_path):
     assert names == ["accuracy.png", "overview.png", "sft_accuracy.png", "sft_entropy.png"]
 
 
+def test_multi_turn_episode_metrics_are_plotted(tmp_path):
+    recs = [{"step": s, "phase": "rl", "env/turns": 2.0 + s, "env/tool_calls": 1.0,
+             "env/tool_s": 0.1 * s, "env/env_s": 0.01, "env/tool_tokens_mean": 12.0}
+            for s in range(1, 4)] + [{"step": 3, "phase": "eval", "eval/env/return": 0.5}]
+    names = sorted(p.name for p in plot_metrics(recs, tmp_path))
+    assert names == ["env.png", "env_time.png", "overview.png", "response_length.png"]
+    from rljax.run.plots import PANELS
+
+    belongs = {stem: fn for stem, _, fn in PANELS}
+    assert belongs["env"]("eval/env/return") and belongs["env"]("env/turns [seed 1]")
+    assert not belongs["env"]("env/tool_s") and belongs["env_time"]("env/tool_s [seed 1]")
+    assert belongs["response_length"]("env/tool_tokens_max")
+
+
 def test_progress_line():
     buf = io.StringIO()
     bar = Progress(4, ("reward", "accuracy"), stream=buf, min_interval_s=0.0, desc="rl")
@@ -153,6 +168,49 @@ def test_summary_last_line():
         format_summary(accuracy_before=0.2, accuracy_after=0.3, wall_s=-1)
 
 
+def test_summary_shows_each_line_once_and_names_the_objective():
+    from rljax.train.config import AlgorithmConfig
+
+    text = format_summary(accuracy_before=0.5, accuracy_after=0.75, wall_s=3.0, metric="reward",
+                          details={"reward after": 0.75, "algorithm": "grpo"})
+    assert text.count("reward after") == 1
+    assert "processes" not in text  # one process ran it
+    assert algorithm_label(AlgorithmConfig(name="grpo")) == "grpo"
+    label = algorithm_label(AlgorithmConfig(name="grpo", objective="my_obj:loss"))
+    assert label == "objective my_obj:loss (grpo preset's other settings)"
+
+
+class _Clock:
+    """Stands for `time` in `rljax.run.run_clock`: `perf_counter` reads `now`."""
+    now = 100.0
+
+    @classmethod
+    def perf_counter(cls):
+        return cls.now
+
+
+def test_wall_time_sums_every_process_of_a_resumed_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_clock, "time", _Clock)
+    path = tmp_path / "r"
+    with RunDir(path, Cfg()) as rd:  # the first process: 30 s, the last 10 after its last line
+        _Clock.now += 20.0
+        rd.log(1, {"loss": 1.0})
+        _Clock.now += 10.0
+    assert json.loads((path / "wall_time.json").read_text()) == {"segments_s": [30.0]}
+    _Clock.now += 500.0  # between the processes: counts for neither
+    with RunDir(path, Cfg(), resume=True) as rd:
+        assert rd.clock.segments == 2
+        _Clock.now += 5.0
+        assert rd.clock.wall_s() == 35.0
+        rd.begin()
+        rd.log(2, {"loss": 0.5})
+    assert json.loads((path / "wall_time.json").read_text()) == {"segments_s": [30.0, 5.0]}
+    text = format_summary(accuracy_before=0.5, accuracy_after=0.75, wall_s=35.0, segments=2)
+    assert "35.0 s (0m35s), the sum of the 2 processes that ran it (resumed)" in text
+    with RunDir(path, Cfg(), overwrite=True) as rd:  # a new run: counts from zero
+        assert rd.clock.segments == 1 and rd.clock.wall_s() == 0.0
+
+
 def test_non_primary_process_writes_nothing(tmp_path):
     with RunDir(tmp_path / "r", Cfg(), primary=False) as rd:
         rd.log(1, {"reward": 1.0})
@@ -172,8 +230,8 @@ def test_seeds_get_a_curve_each_and_duplicates_are_drawn_once(tmp_path):
 
     keys = sorted(k for k in series if "reward" in k)
     assert [label for _, label in _distinct(keys, series)] == [
-        "reward/accuracy [seed 0] = reward_mean [seed 0]",
-        "reward/accuracy [seed 1] = reward_mean [seed 1]"]
+        "reward/accuracy [seed 0], reward_mean [seed 0] (identical)",
+        "reward/accuracy [seed 1], reward_mean [seed 1] (identical)"]
     names = {p.name for p in plot_metrics(recs, tmp_path)}
     assert {"loss.png", "grad_norm.png", "lr.png", "clip_fraction.png"} <= names
 
@@ -245,3 +303,16 @@ def test_a_new_run_that_fails_before_logging_leaves_no_directory(tmp_path):
         raise RuntimeError("the restore failed")
     assert read_metrics(tmp_path / "logged")[0]["eval/accuracy"] == 0.5
 
+
+
+def test_orbax_reasons_keep_what_differs_and_drop_its_advice():
+    from rljax.run.checkpoint_fit import orbax_reason
+
+    err = ValueError("Requested shape: (48, 32) is not compatible with the stored shape: "
+                     "(64, 32). Truncating/padding is disabled. To enable it, set `strict="
+                     "False` in `ArrayRestoreArgs` for any array in v0 API.")
+    assert orbax_reason(err) == ("Requested shape: (48, 32) is not compatible with the "
+                                 "stored shape: (64, 32)")
+    assert orbax_reason(ValueError("tree structures do not match:\n  a: b")) == \
+        "tree structures do not match"
+    assert orbax_reason(KeyError()) == "KeyError"

@@ -112,8 +112,8 @@ def load_jsonl(path: str | os.PathLike, mapping: Mapping_ | None = None, *,
                 raise ValueError(f"{where}: not UTF-8 (byte {e.start}: {e.reason})") from None
             if not line.strip():
                 continue
-            try:
-                raw = json.loads(line)
+            try:  # without its line break: a line cut short fails at its own end, and the
+                raw = json.loads(line.rstrip("\r\n"))  # column counts within the line
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") \
                     from None

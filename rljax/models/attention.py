@@ -7,31 +7,33 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rljax.models.attention_kernels import (PrefixSegmentMask, SegmentMask, kernel_attend,
-                                            kernel_attend_prefix)
+                                            kernel_attend_prefix, scale_queries)
 from rljax.models.config import ModelConfig
 from rljax.models.layers import (RMSNorm, annotated_param, apply_rope, compute_dtype, dense,
-                                 normal_param)
+                                 matmul_precision, normal_param)
 from rljax.models.lora import adapter_arrays, make_pairs
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
 def attend(q_BxTxNxH: jax.Array, k_BxKxHxS: jax.Array, v_BxKxSxH: jax.Array,
-           allowed_BxTxS: jax.Array) -> jax.Array:
+           allowed_BxTxS: jax.Array, scale: float | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(H) + mask) v with G = N / K query heads per kv head.
 
     Vaswani et al. 2017 eq. (1); grouped-query attention, Ainslie et al. 2023. Scores
     and softmax are float32; masked slots get the most negative float32 (not -inf, so a
-    row with nothing allowed stays finite).
+    row with nothing allowed stays finite). ``scale``: what q is multiplied by (None:
+    1 / sqrt(H) in q's dtype; 1.0 for queries scaled already).
     """
     b, t, n, h = q_BxTxNxH.shape
     k = k_BxKxHxS.shape[1]
+    prec = matmul_precision(q_BxTxNxH.dtype)
     # Queries moved to [B, K, G, T, H] before both dots: with the batch and kv-head axes
     # leading on every operand XLA:CPU emits one batched dot instead of slow per-batch
     # dots (measured ~40% faster decode on the sampler benchmark model).
     q_BxKxGxTxH = q_BxTxNxH.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
-    s = jnp.einsum("bkgth,bkhs->bkgts", q_BxKxGxTxH * jnp.asarray(h**-0.5, q_BxTxNxH.dtype),
-                   k_BxKxHxS, preferred_element_type=jnp.float32)
+    s = jnp.einsum("bkgth,bkhs->bkgts", scale_queries(q_BxKxGxTxH, scale), k_BxKxHxS,
+                   preferred_element_type=jnp.float32, precision=prec)
     # The mask as an additive bias (0 or the most negative float32; adding a score to it
     # rounds back to it): XLA:CPU fuses the add into the dot, where a select was a pass.
     s = s + jnp.where(allowed_BxTxS, 0.0, _NEG)[:, None, None]
@@ -39,7 +41,7 @@ def attend(q_BxTxNxH: jax.Array, k_BxKxHxS: jax.Array, v_BxKxSxH: jax.Array,
     # is one pass over H values instead of S scores (one fusion fewer per layer and step).
     e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
     o = jnp.einsum("bkgts,bksh->bkgth", e.astype(v_BxKxSxH.dtype), v_BxKxSxH,
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=jnp.float32, precision=prec)
     o = o / jnp.sum(e, axis=-1, keepdims=True)
     return o.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
@@ -47,38 +49,39 @@ def attend(q_BxTxNxH: jax.Array, k_BxKxHxS: jax.Array, v_BxKxSxH: jax.Array,
 def attend_group_prefix(q_BxTxNxH: jax.Array, prefix_k_CxKxHxP: jax.Array,
                         prefix_v_CxKxPxH: jax.Array, prefix_valid_CxP: jax.Array,
                         k_BxKxHxS: jax.Array, v_BxKxSxH: jax.Array,
-                        allowed_BxTxS: jax.Array) -> jax.Array:
+                        allowed_BxTxS: jax.Array, scale: float | None = None) -> jax.Array:
     """`attend` over a prefix shared by consecutive rows, then each row's own slots.
 
     Rows ``c R .. c R + R - 1`` (R = B / C) continue prefix c (a sampled group's prompt):
     its keys and values are read once per prefix, never copied per row. Every query sees
     the prefix's valid slots (queries come after the prefix) and its own slots where
     ``allowed_BxTxS``; one softmax over both. Equals `attend` over the rows' concatenated
-    ``prefix + own`` keys up to float32 summation order.
+    ``prefix + own`` keys up to float32 summation order. ``scale`` as in `attend`.
     """
     b, t, n, h = q_BxTxNxH.shape
     c, k, _, p = prefix_k_CxKxHxP.shape
     g, r = n // k, b // c
-    q_BxKxGxTxH = (q_BxTxNxH * jnp.asarray(h**-0.5, q_BxTxNxH.dtype)).reshape(
+    prec = matmul_precision(q_BxTxNxH.dtype)
+    q_BxKxGxTxH = scale_queries(q_BxTxNxH, scale).reshape(
         b, t, k, g, h).transpose(0, 2, 3, 1, 4)
     s_own = jnp.einsum("bkgth,bkhs->bkgts", q_BxKxGxTxH, k_BxKxHxS,
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=jnp.float32, precision=prec)
     s_own = s_own + jnp.where(allowed_BxTxS, 0.0, _NEG)[:, None, None]
     # The prefix dot batched over (prefix, kv head), its R rows' queries stacked: [C,K,RGT,H].
     q_CxKxQxH = q_BxKxGxTxH.reshape(c, r, k, g * t, h).transpose(0, 2, 1, 3, 4).reshape(
         c, k, r * g * t, h)
     s_pre = jnp.einsum("ckqh,ckhp->ckqp", q_CxKxQxH, prefix_k_CxKxHxP,
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=jnp.float32, precision=prec)
     s_pre = s_pre + jnp.where(prefix_valid_CxP, 0.0, _NEG)[:, None, None, :]
     s_pre = s_pre.reshape(c, k, r, g, t, p).transpose(0, 2, 1, 3, 4, 5).reshape(b, k, g, t, p)
     m = jnp.maximum(jnp.max(s_own, axis=-1, keepdims=True), jnp.max(s_pre, axis=-1, keepdims=True))
     e_own, e_pre = jnp.exp(s_own - m), jnp.exp(s_pre - m)
     o = jnp.einsum("bkgts,bksh->bkgth", e_own.astype(v_BxKxSxH.dtype), v_BxKxSxH,
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=jnp.float32, precision=prec)
     e_CxKxQxP = e_pre.reshape(c, r, k, g * t, p).transpose(0, 2, 1, 3, 4).reshape(
         c, k, r * g * t, p)
     o_pre = jnp.einsum("ckqp,ckph->ckqh", e_CxKxQxP.astype(prefix_v_CxKxPxH.dtype),
-                       prefix_v_CxKxPxH, preferred_element_type=jnp.float32)
+                       prefix_v_CxKxPxH, preferred_element_type=jnp.float32, precision=prec)
     o = o + o_pre.reshape(c, k, r, g, t, h).transpose(0, 2, 1, 3, 4, 5).reshape(b, k, g, t, h)
     o = o / (jnp.sum(e_own, axis=-1, keepdims=True) + jnp.sum(e_pre, axis=-1, keepdims=True))
     return o.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
@@ -124,12 +127,15 @@ class Attention(nnx.Module):
 
     def qkv(self, x_BxTxD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries `[B,T,N,H]`, keys and values `[B,T,K,H]` (rotated, compute dtype)."""
+        """Queries `[B,T,N,H]` (rotated, scaled by 1 / sqrt(H) in float32), keys and values
+        `[B,T,K,H]` (rotated), in the compute dtype."""
         x = x_BxTxD.astype(self.dtype)
         q, k, v = (self._project(x, name) for name in ("q", "k", "v"))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos_sin).astype(self.dtype)
+        # Scaled by 1 / sqrt(H) in float32, before the cast: 128**-0.5 is not a power of
+        # two, and q * scale rounded in bfloat16 adds a second rounding to every query.
+        q = (apply_rope(q, cos_sin) * q.shape[-1] ** -0.5).astype(self.dtype)
         k = apply_rope(k, cos_sin).astype(self.dtype)
         return q, k, v.astype(self.dtype)
 
@@ -167,14 +173,14 @@ class Attention(nnx.Module):
             keys = jax.lax.dynamic_update_slice(ck, k_BxKxHxT.astype(ck.dtype), (0, 0, 0, slot))
             values = jax.lax.dynamic_update_slice(cv, v_BxKxTxH.astype(cv.dtype), (0, 0, slot, 0))
         if group_prefix is not None:
-            o = attend_group_prefix(q, *group_prefix, keys, values, allowed_BxTxS)
+            o = attend_group_prefix(q, *group_prefix, keys, values, allowed_BxTxS, scale=1.0)
         elif isinstance(allowed_BxTxS, SegmentMask):
-            o = kernel_attend(self.attention, q, k, v, allowed_BxTxS.segment_ids_BxT)
+            o = kernel_attend(self.attention, q, k, v, allowed_BxTxS.segment_ids_BxT, scale=1.0)
         elif isinstance(allowed_BxTxS, PrefixSegmentMask):
             o = kernel_attend_prefix(self.attention, q, keys.transpose(0, 3, 1, 2),
-                                     values.transpose(0, 2, 1, 3), allowed_BxTxS)
+                                     values.transpose(0, 2, 1, 3), allowed_BxTxS, scale=1.0)
         else:
-            o = attend(q, keys, values, allowed_BxTxS)
+            o = attend(q, keys, values, allowed_BxTxS, scale=1.0)
         # (n, h) contracted as one flattened axis (`dense`): contracting both made
         # XLA:CPU copy the weight and transpose the activations in every decode step.
         out = dense(o.astype(self.dtype), self.o[...].astype(self.dtype), contract=2,

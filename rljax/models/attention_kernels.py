@@ -155,7 +155,8 @@ def pad_axis(x, axis, t_to, value=0):
 
 
 def splash_attend(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
-                  segment_ids_BxT: jax.Array, *, interpret: bool | None = None) -> jax.Array:
+                  segment_ids_BxT: jax.Array, *, interpret: bool | None = None,
+                  scale: float | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(H) + causal segment mask) v with JAX's Pallas splash kernel.
 
     Same math as `attend` on rows that are not padding (Vaswani et al. 2017 eq. (1), GQA
@@ -163,23 +164,26 @@ def splash_attend(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Arr
     padded (`padded_length`) with isolated padding slots, then cut back.
     interpret: run the kernel in Pallas interpret mode (plain XLA ops; slow, any backend);
     None means interpret unless the program is traced for TPU (the mesh's devices, else the
-    default backend). Returns `[B, T, N, H]` in q's dtype.
+    default backend). scale: what q is multiplied by (None: 1 / sqrt(H) in q's dtype; 1.0
+    for queries scaled already, as `Attention.qkv` returns them). Returns `[B, T, N, H]`
+    in q's dtype.
     """
     t = q_BxTxNxH.shape[1]
     tp = padded_length(t)
     seg = _isolate_padding(pad_axis(jnp.asarray(segment_ids_BxT, jnp.int32), 1, tp, -1))
-    return _splash_run(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, seg, seg, interpret)
+    return _splash_run(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, seg, seg, interpret, scale)
 
 
 def splash_attend_prefix(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
                          segment_ids_BxT: jax.Array, prefix_segment_ids_BxP: jax.Array, *,
-                         interpret: bool | None = None) -> jax.Array:
+                         interpret: bool | None = None, scale: float | None = None,
+                         ) -> jax.Array:
     """`splash_attend` for T new queries against a prefix of P keys and the T new keys.
 
     k/v hold S = P + T positions: the prefix (e.g. a shared prompt's keys) first, then the
     new tokens'; the mask is `PrefixSegmentMask`'s (padding isolated as in `splash_attend`).
-    The prefix and T are each padded (`padded_length`). Returns `[B, T, N, H]` in
-    q's dtype.
+    The prefix and T are each padded (`padded_length`); ``scale`` as in `splash_attend`.
+    Returns `[B, T, N, H]` in q's dtype.
     """
     t, p = q_BxTxNxH.shape[1], prefix_segment_ids_BxP.shape[1]
     if k_BxSxKxH.shape[1] != p + t:
@@ -192,18 +196,17 @@ def splash_attend_prefix(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: 
     seg_kv = _isolate_padding(seg_kv)
     k, v = (jnp.concatenate([pad_axis(x[:, :p], 1, pp), pad_axis(x[:, p:], 1, tp)], axis=1)
             for x in (k_BxSxKxH, v_BxSxKxH))
-    return _splash_run(q_BxTxNxH, k, v, seg_kv[:, pp:], seg_kv, interpret)
+    return _splash_run(q_BxTxNxH, k, v, seg_kv[:, pp:], seg_kv, interpret, scale)
 
 
-def _splash_run(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxTp, kv_seg_BxS, interpret):
+def _splash_run(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxTp, kv_seg_BxS, interpret, scale):
     """The kernel on q padded to `q_seg`'s length and k/v padded to `kv_seg`'s (the queries
     are the last of the kv positions); `[B, T, N, H]` cut back to q's T."""
     b, t, n, h = q_BxTxNxH.shape
     tp, s = q_seg_BxTp.shape[1], kv_seg_BxS.shape[1]
     if interpret is None:
         interpret = not _traced_for_tpu()
-    q = pad_axis((q_BxTxNxH * jnp.asarray(h**-0.5, q_BxTxNxH.dtype)).transpose(0, 2, 1, 3),
-                  2, tp)  # splash does not scale
+    q = pad_axis(scale_queries(q_BxTxNxH, scale).transpose(0, 2, 1, 3), 2, tp)  # splash does not scale
     k, v = (pad_axis(x.transpose(0, 2, 1, 3), 2, s) for x in (k_BxSxKxH, v_BxSxKxH))
 
     def per_device(q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg, kv_seg):
@@ -215,14 +218,22 @@ def _splash_run(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_seg_BxTp, kv_seg_BxS, interpr
     return o_BxNxTxH[:, :, :t].transpose(0, 2, 1, 3)
 
 
+def scale_queries(q: jax.Array, scale: float | None) -> jax.Array:
+    """``q * scale`` in q's dtype (``None``: 1 / sqrt(H)); ``q`` itself for scale 1.0
+    (queries already scaled in float32, as `rljax.models.attention.Attention.qkv`
+    returns them)."""
+    return q if scale == 1.0 else q * jnp.asarray(
+        q.shape[-1] ** -0.5 if scale is None else scale, q.dtype)
+
+
 def cudnn_attend(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
-                 segment_ids_BxT: jax.Array) -> jax.Array:
+                 segment_ids_BxT: jax.Array, scale: float | None = None) -> jax.Array:
     """The same attention with cuDNN flash attention (`jax.nn.dot_product_attention`).
 
     GPU only, float16 / bfloat16 inputs; GQA is native. cuDNN's sequence-length arguments
     describe right padding only, so the segment mask goes in as a boolean `[B, 1, T, T]`
     mask (cuDNN turns it into a bias shared by all heads: T^2 per sequence, not N T^2)
-    with `is_causal=True`. Returns `[B, T, N, H]`.
+    with `is_causal=True`; ``scale`` as in `splash_attend`. Returns `[B, T, N, H]`.
     """
     if jax.default_backend() != "gpu":
         raise ValueError(
@@ -232,26 +243,28 @@ def cudnn_attend(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Arra
     seg = _isolate_padding(segment_ids_BxT)
     allowed_Bx1xTxT = (seg[:, :, None] == seg[:, None, :])[:, None]
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
-                                        mask=allowed_Bx1xTxT, is_causal=True,
+                                        mask=allowed_Bx1xTxT, is_causal=True, scale=scale,
                                         implementation="cudnn")
 
 
 def kernel_attend(implementation: str, q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array,
-                  v_BxTxKxH: jax.Array, segment_ids_BxT: jax.Array) -> jax.Array:
+                  v_BxTxKxH: jax.Array, segment_ids_BxT: jax.Array,
+                  scale: float | None = None) -> jax.Array:
     """`splash_attend` or `cudnn_attend`, by `ModelConfig.attention`."""
     if implementation == "splash":
-        return splash_attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
+        return splash_attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, scale=scale)
     if implementation == "cudnn":
-        return cudnn_attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
+        return cudnn_attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, scale)
     raise ValueError(f"kernel_attend: implementation={implementation!r}; allowed: "
                      "'splash', 'cudnn'")
 
 
 def kernel_attend_prefix(implementation: str, q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,
-                         v_BxSxKxH: jax.Array, mask: PrefixSegmentMask) -> jax.Array:
+                         v_BxSxKxH: jax.Array, mask: PrefixSegmentMask,
+                         scale: float | None = None) -> jax.Array:
     """`splash_attend_prefix` by `ModelConfig.attention` (only 'splash' has one here)."""
     if implementation == "splash":
         return splash_attend_prefix(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask.segment_ids_BxT,
-                                    mask.prefix_segment_ids_BxP)
+                                    mask.prefix_segment_ids_BxP, scale=scale)
     raise ValueError(f"kernel_attend_prefix: implementation={implementation!r}; allowed: "
                      "'splash' (a cuDNN prefix path is not built; use 'xla')")

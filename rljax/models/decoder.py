@@ -15,7 +15,7 @@ from rljax.models.embedding import lookup
 from rljax.models.kv_cache import KVCache, init_kv_cache
 from rljax.models.layers import MLP, RMSNorm, compute_dtype, normal_param, rope_cos_sin
 from rljax.models.lora import lora_rngs
-from rljax.models.moe import MoeMLP, RouterRecord
+from rljax.models.moe import MoeMLP, RouterRecord, join_records
 from rljax.models.scanned import (effective_remat, remat_policy, scan_apply, scan_apply_indexed,
                                   stacked)
 from rljax.sharding import constrain_logical
@@ -202,6 +202,16 @@ class Decoder(nnx.Module):
                               input_ids_BxT: ArrayLike, mask_BxT: ArrayLike, *,
                               remat: bool = False, replay_ids_LxBxSxK: ArrayLike | None = None,
                               ) -> tuple[jax.Array, jax.Array]:
+        """`routed_grouped_hidden_states` without the router record."""
+        return self.routed_grouped_hidden_states(
+            prompt_NxP, prompt_mask_NxP, input_ids_BxT, mask_BxT, remat=remat,
+            replay_ids_LxBxSxK=replay_ids_LxBxSxK)[:2]
+
+    def routed_grouped_hidden_states(self, prompt_NxP: ArrayLike, prompt_mask_NxP: ArrayLike,
+                                     input_ids_BxT: ArrayLike, mask_BxT: ArrayLike, *,
+                                     remat: bool = False,
+                                     replay_ids_LxBxSxK: ArrayLike | None = None,
+                                     ) -> tuple[jax.Array, jax.Array, RouterRecord | None]:
         """`hidden_states` of ``concat(prompt_n, row_b)`` with each prompt computed once.
 
         Rows ``n G .. n G + G - 1`` (G = B / N) follow prompt n (`rljax.models.grouped`).
@@ -214,6 +224,9 @@ class Decoder(nnx.Module):
         ``replay_ids_LxBxSxK``: router replay ids in the columns of ``concat(prompt, row)``
         (``S >= P + T``; `rljax.sampling.SampleResult.expert_ids`): each group's first row
         gives its prompt's, every row its own columns ``P .. P + T - 1``.
+        Also returns the MoE layers' `RouterRecord` (None for a dense model) over the
+        real tokens, each prompt's counted once per row that reads it
+        (`rljax.models.moe.join_records`), as in `routed_hidden_states` of the rows.
         """
         pids, ids = jnp.asarray(prompt_NxP), jnp.asarray(input_ids_BxT)
         g = grouped.check_groups(pids, prompt_mask_NxP, ids, mask_BxT)
@@ -235,13 +248,19 @@ class Decoder(nnx.Module):
 
         def body(layer, xs, rep):
             (xp, xc), (rp, rc) = xs, rep or (None, None)
-            xp, (kp, vp), _ = layer(xp, cs_p, allowed_p, replay_ids_BxTxK=rp)
+            xp, (kp, vp), rec_p = layer(xp, cs_p, allowed_p, mask_BxT=pm, replay_ids_BxTxK=rp)
             prefix = (grouped.repeat_rows(kp, g // k), grouped.repeat_rows(vp, g // k))
-            return (xp, layer(xc, cs_c, allowed_c, prefix_kv=prefix, replay_ids_BxTxK=rc)[0]), None
+            xc, _, rec_c = layer(xc, cs_c, allowed_c, prefix_kv=prefix, mask_BxT=cm,
+                                 replay_ids_BxTxK=rc)
+            if rec_p is None:
+                return (xp, xc), None
+            ids_BxSxK = jnp.concatenate(
+                [grouped.repeat_rows(rec_p.ids_BxTxK, g // k), rec_c.ids_BxTxK], axis=1)
+            return (xp, xc), join_records(rec_p, rec_c, g // k, ids_BxSxK)
 
-        (xp, xc), _ = self._apply_layers(body, (self._embed(pids), self._embed(ids)),
-                                         effective_remat(c.remat, remat), replay)
-        return self.final_norm(xp)[::k], self.final_norm(xc)
+        (xp, xc), recs = self._apply_layers(body, (self._embed(pids), self._embed(ids)),
+                                            effective_remat(c.remat, remat), replay)
+        return self.final_norm(xp)[::k], self.final_norm(xc), recs
 
     def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
         """Output projection of hidden states `[..., D]` to float32 logits `[..., V]`."""

@@ -48,6 +48,15 @@ def compute_dtype(config: ModelConfig) -> DTypeLike:
     return jnp.bfloat16 if config.compute_dtype == "bfloat16" else jnp.float32
 
 
+def matmul_precision(dtype: DTypeLike) -> jax.lax.Precision:
+    """The matmul precision of a dtype path, set explicitly: float32 operands (the parity
+    path) at HIGHEST, so a TPU runs them in float32 instead of its default bf16 passes;
+    bfloat16 operands (the compute path) at DEFAULT, one bf16 pass with float32
+    accumulation (what they hold already)."""
+    return (jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32
+            else jax.lax.Precision.DEFAULT)
+
+
 # The decoder's parameters that every forward casts to the compute dtype right before its
 # matmul (attention q / k / v / o, MLP gate / up / down, an untied lm_head). Norm scales,
 # biases and the embedding table (looked up in float32) are used as stored.
@@ -152,7 +161,7 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1,
         raise ValueError(f"dense: x{tuple(x.shape)}'s last {contract} axes do not match "
                          f"w{tuple(w.shape)}'s first {contract}")
     n = int(np.prod(k))
-    y = jnp.dot(x.reshape(-1, n), w.reshape(n, -1),
+    y = jnp.dot(x.reshape(-1, n), w.reshape(n, -1), precision=matmul_precision(x.dtype),
                 preferred_element_type=preferred_element_type)
     if adapter is not None:
         a, b, scale = adapter

@@ -249,6 +249,19 @@ def _moe_local(moe: MoeConfig, dtype, x_BxTxD, mask_BxT, replay_BxTxK, router_Dx
     return out.reshape(b, t, d), rec.ids_BxTxK, stats
 
 
+def join_records(prompt: RouterRecord, rows: RouterRecord, copies: int,
+                 ids_BxTxK: jax.Array) -> RouterRecord:
+    """One record of a shared-prompt forward (`Decoder.grouped_hidden_states`): each
+    prompt's statistics count for the ``copies`` rows that read it, as in a forward of
+    the concatenated rows; ``ids_BxTxK``: the rows' ids over prompt and own columns."""
+    stat = lambda p, r: p * copies + r
+    return RouterRecord(ids_BxTxK=ids_BxTxK, load_E=stat(prompt.load_E, rows.load_E),
+                        agree=stat(prompt.agree, rows.agree),
+                        prob_sum_E=stat(prompt.prob_sum_E, rows.prob_sum_E),
+                        z_sum=stat(prompt.z_sum, rows.z_sum),
+                        tokens=stat(prompt.tokens, rows.tokens))
+
+
 def aux_loss(rec: RouterRecord) -> jax.Array:
     """Switch-Transformer load-balance loss (Fedus et al. 2021, eq. 4-6) per MoE layer,
     averaged over layers: ``E sum_e f_e P_e`` with f_e the routed choices per token and
@@ -320,6 +333,6 @@ def compact_ids(ids: jax.Array, num_experts: int) -> jax.Array:
 
 
 __all__ = ["EXPERT_IN_AXES", "EXPERT_OUT_AXES", "MoeMLP", "RouterRecord", "active_params",
-           "aux_loss",
-           "compact_ids", "experts_ragged", "experts_tiled", "mismatch_kl", "record", "resolve_impl",
-           "route", "router_loss", "router_metrics", "tile_rows", "z_loss"]
+           "aux_loss", "compact_ids", "experts_ragged", "experts_tiled", "join_records",
+           "mismatch_kl", "record", "resolve_impl", "route", "router_loss", "router_metrics",
+           "tile_rows", "z_loss"]

@@ -23,7 +23,8 @@ from rljax.objectives.advantages import (
 )
 from rljax.objectives.aggregation import AGGREGATIONS, aggregate, masked_mean_pair
 from rljax.objectives.batch import DIFFERENTIABLE_FIELDS, Coef, ObjectiveBatch
-from rljax.objectives.correction import (IS_LEVELS, IS_MODES, mask_truncated_completions,
+from rljax.objectives.correction import (IS_LEVELS, IS_MODES, behaviour_gap,
+                                         mask_truncated_completions,
                                          sampler_correction)
 from rljax.objectives.distill import distill, distill_advantages
 from rljax.objectives.entropy_control import (COV_RULES, cov_selection, ppo_clipped_tokens,
@@ -86,6 +87,7 @@ __all__ = [
     "reinforce",
     "rloo_advantages",
     "sampler_correction",
+    "behaviour_gap",
     "sapo",
     "sapo_objective",
     "token_covariance",

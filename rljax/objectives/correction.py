@@ -126,3 +126,28 @@ def mask_truncated_completions(mask_BxT: Array, truncated_B: Array) -> Array:
     check_ndim("truncated_B", truncated_B, 1, "[B]")
     keep_B = jnp.asarray(truncated_B, jnp.float32) <= 0
     return jnp.where(keep_B[:, None], jnp.asarray(mask_BxT, jnp.float32), 0.0)
+
+
+def behaviour_gap(logp_BxT: Array, sampler_logp_BxT: Array, mask_BxT: Array) -> Metrics:
+    """How far the learner's policy is from the one that drew the tokens (the behaviour
+    policy, the sampler's log-probs), as metric pairs over real tokens. On a batch's
+    first update the learner's policy is the proximal one (the weights before the
+    update): in a synchronous step the gap is the sampler's numerics; in an asynchronous
+    one (``RLConfig.max_staleness``) it is the policy lag too. With log rho_t =
+    logp_t - sampler_logp_t (stop-gradient):
+
+      sampler_gap:   mean |log rho_t|                        (sum, count)
+      mismatch_kl:   KL(pi_behaviour || pi) per token, k3: rho - 1 - log rho (sum, count)
+      is_weight_max / is_weight_min: max / min of rho_t      (value, count): combined by
+                     max / min, not summed (``rljax.train.learn.update.accumulate``)
+    """
+    m = jnp.asarray(mask_BxT, jnp.float32) > 0
+    log_rho = jnp.where(m, sg(jnp.asarray(logp_BxT, jnp.float32))
+                        - jnp.asarray(sampler_logp_BxT, jnp.float32), 0.0)
+    rho = jnp.exp(log_rho)
+    n = m.sum().astype(jnp.float32)
+    k3 = kl_estimate(jnp.zeros_like(log_rho), log_rho, "k3")
+    return {"sampler_gap": (jnp.where(m, jnp.abs(log_rho), 0.0).sum(), n),
+            "mismatch_kl": (jnp.where(m, k3, 0.0).sum(), n),
+            "is_weight_max": (jnp.max(jnp.where(m, rho, 0.0)), n),
+            "is_weight_min": (jnp.min(jnp.where(m, rho, jnp.inf)), n)}

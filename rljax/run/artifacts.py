@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import tempfile
@@ -38,6 +39,7 @@ from rljax.models.hf_io import (from_pretrained, special_token_ids, state_getter
 from rljax.models.peft_io import merged_getter, write_peft
 from rljax.models.tokenizer import (build_char_tokenizer, encode_prompts, load_tokenizer,
                                     stop_token_ids)
+from rljax.rewards.device import is_device_reward
 from rljax.run.builders import build_model, build_reward, build_task, model_prompt
 from rljax.run.environment import episode_eval
 from rljax.run.lora_runs import restore_lora_policy, saved_target
@@ -53,7 +55,13 @@ from rljax.train.config import SamplingConfig
 from rljax.train.sources.evaluate import evaluate
 from rljax.train.sources.host import Rollouts
 
-__all__ = ["evaluate_source", "export_hf", "is_run_dir", "load_policy", "sample_texts"]
+__all__ = ["PASS_THRESHOLD", "evaluate_source", "export_hf", "is_run_dir", "load_policy",
+           "sample_texts"]
+
+#: `rljax eval`'s default pass mark for a reward without a verifier: a sampled completion
+#: passes pass@k when its reward is >= 0.5 (the midpoint of the usual 0-1 reward; also
+#: the default pass mark of `rljax.rewards.Verified` and of the difficulty tracker).
+PASS_THRESHOLD = 0.5
 
 
 def is_run_dir(path: str | os.PathLike) -> bool:
@@ -287,27 +295,33 @@ def _decode(tokenizer, res, stops: tuple) -> list[str]:
 def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None,
                     overrides: Sequence[str] = (), num_prompts: int | None = None, k: int = 1,
                     step: int | None = None, batch_size: int = 64,
-                    run_seed: int | None = None) -> dict[str, Any]:
-    """Held-out greedy accuracy and pass@k of the policy of `source` on its task, and
-    "verifier": the name of the check that computed them. An environment run's
-    (`ExperimentConfig.env`) are its episodes' returns instead
+                    run_seed: int | None = None,
+                    pass_threshold: float | None = None) -> dict[str, Any]:
+    """Held-out results of the policy of `source` on its task: greedy accuracy and pass@k
+    with a verifier, and "verifier": the name of the check that computed them. A reward
+    without a verifier (a custom reward, a reward model) is scored itself: the greedy
+    "reward_mean", and pass@k where a completion passes when its reward is `>=
+    pass_threshold` (default `PASS_THRESHOLD`; "pass_threshold" and "reward" name them).
+    An environment run's (`ExperimentConfig.env`) are its episodes' returns instead
     (`rljax.run.environment.episode_eval`).
 
-    The task and verifier come from the run's config (or `experiment`, required for a
-    model folder), with `overrides`. Greedy accuracy: one temperature-0 completion per
-    prompt. pass@k: k completions per prompt at `sampling.temperature`; a prompt passes
-    when any is verified correct (Chen et al. 2021's estimator with n = k samples), and
-    `sample_accuracy` is the mean over all k x prompts samples. `run_seed` picks a seed of
-    a several-seed run (default its first, `run.seed`): its own held-out prompts. The
+    The task and reward come from the run's config (or `experiment`, required for a
+    model folder), with `overrides` (e.g. `task.eval_split=FILE`: another held-out file).
+    Greedy: one temperature-0 completion per prompt. pass@k: k completions per prompt at
+    `sampling.temperature`; a prompt passes when any passes (Chen et al. 2021's estimator
+    with n = k samples), and `sample_accuracy` (`sample_pass`, `sample_reward_mean`
+    without a verifier) is the mean over all k x prompts samples. `run_seed` picks a seed
+    of a several-seed run (default its first, `run.seed`): its own held-out prompts. The
     scoring is the one held-out evaluator's (`rljax.train.sources.evaluate`) on a host
-    source with the run's verifier (its reward pool and time limit when it has workers).
+    source with the run's verifier or reward (its reward pool and time limit when it has
+    workers).
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
     model, tokenizer, run_cfg = load_policy(source, step=step, run_seed=run_seed)
     if experiment is None and run_cfg is None:
         raise ValueError("eval of a model folder needs --experiment EXP to name the task and "
-                         "its verifier (a run directory carries its own)")
+                         "its reward (a run directory carries its own)")
     cfg = (apply_overrides(run_cfg, overrides) if experiment is None
            else load_experiment(experiment, overrides))
     task = build_task(cfg, tokenizer)
@@ -316,21 +330,53 @@ def evaluate_source(source: str | pathlib.Path, *, experiment: str | None = None
         raise ValueError(f"num_prompts must be in 1..{len(task.eval_prompts)} "
                          f"(rl.eval_prompts), got {num_prompts!r}")
     if cfg.env is not None:  # an environment run: episodes, their returns
+        if pass_threshold is not None:
+            raise ValueError(f"--pass-threshold {pass_threshold}: an environment run's eval "
+                             "reports its sampled episodes' mean and best return "
+                             "(sample_reward_mean, best@k_reward_mean), no pass@k")
         return episode_eval(cfg, model, tokenizer, task, n, k)
-    _, accuracy_fn = build_reward(cfg, task)
-    if accuracy_fn is None:
-        raise ValueError(f"{source}: its reward ({cfg.reward.function}) has no verifier (the "
-                         "prompts have no reference answer), so there is no accuracy to "
-                         "measure; the run's held-out reward means are in eval_before.json "
-                         "and eval_after.json")
+    reward_fns, accuracy_fn = build_reward(cfg, task)
+    threshold = _pass_threshold(cfg, reward_fns, accuracy_fn, pass_threshold)
     graphdef, params = nnx.split(model)
     pool = shared_reward_pool(cfg.reward.workers) if cfg.reward.workers else None
-    source = Rollouts(graphdef, tokenizer, lambda c, m: np.zeros(len(c), np.float32),
-                      accuracy_fn=accuracy_fn, sampling=cfg.sampling,
-                      prompt_len=cfg.task.max_prompt_tokens, group_size=1,
-                      reward_pool=pool, reward_timeout_s=cfg.reward.timeout_s)
+    scored = reward_fns if accuracy_fn is None else (
+        lambda c, m: np.zeros(len(c), np.float32))  # the verifier alone is reported
+    source = Rollouts(graphdef, tokenizer, scored, accuracy_fn=accuracy_fn,
+                      sampling=cfg.sampling, prompt_len=cfg.task.max_prompt_tokens,
+                      group_size=1, reward_pool=pool, reward_timeout_s=cfg.reward.timeout_s)
     res = evaluate(source, params, task.eval_prompts[:n], task.eval_metadata[:n],
-                   batch_size=batch_size, k=k, seed=cfg.run.seed)
-    return {"n": n, "k": k, "seed": cfg.run.seed, "verifier": getattr(accuracy_fn, "name", None),
-            "accuracy": res["accuracy"], f"pass@{k}": res[f"pass@{k}"],
-            "sample_accuracy": res["sample_accuracy"], "temperature": cfg.sampling.temperature}
+                   batch_size=batch_size, k=k, seed=cfg.run.seed, threshold=threshold)
+    head = {"n": n, "k": k, "seed": cfg.run.seed}
+    temp = {"temperature": cfg.sampling.temperature}
+    if accuracy_fn is not None:
+        return {**head, "verifier": getattr(accuracy_fn, "name", None),
+                **_picked(res, "accuracy", f"pass@{k}", "sample_accuracy"), **temp}
+    return {**head, "verifier": None, "reward": cfg.reward.function or cfg.reward.kind,
+            "pass_threshold": threshold,
+            **_picked(res, "reward_mean", f"pass@{k}", "sample_pass", "sample_reward_mean"),
+            **temp}
+
+
+def _picked(res: dict, *names: str) -> dict:
+    return {name: res[name] for name in names}
+
+
+def _pass_threshold(cfg, reward_fns, accuracy_fn, given: float | None) -> float | None:
+    """The reward a sampled completion needs to pass: None with a verifier (it decides;
+    giving one then is a ValueError), else `given` (a finite number) or `PASS_THRESHOLD`."""
+    if accuracy_fn is not None:
+        if given is not None:
+            raise ValueError(f"--pass-threshold {given}: this run's reward has a verifier "
+                             f"({getattr(accuracy_fn, 'name', accuracy_fn)}), which decides "
+                             "what passes; the threshold is for a reward without one")
+        return None
+    if is_device_reward(reward_fns):
+        raise ValueError(f"eval: the reward {cfg.reward.function} is a JAX device reward "
+                         "without a verifier; rljax eval scores host rewards (a batch or "
+                         "item function, a reward model) or a verifier; its held-out reward "
+                         "means are in the run's eval_before.json and eval_after.json")
+    threshold = PASS_THRESHOLD if given is None else given
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not \
+            math.isfinite(threshold):
+        raise ValueError(f"--pass-threshold must be a finite number, got {given!r}")
+    return float(threshold)

@@ -212,6 +212,11 @@ class ExperimentConfig:
         check_bool(c, "scan_layers", self.scan_layers)
         check_choice(c, "remat", self.remat, REMAT_POLICIES)
         check_str(c, "recipe", self.recipe, optional=True)
+        if self.run.seeds > 1 and self.rl.max_staleness:
+            fail(c, "rl.max_staleness", self.rl.max_staleness,
+                 f"0 with run.seeds={self.run.seeds}: several seeds learn in one vmapped "
+                 "program, with no per-seed in-flight batch (or run.seeds=1 for an "
+                 "asynchronous run)")
         _check_answers(self.task, self.reward)
 
     @property

@@ -3,16 +3,19 @@
 `plot_metrics(records, out_dir)` takes the per-step dicts of `metrics.jsonl` and draws one
 PNG per family of metrics that is present — reward, accuracy, loss, gradient norm,
 learning rate, clip fraction, KL, entropy, response length, zero-variance group fraction,
-throughput — plus `overview.png` with all of them. A metric belongs to a family by its name
-(e.g. `reward_mean`, `eval/accuracy`, `loss`, `grad_norm`, `lr`, `clip_frac_high`,
-`kl_ref`, `response_length_mean`, `zero_variance_fraction`, `rollout_tokens_per_s`);
+throughput, a multi-turn run's episode metrics and their seconds — plus `overview.png`
+with all of them. A metric belongs to a family by its name (e.g. `reward_mean`,
+`eval/accuracy`, `loss`, `grad_norm`, `lr`, `clip_frac_high`, `kl_ref`,
+`response_length_mean`, `zero_variance_fraction`, `rollout_tokens_per_s`, `env/turns`,
+`env/tool_s`; `env/tool_tokens_mean` is a length);
 timings (`time_*`) belong to none. Metrics that appear on only some steps (evaluations)
 are drawn at the steps where they exist. Records of a phase that counts its own steps (the
 SFT warm-up, `phase: "sft"`) get panels of their own (`sft_accuracy.png`, ...), so its
 steps never share an axis with the RL steps. Records with a `seed` field (a several-seed
 run, `rljax.run.seed_runs`) give one curve per seed (`reward_mean [seed 1]`). A curve
 equal to another in its panel at every step (`reward/accuracy` and `reward_mean` with one
-reward term) is drawn once, labelled with both names.
+reward term) is drawn once, labelled with both names (`reward/accuracy, reward_mean
+(identical)`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,14 @@ def _has(*words: str) -> Callable[[str], bool]:
     return lambda key: any(p.search(key) for p in pats)
 
 
+_ENV = re.compile(r"(^|/)env/")  # multi-turn episode metrics (rljax.envs), eval/env/... too
+_ENV_SECONDS = re.compile(r"(^|/)env/\w+_s\b")  # env/env_s, env/tool_s
+
+
+def _env_counts(key: str) -> bool:
+    return bool(_ENV.search(key)) and not _ENV_SECONDS.search(key) and "tool_tokens" not in key
+
+
 # (file stem, title, which metric names belong to it). Order = overview order.
 PANELS: tuple[tuple[str, str, Callable[[str], bool]], ...] = (
     ("reward", "Reward", _has("reward", "score")),
@@ -43,9 +54,12 @@ PANELS: tuple[tuple[str, str, Callable[[str], bool]], ...] = (
     ("clip_fraction", "Clip fraction", _has("clip_frac")),
     ("kl", "KL", _has("kl")),
     ("entropy", "Entropy", _has("entropy")),
-    ("response_length", "Response length (tokens)", _has("response_len", "resp_len", "length", "len_")),
+    ("response_length", "Response length (tokens)",
+     _has("response_len", "resp_len", "length", "len_", "tool_tokens")),
     ("zero_variance", "Zero-variance group fraction", _has("zero_var", "zero_std", "no_signal")),
     ("throughput", "Throughput (tokens/s)", _has("tokens_per_s", "tok_per_s", "tok_s", "tok/s", "throughput")),
+    ("env", "Environment (per episode)", _env_counts),
+    ("env_time", "Environment time (s)", lambda key: bool(_ENV_SECONDS.search(key))),
 )
 
 
@@ -93,7 +107,8 @@ def _panel_keys(series: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
 
 def _distinct(keys: Sequence[str], series) -> list[tuple[str, str]]:
     """`(key, label)` of the panel's curves, a curve equal to an earlier one dropped and
-    its name added to that one's label (duplicates would hide each other)."""
+    its name added to that one's label, `"a, b (identical)"` (duplicates would hide each
+    other; `a = b` read as an equation between the metrics)."""
     kept: list[tuple[str, list[str]]] = []
     for key in keys:
         same = next((names for k, names in kept if series[k] == series[key]), None)
@@ -101,7 +116,8 @@ def _distinct(keys: Sequence[str], series) -> list[tuple[str, str]]:
             kept.append((key, [key]))
         else:
             same.append(key)
-    return [(k, " = ".join(names)) for k, names in kept]
+    return [(k, names[0] if len(names) == 1 else ", ".join(names) + " (identical)")
+            for k, names in kept]
 
 
 def _panels(records: Sequence[dict[str, Any]], step_key: str):

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["Progress", "format_summary", "result_line"]
+__all__ = ["Progress", "algorithm_label", "format_summary", "result_line"]
 
 
 def _fmt(value: Any) -> str:
@@ -82,17 +82,35 @@ def result_line(values: dict[str, float]) -> str:
     return "RESULT " + " ".join(f"{k}={float(v):.6g}" for k, v in values.items())
 
 
+def algorithm_label(algorithm) -> str:
+    """How a summary names an `AlgorithmConfig`: its preset, and the user objective that
+    replaced the preset's (`algorithm.objective`, an import path) when there is one."""
+    if algorithm.objective is None:
+        return algorithm.name
+    return f"objective {algorithm.objective} ({algorithm.name} preset's other settings)"
+
+
+def _wall_line(wall_s: float, segments: int) -> str:
+    text = f"{wall_s:.1f} s ({_fmt_time(wall_s)})"
+    if segments > 1:
+        text += f", the sum of the {segments} processes that ran it (resumed)"
+    return f"  wall time       : {text}"
+
+
 def format_summary(*, accuracy_before: float, accuracy_after: float, wall_s: float,
                    run_dir: str | pathlib.Path | None = None, title: str = "rljax run",
                    details: dict[str, Any] | None = None, metric: str = "accuracy",
-                   measured_by: str | None = None) -> str:
+                   measured_by: str | None = None, segments: int = 1) -> str:
     """The end-of-run screen; its last line is `RESULT accuracy_before=.. accuracy_after=.. wall_s=..`.
 
     Accuracies are fractions in [0, 1] (ValueError otherwise). `details` are extra lines
-    (e.g. tokens/s, steps) shown above the RESULT line. `metric="reward"`: the two values
-    are held-out reward means (a run whose reward has no verifier), any finite numbers,
-    and the last line is `RESULT reward_before=.. reward_after=.. wall_s=..`.
-    `measured_by` names the function that computed them (shown beside them).
+    (e.g. tokens/s, steps) shown above the RESULT line; one whose label the screen already
+    shows (`reward after` of a run whose headline is the reward) is not repeated.
+    `metric="reward"`: the two values are held-out reward means (a run whose reward has
+    no verifier), any finite numbers, and the last line is `RESULT reward_before=..
+    reward_after=.. wall_s=..`. `measured_by` names the function that computed them (shown
+    beside them). `wall_s` of a resumed run is the sum over the `segments` processes that
+    ran it (`rljax.run.run_clock`), which the wall-time line states.
     """
     if metric not in ("accuracy", "reward"):
         raise ValueError(f"metric must be 'accuracy' or 'reward', got {metric!r}")
@@ -110,9 +128,11 @@ def format_summary(*, accuracy_before: float, accuracy_after: float, wall_s: flo
     gain = accuracy_after - accuracy_before
     lines += [f"  {metric + ' before':<16}: {accuracy_before:.4f}",
               f"  {metric + ' after':<16}: {accuracy_after:.4f}  ({gain:+.4f})",
-              f"  wall time       : {wall_s:.1f} s ({_fmt_time(wall_s)})"]
+              _wall_line(wall_s, segments)]
+    shown = {metric + " by", metric + " before", metric + " after", "wall time"}
     for key, value in (details or {}).items():
-        lines.append(f"  {key:<16}: {_fmt(value)}")
+        if key not in shown:
+            lines.append(f"  {key:<16}: {_fmt(value)}")
     if run_dir is not None:
         lines.append(f"  run directory   : {run_dir}")
     lines.append(rule)

@@ -9,6 +9,8 @@ Layout of `RunDir(path, config)`:
     path/checkpoints/       orbax checkpoints (see `rljax.train.checkpoint`)
     path/plots/*.png        `RunDir.plot()` (see `rljax.run.plots`)
     path/<name>.json        evaluation results and other records (`write_json`)
+    path/wall_time.json     the seconds of each process that ran the run
+                            (`rljax.run.run_clock`; `RunDir.clock.wall_s()` sums them)
 
 A directory that already holds a run is refused unless `resume=True` (continue it; the
 config may differ, e.g. more steps, and the fields that differ are named) or
@@ -47,6 +49,8 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from rljax.run import plots as _plots
+from rljax.run.checkpoint_fit import orbax_reason, shape_changes
+from rljax.run.run_clock import RunClock
 from rljax.run.run_lock import LOCK_FILE, RunLock, RunLockedError
 from rljax.run.run_writers import (METRICS_FILE, BucketLines, TensorBoardRuns, is_local,
                                    read_metrics, run_path)
@@ -114,6 +118,9 @@ class RunDir:
         rule and write nothing (module docstring). On several processes all of them wait
         here for process 0's verdict: an `overwrite` has cleared the directory before any
         process goes on, and a refusal stops every process.
+
+    `clock` (`rljax.run.run_clock.RunClock`) is the run's wall time over every process
+    that ran it; each metrics line and `close()` record this process's share.
     """
 
     def __init__(self, path: str | pathlib.Path, config: Any, *, resume: bool | str = False,
@@ -136,6 +143,7 @@ class RunDir:
         self._writers = (tensorboard, wandb_project)
         if not primary:
             self.resumed = bool(resume)
+            self.clock = RunClock(self.path, False)  # never recorded: process 0's is
             self._metrics = open(os.devnull, "a", encoding="utf-8")
             if not _primary_verdict(True):
                 raise RunDirError(f"process 0 refused the run directory {self.path} "
@@ -147,6 +155,7 @@ class RunDir:
             self._unlock()
             _primary_verdict(False)  # the other processes stop too, instead of hanging
             raise
+        self.clock = RunClock(self.path, self.resumed)
         _primary_verdict(True)  # after any overwrite: the directory is clear for all
         if not self.resumed:
             self.begin()
@@ -224,7 +233,12 @@ class RunDir:
 
     def restore(self, ck, fresh) -> tuple:
         """`ck.restore(fresh)` for a resume: a checkpoint that does not fit `fresh` (this
-        config's state) raises `mismatch`'s error, before anything is written."""
+        config's state) raises `mismatch`'s error, before anything is written; one whose
+        arrays' shapes differ from `fresh`'s before anything is read
+        (`rljax.run.checkpoint_fit`)."""
+        changed = shape_changes(ck, fresh)
+        if changed:
+            raise self.mismatch(ValueError("; ".join(changed)))
         try:
             return ck.restore(fresh)
         except (ValueError, KeyError, TypeError) as e:
@@ -232,12 +246,12 @@ class RunDir:
 
     def mismatch(self, err: BaseException) -> RunDirError:
         """The error of a resume whose checkpoint does not fit this config (`err`, e.g.
-        orbax's shape error), naming the config fields that differ."""
+        orbax's shape error, without orbax's advice on its own arguments), naming the
+        config fields that differ."""
         fields = "; ".join(self.changed) if self.changed else "no config field differs"
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return RunDirError(f"run.resume: the checkpoint in {self.checkpoint_dir} does not fit "
-                           f"this config (changed: {fields}): {first}. Nothing was written; "
-                           "undo the change, or start a new run.dir")
+                           f"this config (changed: {fields}): {orbax_reason(err)}. Nothing "
+                           "was written; undo the change, or start a new run.dir")
 
     def _unlock(self) -> None:
         if self._lock is not None:
@@ -288,6 +302,8 @@ class RunDir:
                   **{str(k): jsonable(v) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(record, sort_keys=False) + "\n")
         self._metrics.flush()
+        if self.primary:
+            self.clock.record()
         seed = record.get(_plots.SEED_KEY)
         scalars = {(k if "/" in k else f"{phase}/{k}"): v for k, v in record.items()
                    if k not in ("step", _plots.SEED_KEY)
@@ -347,6 +363,8 @@ class RunDir:
             if d.name.endswith("checkpoints") and d.is_dir() for p in d.iterdir())
         if self._metrics is not None and not self._metrics.closed:
             self._metrics.close()
+            if self.primary:
+                self.clock.record()
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import sys
-import time
 from typing import TextIO
 
 import jax
@@ -48,7 +47,7 @@ from rljax.run.experiment import ExperimentConfig
 from rljax.run.lora_runs import base_model, lora_checkpoints
 from rljax.run.loop import Seeds, rl_loop
 from rljax.run.preemption import StopSignal
-from rljax.run.report import Progress, format_summary
+from rljax.run.report import Progress, algorithm_label, format_summary
 from rljax.run.run_dir import RunDir, is_local
 from rljax.run.run_writers import write_folder
 from rljax.run.seed_runs import SeedsResult, run_seeds
@@ -56,6 +55,7 @@ from rljax.run.startup import startup_summary
 from rljax.run.teacher import load_teacher
 from rljax.run.warmup_stop import WarmupStop
 from rljax.sharding import shard_params
+from rljax.train.async_driver import inflight_meta, inflight_target
 from rljax.train.checkpoint import Checkpointer
 from rljax.train.rl import RLTrainer
 from rljax.train.sft import SFTTrainer
@@ -172,8 +172,11 @@ def _evaluate(trainer, params, task, rd, name: str, step: int) -> dict:
 
 
 def _meta(cfg, rd, state, phase: str, acc_before: float) -> dict:
-    return {"phase": phase, "config_hash": rd.config_hash, "data_pos": int(state.data_pos),
+    meta = {"phase": phase, "config_hash": rd.config_hash, "data_pos": int(state.data_pos),
             "accuracy_before": acc_before, "seed": cfg.run.seed}
+    if state.inflight:  # an asynchronous run's batches in flight: a resume's target
+        meta["inflight"] = inflight_meta(state)
+    return meta
 
 
 def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunResult:
@@ -188,7 +191,6 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
         res = run_seeds(cfg, out=out)
         return RunResult(res.result["accuracy_before"], res.result["accuracy_after"],
                          res.wall_s, res.run_dir, cfg.rl.steps, res.summary, seeds=res)
-    t0 = time.perf_counter()
     primary = jax.process_index() == 0
     if not primary:
         out = _Silent()
@@ -213,7 +215,7 @@ def run_experiment(cfg: ExperimentConfig, *, out: TextIO | None = None) -> RunRe
                 warm.close()
         if cfg.run.plots:
             rd.plot()
-    return _finish(cfg, rd, acc_before, after, t0, out, verifier)
+    return _finish(cfg, rd, acc_before, after, out, verifier)
 
 
 def _train(cfg, rd, ck, mesh, warm, stop, out):
@@ -265,6 +267,9 @@ def _start(cfg, rd, ck, trainer, graphdef, params, value_params, task, tokenizer
     """Restore the latest checkpoint (resume) or warm up, evaluate and build a fresh state."""
     if cfg.run.resume and ck.latest_step() is not None:
         fresh = trainer.init_state(params, seed=cfg.run.seed, value_params=value_params)
+        saved = ck.read_meta().get("inflight")
+        if saved:  # the in-flight batches' arrays, shaped as their record says
+            fresh = dataclasses.replace(fresh, inflight=inflight_target(saved, mesh))
         state, meta = rd.restore(ck, fresh)
         rd.begin()
         rd.truncate_metrics(int(meta["step"]))
@@ -302,21 +307,21 @@ def _one(step_out: tuple) -> tuple:
     return state, [metrics]
 
 
-def _finish(cfg, rd, acc_before, after: dict, t0: float, out, verifier=None) -> RunResult:
-    wall = time.perf_counter() - t0
+def _finish(cfg, rd, acc_before, after: dict, out, verifier=None) -> RunResult:
+    wall = rd.clock.wall_s()  # a resumed run's: every process's
     acc_after = _headline(after)
     metric = "accuracy" if "accuracy" in after else "reward"
     scored = (f"{cfg.env.env} episode return" if cfg.env is not None
               else cfg.reward.function or cfg.reward.kind)
     by = verifier if metric == "accuracy" else f"{scored} (held-out mean; no verifier)"
     rows = [r for r in rd.metrics() if r.get("phase") == "rl" and "rollout_tok_s" in r]
-    details = {"experiment": cfg.name, "algorithm": cfg.algorithm.name,
+    details = {"experiment": cfg.name, "algorithm": algorithm_label(cfg.algorithm),
                "RL steps": cfg.rl.steps, "reward after": after.get("reward_mean", float("nan"))}
     if rows:
         details["rollout tok/s"] = sum(r["rollout_tok_s"] for r in rows) / len(rows)
     text = format_summary(accuracy_before=acc_before, accuracy_after=acc_after, wall_s=wall,
                           run_dir=rd.path, title=f"rljax: {cfg.name}", details=details,
-                          metric=metric, measured_by=by)
+                          metric=metric, measured_by=by, segments=rd.clock.segments)
     print(text, file=out if out is not None else sys.stdout, flush=True)
     return RunResult(acc_before, acc_after, wall, str(rd.path), cfg.rl.steps, text)
 

@@ -40,7 +40,7 @@ from rljax.run.experiment import ExperimentConfig
 from rljax.run.lora_runs import base_model, lora_checkpoints
 from rljax.run.loop import Seeds, rl_loop
 from rljax.run.preemption import StopSignal
-from rljax.run.report import Progress, format_summary, result_line
+from rljax.run.report import Progress, algorithm_label, format_summary, result_line
 from rljax.run.run_dir import RunDir
 from rljax.run.startup import startup_summary
 from rljax.run.warmup_stop import WarmupStop
@@ -122,7 +122,7 @@ def run_seeds(cfg: ExperimentConfig, *, out: TextIO | None = None) -> SeedsResul
             after = run.evaluate(state.params["policy"], "eval_after")
             ck.save(cfg.rl.steps, state, run.meta("done", before), force=True)  # rl.steps 0
             run.compiled.update(run.rl.compiled())
-    res = _finish(cfg, rd, seeds, before, after, t0, rl_s, run.compiled, run.phases, out)
+    res = _finish(cfg, rd, seeds, before, after, rl_s, run.compiled, run.phases, out)
     return dataclasses.replace(res, warm_state=warm_state)
 
 
@@ -274,11 +274,12 @@ class _SeedRun:
         return res
 
 
-def _finish(cfg, rd, seeds, before, after, t0, rl_s, compiled, phases, out) -> SeedsResult:
-    wall = time.perf_counter() - t0
+def _finish(cfg, rd, seeds, before, after, rl_s, compiled, phases, out) -> SeedsResult:
+    wall = rd.clock.wall_s()  # a resumed run's: every process's
     acc_b = tuple(float(b.get("accuracy", 0.0)) for b in before)
     acc_a = tuple(float(a.get("accuracy", 0.0)) for a in after)
-    details = {"experiment": cfg.name, "algorithm": cfg.algorithm.name, "seeds": len(seeds),
+    details = {"experiment": cfg.name, "algorithm": algorithm_label(cfg.algorithm),
+               "seeds": len(seeds),
                "RL steps": cfg.rl.steps,
                "phases (s)": ", ".join(f"{k} {v:.1f}" for k, v in phases.items())}
     for s, b, a in zip(seeds, acc_b, acc_a):
@@ -288,7 +289,7 @@ def _finish(cfg, rd, seeds, before, after, t0, rl_s, compiled, phases, out) -> S
     text = format_summary(accuracy_before=float(np.mean(acc_b)),
                           accuracy_after=float(np.mean(acc_a)), wall_s=wall, run_dir=rd.path,
                           title=f"rljax: {cfg.name} ({len(seeds)} seeds, one program)",
-                          details=details)
+                          details=details, segments=rd.clock.segments)
     text = text.rsplit("\n", 1)[0] + "\n" + result_line(res.result)
     print(text, file=out if out is not None else sys.stdout, flush=True)
     return dataclasses.replace(res, summary=text)

@@ -72,7 +72,7 @@ from rljax.sharding import (BATCH_AXES, inference_shardings, logical_sharding, m
                             mesh_of)
 
 __all__ = ["DecodeSpec", "DecodeState", "compiled_count", "inference_layout", "plan_phases",
-           "sample_arrays"]
+           "sample_arrays", "sampler_weights"]
 
 # Logical axes of the vocab-major output weight ``W_VxD`` (``rljax.sampling.head``).
 HEAD_AXES = ("vocab", "embed")
@@ -335,27 +335,31 @@ def run(graphdef: nnx.GraphDef, params: nnx.State, prompts: PackedPrompts, spec:
         key: jax.Array, mesh: Mesh | None = None, config: ModelConfig | None = None,
         ) -> SampleResult:
     """Prefill + decode left-padded prompts; see ``rljax.sampling.generate`` for the API.
-
-    config: the model's config, to build its vocab-major output weight once for both
-    programs (``rljax.sampling.head``) and cast the matmul weights to its compute dtype;
-    without it each program builds the weight inside. On a mesh the parameters are copied
-    to the inference layout first (module docstring), and the output weight is built from
-    that copy.
-    """
+    ``config``: the model's config (the weights' preparation, :func:`sampler_weights`)."""
     mesh = mesh_of(params) if mesh is None else mesh
     host = (prompts.tokens_BxP, prompts.mask_BxP, prompts.positions_BxP)
-    cast = (lambda p: p) if config is None else (
-        lambda p: cast_matmul_weights(p, compute_dtype(config)))
     if mesh is not None:
         host = tuple(
             jax.device_put(x, logical_sharding(("batch", None), x.shape, mesh)) for x in host
         )
-        params, _ = inference_layout(cast(params), None, mesh, place=jax.device_put)
-    head_VxD = None if config is None else state_vocab_major_weight(params, config)
-    params = cast(params)  # (a no-op on a mesh) the programs receive the cast copy
+    params, head_VxD = sampler_weights(params, config, mesh)
     index_R = _prompt_index(len(prompts.lengths_B), spec.num_samples, mesh)
     with mesh_context(mesh):  # prefill's attention kernels run per chip (rljax.sharding)
         return sample_arrays(graphdef, params, *host, spec, key, mesh, head_VxD, index_R)
+
+
+def sampler_weights(params: nnx.State, config: ModelConfig | None, mesh: Mesh | None):
+    """The weights the sampler's programs read, ``(params, head_VxD)``: the matmul weights
+    cast to the config's compute dtype, on a mesh copied to the inference layout (module
+    docstring), and the vocab-major output weight built once from them (None without a
+    config: each program builds it inside). Every sampler entry (``run``, the multi-turn
+    rollouts' turn programs) prepares its weights here."""
+    cast = (lambda p: p) if config is None else (
+        lambda p: cast_matmul_weights(p, compute_dtype(config)))
+    if mesh is not None:
+        params, _ = inference_layout(cast(params), None, mesh, place=jax.device_put)
+    head_VxD = None if config is None else state_vocab_major_weight(params, config)
+    return cast(params), head_VxD  # (a no-op cast on a mesh) the programs get the copy
 
 
 def sample_arrays(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxP, mask_BxP,

@@ -34,6 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from rljax.models.moe import compact_ids
 from rljax.sampling.head import vocab_major_head
 from rljax.sampling.ops import SamplingParams
 from rljax.sampling.sampler import constrain, constrain_cache, constrain_rows, decode_model
@@ -83,6 +84,10 @@ class TurnState:
     draw. window_RxL: the turn's last tokens (stop sequences; -2 before the turn's first).
     tokens_RxT / logp_RxT / loss_RxT: the completion: ids, the sampler's log-probs
     (0 at observation tokens) and the loss mask (1 at the tokens the model drew).
+    experts_RxLxSxK: an MoE model's expert ids (`rljax.models.moe.compact_ids`) of every
+    position fed, prompt, drawn tokens and observations, in the columns of
+    ``concat(prompt, completion)`` (``S = P + T``), -1 where nothing was fed (router
+    replay, as `rljax.sampling.SampleResult.expert_ids`); None for a dense model.
     """
 
     cache: object
@@ -100,6 +105,37 @@ class TurnState:
     tokens_RxT: jax.Array
     logp_RxT: jax.Array
     loss_RxT: jax.Array
+    experts_RxLxSxK: jax.Array | None = None
+
+
+def _rows(s: TurnState, mesh) -> TurnState:
+    """`constrain_rows`, with the expert ids split over the batch axes too."""
+    s = constrain_rows(s, mesh)
+    if s.experts_RxLxSxK is None:
+        return s
+    return dataclasses.replace(s, experts_RxLxSxK=constrain(
+        s.experts_RxLxSxK, mesh, ("batch", None, None, None)))
+
+
+def _put_experts(s: TurnState, routed_LxRxWxK, col_RxW, fed_RxW) -> TurnState:
+    """The fed positions' expert ids written at their columns of ``concat(prompt,
+    completion)`` (``col_RxW``; only where ``fed_RxW``)."""
+    buf = s.experts_RxLxSxK
+    if routed_LxRxWxK is None:
+        return s
+    col = jnp.where(fed_RxW, col_RxW, buf.shape[2])  # out of range: dropped
+    ids = jnp.swapaxes(routed_LxRxWxK, 0, 1).astype(buf.dtype)
+    put = jax.vmap(lambda b_LxSxK, c_W, v_LxWxK: b_LxSxK.at[:, c_W].set(v_LxWxK, mode="drop"))
+    return dataclasses.replace(s, experts_RxLxSxK=put(buf, col, ids))
+
+
+def _expert_buffer(config, routed_LxRxPxK, width: int):
+    """``[R, L_moe, width, k]`` of -1 in the compact id dtype; None for a dense model."""
+    if routed_LxRxPxK is None:
+        return None
+    l, r, _, k = routed_LxRxPxK.shape
+    return jnp.full((r, l, width, k), -1, compact_ids(routed_LxRxPxK[:0],
+                                                      config.moe.num_experts).dtype)
 
 
 def _stop_hit(spec: TurnSpec, tok_R, window_RxL):
@@ -145,7 +181,12 @@ def _begin_turn(s: TurnState, spec: TurnSpec, mesh, logits_VxR, budget_R) -> Tur
                             active_R=(budget_R > 0) & (s.cursor_R < t),
                             window_RxL=jnp.full_like(s.window_RxL, -2))
     tok, _, slp = sample_tokens_sharded(_step_key(s), logits_VxR, spec.params, mesh)
-    return constrain_rows(_record(s, spec, tok, slp), mesh)
+    return _rows(_record(s, spec, tok, slp), mesh)
+
+
+def _prompt_width(s: TurnState, spec: TurnSpec) -> int:
+    """``P``: the expert-id columns before the completion's (0 for a dense model)."""
+    return 0 if s.experts_RxLxSxK is None else s.experts_RxLxSxK.shape[2] - spec.completion_len
 
 
 def _step_key(s: TurnState):
@@ -162,7 +203,8 @@ def start(graphdef, spec: TurnSpec, mesh, params, head_VxD, prompt_RxP, mask_RxP
     mask_RxP = jnp.asarray(mask_RxP, bool)
     cache = constrain_cache(model.init_cache(r, spec.cache_len), mesh)
     pos_RxP = jnp.maximum(jnp.cumsum(mask_RxP, axis=1, dtype=jnp.int32) - 1, 0)
-    h_RxPxD, cache = model.forward_cached(prompt_RxP, pos_RxP, mask_RxP, cache, 0)
+    h_RxPxD, cache, routed = model.forward_cached_routed(prompt_RxP, pos_RxP, mask_RxP,
+                                                         cache, 0)
     width = max([len(q) for q in spec.stop_seqs] + [1])
     zeros = jnp.zeros((r,), jnp.int32)
     s = TurnState(cache=cache, key=key, slot=jnp.int32(p), turn=jnp.int32(0), step=jnp.int32(0),
@@ -170,7 +212,9 @@ def start(graphdef, spec: TurnSpec, mesh, params, head_VxD, prompt_RxP, mask_RxP
                   cursor_R=zeros, turn_start_R=zeros, active_R=jnp.zeros((r,), bool),
                   budget_R=zeros, window_RxL=jnp.full((r, width), -2, jnp.int32),
                   tokens_RxT=jnp.full((r, t), spec.pad_id, jnp.int32),
-                  logp_RxT=jnp.zeros((r, t), jnp.float32), loss_RxT=jnp.zeros((r, t), jnp.float32))
+                  logp_RxT=jnp.zeros((r, t), jnp.float32), loss_RxT=jnp.zeros((r, t), jnp.float32),
+                  experts_RxLxSxK=_expert_buffer(model.config, routed, p + t))
+    s = _put_experts(s, routed, jnp.broadcast_to(jnp.arange(p), (r, p)), mask_RxP)
     logits_VxR = vocab_major_head(model, head_VxD)(h_RxPxD[:, -1])
     return _begin_turn(s, spec, mesh, logits_VxR, budget_R)
 
@@ -192,7 +236,10 @@ def observe(graphdef, spec: TurnSpec, mesh, params, head_VxD, s: TurnState, obs_
     ids = jnp.where(k_RxW1 == 0, s.pending_R[:, None], obs_at).astype(jnp.int32)
     mask = (k_RxW1 >= 0) & cont_R[:, None]
     pos = s.pos_R[:, None] + jnp.maximum(k_RxW1, 0)
-    h_RxWxD, cache = model.forward_cached(ids, pos, mask, s.cache, s.slot)
+    h_RxWxD, cache, routed = model.forward_cached_routed(ids, pos, mask, s.cache, s.slot)
+    # Item k (the pending token is item 0) sits at completion column cursor - 1 + k.
+    s = _put_experts(s, routed, _prompt_width(s, spec) + s.cursor_R[:, None] - 1 + k_RxW1,
+                     mask)
     # The observation into the completion at the cursor: column c holds obs item c - cursor.
     c_RxT = jnp.arange(t)[None] - s.cursor_R[:, None]
     put = (c_RxT >= 0) & (c_RxT < len_R[:, None])
@@ -215,14 +262,17 @@ def decode_turn(graphdef, spec: TurnSpec, mesh, params, head_VxD, s: TurnState):
     head = vocab_major_head(model, head_VxD)
 
     def body(s):
-        h_Rx1xD, cache = model.forward_cached(s.pending_R[:, None], s.pos_R[:, None],
-                                              s.active_R[:, None], s.cache, s.slot)
+        h_Rx1xD, cache, routed = model.forward_cached_routed(
+            s.pending_R[:, None], s.pos_R[:, None], s.active_R[:, None], s.cache, s.slot)
+        # The pending token was drawn into completion column cursor - 1.
+        s = _put_experts(s, routed, _prompt_width(s, spec) + s.cursor_R[:, None] - 1,
+                         s.active_R[:, None])
         s = dataclasses.replace(s, cache=cache, slot=s.slot + 1, step=s.step + 1)
         tok, _, slp = sample_tokens_sharded(_step_key(s), head(h_Rx1xD[:, 0]), spec.params, mesh)
-        return constrain_rows(_record(s, spec, tok, slp), mesh)
+        return _rows(_record(s, spec, tok, slp), mesh)
 
     s = jax.lax.while_loop(lambda s: jnp.any(s.active_R) & (s.slot < spec.cache_len), body,
-                           constrain_rows(s, mesh))
+                           _rows(s, mesh))
     s = dataclasses.replace(s, active_R=jnp.zeros_like(s.active_R))
     n, t = spec.turn_tokens, spec.completion_len
     len_R = s.cursor_R - s.turn_start_R

@@ -24,8 +24,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["DCN_PREFIX", "KINDS", "Collective", "Loop", "activation_rows", "group_axes", "parse_collectives",
-           "shapes_bytes"]
+__all__ = ["DCN_PREFIX", "KINDS", "Collective", "Instruction", "Loop", "activation_rows",
+           "group_axes", "module_index", "parse_collectives", "shapes_bytes",
+           "walk_instructions"]
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 #: XLA:TPU's collectives between slices (over DCN): host-transfer sends that the megascale
@@ -243,29 +244,47 @@ def _unpad(name: str, defs: dict) -> str:
     return args[0] if args else name
 
 
-def parse_collectives(hlo: str) -> list[Collective]:
-    """Every collective of an HLO module's text (``compiled.as_text()``), with its loops.
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction met on a walk of a module's call graph (:func:`walk_instructions`).
 
-    Walks the call graph from the entry computation; a while body inherits its loop
-    (``known_trip_count`` from the while's backend config, else derived from its
-    condition and counter: XLA:TPU drops the config), every other callee (calls,
-    async computations, conditionals) its caller's loops. Async pairs are reported at
-    their ``-start`` with the ``-done``'s result shapes.
-    """
+    name, rtype (its result type text), op, rest (the text after ``op(``) and line as
+    printed; loops: the while loops around it, outermost first; fused: inside a fusion's
+    computation (its memory traffic is the fusion instruction's)."""
+
+    name: str
+    rtype: str
+    op: str
+    rest: str
+    line: str
+    loops: tuple[Loop, ...]
+    fused: bool
+
+
+def module_index(hlo: str) -> tuple[dict, str, dict]:
+    """``(computations, entry, defs)``: each computation's instruction lines, the entry's
+    name, and every instruction's ``(result type, op, rest)`` by name."""
     comps, entry = _computations(hlo)
-    shapes, done_of, defs = {}, {}, {}
+    defs = {}
     for lines in comps.values():
         for line in lines:
             m = _INSTR.match(line)
             if m:
-                shapes[m.group(1)] = m.group(2)
-                defs[m.group(1)] = (m.group(3), m.group(4))
-                if m.group(3).endswith("-done"):
-                    done_of[m.group(4).split(")")[0].strip().lstrip("%")] = m.group(2)
-    out: list[Collective] = []
+                defs[m.group(1)] = (m.group(2), m.group(3), m.group(4))
+    return comps, entry, defs
+
+
+def walk_instructions(hlo: str, unknown_trip=None):
+    """Every instruction reachable from the entry computation, with its loops (yields
+    :class:`Instruction`). A while body inherits its loop (``known_trip_count``, else
+    derived from its condition and counter: XLA:TPU drops the config, else
+    ``unknown_trip(while_name, loops_around)`` when given, else None); every other
+    callee (calls, fusions, async computations, conditionals) its caller's loops."""
+    comps, entry, defs = module_index(hlo)
+    ops = {k: (v[1], v[2]) for k, v in defs.items()}
     seen: set = set()
 
-    def walk(comp: str, loops: tuple[Loop, ...]):
+    def walk(comp: str, loops: tuple[Loop, ...], fused: bool):
         if (comp, loops) in seen or comp not in comps:
             return
         seen.add((comp, loops))
@@ -274,34 +293,52 @@ def parse_collectives(hlo: str) -> list[Collective]:
             if m is None:
                 continue
             name, rtype, op, rest = m.groups()
-            base = op[:-6] if op.endswith("-start") else op
-            if base in KINDS and not op.endswith("-done"):
-                args = _args(rest)
-                operands = tuple(s for a in args for s in _shapes(shapes.get(a, "")))
-                unpadded = tuple(s for a in args for s in _shapes(shapes.get(_unpad(a, defs), "")))
-                result = _shapes(done_of.get(name, rtype)) if op.endswith("-start") else (
-                    _shapes(rtype))
-                out.append(Collective(base, name, operands, result, _groups(rest), loops,
-                                      _op_name(line), unpadded))
-            dcn = _DCN_TYPE.search(line) if op == "send" else None
-            if dcn:
-                sent = _shapes(rtype)[:1]  # (data, context, token): the data
-                kind = DCN_PREFIX + dcn.group(1).lower().replace("_", "-")
-                out.append(Collective(kind, name, sent, sent, ((),), loops, _op_name(line),
-                                      sent))
+            yield Instruction(name, rtype, op, rest, line, loops, fused)
             if op == "while":
                 trip = _TRIP.search(line)
                 body = re.search(r"body=%?([\w.\-]+)", line).group(1)
                 cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
                 n = int(trip.group(1)) if trip else _derived_trip(
-                    comps.get(cond, []), comps.get(body, []), _args(rest)[0], defs)
-                walk(body, loops + (Loop(name, n, _op_name(line)),))
+                    comps.get(cond, []), comps.get(body, []), _args(rest)[0], ops)
+                if n is None and unknown_trip is not None:
+                    n = unknown_trip(name, loops)
+                yield from walk(body, loops + (Loop(name, n, _op_name(line)),), fused)
                 continue
             for callees in _CALLEES.findall(rest):
                 for callee in callees.split(","):
-                    walk(callee.strip().lstrip("%"), loops)
+                    yield from walk(callee.strip().lstrip("%"), loops, fused or op == "fusion")
 
-    walk(entry, ())
+    yield from walk(entry, (), False)
+
+
+def parse_collectives(hlo: str) -> list[Collective]:
+    """Every collective of an HLO module's text (``compiled.as_text()``), with its loops
+    (:func:`walk_instructions`). Async pairs are reported at their ``-start`` with the
+    ``-done``'s result shapes."""
+    _, _, defs = module_index(hlo)
+    shapes = {k: v[0] for k, v in defs.items()}
+    unpad_defs = {k: (v[1], v[2]) for k, v in defs.items()}
+    done_of = {v[2].split(")")[0].strip().lstrip("%"): v[0] for v in defs.values()
+               if v[1].endswith("-done")}
+    out: list[Collective] = []
+    for ins in walk_instructions(hlo):
+        name, rtype, op, rest, loops = ins.name, ins.rtype, ins.op, ins.rest, ins.loops
+        base = op[:-6] if op.endswith("-start") else op
+        if base in KINDS and not op.endswith("-done"):
+            args = _args(rest)
+            operands = tuple(s for a in args for s in _shapes(shapes.get(a, "")))
+            unpadded = tuple(s for a in args
+                             for s in _shapes(shapes.get(_unpad(a, unpad_defs), "")))
+            result = _shapes(done_of.get(name, rtype)) if op.endswith("-start") else (
+                _shapes(rtype))
+            out.append(Collective(base, name, operands, result, _groups(rest), loops,
+                                  _op_name(ins.line), unpadded))
+        dcn = _DCN_TYPE.search(ins.line) if op == "send" else None
+        if dcn:
+            sent = _shapes(rtype)[:1]  # (data, context, token): the data
+            kind = DCN_PREFIX + dcn.group(1).lower().replace("_", "-")
+            out.append(Collective(kind, name, sent, sent, ((),), loops, _op_name(ins.line),
+                                  sent))
     return out
 
 

@@ -17,7 +17,8 @@ own rows' environments, ``rljax.train.hosts.own_rows``):
    are prefilled, written into the completion with loss mask 0);
 3. the completion (model turns and observations), its masks, the sampler's log-probs
    (0 at observation tokens) and the episode returns become a ``Rollout`` with
-   ``loss_mask_BxT`` set.
+   ``loss_mask_BxT`` set (and, for an MoE policy, the expert ids of every position fed:
+   prompt, drawn tokens and observations, for router replay).
 
 Token in, token out: the completion holds the ids the sampler drew and the ids
 ``EnvBatch`` returned (``encode`` of each observation, once), never a re-tokenised text.
@@ -35,12 +36,10 @@ import numpy as np
 
 from rljax.envs import EnvBatch, EnvLimits
 from rljax.envs.protocol import check_return_mode
-from rljax.models.layers import cast_matmul_weights, compute_dtype
 from rljax.sampling.generate import config_of
-from rljax.sampling.head import state_vocab_major_weight
 from rljax.sampling.ops import SamplingParams
 from rljax.sampling.prompts import bucket_length
-from rljax.sampling.sampler import inference_layout
+from rljax.sampling.sampler import sampler_weights
 from rljax.sampling.turns import (TurnSpec, cache_slots, decode_turn, observe, start,
                                   turn_flags)
 from rljax.sharding import mesh_context, mesh_of
@@ -218,11 +217,14 @@ class MultiTurnRollouts:
         return np.minimum(envs.remaining_tokens_B(), n).astype(np.int32)
 
     def sample(self, params, source: PromptSource, pos: int, n_prompts: int, key, *,
-               greedy: bool = False, group_size: int | None = None) -> MultiTurnOutput:
+               greedy: bool = False, group_size: int | None = None,
+               dispatched: Callable | None = None) -> MultiTurnOutput:
         """Episodes of prompts ``pos .. pos + n_prompts`` (``source(start, n) -> (prompts,
         metadata)``; each row's environment is reset with its metadata, with
         ``"prompt"`` set to the prompt where the metadata has none), ``group_size``
-        (default: the trainer's) rows each; ``greedy``: temperature 0."""
+        (default: the trainer's) rows each; ``greedy``: temperature 0. ``dispatched()``
+        runs once the first turn's programs are dispatched, before the host waits for
+        them (what the caller queued behind them runs while the environments step)."""
         g = self.group_size if group_size is None else group_size
         b = n_prompts * g
         lo, hi = hosts.own_groups(b, g, self.mesh)
@@ -244,11 +246,8 @@ class MultiTurnRollouts:
         spec = self.spec(tok_BxP.shape[1], greedy)
         glob = functools.partial(hosts.to_global, n_rows=b, mesh=self.mesh)
         mesh = mesh_of(params) if self.mesh is None else self.mesh
-        config = config_of(self.gd, params)
-        params = cast_matmul_weights(params, compute_dtype(config))  # as the sampler's run
         with jax.transfer_guard("allow"):  # the inference copy of the weights (no host data)
-            params, _ = inference_layout(params, None, mesh, place=jax.device_put)
-        head = state_vocab_major_weight(params, config)
+            params, head = sampler_weights(params, config_of(self.gd, params), mesh)
         prog = (self.gd, spec, mesh, params, head)
         turns = 0
         with mesh_context(mesh):
@@ -256,6 +255,8 @@ class MultiTurnRollouts:
             while True:
                 s, turn_RxN, len_R = decode_turn(*prog, s)
                 turns += 1
+                if dispatched is not None and turns == 1:
+                    dispatched()
                 out = self._env_turn(envs, turn_RxN, len_R, lo, hi)
                 obs_len = np.array([len(x) for x in out.observation_ids], np.int32)
                 all_done, widest = hosts.turn_flags(turn_flags(glob(out.done_B),
@@ -294,7 +295,8 @@ class MultiTurnRollouts:
                                  glob(truncated), glob(rewards),
                                  glob(np.zeros(hi - lo, np.float32)),
                                  glob(np.ones(hi - lo, np.float32))),
-                     loss_mask_BxT=s.loss_RxT, group_size=g, has_correct=False)
+                     loss_mask_BxT=s.loss_RxT, expert_ids_BxLxSxK=s.experts_RxLxSxK,
+                     group_size=g, has_correct=False)
         sums = envs.metrics()
         names = sorted(sums)
         tot = hosts.gather_rows(np.asarray([[sums[k][0] for k in names] + [len(envs)]],

@@ -34,6 +34,8 @@ from rljax.train import throughput
 from rljax.train.batch import PromptSource
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling, check_packing)
+from rljax.train.config.checks import corrects_sampler
+from rljax.train.async_driver import async_step
 from rljax.train.driver import rl_step
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
@@ -43,7 +45,7 @@ from rljax.train.learn.reference import lora_base, make_reference
 from rljax.train.learn.update import (NonFiniteError, TrainState, init_opt_state, new_train_state,
                                       num_micro_batches)
 from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts
-from rljax.train.programs.paths import resolve_layout, resolve_paths
+from rljax.train.programs.paths import graph_model_config, resolve_layout, resolve_paths
 from rljax.train.programs.step import StepSpec, optimizers, schedule_updates
 from rljax.train.sources import Window
 from rljax.train.sources.device import DeviceRewardSource
@@ -54,6 +56,28 @@ from rljax.train.sources.refill import Refill
 from rljax.train.throughput import PhaseTimes
 
 __all__ = ["PhaseTimes", "PromptSource", "RLTrainer", "rl_loss"]
+
+
+def _check_async(rl: RLConfig, algorithm: AlgorithmConfig, device_reward) -> None:
+    """An asynchronous step's needs (``RLConfig.max_staleness >= 1``)."""
+    if not rl.max_staleness:
+        return
+    if device_reward is not None:
+        raise ValueError("RLConfig.max_staleness >= 1 overlaps the host's scoring with "
+                         "learning; a device reward's step is one program with no host work "
+                         "to overlap: use max_staleness=0, or a host reward")
+    if not algorithm.loss.ratio and algorithm.objective is None and not corrects_sampler(
+            algorithm):
+        raise ValueError(f"RLConfig.max_staleness={rl.max_staleness} learns from samples up "
+                         f"to {rl.max_staleness} updates old, and algorithm "
+                         f"{algorithm.name!r}'s loss (A log pi) has no importance ratio: "
+                         "set algorithm.tis_cap (the behaviour-policy correction) or use a "
+                         "clipped ratio (name='grpo', 'ppo')")
+    if algorithm.old_logp == "sampler":
+        raise ValueError("RLConfig.max_staleness >= 1 takes the ratio against the proximal "
+                         "policy (the weights before the update) and corrects the sampler's "
+                         "with tis_cap / is_mode; algorithm.old_logp='sampler' would take "
+                         "it against the stale sampler: use old_logp='auto' or 'recompute'")
 
 
 def _check_multiturn(multiturn, reward_fns, algorithm) -> None:
@@ -139,6 +163,7 @@ class RLTrainer:
         check_algorithm_sampling(algorithm, sampling, budget)
         overlong = alg.resolve_overlong_buffer(algorithm, budget)
         check_packing(rl, algorithm, self.device_reward is not None)
+        _check_async(rl, algorithm, self.device_reward)
         self.last_layout: Layout | None = None  # the latest step's (a packed one sized)
         self.num_params = 0  # the policy's parameter count (init_state): the step's FLOPs
         # What of the policy trains (every parameter, or its adapters): decided here, once.
@@ -237,12 +262,18 @@ class RLTrainer:
     # ------------------------------------------------------------------ one RL step
     def step(self, state: TrainState, source: PromptSource):
         """One RL step on prompts ``source(state.data_pos, prompts_per_step)`` (more when
-        dynamic sampling refills; ``rljax.train.driver.rl_step``). Returns ``(state,
-        metrics: dict[str, float])``."""
-        window = Window(source, int(hosts.fetch_scalars(state.data_pos)),
-                        self.rl.prompts_per_step)
-        out = rl_step(self.step_spec(state), self.source, state, window,
-                      teacher_params=self.teacher_params)
+        dynamic sampling refills; ``rljax.train.driver.rl_step``), or with
+        ``rl.max_staleness >= 1`` on the oldest in-flight batch while the next is
+        collected (``rljax.train.async_driver.async_step``). Returns ``(state, metrics:
+        dict[str, float])``."""
+        n = self.rl.prompts_per_step
+        if self.rl.max_staleness:
+            out = async_step(self.step_spec(state), self.source, state, source, n,
+                             self.rl.max_staleness, teacher_params=self.teacher_params)
+        else:
+            window = Window(source, int(hosts.fetch_scalars(state.data_pos)), n)
+            out = rl_step(self.step_spec(state), self.source, state, window,
+                          teacher_params=self.teacher_params)
         self.last_layout = out.spec.layout
         return out.state, self.finish_metrics(out.metrics, out.times, out.state.params)
 
@@ -277,13 +308,17 @@ class RLTrainer:
             self.alg.needs_value_model and self.old_mode == "self"))
             + (alg.cov_rule(self.alg) is not None) * self.alg.num_epochs)
         size = lambda t: 0 if t is None else sum(x.size for x in jax.tree.leaves(t))
+        # An MoE model computes with its active parameters (the k experts a token uses).
+        active = lambda gd, n: n if gd is None else throughput.active_count(
+            n, graph_model_config(gd))
         policy = None if params is None else params.get("policy")
         lora = policy is not None and self.trainable.adapters  # weight gradients: adapters
         flops = throughput.step_model_flops(
-            self.num_params or size(policy), gen_tokens=gen, seq_tokens=computed, extra_forwards=fwd,
-            epochs=self.alg.num_epochs, teacher_params=size(self.teacher_params),
-            prefill_tokens=prefill,
-            value_params=size(None if params is None else params.get("value")),
+            active(self.gd, self.num_params or size(policy)), gen_tokens=gen,
+            seq_tokens=computed, extra_forwards=fwd, epochs=self.alg.num_epochs,
+            teacher_params=active(self.teacher_gd, size(self.teacher_params)),
+            prefill_tokens=prefill, value_params=active(
+                self.value_gd, size(None if params is None else params.get("value"))),
             trainable_params=size(self.trainable.split(policy)[0]) if lora else None)
         chips, kind = throughput.chips_and_kind(self.mesh)
         m.update(throughput.step_throughput(

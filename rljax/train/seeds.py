@@ -83,6 +83,11 @@ class SeedRL:
                              f"{trainer.rl.tokens_per_micro_batch} packs each batch to its "
                              "own shape; several seeds share one program: use "
                              "tokens_per_micro_batch=0 (padded rows)")
+        if trainer.rl.max_staleness:
+            raise ValueError(f"SeedRL: RLConfig.max_staleness={trainer.rl.max_staleness}: "
+                             "several seeds learn in one vmapped program once every seed's "
+                             "batch is collected, so there is no per-seed in-flight batch; "
+                             "use max_staleness=0, or run each seed alone (run.seeds=1)")
         self.tr = trainer
         self._programs: set = set()  # the RL step's signatures (compiled)
         self._one = None  # one seed's parameters: the model's config and size

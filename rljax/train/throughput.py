@@ -12,8 +12,9 @@ metrics it returns:
 - ``step_tok_s`` (instead of the two above when the step is one program, with a device
   reward): generated tokens / step seconds; ``step_tok_s_per_chip`` per chip.
 - ``time_<phase>``: wall-clock seconds of each phase (rollout, reward, learn, ...).
-- ``model_flops_s``: model FLOPs of the step (``step_model_flops``) / the step's seconds,
-  over the whole mesh; ``model_flops_s_per_chip`` per chip.
+- ``model_flops_s``: model FLOPs of the step (``step_model_flops``; an MoE model counts
+  its active parameters) / the step's seconds, over the whole mesh;
+  ``model_flops_s_per_chip`` per chip.
 - ``mfu``: ``model_flops_s_per_chip`` / the chip's peak, only when the peak is known
   (``peak_flops_per_chip``: the table below, or ``RLConfig.peak_flops``). On CPU or an
   unknown accelerator there is no ``mfu``, only FLOP/s.
@@ -32,8 +33,10 @@ from typing import Mapping
 
 import jax
 
-__all__ = ["PEAK_BF16_FLOPS", "PhaseTimes", "chips_and_kind", "peak_flops_per_chip",
-           "step_model_flops", "step_throughput"]
+from rljax.models.moe import active_params
+
+__all__ = ["PEAK_BF16_FLOPS", "PhaseTimes", "active_count", "chips_and_kind",
+           "peak_flops_per_chip", "step_model_flops", "step_throughput"]
 
 
 @dataclasses.dataclass
@@ -46,8 +49,12 @@ class PhaseTimes:
         t0 = time.perf_counter()
         out = fn(*args, **kw)
         jax.block_until_ready(out)
-        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+        self.add(name, time.perf_counter() - t0)
         return out
+
+    def add(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` to phase ``name``."""
+        self.times[name] = self.times.get(name, 0.0) + seconds
 
 
 # Dense (no sparsity) bfloat16 matmul peak per chip, by `jax.Device.device_kind`, first
@@ -95,6 +102,13 @@ def chips_and_kind(mesh) -> tuple[int, str]:
     return int(mesh.devices.size), mesh.devices.flat[0].device_kind
 
 
+def active_count(num_params: int, config) -> int:
+    """The parameters a token computes with, of a model of ``num_params`` parameters and
+    ``ModelConfig`` ``config`` (`rljax.models.moe.active_params`: an MoE layer's idle
+    experts left out); ``num_params`` for a dense model or no config."""
+    return num_params if config is None else active_params(num_params, config)
+
+
 def step_model_flops(num_params: int, *, gen_tokens: float, seq_tokens: float,
                      extra_forwards: int, epochs: int, teacher_params: int = 0,
                      prefill_tokens: float = 0.0, value_params: int = 0,
@@ -121,8 +135,10 @@ def step_model_flops(num_params: int, *, gen_tokens: float, seq_tokens: float,
     distillation teacher                  2 N_teacher x ``seq_tokens``
     ====================================  ==============================================
 
-    ``seq_tokens`` are the tokens the learning program's forwards compute: with shared
-    prompts (``RLConfig.share_prompts``) each group's prompt tokens count once. An update
+    N counts the parameters a token computes with: an MoE model's active parameters
+    (``active_count``), not its idle experts. ``seq_tokens`` are the tokens the learning
+    program's forwards compute: with shared prompts (``RLConfig.share_prompts``) each
+    group's prompt tokens count once. An update
     is a forward (2N), the activations' gradients (2N) and the weights' gradients of the
     ``trainable_params`` N_train (None: all N, 6N in all); with LoRA, N counts base and
     adapters and N_train the adapters, whose frozen base forms no weight gradient.

@@ -148,6 +148,12 @@ class RLConfig:
         (``rljax.train.learn.packing``; at least one packed row per batch shard); 0: padded
         rows, ``micro_batch_size`` rows at a time. Needs a host reward and one minibatch;
         the forwards then compute every row's prompt (no ``share_prompts``).
+      max_staleness: 0 (the default): every step samples with the policy it then updates
+        (the synchronous step). k >= 1: bounded-staleness asynchronous RL
+        (``rljax.train.async_driver``): the batch a step learns from was sampled at most
+        k updates earlier, and the next batch's sampling, rewards and tools run while the
+        chips learn (docs/async.md). Needs a host source (a host reward, DAPO's refill or
+        environment episodes).
     """
 
     steps: int = 100
@@ -163,9 +169,11 @@ class RLConfig:
     share_prompts: bool | None = None
     one_pass_head: bool | None = None
     tokens_per_micro_batch: int = 0
+    max_staleness: int = 0
 
     def __post_init__(self):
         c = "RLConfig"
+        check_num(c, "max_staleness", self.max_staleness, lo=0, integer=True)
         check_num(c, "tokens_per_micro_batch", self.tokens_per_micro_batch, lo=0, integer=True)
         check_num(c, "prompts_per_step", self.prompts_per_step, lo=1, integer=True)
         check_num(c, "eval_prompts", self.eval_prompts, lo=1, integer=True)

@@ -43,10 +43,11 @@ import jax.numpy as jnp
 from rljax import objectives as obj
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn import ppo as ppo_lib
+from rljax.train.learn import router
 from rljax.train.learn.layout import frozen_logprobs
 from rljax.train.learn.reference import reference_model
 from rljax.train.learn.update import make_update
-from rljax.train.batch import Rollout
+from rljax.train.batch import REPLAY_KEY, Rollout
 
 Array = Any
 
@@ -131,6 +132,11 @@ def _minibatch_rows(key, batch_size: int, num_minibatches: int, group: int = 1) 
     return rows.reshape(num_minibatches, -1)
 
 
+#: The unpacked arrays a policy forward reads (`Rollout.seqs`; the router-replay ids too).
+SEQ_KEYS = ("prompt_BxP", "prompt_mask_BxP", "completion_BxT", "completion_mask_BxT",
+            REPLAY_KEY)
+
+
 def _cov_selector(spec) -> Callable | None:
     """``select(params, minibatch, key) -> cov_select_BxT`` for Clip-Cov / KL-Cov (None
     for the other algorithms): the current policy's log-probs over the minibatch, then
@@ -139,8 +145,7 @@ def _cov_selector(spec) -> Callable | None:
         return None
 
     def select(params, mb: dict, key) -> Array:
-        seqs = {k: v for k, v in mb.items() if k.startswith("pack_") or k in (
-            "prompt_BxP", "prompt_mask_BxP", "completion_BxT", "completion_mask_BxT")}
+        seqs = {k: v for k, v in mb.items() if k.startswith("pack_") or k in SEQ_KEYS}
         logp_BxT = _logprobs(spec, spec.policy_gd, params["policy"], seqs)
         return alg.cov_tokens(spec.alg, logp_BxT, mb, key)
 
@@ -183,8 +188,14 @@ def _updates(spec, update, params, opt_state, counters, batch, coef, key,
                                                       (rows_UxN, sel_keys_U, first_U))
     skipped_U = m_U.pop("skipped_update")
     metrics = {k: jnp.mean(v) for k, v in m_U.items()}
-    # The gap is between the sampler and the weights it sampled with: the first update.
-    metrics["sampler_gap"] = m_U["sampler_gap"][0]
+    # The gap between the behaviour policy and the weights before the updates (the
+    # proximal policy; rljax.objectives.behaviour_gap), and an MoE policy's router
+    # agreement with the sampler: the first update's.
+    first = ("sampler_gap", "mismatch_kl", "is_weight_max", "is_weight_min",
+             *router.FIRST_UPDATE)
+    for name in first:
+        if name in m_U:
+            metrics[name] = m_U[name][0]
     metrics["skipped_updates"] = jnp.sum(skipped_U)
     return params, opt_state, counters, metrics
 

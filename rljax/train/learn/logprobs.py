@@ -25,6 +25,7 @@ from flax import nnx
 
 from rljax.models.layers import compute_dtype as _compute_dtype
 from rljax.train.batch import REPLAY_KEY
+from rljax.train.learn import router
 from rljax.train.learn.linear_head import (check_chunk_args, join_chunks, linear_logprobs,
                                            split_chunks)
 
@@ -104,6 +105,8 @@ def completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT, comple
     nothing, is left out): the same values on real positions. ``replay_BxLxSxK``: the
     sampler's expert ids of an MoE model (`REPLAY_KEY`), routed by when its
     ``MoeConfig.router_replay`` is "replay" (`rljax.models.moe`), ignored otherwise.
+    An MoE decoder's router record goes to `rljax.train.learn.router.note` (kept only
+    inside the update's ``router.recording``).
     """
     (b, p), t, g = prompt_BxP.shape, completion_BxT.shape[1], group
     moe = getattr(model.config, "moe", None)
@@ -112,10 +115,12 @@ def completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT, comple
         replay = jnp.swapaxes(replay_BxLxSxK, 0, 1)
 
     def forward(ids, mask, replay_LxBxSxK):
-        if replay_LxBxSxK is None:
+        if replay_LxBxSxK is None and not router.wanted(model):
             return model.hidden_states(ids, mask_BxT=mask, remat=remat)
-        return model.routed_hidden_states(ids, mask_BxT=mask, remat=remat,
-                                          replay_ids_LxBxTxK=replay_LxBxSxK)[0]
+        h, rec = model.routed_hidden_states(ids, mask_BxT=mask, remat=remat,
+                                            replay_ids_LxBxTxK=replay_LxBxSxK)
+        router.note(rec, model.config)
+        return h
 
     if g <= 1:
         ids = jnp.concatenate([prompt_BxP, completion_BxT], axis=1).astype(jnp.int32)
@@ -128,9 +133,10 @@ def completion_hidden(model, prompt_BxP, prompt_mask_BxP, completion_BxT, comple
     if t == 1:
         h_NxPxD = forward(prompt_NxP, pmask_NxP, None if replay is None else replay[:, ::g, :p])
         return jnp.repeat(h_NxPxD[:, -1:], g, axis=0)
-    h_NxPxD, h_BxTxD = model.grouped_hidden_states(
+    h_NxPxD, h_BxTxD, rec = model.routed_grouped_hidden_states(
         prompt_NxP, pmask_NxP, completion_BxT[:, : t - 1].astype(jnp.int32),
         completion_mask_BxT[:, : t - 1] > 0, remat=remat, replay_ids_LxBxSxK=replay)
+    router.note(rec, model.config)
     return jnp.concatenate([jnp.repeat(h_NxPxD[:, -1:], g, axis=0), h_BxTxD], axis=1)
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax import objectives as obj
+from rljax.train.learn import router
 from rljax.train.learn.layout import Layout, Padded, head_logprobs, head_one_pass
 from rljax.train.learn.micro import loss_mask
 
@@ -77,17 +78,19 @@ def rl_loss(params, mb: dict, coef, *, policy_gd, value_gd, objective, chunk, te
     ``layout``: the batch's rows (``rljax.train.learn.layout``: padded, shared prompts,
     packed); ``mb`` is one micro-batch of it and its loss terms are its rows'.
     ``one_pass``: the head form "one-pass" (``rljax.train.programs.paths.ForwardPaths.head``;
-    module docstring): the same loss and, to rounding, the same gradients."""
+    module docstring): the same loss and, to rounding, the same gradients. An MoE
+    policy adds its router losses and metrics (``rljax.train.learn.router``)."""
     mb = layout.micro(mb)
     m = loss_mask(mb)
     fields = dict(self_old=self_old, use_sampler=use_sampler, entropy_grad=entropy_grad)
-    values, surrogate, logp, ent = _current(
-        params, mb, coef, policy_gd=policy_gd, value_gd=value_gd, objective=objective,
-        chunk=chunk, temperature=temperature, remat=remat, layout=layout, one_pass=one_pass,
-        **fields)
+    with router.recording() as records:  # an MoE policy's router records
+        values, surrogate, logp, ent = _current(
+            params, mb, coef, policy_gd=policy_gd, value_gd=value_gd, objective=objective,
+            chunk=chunk, temperature=temperature, remat=remat, layout=layout,
+            one_pass=one_pass, **fields)
     loss_sum, count, metrics = objective(_objective_batch(mb, logp, ent, values, **fields), coef)
-    n = jnp.sum(m)
-    gap = jnp.where(m > 0, jnp.abs(sg(logp) - mb["sampler_logp_BxT"]), 0.0)
-    metrics = dict(metrics)
-    metrics["sampler_gap"] = (jnp.sum(gap), n)
-    return loss_sum + surrogate, count, metrics
+    metrics = dict(metrics, **obj.behaviour_gap(logp, mb["sampler_logp_BxT"], m))
+    router_sum, router_metrics = router.loss_terms(records, count, sg(logp),
+                                                   mb["sampler_logp_BxT"], m)
+    metrics.update(router_metrics)
+    return loss_sum + surrogate + router_sum, count, metrics

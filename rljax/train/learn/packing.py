@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax.train.batch import REPLAY_KEY
+from rljax.train.learn import router
 from rljax.train.learn.micro import merge_micro, split_micro
 from rljax.train.learn.onepass import padded_width
 
@@ -226,13 +227,16 @@ def packed_hidden(model, pk: dict, remat: bool) -> Array:
     within themselves; routed by the packed replay ids when the model replays)."""
     seg = pk["pack_segments_SxW"]
     moe = getattr(model.config, "moe", None)
-    if REPLAY_PACKED in pk and moe is not None and moe.router_replay == "replay":
-        return model.routed_hidden_states(
-            pk["pack_tokens_SxW"], pk["pack_positions_SxW"], seg >= 0, remat=remat,
-            segment_ids_BxT=seg,
-            replay_ids_LxBxTxK=jnp.transpose(pk[REPLAY_PACKED], (2, 0, 1, 3)))[0]
-    return model.hidden_states(pk["pack_tokens_SxW"], pk["pack_positions_SxW"], seg >= 0,
-                               remat=remat, segment_ids_BxT=seg)
+    replay = REPLAY_PACKED in pk and moe is not None and moe.router_replay == "replay"
+    if not (replay or router.wanted(model)):
+        return model.hidden_states(pk["pack_tokens_SxW"], pk["pack_positions_SxW"], seg >= 0,
+                                   remat=remat, segment_ids_BxT=seg)
+    h, rec = model.routed_hidden_states(
+        pk["pack_tokens_SxW"], pk["pack_positions_SxW"], seg >= 0, remat=remat,
+        segment_ids_BxT=seg,
+        replay_ids_LxBxTxK=jnp.transpose(pk[REPLAY_PACKED], (2, 0, 1, 3)) if replay else None)
+    router.note(rec, model.config)
+    return h
 
 
 def over_micro(fn: Callable, batch: dict, m: int) -> Array:

@@ -53,6 +53,9 @@ class TrainState:
       kl_coef: float32, the current KL coefficient (adaptive controller state).
       ref_params: NNX state of the frozen reference policy (of a LoRA policy: a copy of
         its adapters, ``rljax.train.learn.reference.make_reference``), or None.
+      inflight: an asynchronous run's batches sampled but not yet learned from (a tuple
+        of ``rljax.train.async_driver.InFlight``, oldest first), or None (a synchronous
+        run's state).
     """
 
     params: dict
@@ -65,6 +68,7 @@ class TrainState:
     data_pos: Array
     kl_coef: Array
     ref_params: Any = None
+    inflight: Any = None
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -135,9 +139,29 @@ def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
     init = one({**shared, **first})
 
     def body(carry, mb):
-        return jax.tree.map(jnp.add, carry, one({**shared, **mb})), None
+        grads, loss_sum, count, metrics = one({**shared, **mb})
+        add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+        return (add(carry[0], grads), carry[1] + loss_sum, carry[2] + count,
+                combine_metrics(carry[3], metrics)), None
 
     out, _ = jax.lax.scan(body, init, rest)
+    return out
+
+
+def extreme(name: str) -> bool:
+    """Whether loss metric ``name`` is an extreme (``*_max`` / ``*_min``): its pair is
+    ``(value, count)``, combined over micro-batches by max / min and never divided."""
+    return name.endswith(("_max", "_min"))
+
+
+def combine_metrics(a: dict, b: dict) -> dict:
+    """Two micro-batches' metric pairs as one: sums and counts add; an extreme's value
+    is the max / min of the two (:func:`extreme`)."""
+    out = {}
+    for k, (s, c) in a.items():
+        s2, c2 = b[k]
+        pick = jnp.maximum if k.endswith("_max") else jnp.minimum
+        out[k] = (pick(s, s2) if extreme(k) else s + s2, c + c2)
     return out
 
 
@@ -189,7 +213,8 @@ def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         params_out, opt_out = keep(new_params, params), keep(new_opt, opt_state)
         first = next(iter(params))
-        metrics = {k: s / jnp.where(c > 0, c, 1.0) for k, (s, c) in msums.items()}
+        metrics = {k: s if extreme(k) else s / jnp.where(c > 0, c, 1.0)
+                   for k, (s, c) in msums.items()}
         metrics.update(
             loss=loss, grad_norm=gnorm, lr=jnp.asarray(schedules[first](updates), jnp.float32),
             skipped_update=(~finite).astype(jnp.float32),

@@ -58,9 +58,15 @@ class RolloutSource(Protocol):
     ``group_size``: completions per prompt; ``pad_id``: the tokenizer's pad id (pads
     prompts when batches join). ``on_device``: True when the step is one
     program (the source gives the program its inputs, ``DeviceRewardSource.inputs``);
-    False when ``collect`` returns the batch. ``collect(params, window, key, ph)`` samples
-    and scores ``window`` with the policy ``params`` (``ph``:
-    ``rljax.train.throughput.PhaseTimes``). ``eval_batch(params, prompts, metadata,
+    False when ``collect`` returns the batch. ``collect(params, window, key, ph,
+    dispatched=None)`` samples and scores ``window`` with the policy ``params`` (``ph``:
+    ``rljax.train.throughput.PhaseTimes``); ``dispatched()``, when given, is called once,
+    as soon as the first sampling program is dispatched and before the host first waits
+    for the device: what the caller dispatches there (an asynchronous step's learning
+    program, ``rljax.train.async_driver``) runs on the chips while the host scores.
+    ``samples_after_dispatch`` (optional, default False): True when ``collect`` may
+    dispatch programs that read ``params`` after calling ``dispatched`` (later turns,
+    refill rounds); the asynchronous driver then hands it a copy of the weights. ``eval_batch(params, prompts, metadata,
     first)``: greedy results of held-out prompts, ``{name: sum over every process's
     rows}`` with at least ``"reward"`` (and ``"accuracy"`` where there is a verifier).
     """
@@ -69,7 +75,8 @@ class RolloutSource(Protocol):
     pad_id: int
     on_device: bool
 
-    def collect(self, params: Any, window: Window, key: Any, ph: Any) -> Collected: ...
+    def collect(self, params: Any, window: Window, key: Any, ph: Any,
+                dispatched: Any = None) -> Collected: ...
 
     def eval_batch(self, params: Any, prompts: list, metadata: list,
                    first: int) -> dict: ...

@@ -5,6 +5,7 @@ the environments' observations in the completion with loss mask 0."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import jax
 
@@ -23,18 +24,22 @@ class Episodes:
     (each round holds equally many episodes)."""
 
     on_device = False
+    samples_after_dispatch = True  # later turns: rljax.train.async_driver copies the weights
 
     def __init__(self, rollouts: MultiTurnRollouts):
         self.rollouts = rollouts
         self.group_size, self.pad_id = rollouts.group_size, rollouts.pad_id
         self._rounds: list[dict] = []
 
-    def sample_round(self, params, window: Window, key, ph) -> Rollout:
-        """Episodes of ``window``'s prompts (this process drives its own rows' environments)."""
+    def sample_round(self, params, window: Window, key, ph,
+                     dispatched: Callable | None = None) -> Rollout:
+        """Episodes of ``window``'s prompts (this process drives its own rows'
+        environments); ``dispatched()`` runs once the first turn is dispatched."""
         t0 = time.perf_counter()
-        out = self.rollouts.sample(params, window.prompts, window.pos, window.n, key)
+        out = self.rollouts.sample(params, window.prompts, window.pos, window.n, key,
+                                   dispatched=dispatched)
         jax.block_until_ready(out.rollout)
-        ph.times["rollout"] = ph.times.get("rollout", 0.0) + time.perf_counter() - t0
+        ph.add("rollout", time.perf_counter() - t0)
         self._rounds.append(dict(out.metrics))
         return out.rollout
 
@@ -43,9 +48,10 @@ class Episodes:
         names = sorted({k for r in rounds for k in r})
         return {k: sum(r.get(k, 0.0) for r in rounds) / len(rounds) for k in names}
 
-    def collect(self, params, window: Window, key, ph) -> Collected:
+    def collect(self, params, window: Window, key, ph,
+                dispatched: Callable | None = None) -> Collected:
         """One round of episodes of ``window`` (the key used as it is)."""
-        ro = self.sample_round(params, window, key, ph)
+        ro = self.sample_round(params, window, key, ph, dispatched)
         return Collected(ro, window.pos + window.n, self.step_metrics())
 
     def _episodes(self, params, prompts: list, metadata: list, first: int, key, *,

@@ -19,26 +19,32 @@ def _means(sums: dict, n: int) -> dict:
 
 
 def evaluate(source, params, prompts: Sequence[str], metadata: Sequence[dict], *,
-             batch_size: int = 256, k: int = 0, seed: int = 0) -> dict:
+             batch_size: int = 256, k: int = 0, seed: int = 0,
+             threshold: float | None = None) -> dict:
     """Greedy results of ``source`` (``rljax.train.sources.RolloutSource``) with the
     policy ``params`` on held-out ``prompts`` in batches of ``batch_size``: every process
     passes the same lists and scores its own rows; ``{"reward_mean", "n"}``, with
     ``"accuracy"`` where the source has a verifier, and the means of any further
     per-row metric it reports (an episode source's ``env/...``).
 
-    ``k >= 1``: also ``"pass@k"`` and ``"sample_accuracy"`` from ``k`` completions per
-    prompt at the sampling temperature (a source with ``eval_samples``: a verifier is
-    needed), the batch at offset ``i`` drawn with ``jax.random.key(seed + 1 + i)``."""
+    ``k >= 1``: also ``"pass@k"`` and the mean over samples from ``k`` completions per
+    prompt at the sampling temperature (a source with ``eval_samples``), the batch at
+    offset ``i`` drawn with ``jax.random.key(seed + 1 + i)``: with a verifier
+    ``"sample_accuracy"``; a reward without one passes ``threshold`` on (a completion
+    passes when its reward is ``>= threshold``: ``"sample_pass"``,
+    ``"sample_reward_mean"``; ``Rollouts.eval_samples``)."""
     prompts, metadata = list(prompts), list(metadata)
     if len(prompts) != len(metadata):
         raise ValueError(f"evaluate: {len(prompts)} prompts but {len(metadata)} metadata "
                          "entries; give one per prompt")
     sums: dict = {}
+    passing = {} if threshold is None else {"threshold": threshold}
     for i in range(0, len(prompts), batch_size):
         batch = (prompts[i:i + batch_size], metadata[i:i + batch_size], i)
         part = source.eval_batch(params, *batch)
         if k:
-            part.update(source.eval_samples(params, *batch, k, jax.random.key(seed + 1 + i)))
+            part.update(source.eval_samples(params, *batch, k, jax.random.key(seed + 1 + i),
+                                            **passing))
         for name, v in part.items():
             sums[name] = sums.get(name, 0.0) + v
     return _means(sums, len(prompts))

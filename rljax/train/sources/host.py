@@ -115,13 +115,20 @@ class Rollouts(PromptRows):
         tot = hosts.gather_rows(sums[None]).sum(axis=0).reshape(-1, 2)  # every process's
         return {f"reward/{k}": float(s / max(n, 1.0)) for k, (s, n) in zip(names, tot)}
 
-    def sample_round(self, params, window: Window, key, ph) -> Rollout:
+    def sample_round(self, params, window: Window, key, ph,
+                     dispatched: Callable | None = None) -> Rollout:
         """Rollouts of ``window``'s prompts (this process reads its own block), scored on
-        its own rows."""
+        its own rows; ``dispatched()`` runs once the sampler is dispatched, before the
+        host waits for it (the protocol's ``collect``)."""
         g = self.group_size
         b = window.n * g
         lo, hi, meta, tok, mask = self.own_prompts(window.prompts, window.pos, window.n)
-        out = ph.timed("rollout", self.generate, params, tok, mask, key, num_samples=g)
+        t0 = time.perf_counter()
+        out = self.generate(params, tok, mask, key, num_samples=g)
+        if dispatched is not None:
+            dispatched()
+        jax.block_until_ready(out)
+        ph.add("rollout", time.perf_counter() - t0)
         t0 = time.perf_counter()
         texts = self.own_texts(out, lo, hi)
         rep_meta = [m for m in meta for _ in range(g)]
@@ -135,14 +142,15 @@ class Rollouts(PromptRows):
                                   glob(np.ones(hi - lo, np.float32))),
                      expert_ids_BxLxSxK=out.expert_ids, group_size=g,
                      has_correct=self.accuracy_fn is not None)
-        ph.times["reward"] = ph.times.get("reward", 0.0) + time.perf_counter() - t0
+        ph.add("reward", time.perf_counter() - t0)
         return ro
 
-    def collect(self, params, window: Window, key, ph) -> Collected:
+    def collect(self, params, window: Window, key, ph,
+                dispatched: Callable | None = None) -> Collected:
         """One sampling round of ``window`` (its key split as each of DAPO's rounds
         splits it, ``rljax.train.sources.refill``) and the reward terms' means."""
         _, k = jax.random.split(key)
-        ro = self.sample_round(params, window, k, ph)
+        ro = self.sample_round(params, window, k, ph, dispatched)
         return Collected(ro, window.pos + window.n, self.step_metrics())
 
     def eval_batch(self, params, prompts: list, metadata: list, first: int) -> dict:
@@ -158,19 +166,30 @@ class Rollouts(PromptRows):
         return sum_rows(sums)
 
     def eval_samples(self, params, prompts: list, metadata: list, first: int, k: int,
-                     key) -> dict:
-        """``k`` completions of each held-out prompt at the sampling temperature, verified:
-        sums over every process's prompts of ``"pass@k"`` (any of its ``k`` correct: Chen
-        et al. 2021's estimator with n = k) and ``"sample_accuracy"`` (the mean of its
-        ``k``)."""
-        if self.accuracy_fn is None:
-            raise ValueError("pass@k counts verified completions; this reward has no "
-                             "verifier (accuracy_fn)")
+                     key, *, threshold: float | None = None) -> dict:
+        """``k`` completions of each held-out prompt at the sampling temperature: sums over
+        every process's prompts of ``"pass@k"`` (any of its ``k`` passes: Chen et al.
+        2021's estimator with n = k) and the mean of its ``k``. With a verifier a
+        completion passes when verified (the mean is ``"sample_accuracy"``); without one,
+        when its reward is ``>= threshold`` (the means are ``"sample_pass"`` and
+        ``"sample_reward_mean"``). ``threshold`` is for a reward without a verifier only."""
+        if (self.accuracy_fn is None) == (threshold is None):
+            raise ValueError(
+                "pass@k counts verified completions when the reward has a verifier "
+                "(accuracy_fn) and completions whose reward reaches a threshold when it has "
+                f"none: give threshold without a verifier only (verifier: "
+                f"{self.accuracy_fn is not None}, threshold: {threshold!r})")
         tok, mask = self.encode_all(prompts)
         lo, hi = hosts.own_groups(len(prompts) * k, k, self.mesh)
         out = self.generate(params, tok, mask, key, num_samples=k)
         meta = [m for m in metadata[lo // k:hi // k] for _ in range(k)]
-        ok_Nxk = self._verify(self.own_texts(out, lo, hi), meta, k, first + lo // k) > 0
-        ok_Nxk = ok_Nxk.reshape(-1, k)
-        return sum_rows({f"pass@{k}": float(ok_Nxk.any(axis=1).sum()),
-                         "sample_accuracy": float(ok_Nxk.mean(axis=1).sum())})
+        texts, first_own = self.own_texts(out, lo, hi), first + lo // k
+        if threshold is None:
+            ok_Nxk = (self._verify(texts, meta, k, first_own) > 0).reshape(-1, k)
+            means = {"sample_accuracy": ok_Nxk.mean(axis=1)}
+        else:
+            r_Nxk = np.asarray(self.score(texts, meta, k, first_own), np.float64).reshape(-1, k)
+            ok_Nxk = r_Nxk >= threshold
+            means = {"sample_pass": ok_Nxk.mean(axis=1), "sample_reward_mean": r_Nxk.mean(axis=1)}
+        sums = {name: float(v.sum()) for name, v in means.items()}
+        return sum_rows({f"pass@{k}": float(ok_Nxk.any(axis=1).sum()), **sums})

@@ -55,6 +55,7 @@ class Refill:
     evaluation is the inner source's."""
 
     on_device = False
+    samples_after_dispatch = True  # later rounds: rljax.train.async_driver copies the weights
 
     def __init__(self, inner, *, max_refill_rounds: int):
         if getattr(inner, "on_device", False):
@@ -64,15 +65,17 @@ class Refill:
         self.inner, self.max_refill_rounds = inner, max_refill_rounds
         self.group_size, self.pad_id = inner.group_size, inner.pad_id
 
-    def collect(self, params, window: Window, key, ph) -> Collected:
+    def collect(self, params, window: Window, key, ph, dispatched=None) -> Collected:
         """Rounds of ``window``-sized prompt blocks from ``window.pos`` until
         ``window.n`` groups are kept or the refills run out: the batch, the position
         after the last round, the round metrics and the inner source's; the key is
-        split before each round, as a single round splits it."""
+        split before each round, as a single round splits it. ``dispatched`` goes to
+        the first round."""
         n, rounds, kept, sampled = window.n, [], [], np.zeros(2)
         while True:
             key, k = jax.random.split(key)
-            ro = self.inner.sample_round(params, window, k, ph)
+            ro = self.inner.sample_round(params, window, k, ph, dispatched)
+            dispatched = None
             window = window.next()
             rounds.append(ro)
             k, *tokens = hosts.fetch_scalars(_round_counts(ro, ro.group_size))
