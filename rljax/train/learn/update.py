@@ -10,11 +10,9 @@ A *loss function* here has the objective contract lifted to parameters:
 
 because ``d(sum/count)/dθ = (d sum/dθ)/count`` when the count does not depend on θ.
 
-Which parameters of each model train is a filter chosen once per model
-(``rljax.models.lora.Trainable``: every parameter, or the LoRA adapters) and passed as
-``trainables`` (name -> filter; a model not named trains every parameter): gradients, the
-optimiser and its state see the trainable part alone (:func:`trainable`), and a frozen
-base passes through every update bitwise unchanged.
+What of each model trains is its filter in ``trainables`` (``rljax.models.lora.Trainable``,
+chosen once per model; every parameter by default): gradients, the optimiser and its state
+see that part alone (:func:`trainable`); a frozen base passes through bitwise unchanged.
 """
 
 from __future__ import annotations
@@ -166,9 +164,8 @@ def combine_metrics(a: dict, b: dict) -> dict:
 
 
 def trainable(params: dict, trainables: dict | None = None) -> tuple[dict, dict]:
-    """``(trainable, frozen)`` per model of ``params``, each split by its filter in
-    ``trainables`` (name -> ``rljax.models.lora.Trainable``; every parameter for a model
-    not named); ``frozen[name]`` is None for a fully trained model."""
+    """``(trainable, frozen)`` per model of ``params`` by its filter in ``trainables`` (name
+    -> ``rljax.models.lora.Trainable``; a model not named: every parameter, frozen None)."""
     pairs = {k: (trainables or {}).get(k, ALL_PARAMETERS).split(v) for k, v in params.items()}
     return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
 
@@ -274,16 +271,13 @@ def opt_state_shardings(txs: dict, params: dict, mesh, trainables: dict | None =
 
 
 def init_opt_state(txs: dict, params: dict, mesh=None, trainables: dict | None = None) -> dict:
-    """Optimiser states for the trainable part of ``params`` (dict name -> NNX state; of a
-    model whose filter in ``trainables`` is the adapters, for them only: :func:`trainable`);
-    on a mesh each moment is
-    sharded like its parameter (a jit left to choose placed the zeros replicated: every
-    chip held all of Adam's moments, 3.7 GiB per chip for Qwen2.5-0.5B).
-
-    The init is a module-level jit with the optimisers and the result's shardings static:
-    JAX's cache compiles it once per optimiser set and layout (a trainer making one state
-    per seed, or a resumed run's template, compiles it once). An optimiser that cannot be
-    hashed is jitted afresh."""
+    """Optimiser states for the trainable part of ``params`` (dict name -> NNX state;
+    ``trainables`` as in :func:`trainable`); on a mesh each moment is sharded like its
+    parameter (a jit left to choose placed the zeros replicated: every chip held all of
+    Adam's moments, 3.7 GiB per chip for Qwen2.5-0.5B). The init is a module-level jit with
+    the optimisers and the result's shardings static: JAX's cache compiles it once per
+    optimiser set and layout (one state per seed, or a resumed run's template, compiles it
+    once). An optimiser that cannot be hashed is jitted afresh."""
     shardings = None
     if mesh is not None:
         shardings = output_shardings(mesh, opt_state_shardings(txs, params, mesh, trainables),
