@@ -116,9 +116,11 @@ def _free_port() -> int:
 
 
 class Attempt:
-    """One `rljax train` invocation on `processes` processes (logs in `run_dir.name`.N)."""
+    """One `rljax train` invocation on `processes` processes (logs in `run_dir.name`.N);
+    `session`: in a session (process group) of its own, which a signal can be sent to."""
 
-    def __init__(self, c: "Campaign", run_dir: pathlib.Path, n: int, plan: dict | None):
+    def __init__(self, c: "Campaign", run_dir: pathlib.Path, n: int, plan: dict | None,
+                 session: bool = False, extra: tuple[str, ...] = ()):
         self.logs = [c.root / f"{run_dir.name}.{n}.p{i}.log" for i in range(c.processes)]
         self.record = c.root / f"{run_dir.name}.{n}.kill"
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
@@ -132,14 +134,14 @@ class Attempt:
                        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
         argv = [sys.executable, "-m", "rljax", "train", str(c.exp), "--set",
-                f"run.dir={run_dir}", "--set", "run.resume=auto"]
+                f"run.dir={run_dir}", "--set", "run.resume=auto", *extra]
         if c.processes > 1:
             argv += ["--distributed", "--coordinator", f"127.0.0.1:{_free_port()}",
                      "--num-processes", str(c.processes), "--process-id"]
         self.t0, self.started = time.monotonic(), time.time()
         self.procs = [subprocess.Popen(argv + ([str(i)] if c.processes > 1 else []),
                                        cwd=c.root, env=env, stdout=open(log, "w"),
-                                       stderr=subprocess.STDOUT)
+                                       stderr=subprocess.STDOUT, start_new_session=session)
                       for i, log in enumerate(self.logs)]
 
     def kill(self) -> None:

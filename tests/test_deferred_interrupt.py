@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from rljax.run.preemption import DeferredInterrupt, Preempted, StopSignal, save_interrupted
+from rljax.run.preemption import (DeferredInterrupt, Preempted, StopSignal, save_interrupted,
+                                  save_step)
 from rljax.train.checkpoint import Checkpointer
 
 
@@ -57,6 +58,30 @@ def test_a_process_that_ignores_ctrl_c_keeps_ignoring_it():
     assert not held.hit and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
+def test_a_dropped_ctrl_c_still_stops_the_run_after_its_next_step():
+    """Outside a step, Ctrl-C raises at once; when a library drops that KeyboardInterrupt
+    (Python does, inside a garbage-collection callback), the next step's block starts
+    with `hit` set, so the run stops after it; after the last step, the `StopSignal` block
+    raises it as it ends."""
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):  # dropped after the last step: raised at the end
+        with StopSignal() as stop:
+            with stop.guard() as held:
+                pass
+            assert not held.hit
+            try:
+                _sigint()
+                raise AssertionError("Ctrl-C outside a step did not raise")
+            except KeyboardInterrupt:
+                pass  # dropped, as a garbage-collection callback drops it
+            with stop.guard() as held:
+                x = jnp.arange(2) + 1  # the step runs to its end
+            assert held.hit and x.tolist() == [1, 2]
+    assert signal.getsignal(signal.SIGINT) is before
+    with StopSignal():  # no Ctrl-C: the block ends quietly
+        pass
+
+
 def _donated_state():
     state = {"w": jnp.ones(4)}
     jax.jit(lambda s: s, donate_argnums=0)(state)  # the program took the buffers
@@ -75,6 +100,78 @@ def test_a_donated_state_is_not_saved_over_the_checkpoints(tmp_path):
         save_interrupted(ck, 2, {"w": jnp.ones(4)}, {"phase": "interrupted"}, out)
         assert ck.latest_step() == 2 and "checkpoint saved" in out.getvalue()
 
+
+class _CtrlCInSave(Checkpointer):
+    """A checkpointer whose first save gets a Ctrl-C as orbax's call returns (its write
+    goes on in the background)."""
+
+    def save(self, step, state, meta=None, *, force=False):
+        started = super().save(step, state, meta, force=force)
+        if not getattr(self, "signalled", False):
+            self.signalled = True
+            _sigint()
+        return started
+
+
+def test_ctrl_c_during_a_save_waits_for_it_and_saves_the_step_once(tmp_path):
+    """A Ctrl-C that cut orbax's save of the last step half-way left its temporary
+    directory, which the interrupt's own save of that step then failed to replace (an
+    OSError, and a hang in orbax's shutdown): the campaign's lost run."""
+    out = io.StringIO()
+    with Checkpointer(tmp_path / "ck") as plain, StopSignal() as stop:
+        plain.save(1, {"w": jnp.zeros(4)}, {"phase": "rl"}, force=True)  # still writing:
+        save_interrupted(plain, 1, {"w": jnp.zeros(4)}, {"phase": "interrupted"}, out)
+        assert plain.all_steps() == [1] and "interrupted at step 1" in out.getvalue()
+    with _CtrlCInSave(tmp_path / "ck") as ck, StopSignal() as stop:
+        with pytest.raises(KeyboardInterrupt) as e:
+            save_step(ck, 2, 2, {"w": jnp.ones(4)}, lambda phase: {"phase": phase}, stop,
+                      stop.guard())
+        assert e.traceback[-1].name == "save_step"  # held: raised once the call returned
+        save_interrupted(ck, 2, {"w": jnp.ones(4)}, {"phase": "interrupted"}, out)
+        assert ck.all_steps() == [1, 2] and ck.read_meta(2)["phase"] == "done"
+
+
+def test_ctrl_c_between_a_step_and_its_metric_line_keeps_the_line(tmp_path):
+    """The campaign's run whose step 10 was saved without its line: a Ctrl-C in the
+    evaluation after step 2 writes step 2's line before its checkpoint."""
+    from types import SimpleNamespace as NS
+
+    from rljax.run.loop import Seeds, rl_loop
+
+    lines, saved = [], []
+    rd = NS(path=tmp_path, log=lambda step, m: lines.append(step))
+    ck = NS(directory=tmp_path, wait_until_finished=lambda: None,
+            save=lambda step, *a, **k: saved.append(step) or True)
+
+    def evaluate(params):  # Ctrl-C while the held-out prompts are scored
+        _sigint()
+
+    cfg = NS(rl=NS(steps=4, eval_due=lambda d: d == 2), run=NS(log_every=1, profile_steps=""))
+    run = Seeds(step=lambda s: (s, [{"loss": 1.0}]), evaluate=evaluate)
+    with pytest.raises(KeyboardInterrupt), StopSignal() as stop:
+        rl_loop(cfg, rd, ck, NS(params={"policy": None}), 0, run, lambda *a: {}, stop,
+                io.StringIO(), ("loss",))
+    assert lines == [1, 2] and saved == [1, 2]
+
+
+def test_a_ctrl_c_while_waiting_for_a_save_lets_the_save_finish(tmp_path):
+    """The campaign's run that lost 13 steps: a Ctrl-C cut the wait for the last step's
+    write, and the process exited before orbax finalised it."""
+    finished = []
+    with pytest.raises(KeyboardInterrupt):
+        with Checkpointer(tmp_path / "ck") as ck:
+            ck.save(1, {"w": jnp.ones(4)}, {"phase": "done"}, force=True)
+            wait = ck._mgr.wait_until_finished
+
+            def cut():  # Ctrl-C as the wait begins
+                _sigint()
+                wait()
+                finished.append(1)
+
+            ck._mgr.wait_until_finished = cut
+    assert finished == [1]  # the wait ran to its end; then KeyboardInterrupt
+    with Checkpointer(tmp_path / "ck") as ck:
+        assert ck.all_steps() == [1]
 
 
 def _as_two_processes(monkeypatch):

@@ -252,7 +252,9 @@ def test_hostile_tools_end_the_turn_and_the_run_goes_on(pool):
     out = envs.step(["stop"] * 3)
     assert out.all_done and out.rewards_B.tolist() == [1.0] * 3
     assert [envs.info(i)["tool_errors"] for i in range(3)] == [1, 2, 0]
+    assert [envs.info(i)["tool_timeouts"] for i in range(3)] == [1, 0, 0]  # the hang only
     assert envs.metrics()["env/tool_calls"] == (4.0, 3)
+    assert envs.metrics()["env/tool_timeouts"] == (1.0, 3)
     assert envs.info(0)["tool_s"] > 0.4 and envs.info(0)["env_s"] >= 0
 
 

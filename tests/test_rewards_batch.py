@@ -1,6 +1,9 @@
 """score_batch: composition, error attribution, and time limits in a worker pool."""
 
 import math
+import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -135,6 +138,29 @@ def test_pool_survives_prints_and_a_dead_worker():
         np.testing.assert_array_equal(out.rewards, [2])
     with pytest.raises(RuntimeError, match="closed"):
         pool.run([(noisy, "a", {})], None)
+
+
+def sleeps_then_scores(completion, meta):
+    time.sleep(meta.get("sleep", 0.0))
+    return float(len(completion))
+
+
+def test_workers_ignore_ctrl_c_from_their_start():
+    """A terminal's Ctrl-C reaches every process of the group: a worker ignores it, also
+    one that arrives while the worker is still starting (SIGINT blocked until ignored)."""
+    with R.RewardPool(1) as pool:
+        os.kill(pool._workers[0].proc.pid, signal.SIGINT)  # during its start-up
+        out = R.score_batch(sleeps_then_scores, ["ab"], [{"sleep": 0.5}], pool=pool,
+                            timeout_s=30.0)
+        np.testing.assert_array_equal(out.rewards, [2])
+        w = pool._workers[0]
+        status = open(f"/proc/{w.proc.pid}/status").read()
+        ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+        assert ignored & (1 << (signal.SIGINT - 1))  # ignored, not merely blocked
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # here
+        tasks = [(sleeps_then_scores, "abc", {"sleep": 0.3})]
+        threading.Timer(0.1, os.kill, (w.proc.pid, signal.SIGINT)).start()  # during a call
+        assert pool.run(tasks, 30.0) == [("ok", 3.0)] and pool._workers[0] is w
 
 
 def test_temporary_pool_from_workers_argument():

@@ -224,7 +224,10 @@ def test_sigterm_while_a_reward_hangs_stops_within_its_time_limit(exp, capsys, c
     assert capsys.readouterr().err.count("SIGTERM received") == 1
     with Checkpointer(run / "checkpoints") as ck:
         assert ck.latest_step() == step
-    assert [r["step"] for r in read_metrics(run) if r["phase"] == "rl"] == list(range(1, step + 1))
+    rl = [r for r in read_metrics(run) if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == list(range(1, step + 1))
+    # the batch call that hung scored every row of its step: reward/timeouts says so
+    assert [r["reward/timeouts"] for r in rl] == [0.0] * (step - 1) + [1.0]
 
 
 def test_a_resume_that_does_not_fit_changes_nothing_and_names_the_fields(exp, capsys):

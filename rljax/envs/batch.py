@@ -87,6 +87,7 @@ class _Row:
     tool_tokens: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_timeouts: int = 0
     done: bool = False
     truncated: str | None = None
     env_s: float = 0.0
@@ -213,6 +214,7 @@ class EnvBatch:
         for i, rs in per_row.items():
             self._rows[i].tool_calls += len(rs)
             self._rows[i].tool_errors += sum(not r.ok for r in rs)
+            self._rows[i].tool_timeouts += sum(r.kind == "timeout" for r in rs)
             self._rows[i].tool_s += seconds
         return per_row
 
@@ -315,13 +317,15 @@ class EnvBatch:
 
     def info(self, i: int) -> dict[str, Any]:
         """Row i's episode so far: `turns`, `tool_calls` (calls parsed, unreadable ones
-        included), `tool_errors` (calls that did not return a result), `truncated` (None
+        included), `tool_errors` (calls that did not return a result), `tool_timeouts`
+        (those of them cut at `tool_timeout_s`), `truncated` (None
         or one of `TRUNCATIONS`), `done`, `tokens` (counted toward the total),
         `model_tokens` (the model's turns), `tool_tokens` (the observations after the
         prompt), `rewards` (per turn), `env_s` (seconds in its environment's methods), `tool_s`
         (wall seconds of the tool batches its calls ran in)."""
         r = self._rows[i]
         return {"turns": r.turns, "tool_calls": r.tool_calls, "tool_errors": r.tool_errors,
+                "tool_timeouts": r.tool_timeouts,
                 "truncated": r.truncated, "done": r.done, "tokens": r.tokens,
                 "model_tokens": r.model_tokens, "tool_tokens": r.tool_tokens,
                 "rewards": list(r.rewards), "env_s": r.env_s, "tool_s": r.tool_s}
@@ -329,10 +333,12 @@ class EnvBatch:
     def metrics(self) -> dict[str, tuple[float, int]]:
         """Episode metrics as `(sum, count)` over this process's rows, so processes add
         sums and counts and divide once: `env/turns`, `env/tool_calls`,
-        `env/tool_errors`, `env/truncated`, `env/env_s`, `env/tool_s`, `env/return`."""
+        `env/tool_errors`, `env/tool_timeouts`, `env/truncated`, `env/env_s`, `env/tool_s`,
+        `env/return`."""
         n = len(self._rows)
         sums = {f"env/{k}": sum(getattr(r, k) for r in self._rows)
-                for k in ("turns", "tool_calls", "tool_errors", "env_s", "tool_s")}
+                for k in ("turns", "tool_calls", "tool_errors", "tool_timeouts", "env_s",
+                          "tool_s")}
         sums["env/truncated"] = sum(r.truncated is not None for r in self._rows)
         sums["env/return"] = float(self.returns_B().sum()) if n else 0.0
         return {k: (float(v), n) for k, v in sums.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -24,8 +25,18 @@ class _Worker:
         # The parent's import path, so reward functions from its modules (tests, user
         # packages not installed) unpickle in the worker.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "rljax.rewards._worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        # Ctrl-C belongs to the training process, which stops its workers; a terminal
+        # sends it to the whole process group, workers included. A worker ignores it from
+        # its first instruction: SIGINT is blocked in this thread while the worker is
+        # started, so the worker begins with it blocked (a Ctrl-C then stays pending, and
+        # the worker drops it when it sets SIGINT to be ignored before unblocking it).
+        # Here a Ctrl-C in that moment is not lost: another thread or the unblock takes it.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "rljax.rewards._worker"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.send = Connection(os.dup(self.proc.stdin.fileno()), readable=False)
         self.recv = Connection(os.dup(self.proc.stdout.fileno()), writable=False)
         self.proc.stdin.close()

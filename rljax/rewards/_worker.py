@@ -6,18 +6,25 @@ original stdout; the reward code's own prints
 go to stderr so they cannot corrupt the result stream. Started as a fresh interpreter
 (not forked, not via multiprocessing's spawn), so it neither inherits the trainer's JAX
 threads nor re-runs the trainer's `__main__` script.
+
+A worker ignores SIGINT (Ctrl-C): the training process owns it and stops its workers
+(`RewardPool.close`). It is started with SIGINT blocked, so a Ctrl-C during its start-up
+waits, and is dropped once SIGINT is ignored.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import traceback
 from multiprocessing.connection import Connection
 
 
 def main() -> None:
     """Serve calls until stdin closes or a `None` call arrives."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # drops a Ctrl-C pending since the start
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     out_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints from reward code go to stderr
     rd, wr = Connection(os.dup(0), writable=False), Connection(out_fd, readable=False)

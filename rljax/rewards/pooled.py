@@ -2,9 +2,12 @@
 `RewardPool` worker under a time limit, so that a reward that hangs cannot hang the run.
 
 One call scores the whole batch in one worker (a batch reward may compare completions with
-each other, so the batch is never split). A call past `timeout_s` is abandoned (its worker
-is killed and replaced): every row of it scores `timeout_reward`, the rows' prompts are
-logged by file and line (their metadata's `source`), and `timeouts` counts it. A call that
+each other), unless `chunk` splits it: then each run of `chunk` completions is one call
+with its own limit, the calls run side by side in the pool's workers, and a hang cuts only
+its own chunk (a multiple of the group size keeps every group in one call). A call past
+`timeout_s` is abandoned (its worker is killed and replaced): every row of it scores
+`timeout_reward`, the rows' prompts are logged by file and line (their metadata's
+`source`), `timeouts` counts the call and `last_timeouts` the rows it cut. A call that
 raises raises `RemoteRewardError` carrying the function's own traceback from the worker;
 `score_batch_fn` then re-calls it on single completions to name the
 prompt that fails.
@@ -67,36 +70,64 @@ class PooledBatchReward:
     again by path). `get_pool` returns the pool at call time, so the process's shared pool
     starts only when a reward is first scored. `last_components`: the per-row term values
     the function set in the worker on the latest call (empty after a time-out), from
-    which the trainer logs `reward/<term>` means."""
+    which the trainer logs `reward/<term>` means (a cut chunk's rows hold
+    `timeout_reward` in every term). `chunk`: completions per call (None: the whole
+    batch in one call); `last_timeouts`: the rows a time limit cut on the latest call,
+    which the trainer logs as `reward/timeouts`."""
 
     is_batch_reward = True
 
     def __init__(self, fn: Callable, get_pool: Callable[[], RewardPool], *,
-                 timeout_s: float, timeout_reward: float = 0.0):
+                 timeout_s: float, timeout_reward: float = 0.0, chunk: int | None = None):
         if not timeout_s > 0:
             raise ValueError(f"PooledBatchReward: timeout_s must be > 0, got {timeout_s!r}")
-        self.fn, self.get_pool = fn, get_pool
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)
+                                  or chunk < 1):
+            raise ValueError(f"PooledBatchReward: chunk must be an int >= 1 (completions "
+                             f"per call) or None (the whole batch), got {chunk!r}")
+        self.fn, self.get_pool, self.chunk = fn, get_pool, chunk
         self.timeout_s, self.timeout_reward = float(timeout_s), float(timeout_reward)
         self.name = reward_name(fn)
-        self.timeouts = 0
+        self.timeouts = self.last_timeouts = 0
         self.last_components: dict[str, np.ndarray] = {}
 
     def __call__(self, completions: Sequence[str],
                  metadata: Sequence[Mapping[str, Any]]) -> np.ndarray:
-        self.last_components = {}
-        res = self.get_pool().run([(_WithComponents(self.fn), list(completions),
-                                    list(metadata))], self.timeout_s)[0]
+        completions, metadata = list(completions), list(metadata)
+        step = self.chunk or max(len(completions), 1)
+        spans = [(i, min(i + step, len(completions))) for i in range(0, len(completions), step)]
+        replies = self.get_pool().run([(_WithComponents(self.fn), completions[a:b],
+                                        metadata[a:b]) for a, b in spans], self.timeout_s)
+        for res in replies:
+            if res[0] == "error":
+                raise RemoteRewardError(res[1], res[2])
+        parts = [self._part(res, completions[a:b], metadata[a:b])
+                 for res, (a, b) in zip(replies, spans)]
+        self.last_timeouts = sum(b - a for res, (a, b) in zip(replies, spans)
+                                 if res[0] == "timeout")
+        names = sorted({k for _, comps in parts for k in comps})
+        fill = lambda n: np.full(n, self.timeout_reward, np.float32)  # noqa: E731
+        self.last_components = {k: np.concatenate([comps.get(k, fill(len(v))) for v, comps
+                                                   in parts]) for k in names}
+        return np.concatenate([v for v, _ in parts]) if parts else np.zeros(0, np.float64)
+
+    def _part(self, res: tuple, completions: list, metadata: list) -> tuple:
+        """One call's `(values float64[n], components)`; a call past the limit is logged
+        and its rows score `timeout_reward` (no components)."""
         if res[0] == "ok":
-            values, self.last_components = res[1]
-            return values
-        if res[0] == "error":
-            raise RemoteRewardError(res[1], res[2])
+            values = np.asarray(res[1][0], np.float64)
+            if values.shape != (len(completions),):
+                raise RewardError(f"reward function {self.name!r} returned shape "
+                                  f"{values.shape} for a call of {len(completions)} "
+                                  f"completions; expected ({len(completions)},), one reward "
+                                  "per completion", index=-1, fn=self.name)
+            return values, res[1][1]
         self.timeouts += 1
         log.warning("reward function %r timed out after %.1f s (reward.timeout_s=%g) on a "
                     "batch of %d completions (their prompts: %s); they score %g",
                     self.name, res[1], self.timeout_s, len(completions),
                     sources_text(metadata), self.timeout_reward)
-        return np.full(len(completions), self.timeout_reward, np.float32)
+        return np.full(len(completions), self.timeout_reward, np.float32), {}
 
 
 def _described(e: BaseException) -> str:

@@ -359,7 +359,8 @@ class ComponentReward:
     terms separately (R1-Zero's two rewards). With `workers > 0` the
     item calls run in the process's shared `RewardPool` (`shared_reward_pool`) and each is
     cut at `timeout_s`: a call past it scores 0 and is logged (by `score_batch`) with its
-    row and its prompt's file and line (the metadata's `source`), and the run goes on.
+    row and its prompt's file and line (the metadata's `source`), and the run goes on;
+    `last_timeouts` counts the rows of the latest call with a term cut (`reward/timeouts`).
     """
 
     is_batch_reward = True
@@ -368,6 +369,7 @@ class ComponentReward:
     def __init__(self, terms: tuple[tuple[float, Callable], ...], *, timeout_s: float | None = None,
                  workers: int = 0):
         self.terms, self.last, self.last_components = terms, {}, {}
+        self.last_timeouts = 0
         self.timeout_s, self.workers = timeout_s, workers
 
     def __call__(self, completions, metadata) -> np.ndarray:
@@ -377,4 +379,5 @@ class ComponentReward:
                              timeout_s=self.timeout_s if pool is not None else None)
         self.last = {f"reward/{k}": float(np.mean(v)) for k, v in out.components.items()}
         self.last_components = out.components
+        self.last_timeouts = len({t.index for t in out.timeouts})
         return out.rewards

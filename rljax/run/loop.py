@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from rljax.run.preemption import save_interrupted, save_step
+from rljax.run.preemption import DeferredInterrupt, save_interrupted, save_step
 from rljax.run.profiling import StepProfiler, parse_profile_steps
 from rljax.run.report import Progress
 
@@ -36,7 +36,7 @@ def rl_loop(cfg, rd, ck, state, done: int, run: Seeds, meta: Callable, stop, out
     bar = Progress(max(cfg.rl.steps, 1), progress_keys, stream=out, desc="rl", start=done)
     prof = StepProfiler(parse_profile_steps(cfg.run.profile_steps), rd.path / "profile",
                         last=cfg.rl.steps)
-    step_s = 0.0
+    step_s, logged = 0.0, done
     try:
         while done < cfg.rl.steps:
             with prof.step(done + 1), stop.guard() as held:  # numbered as metrics.jsonl
@@ -46,14 +46,25 @@ def rl_loop(cfg, rd, ck, state, done: int, run: Seeds, meta: Callable, stop, out
             if cfg.rl.eval_due(done):
                 for m, res in zip(ms, run.evaluate(state.params["policy"])):
                     m.update({f"eval/{k}": v for k, v in res.items()})
-            for seed, m in zip(run.seeds, ms):
-                rd.log(done, m if seed is None else {**m, "seed": seed})
+            with DeferredInterrupt(hold=not stop.distributed) as writing:  # whole lines
+                _log_lines(rd, done, run.seeds, ms)
+                logged = done
+            if writing.hit:
+                raise KeyboardInterrupt
             if done % cfg.run.log_every == 0 or done == cfg.rl.steps:
                 bar.update(done, {k: float(np.mean([m[k] for m in ms]))
                                   for k in progress_keys if k in ms[0]})
             save_step(ck, done, cfg.rl.steps, state, lambda phase: meta(phase, state), stop,
                       held)
-    except KeyboardInterrupt:  # keep what was learned
+    except KeyboardInterrupt:  # keep what was learned, with its metric lines
+        if logged < done:  # cut after the step, before its lines (its evaluation, say)
+            _log_lines(rd, done, run.seeds, ms)
         save_interrupted(ck, done, state, meta("interrupted", state), out)
         raise
     return state, step_s
+
+
+def _log_lines(rd, done: int, seeds: Sequence, ms: Sequence[dict]) -> None:
+    """Step `done`'s metric lines, one per seed."""
+    for seed, m in zip(seeds, ms):
+        rd.log(done, m if seed is None else {**m, "seed": seed})

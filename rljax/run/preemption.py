@@ -27,7 +27,12 @@ same step, or the checkpoint's collective save would hang or mix steps.
 process, during an RL or SFT step, is held until the step
 ends (`DeferredInterrupt`, from `StopSignal.guard()`): a step donates the state's buffers to
 its program, so a KeyboardInterrupt raised inside it would leave no state to save.
-`save_interrupted` then saves the step reached; a second Ctrl-C stops at once.
+`save_interrupted` then saves the step reached; a second Ctrl-C stops at once. Outside a
+step, `StopSignal`'s handler raises KeyboardInterrupt as Python's own does, and remembers
+the Ctrl-C: Python drops a KeyboardInterrupt raised inside a garbage-collection callback
+(JAX runs one at every collection; "Exception ignored in ..."), and the run then stops
+after its next step instead of going on (`StopSignal.guard`), or, after the last one, when
+the `StopSignal` block ends.
 
 On several processes a Ctrl-C usually reaches some of them (the terminal of one host), and a
 checkpoint is a collective write that a lone process would wait on forever. So there, while
@@ -48,7 +53,22 @@ import threading
 import jax
 from jax.experimental import multihost_utils
 
-__all__ = ["DeferredInterrupt", "Preempted", "StopSignal", "save_interrupted", "save_step"]
+__all__ = ["CtrlC", "DeferredInterrupt", "Preempted", "StopSignal", "save_interrupted",
+           "save_step"]
+
+
+class CtrlC:
+    """Python's own Ctrl-C handler (KeyboardInterrupt at once) that remembers the Ctrl-C in
+    `hit`: Python drops a KeyboardInterrupt raised inside a garbage-collection callback,
+    so code that must stop reads `hit` at its next boundary (`StopSignal`; the `rljax`
+    command, `rljax.__main__`, for the whole command)."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    def __call__(self, signum, frame) -> None:
+        self.hit = True
+        raise KeyboardInterrupt
 
 
 class Preempted(Exception):
@@ -79,12 +99,18 @@ class StopSignal:
         self._flag = False
         self._previous: dict[int, object] = {}  # signal -> the handler to put back
         self.cause = "SIGTERM"
+        self._ctrl_c: CtrlC | None = None  # one process: the SIGINT handler while entered
 
     def _handle(self, signum, frame) -> None:
         if not self._flag:  # acknowledged when received, once
             print("\n[rljax] SIGTERM received: the run stops after the current step and "
                   "saves it", file=sys.stderr, flush=True)
         self._flag = True
+
+    @property
+    def ctrl_c(self) -> bool:
+        """One process: whether a Ctrl-C came (its KeyboardInterrupt may have been dropped)."""
+        return self._ctrl_c is not None and self._ctrl_c.hit
 
     def _forward_ctrl_c(self, signum, frame) -> None:
         """Several processes: the first Ctrl-C asks for an agreed stop (module docstring)."""
@@ -100,22 +126,36 @@ class StopSignal:
             return self  # Python delivers signals to the main thread only
         if not self.distributed:
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
-        elif self._agreed and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            previous = signal.signal(signal.SIGINT, self._forward_ctrl_c)
-            self._previous[signal.SIGINT] = (signal.default_int_handler if previous is None
-                                             else previous)
+        current = signal.getsignal(signal.SIGINT)
+        if not self.distributed and isinstance(current, CtrlC):
+            self._ctrl_c = current  # the command's: a Ctrl-C during its set-up counts
+            return self
+        if not self.distributed:
+            self._ctrl_c = CtrlC()
+        handler = self._forward_ctrl_c if self._agreed else self._ctrl_c
+        # A process that ignores SIGINT (started in the background) keeps ignoring it.
+        if handler is not None and current is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, handler)
+            self._previous[signal.SIGINT] = (signal.default_int_handler if current is None
+                                             else current)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if self.ctrl_c and exc_type is None:  # dropped after the last step: stop here
+            raise KeyboardInterrupt
 
     def guard(self) -> DeferredInterrupt:
         """The block around one RL step: on one process a `DeferredInterrupt` (Ctrl-C held
         to the step's end); on several, none (Ctrl-C is an agreed stop, or, without JAX's
-        service, a KeyboardInterrupt that saves nothing), with the same `hit` attribute."""
-        return DeferredInterrupt(hold=not self.distributed)
+        service, a KeyboardInterrupt that saves nothing), with the same `hit` attribute.
+        After a Ctrl-C whose KeyboardInterrupt was dropped, `hit` is set from the start:
+        the run stops after this step."""
+        held = DeferredInterrupt(hold=not self.distributed)
+        held.hit = self.ctrl_c
+        return held
 
     def reached(self, step: int) -> bool:
         """True at the boundary after `step` where every process stops. Call it at every
@@ -172,20 +212,26 @@ def save_step(ck, done: int, steps: int, state, meta, stop: StopSignal, held) ->
     takes it: a Ctrl-C during the step (`held`, the step's `stop.guard()`) raises
     KeyboardInterrupt for the caller to save; a stop request before the last step saves
     this one, waits until it is on disk and raises `Preempted` naming `stop.cause`;
-    otherwise the `run.save_every` schedule's save, forced for the last step."""
+    otherwise the `run.save_every` schedule's save, forced for the last step. A Ctrl-C
+    while orbax starts a save is held until the call returns (one that cut it half-way
+    left orbax a temporary directory it then failed to replace), then raises."""
     if held.hit:
         raise KeyboardInterrupt
-    if done < steps and stop.reached(done):  # before orbax's own check
-        ck.save(done, state, meta("preempted"), force=True)
-        ck.wait_until_finished()
-        raise Preempted(done, str(ck.directory), stop.cause, "rl")
-    last = done == steps  # the final state: saved as soon as it exists
-    ck.save(done, state, meta("done" if last else "rl"), force=last)
+    with DeferredInterrupt(hold=not stop.distributed) as saving:
+        if done < steps and stop.reached(done):  # before orbax's own check
+            ck.save(done, state, meta("preempted"), force=True)
+            ck.wait_until_finished()
+            raise Preempted(done, str(ck.directory), stop.cause, "rl")
+        last = done == steps  # the final state: saved as soon as it exists
+        ck.save(done, state, meta("done" if last else "rl"), force=last)
+    if saving.hit:
+        raise KeyboardInterrupt
 
 
 def save_interrupted(ck, step: int, state, meta: dict, out) -> None:
-    """After a KeyboardInterrupt: save `state` as checkpoint `step` (forced), wait for the
-    write and say how to continue (the caller re-raises). A state whose buffers a cut
+    """After a KeyboardInterrupt: save `state` as checkpoint `step` (forced; once a save
+    of it in flight is finished, nothing: it is that state), wait for the write and say
+    how to continue (the caller re-raises). A state whose buffers a cut
     step had donated is not saved, nor is anything on several processes (a checkpoint is a
     collective write the others are not making): the checkpoints on disk stay as they were."""
     if jax.process_count() > 1:
@@ -199,6 +245,7 @@ def save_interrupted(ck, step: int, state, meta: dict, out) -> None:
               f"checkpoint in {ck.directory} is intact (continue with --set "
               "run.resume=true)", file=out)
         return
+    ck.wait_until_finished()  # a save of `step` started before the Ctrl-C ends first
     ck.save(step, state, meta, force=True)
     ck.wait_until_finished()
     print(f"\n[rljax] interrupted at step {step}; checkpoint saved in {ck.directory}; "

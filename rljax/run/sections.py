@@ -143,6 +143,10 @@ class RewardConfig:
         with its prompts' file lines, and the run goes on).
       workers: reward worker processes (0 = score in the training process, where a call
         cannot be cut, so `timeout_s` does not apply).
+      batch_chunk: completions per call of a batch reward in the workers (0: the whole
+        batch in one call): each chunk is cut at `timeout_s` on its own, so one hang
+        scores 0 for its chunk only (a multiple of `algorithm.group_size` keeps each group
+        in one call). Needs `function_form="batch"` and `workers > 0`.
     """
 
     kind: str = "accuracy"
@@ -159,6 +163,7 @@ class RewardConfig:
     function_form: str = "batch"
     timeout_s: float = 5.0
     workers: int = 2
+    batch_chunk: int = 0
 
     def __post_init__(self):
         c = "RewardConfig"
@@ -182,6 +187,12 @@ class RewardConfig:
             fail(c, "answer_tag", self.answer_tag, "a name different from think_tag")
         check_bool(c, "think_in_prompt", self.think_in_prompt)
         check_num(c, "timeout_s", self.timeout_s, lo=0, lo_open=True, finite=False)
+        check_num(c, "batch_chunk", self.batch_chunk, lo=0, integer=True)
+        if self.batch_chunk and (self.kind != "custom" or self.function_form != "batch"
+                                 or self.workers == 0):
+            fail(c, "batch_chunk", self.batch_chunk, "0 unless the reward is a custom batch "
+                 "reward (function_form='batch') scored in workers (workers > 0); an item "
+                 "reward has a limit per completion already")
         if self.kind == "reward_model" and not self.model_path:
             fail(c, "model_path", self.model_path, "a directory when kind='reward_model'")
         if self.kind == "custom" and (not self.function or self.function.count(":") != 1):

@@ -3,9 +3,9 @@
 - `custom_reward(cfg)`: `reward.function` (found as `python -m` finds modules: the current
   directory first) as the run's reward. With `reward.workers > 0` every call runs in the
   process's shared `rljax.rewards.RewardPool` under `reward.timeout_s`, a batch reward
-  (`function_form="batch"`) as one call per batch, an item reward (`"item"`) as one call
-  per completion; a call past the limit scores 0, is logged with its prompts' file lines,
-  and the run goes on. A `rljax.rewards.device.DeviceReward` instance is used as it is.
+  (`function_form="batch"`) as one call per batch (or per `reward.batch_chunk`
+  completions), an item reward (`"item"`) as one call per completion; a call past the
+  limit scores 0, is logged with its prompts' file lines, and the run goes on. A `rljax.rewards.device.DeviceReward` instance is used as it is.
 - `Verifier`: the accuracy check with the name the run reports it under.
 - `check_reward(cfg)`: load the reward before anything is written (the run directory).
 """
@@ -71,4 +71,5 @@ def custom_reward(cfg, component_reward: Callable) -> Any:
         return component_reward(((1.0, fn),), timeout_s=r.timeout_s, workers=r.workers)
     if r.workers == 0:  # in the training process: no time limit (documented)
         return loaded
-    return PooledBatchReward(fn, lambda: shared_reward_pool(r.workers), timeout_s=r.timeout_s)
+    return PooledBatchReward(fn, lambda: shared_reward_pool(r.workers), timeout_s=r.timeout_s,
+                             chunk=r.batch_chunk or None)

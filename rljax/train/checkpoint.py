@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 from typing import Any
 
 import jax
@@ -132,8 +134,9 @@ class Checkpointer:
         return bool(self._mgr.save(step, args=args, force=force))
 
     def wait_until_finished(self) -> None:
-        """Block until every started save is on disk and finalised."""
-        self._mgr.wait_until_finished()
+        """Block until every started save is on disk and finalised (a Ctrl-C meanwhile is
+        held until then, `_ctrl_c_held`)."""
+        _ctrl_c_held(self._mgr.wait_until_finished)
 
     # -- reading --------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -215,7 +218,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for pending saves and release orbax's threads (idempotent)."""
         if not self._closed:
-            self._mgr.wait_until_finished()
+            self.wait_until_finished()
             self._mgr.close()
             self._closed = True
 
@@ -224,3 +227,28 @@ class Checkpointer:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
+
+
+def _ctrl_c_held(fn) -> None:
+    """`fn()` with a first Ctrl-C held until it returns, then raised as KeyboardInterrupt:
+    one that cut a wait for orbax's background write left the checkpoint unfinalised when
+    the process then exited. A second Ctrl-C raises at once. Only in the main thread with
+    a Python SIGINT handler (a process that ignores SIGINT keeps ignoring it)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        return fn()
+    hit: list[int] = []
+
+    def hold(signum, frame):
+        if hit:  # the second: at once
+            raise KeyboardInterrupt
+        hit.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        fn()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if hit:
+        raise KeyboardInterrupt
+

@@ -123,8 +123,8 @@ class MultiTurnOutput:
     """A multi-turn rollout: the ``Rollout`` (global arrays) and this process's rows'
     host results. ``turn_rewards``: per row, its per-turn rewards; ``info``: per row,
     ``EnvBatch.info``; ``metrics``: the episode metrics over every process's rows
-    (``env/turns``, ``env/tool_calls``, ``env/tool_errors``, ``env/truncated``,
-    ``env/env_s``, ``env/tool_s``, ``env/return``; means per episode) plus
+    (``env/turns``, ``env/tool_calls``, ``env/tool_errors``, ``env/tool_timeouts``,
+    ``env/truncated``, ``env/env_s``, ``env/tool_s``, ``env/return``; means per episode) plus
     ``env/rollout_turns`` (the turn loop's length)."""
 
     rollout: Rollout

@@ -3,12 +3,14 @@
 Micro-batch i holds rows i, i+M, i+2M, ... (or whole groups of G consecutive rows, when
 the forwards share each group's prompt), so every micro-batch stays spread across the
 devices a batch-sharded array lives on (contiguous blocks would put a small micro-batch on
-a single device).
+a single device). Their metric pairs combine with :func:`combine_metrics`.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import jax.numpy as jnp
 
 Array = Any
 
@@ -45,3 +47,20 @@ def num_micro_batches(batch_size: int, micro_batch_size: int, what: str = "batch
             f"{batch_size} sequences; allowed: a divisor of {batch_size} or 0 (no split)"
         )
     return batch_size // micro_batch_size
+
+
+def extreme(name: str) -> bool:
+    """Whether loss metric ``name`` is an extreme (``*_max`` / ``*_min``): its pair is
+    ``(value, count)``, combined over micro-batches by max / min and never divided."""
+    return name.endswith(("_max", "_min"))
+
+
+def combine_metrics(a: dict, b: dict) -> dict:
+    """Two micro-batches' metric pairs as one: sums and counts add; an extreme's value
+    is the max / min of the two (:func:`extreme`)."""
+    out = {}
+    for k, (s, c) in a.items():
+        s2, c2 = b[k]
+        pick = jnp.maximum if k.endswith("_max") else jnp.minimum
+        out[k] = (pick(s, s2) if extreme(k) else s + s2, c + c2)
+    return out

@@ -28,7 +28,7 @@ import optax
 from rljax.models.lora import ALL_PARAMETERS, Trainable
 from rljax.sharding import batch_sharding, mesh_context, on_mesh, output_shardings, replicated
 from rljax.train.config import OptimConfig
-from rljax.train.learn.micro import num_micro_batches, split_micro
+from rljax.train.learn.micro import combine_metrics, extreme, num_micro_batches, split_micro
 
 Array = Any
 LossFn = Callable[[Any, dict, Any], tuple[Array, Array, dict]]
@@ -143,23 +143,6 @@ def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
                 combine_metrics(carry[3], metrics)), None
 
     out, _ = jax.lax.scan(body, init, rest)
-    return out
-
-
-def extreme(name: str) -> bool:
-    """Whether loss metric ``name`` is an extreme (``*_max`` / ``*_min``): its pair is
-    ``(value, count)``, combined over micro-batches by max / min and never divided."""
-    return name.endswith(("_max", "_min"))
-
-
-def combine_metrics(a: dict, b: dict) -> dict:
-    """Two micro-batches' metric pairs as one: sums and counts add; an extreme's value
-    is the max / min of the two (:func:`extreme`)."""
-    out = {}
-    for k, (s, c) in a.items():
-        s2, c2 = b[k]
-        pick = jnp.maximum if k.endswith("_max") else jnp.minimum
-        out[k] = (pick(s, s2) if extreme(k) else s + s2, c + c2)
     return out
 
 

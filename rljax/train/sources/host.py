@@ -49,7 +49,9 @@ class Rollouts(PromptRows):
     (``rljax.train.batching.stop_ids``). A batch reward that sets ``last_components``
     (name -> float[B] of its latest call, as ``rljax.run.builders.ComponentReward``
     does) gets ``reward/<name>`` means over every row the step sampled: every process's,
-    every DAPO round's (``step_metrics``).
+    every DAPO round's (``step_metrics``). ``reward/timeouts`` is the share of those
+    rows whose reward a time limit cut (a row of an item call past ``reward_timeout_s``,
+    every row of a batch call past it); the held-out results report it too.
     """
 
     def __init__(self, graphdef, tokenizer, reward_fns, *, sampling: SamplingConfig,
@@ -65,24 +67,32 @@ class Rollouts(PromptRows):
         self.reward_pool = reward_pool
         self.reward_timeout_s = reward_timeout_s if reward_pool is not None else None
         self._terms: dict[str, list] = {}  # reward term -> [sum, rows] since step_metrics
+        self.last_timeouts = 0  # rows of the latest `score` a time limit cut
 
     def score(self, completions: list, metadata: list, group_size: int, first: int = 0):
-        """Rewards float32 of own rows; errors name the function and the prompt index."""
+        """Rewards float32 of own rows; errors name the function and the prompt index.
+        Sets ``last_timeouts``: how many of these rows a reward call's time limit cut (a
+        batch reward reports its own, ``last_timeouts``, as ``PooledBatchReward`` does)."""
         if callable(self.reward_fns):
-            return score_batch_fn(self.reward_fns, completions, metadata, group_size, first)
-        return self._items(list(self.reward_fns), completions, metadata, group_size, first,
-                           "reward function", "scored as a failure")
+            out = score_batch_fn(self.reward_fns, completions, metadata, group_size, first)
+            self.last_timeouts = int(getattr(self.reward_fns, "last_timeouts", 0))
+            return out
+        out, self.last_timeouts = self._items(list(self.reward_fns), completions, metadata,
+                                              group_size, first, "reward function",
+                                              "scored as a failure")
+        return out
 
     def _items(self, fns: list, texts: list, metadata: list, group_size: int, first: int,
-               what: str, counts: str) -> np.ndarray:
+               what: str, counts: str) -> tuple[np.ndarray, int]:
         """Item functions' sum over own rows (``score_batch``; in the reward pool under the
-        time limit when there is one, a call past it logged with its prompt index)."""
+        time limit when there is one, a call past it logged with its prompt index) and
+        how many rows had a call cut."""
         out = score_batch(fns, texts, metadata, group_size=group_size,
                           timeout_s=self.reward_timeout_s, pool=self.reward_pool)
         for t in out.timeouts:
             log.warning("%s %r timed out after %.1f s on prompt index %d (%s)", what, t.fn,
                         t.seconds, first + t.prompt_index, counts)
-        return out.rewards
+        return out.rewards, len({t.index for t in out.timeouts})
 
     def _verify(self, texts: list, metadata: list, group_size: int, first: int) -> np.ndarray:
         """The verifier's outcomes (float32 0/1; zeros without one) of own rows: in the
@@ -93,20 +103,25 @@ class Rollouts(PromptRows):
         if self.reward_pool is None:
             return np.asarray([bool(self.accuracy_fn(c, m)) for c, m in zip(texts, metadata)],
                               np.float32)
-        return (self._items([self.accuracy_fn], texts, metadata, group_size, first,
-                            "accuracy verifier", "counted wrong") != 0).astype(np.float32)
+        ok, _ = self._items([self.accuracy_fn], texts, metadata, group_size, first,
+                            "accuracy verifier", "counted wrong")
+        return (ok != 0).astype(np.float32)
 
-    def _add_terms(self) -> None:
-        """Add the reward's per-term sums of the rows it just scored (``last_components``)."""
-        for k, v in (getattr(self.reward_fns, "last_components", None) or {}).items():
+    def _add_terms(self, rows: int) -> None:
+        """Add the reward's per-term sums of the ``rows`` it just scored
+        (``last_components``) and its rows cut by a time limit (``timeouts``)."""
+        terms = {k: (float(np.sum(np.asarray(v, np.float64))), len(v)) for k, v in
+                 (getattr(self.reward_fns, "last_components", None) or {}).items()}
+        terms["timeouts"] = (float(self.last_timeouts), rows)
+        for k, (total, n) in terms.items():
             acc = self._terms.setdefault(k, [0.0, 0])
-            acc[0] += float(np.sum(np.asarray(v, np.float64)))
-            acc[1] += len(v)
+            acc[0] += total
+            acc[1] += n
 
     def step_metrics(self) -> dict:
-        """``{"reward/<term>": mean}`` over the rows sampled since the last call (every
-        process's, every round's), then starts over. Every process calls it once per
-        step: with several processes the sums are reduced over them."""
+        """``{"reward/<term>": mean}`` and ``reward/timeouts`` over the rows sampled since
+        the last call (every process's, every round's), then starts over. Every process
+        calls it once per step: with several processes the sums are reduced over them."""
         names = sorted(self._terms)
         if not names:
             return {}
@@ -133,7 +148,7 @@ class Rollouts(PromptRows):
         texts = self.own_texts(out, lo, hi)
         rep_meta = [m for m in meta for _ in range(g)]
         rewards = np.asarray(self.score(texts, rep_meta, g, lo // g), np.float32)
-        self._add_terms()
+        self._add_terms(len(texts))
         correct = self._verify(texts, rep_meta, g, lo // g)
         glob = functools.partial(hosts.to_global, n_rows=b, mesh=self.mesh)
         ro = Rollout(*to_rollout(out.prompt_tokens, out.prompt_mask, out.tokens,
@@ -161,6 +176,7 @@ class Rollouts(PromptRows):
         out = self.generate(params, tok, mask, jax.random.key(0), greedy=True)
         texts = self.own_texts(out, lo, hi)
         sums = {"reward": float(np.sum(self.score(texts, metadata[lo:hi], 1, first + lo)))}
+        sums["reward/timeouts"] = float(self.last_timeouts)
         if self.accuracy_fn is not None:
             sums["accuracy"] = float(np.sum(self._verify(texts, metadata[lo:hi], 1, first + lo)))
         return sum_rows(sums)
