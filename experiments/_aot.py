@@ -78,9 +78,10 @@ def trainer(cfg, graphdef, value_gd, mesh, model_cfg):
 
 def opt_state(trainer, params, mesh):
     """The optimiser state as `init_opt_state` places it."""
+    filters = {"policy": trainer.trainable}  # a LoRA policy: its adapters only
     shapes = jax.eval_shape(lambda p: {k: trainer.txs[k].init(p[k]) for k in p},
-                            trainable(params)[0])  # a LoRA policy: its adapters only
-    return abstract(shapes, opt_state_shardings(trainer.txs, params, mesh))
+                            trainable(params, filters)[0])
+    return abstract(shapes, opt_state_shardings(trainer.txs, params, mesh, filters))
 
 
 def sampler_head(params, model_cfg, mesh):

@@ -10,7 +10,7 @@ completion lengths log-normal with median 180 and sigma 0.6, capped at 1,024 (nu
 - packed: the same trainer with ``RLConfig.tokens_per_micro_batch`` (each row's real
   tokens packed into rows of ``120 + 1,024`` slots within each batch shard;
   ``rljax.train.learn.packing``), ``--rows-per-micro`` packed rows a micro-batch, its
-  bucket from ``RLTrainer.packing_for``.
+  bucket from ``Packed.for_rollout`` (``rljax.train.learn.layout``).
 
 Both run GRPO with beta 0.04 (the reference forward, group advantages, one AdamW update
 with the k3 KL in the loss) on the benchmark model (``_bench.REFERENCE``: random Qwen2,
@@ -108,8 +108,9 @@ class Side:
             prompt_len=w.prompt_len)
         self.state = self.tr.init_state(params, seed=0)
         self.ro, self.key = ro, jax.random.key(0)
-        self.packing = self.tr.packing_for(ro)
-        spec = dataclasses.replace(self.tr.step_spec(self.state), packing=self.packing)
+        spec = self.tr.step_spec(self.state)
+        spec = dataclasses.replace(spec, layout=spec.layout.for_rollout(ro))
+        self.layout = spec.layout
         self.program = functools.partial(run, learn_step, spec)
         self.metrics: dict = {}
 
@@ -133,7 +134,7 @@ def measure(sizes: dict, w: Workload, reps: int, rows_per_micro: int, micro_batc
     sides = {"padded": Side(sizes, w, ro, reps + 1, micro_batch_size=micro_batch_size),
              "packed": Side(sizes, w, ro, reps + 1, rows_per_micro * width)}
     log(f"rows {w.rows}, completion tokens {int(np.sum(ro.completion_mask_BxT))} of "
-        f"{w.rows * w.max_new_tokens} slots; packed: {sides['packed'].packing}")
+        f"{w.rows * w.max_new_tokens} slots; packed: {sides['packed'].layout.shape}")
     times: dict = {k: [] for k in sides}
     for name, side in sides.items():
         log(f"  {name} compile+call: {side.call():.2f} s")

@@ -47,6 +47,7 @@ from rljax.sampling import generate
 from rljax.train.config import algorithm_preset
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.logprobs import policy_logprobs
+from rljax.train.learn.layout import Padded
 from rljax.train.learn.loss import rl_loss
 
 
@@ -97,7 +98,7 @@ def grpo_grad(gd, params, seqs, sampler_logp, adv_B, group: int, chunk: int, new
     loss = functools.partial(rl_loss, policy_gd=gd, value_gd=None,
                              objective=alg.make_objective(a, new), chunk=chunk,
                              temperature=1.0, remat=False, self_old=True, use_sampler=False,
-                             entropy_grad=False, group=group, one_pass=True)
+                             entropy_grad=False, layout=Padded(group), one_pass=True)
 
     def f(p):
         s, n, _ = loss({"policy": p}, mb, alg.make_coef(a))

@@ -65,14 +65,11 @@ import _aot as aot  # noqa: E402
 from _aot import GIB, abstract_params, per_chip_bytes  # noqa: E402
 from rljax.models import Decoder, ValueModel  # noqa: E402
 from rljax.models.layers import cast_matmul_weights, compute_dtype  # noqa: E402
-from rljax.models.lora import has_adapters, split_trainable  # noqa: E402
 from rljax.run.experiment_files import experiment_module, load_experiment  # noqa: E402
 from rljax.sampling import sampler as sampler_lib  # noqa: E402
 from rljax.sampling.ops import SamplingParams  # noqa: E402
 from rljax.sharding import inference_shardings, make_mesh, mesh_context, replicated  # noqa: E402
-from rljax.train.learn import _map_micro  # noqa: E402
-from rljax.train.learn.packing import choose_spec, make_plan, packed_logprobs  # noqa: E402
-from rljax.train.learn.logprobs import policy_logprobs  # noqa: E402
+from rljax.train.learn.layout import Packed, Padded, frozen_logprobs  # noqa: E402
 from rljax.train.learn.reference import lora_base, reference_model  # noqa: E402
 from rljax.train.programs.step import learn_step  # noqa: E402
 
@@ -152,18 +149,19 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     if cfg.algorithm.resolve().name == "ppo":
         value_gd, value = abstract_params(lambda: ValueModel(model_cfg, rngs=nnx.Rngs(0)), mesh)
     trainer = aot.trainer(cfg, graphdef, value_gd, mesh, model_cfg)
-    lora = has_adapters(policy)
+    lora = trainer.trainable.adapters
     if lora:  # RLTrainer.init_state: the frozen base in the compute dtype, adapters float32
         policy = jax.tree.map(lambda o, x: jax.ShapeDtypeStruct(o.shape, o.dtype,
                                                                 sharding=x.sharding),
-                              jax.eval_shape(lambda w: lora_base(graphdef, w), policy), policy)
+                              jax.eval_shape(lambda w: lora_base(graphdef, w, trainer.trainable),
+                                             policy), policy)
     params = {"policy": policy} | ({"value": value} if value is not None else {})
     opt = aot.opt_state(trainer, params, mesh)
     # A LoRA policy's KL reference copies its adapters only, in the compute dtype
     # (make_reference); the base is the policy's own.
     ref = None
     if trainer.uses_ref:
-        ref = (aot.cast(split_trainable(policy)[0], jnp.dtype(compute_dtype(model_cfg)).name)
+        ref = (aot.cast(trainer.trainable.split(policy)[0], jnp.dtype(compute_dtype(model_cfg)).name)
                if lora else aot.cast(policy, getattr(cfg.rl, "ref_dtype", "float32")))
     n_prompts, g = cfg.rl.prompts_per_step, trainer.alg.group_size
     p, t, b = cfg.task.max_prompt_tokens, cfg.sampling.max_new_tokens, n_prompts * g
@@ -199,20 +197,18 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     # Reference log-probs over the batch (the learning program's first pass, alone).
     ro = aot.rollout(trainer, mesh, b, p, t)
     d = mesh.shape["data"] * mesh.shape["fsdp"]  # packed: the largest bucket
-    spec_l = dataclasses.replace(trainer.base_spec, packing=choose_spec(
-        b // d, cfg.rl.tokens_per_micro_batch, p + t, d) if cfg.rl.tokens_per_micro_batch else None)
+    layout = trainer.base_spec.layout
+    layout = layout.sized(b // d, p + t) if isinstance(layout, Packed) else layout
+    spec_l = dataclasses.replace(trainer.base_spec, layout=layout)
+    # The reference pass alone: padded, every row's prompt.
+    ref_layout = layout if isinstance(layout, Packed) else Padded(num_micro=layout.num_micro)
     # Its arguments: the reference's weights (LoRA: the policy's and the adapters' copy).
     w = (policy, ref) if lora and ref is not None else ref if ref is not None else policy
-    model = (lambda w: reference_model(graphdef, *w)) if lora and ref is not None else (
-        lambda w: (graphdef, w))
-    logp = jax.jit(lambda w, seqs: _map_micro(
-        lambda mb: policy_logprobs(*model(w), mb, chunk=spec_l.chunk,
-                                   temperature=spec_l.temperature)[0],
-        seqs, spec_l.num_micro))
-    if spec_l.packing is not None:  # packed rows, micro-batched by tokens
-        logp = jax.jit(lambda w, seqs: packed_logprobs(
-            *model(w), {**seqs, **make_plan(seqs, spec_l.packing)}, spec_l.packing,
-            chunk=spec_l.chunk, temperature=spec_l.temperature))
+    model = (lambda w: reference_model(graphdef, *w, trainer.trainable)) if (
+        lora and ref is not None) else (lambda w: (graphdef, w))
+    logp = jax.jit(lambda w, seqs: frozen_logprobs(
+        ref_layout, *model(w), ref_layout.plan(seqs)[0], chunk=spec_l.chunk,
+        temperature=spec_l.temperature))
     record("logprob", lambda: logp.lower(w, ro.seqs()).compile(),
            sum(state_bytes.values()) - per_chip_bytes(w))
     scalars = dict(updates=jnp.int32, nonfinite_run=jnp.int32, skipped=jnp.int32,
@@ -220,7 +216,7 @@ def compile_recipe(cfg, model_cfg, devices, *, label: str, hbm_gib: float,
     scalars = {k: jax.ShapeDtypeStruct((), v, sharding=rep) for k, v in scalars.items()}
     spec = dataclasses.replace(trainer.step_spec(types.SimpleNamespace(params=params,
                                                                        opt_state=opt)),
-                               packing=spec_l.packing)
+                               layout=layout)
 
     def learn():
         with mesh_context(mesh):

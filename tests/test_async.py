@@ -78,7 +78,7 @@ def test_staleness_zero_is_the_synchronous_step(monkeypatch):
     mb = []
     for _ in range(2):
         window = Window(prompts, int(sb.data_pos), 4)
-        out = rl_step(tr.step_spec(sb), tr.source, sb, window, layout=tr.packing_for)
+        out = rl_step(tr.step_spec(sb), tr.source, sb, window)
         sb = out.state
         mb.append(_kept(tr.finish_metrics(out.metrics, out.times, sb.params)))
     assert ma == mb

@@ -21,9 +21,9 @@ from rljax.sharding import (batch_sharding, inference_shardings, logical_constra
                             state_shardings)
 from rljax.sharding.collectives import (Expectation, Loop, activation_rows, classify,
                                         group_axes, parse_collectives, state_parameter_sizes)
-from rljax.train.learn import _map_micro
+from rljax.train.learn.layout import Padded, head_one_pass
 from rljax.train.learn.logprobs import linear_logprobs, policy_logprobs
-from rljax.train.learn.onepass import one_pass_head, policy_one_pass
+from rljax.train.learn.onepass import one_pass_head
 from rljax.train.learn.update import accumulate, batch_constrainer
 
 P_LEN, T_LEN, CHUNK, BATCH, MICRO = 10, 14, 4, 96, 3  # 3 micro-batches of 32 rows
@@ -54,17 +54,18 @@ def _ones(aux, logp, ent, start):
 
 
 def _compile_learn(mesh, constraints: bool = True):
-    """Reference log-probs in `_map_micro`, then `accumulate`'s micro-batch scan over a
+    """Reference log-probs over micro-batches (`Padded.over_micro`), then `accumulate`'s micro-batch scan over a
     loss through the one-pass head (chunk loops in both)."""
     gd, state, params = _params(mesh)
 
     def loss_fn(p, mb, coef):
         mask = mb["completion_mask_BxT"]
-        surrogate, logp, _ = policy_one_pass(gd, p, mb, _ones, None, chunk=CHUNK)
+        surrogate, logp, _ = head_one_pass(Padded(), gd, p, mb, _ones, None, chunk=CHUNK)
         return surrogate + jnp.sum(logp * mask), jnp.sum(mask), {}
 
     def program(p, batch):
-        ref = _map_micro(lambda s: policy_logprobs(gd, p, s, chunk=CHUNK)[0], batch, MICRO)
+        ref = Padded(num_micro=MICRO).over_micro(
+            lambda s: policy_logprobs(gd, p, s, chunk=CHUNK)[0], batch)
         grads, *_ = accumulate(loss_fn, p, batch, None, MICRO, batch_constrainer(mesh))
         return grads, ref
 

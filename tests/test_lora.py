@@ -37,7 +37,7 @@ from _lora_common import LORA, randomise_adapters
 from _train_common import CharTok, random_seqs, tiny_config
 from rljax.cli import main
 from rljax.models import Decoder, ModelConfig, ValueModel
-from rljax.models.lora import (PROJECTIONS, LoraConfig, count_pairs, merged_weight,
+from rljax.models.lora import (ADAPTERS, PROJECTIONS, LoraConfig, count_pairs, merged_weight,
                                set_adapters, split_trainable)
 from rljax.models.tokenizer import build_char_tokenizer
 from rljax.run.builders import build_model
@@ -224,7 +224,8 @@ def test_the_reference_is_the_policy_at_the_start_of_rl(rl_run):
     seqs = {k: jnp.asarray(v) for k, v in random_seqs(np.random.default_rng(1), 4, 5, 3).items()}
     gd, params = tr.gd, new.params["policy"]
     logp = jax.jit(lambda g, p: policy_logprobs(g, p, seqs, chunk=2)[0], static_argnums=0)
-    ref = jax.jit(lambda p, r: policy_logprobs(*reference_model(gd, p, r), seqs, chunk=2)[0])
+    ref = jax.jit(lambda p, r: policy_logprobs(*reference_model(gd, p, r, ADAPTERS), seqs,
+                                               chunk=2)[0])
     ref = ref(params, new.ref_params)
     np.testing.assert_array_equal(ref, logp(gd, jax.tree.map(jnp.asarray, keep)))
     assert float(jnp.max(jnp.abs(logp(gd, params) - ref))) > 1e-4  # the step moved the policy

@@ -21,7 +21,7 @@ from rljax.models.moe_parallel import expert_axis_size
 from rljax.sampling import generate
 from rljax.sharding import MeshConfig, batch_sharding, make_mesh, state_shardings
 from rljax.train.config.dicts import config_from_dict, config_to_dict
-from rljax.train.learn import packing
+from rljax.train.learn.layout import Packed, frozen_logprobs
 from rljax.train.learn.logprobs import REPLAY_KEY, policy_logprobs
 from rljax.models.moe import (active_params, aux_loss, compact_ids, experts_ragged, experts_tiled,
                               mismatch_kl, route, router_loss, router_metrics, tile_rows,
@@ -228,9 +228,9 @@ def _learner_logp(graphdef, state, result, group, packed=False):
             REPLAY_KEY: result.expert_ids}
     if packed:
         width = seqs["prompt_BxP"].shape[1] + seqs["completion_BxT"].shape[1]
-        spec = packing.choose_spec(8, 4 * width, width, 1)  # 4 packed rows a micro-batch
-        batch = {**seqs, **packing.make_plan(seqs, spec)}
-        return packing.packed_logprobs(graphdef, state, batch, spec, chunk=8, temperature=1.0)
+        layout = Packed(4 * width).sized(8, width)  # 4 packed rows a micro-batch
+        return frozen_logprobs(layout, graphdef, state, layout.plan(seqs)[0], chunk=8,
+                               temperature=1.0)
     return policy_logprobs(graphdef, state, seqs, chunk=8, group=group)[0]
 
 

@@ -24,6 +24,7 @@ from rljax.train import learn
 from rljax.train.config import algorithm_preset
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.logprobs import policy_logprobs
+from rljax.train.learn.layout import Padded
 from rljax.train.learn.loss import rl_loss
 
 TOL = 1e-5  # the dense sampler's tolerance (test_moe)
@@ -90,9 +91,8 @@ def test_clip_cov_selection_forward_replays(rollout, monkeypatch):
     st, ro = rollout
     gd, _ = _graphdef("replay")
     monkeypatch.setattr(alg, "cov_tokens", lambda cfg, logp, mb, key: logp)  # its input
-    spec = types.SimpleNamespace(alg=algorithm_preset("clip_cov", group_size=2), packing=None,
-                                 share_group=1, num_micro=1, chunk=8, temperature=1.0,
-                                 policy_gd=gd)
+    spec = types.SimpleNamespace(alg=algorithm_preset("clip_cov", group_size=2),
+                                 layout=Padded(), chunk=8, temperature=1.0, policy_gd=gd)
     mb = dict(ro.seqs(), adv_BxT=jnp.zeros_like(ro.sampler_logp_BxT))
     select = jax.jit(lambda st: learn._cov_selector(spec)({"policy": st}, mb, jax.random.key(0)))
     assert _gap(select(st), ro) <= TOL
@@ -115,7 +115,7 @@ def test_router_losses_enter_the_update_loss(rollout):
         loss = lambda p, g=group, gd=gd: rl_loss(
             p, mb, coef, policy_gd=gd, value_gd=None, objective=objective, chunk=8,
             temperature=1.0, remat=False, self_old=True, use_sampler=False,
-            entropy_grad=False, group=g)[:2]
+            entropy_grad=False, layout=Padded(g))[:2]
         # The grouped form's loss only (a backward compiles slowly on 2 cores).
         fn = (lambda p: (loss(p), None)) if group > 1 else jax.value_and_grad(loss, has_aux=True)
         out[name] = jax.jit(fn)({"policy": st})

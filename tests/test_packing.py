@@ -16,6 +16,7 @@ from rljax.models import Decoder, ValueModel
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
 from rljax.sharding import mesh_context, shard_params
 from rljax.train.learn import packing as pack
+from rljax.train.learn.layout import Packed
 from rljax.train.programs.step import learn_fn
 from rljax.train.rl import RLTrainer
 from rljax.train.batch import Rollout
@@ -89,7 +90,7 @@ def test_packed_splash_forward_equals_the_padded_one():
         return m.hidden_states(ids, mask_BxT=mask)[:, P - 1:-1]
 
     def packed(m):
-        return pack.unpack(pack._hidden(m, plan, False)[..., 0], plan, 1)
+        return pack.unpack(pack.packed_hidden(m, plan, False)[..., 0], plan, 1)
 
     cm = np.asarray(s["completion_mask_BxT"]) > 0
     a, b = (np.asarray(nnx.jit(f)(model)) for f in (lambda m: padded(m)[..., 0], packed))
@@ -145,7 +146,8 @@ def _compare(case: str, mesh, shards: int, rows_per_micro: int, gaps: bool = Fal
     packed = pack.choose_spec(bins, rows_per_micro * (P + T), P + T, shards)
     assert packed.num_micro >= 2  # the packed program accumulates micro-batches
     results = []
-    for spec in (tr.base_spec, dataclasses.replace(tr.base_spec, packing=packed)):
+    for spec in (tr.base_spec, dataclasses.replace(
+            tr.base_spec, layout=Packed(rows_per_micro * (P + T), shards, packed))):
         state = tr.init_state(jax.tree.map(jnp.copy, st), value_params=vst and jax.tree.map(
             jnp.copy, vst))
         before = jax.tree.map(np.asarray, state.params)

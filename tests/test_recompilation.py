@@ -68,4 +68,4 @@ def test_packed_rl_steps_compile_once_per_prompt_and_micro_batch_bucket():
                    rl=RLConfig(steps=8, prompts_per_step=N_PROMPTS, logp_chunk=2,
                                tokens_per_micro_batch=64), prompt_len=60)
     _steps_compile_once_per_bucket(tr, st, 8, lambda width, tr: (width,
-                                                                 tr.last_packing.num_micro))
+                                                                 tr.last_layout.num_micro))

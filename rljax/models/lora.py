@@ -17,7 +17,8 @@ axis names (the rank axis is never split). Adapters are float32 whatever the bas
 dtype, and drawn from their own key stream, so a model's base weights do not depend on
 whether it has adapters.
 
-A model with adapters trains only them (:func:`split_trainable`); its KL reference is
+A model with adapters trains only them (:class:`Trainable`, chosen once by
+:func:`trainable_of`); its KL reference is
 its own base with a frozen copy of the adapters as RL starts (``rljax.train.learn.reference``),
 never a copy of the base. :func:`set_adapters` switches adapters off (the base's function).
 """
@@ -34,10 +35,11 @@ from flax import nnx
 
 from rljax.sharding import constrain_logical
 
-__all__ = ["ATTENTION_PROJECTIONS", "HF_PROJECTION_NAMES", "LoraConfig", "LoraPair",
-           "MLP_PROJECTIONS", "PROJECTIONS", "adapter_arrays", "count_pairs", "has_adapters",
-           "lora_delta", "lora_rngs", "merge_trainable", "merged_weight", "set_adapters",
-           "split_trainable"]
+__all__ = ["ADAPTERS", "ALL_PARAMETERS", "ATTENTION_PROJECTIONS", "HF_PROJECTION_NAMES",
+           "LoraConfig", "LoraPair", "MLP_PROJECTIONS", "PROJECTIONS", "Trainable",
+           "adapter_arrays", "count_pairs", "has_adapters", "lora_delta", "lora_rngs",
+           "merge_trainable", "merged_weight", "set_adapters", "split_trainable",
+           "trainable_of"]
 
 ATTENTION_PROJECTIONS = ("q", "k", "v", "o")
 MLP_PROJECTIONS = ("gate", "up", "down")
@@ -190,9 +192,13 @@ def set_adapters(model: nnx.Module, enabled: bool) -> nnx.Module:
     return model
 
 
-def has_adapters(state) -> bool:
-    """The NNX state holds `nnx.LoRAParam` leaves."""
-    leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+def has_adapters(model) -> bool:
+    """A model (its NNX state or its graphdef) holds `nnx.LoRAParam` leaves. A run decides
+    this once, in :func:`trainable_of`."""
+    if isinstance(model, nnx.GraphDef):
+        return any(isinstance(t, type) and issubclass(t, nnx.LoRAParam)
+                   for t in (getattr(n, "type", None) for n in model.nodes))
+    leaves = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return any(isinstance(x, nnx.LoRAParam) for x in leaves)
 
 
@@ -207,16 +213,47 @@ def count_pairs(state) -> int:
     return n
 
 
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """Which parameters of a model train: every one (``adapters=False``) or its LoRA
+    adapters (``adapters=True``: the base frozen). Chosen once per model
+    (:func:`trainable_of`), it drives the gradients and the optimiser state
+    (``rljax.train.learn.update``), the KL reference (``rljax.train.learn.reference``), and
+    a LoRA run's checkpoints and export (``rljax.run.lora_runs``)."""
+
+    adapters: bool = False
+
+    def split(self, state):
+        """``(trainable, frozen)``: the `nnx.LoRAParam` leaves and the rest, or the whole
+        state and None. :meth:`merge` undoes it."""
+        if not self.adapters:
+            return state, None
+        return nnx.split_state(state, nnx.LoRAParam, ...)
+
+    @staticmethod
+    def merge(trainable, frozen):
+        """The model state :meth:`split` split (``frozen`` None: ``trainable`` itself)."""
+        if frozen is None:
+            return trainable
+        return nnx.merge_state(frozen, trainable)
+
+
+#: Every parameter trains.
+ALL_PARAMETERS = Trainable(adapters=False)
+#: The adapters train, the base is frozen.
+ADAPTERS = Trainable(adapters=True)
+
+
+def trainable_of(model) -> Trainable:
+    """The filter of a model (its graphdef or state): :data:`ADAPTERS` when it has
+    adapters, else :data:`ALL_PARAMETERS`. The one place a run decides it."""
+    return ADAPTERS if has_adapters(model) else ALL_PARAMETERS
+
+
 def split_trainable(state):
-    """``(trainable, frozen)`` states of a model: its `nnx.LoRAParam` leaves and the rest
-    when it has adapters, else everything and an empty state. `merge_trainable` undoes it."""
-    if not has_adapters(state):
-        return state, None
-    return nnx.split_state(state, nnx.LoRAParam, ...)
+    """``(trainable, frozen)`` states of a model, by :func:`trainable_of` of the state."""
+    return trainable_of(state).split(state)
 
 
-def merge_trainable(trainable, frozen):
-    """The model state `split_trainable` split (``frozen`` None: ``trainable`` itself)."""
-    if frozen is None:
-        return trainable
-    return nnx.merge_state(frozen, trainable)
+#: The model state `split_trainable` split (``frozen`` None: ``trainable`` itself).
+merge_trainable = Trainable.merge

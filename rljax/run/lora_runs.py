@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rljax.models import Decoder
-from rljax.models.lora import merge_trainable, split_trainable
+from rljax.models.lora import ADAPTERS
 from rljax.sharding import state_shardings
 from rljax.train.checkpoint import pure_params
 from rljax.train.hosts import fetch_small
@@ -61,7 +61,7 @@ def base_fingerprint(base) -> str:
 
 def adapters_only(state):
     """A `TrainState` with its policy reduced to the adapters (what is saved)."""
-    adapters = split_trainable(state.params["policy"])[0]
+    adapters = ADAPTERS.split(state.params["policy"])[0]
     return dataclasses.replace(state, params=dict(state.params, policy=adapters))
 
 
@@ -86,15 +86,15 @@ class AdapterCheckpoints:
         return getattr(self._ck, name)
 
     def save(self, step: int, state, meta: dict | None = None, **kw):
-        base = split_trainable(state.params["policy"])[1]
+        base = ADAPTERS.split(state.params["policy"])[1]
         meta = dict(meta or {}, **{BASE_KEY: base_fingerprint(base)})
         return self._ck.save(step, adapters_only(state), meta, **kw)
 
     def restore(self, target, step: int | None = None):
-        base = split_trainable(target.params["policy"])[1]
+        base = ADAPTERS.split(target.params["policy"])[1]
         state, meta = self._ck.restore(adapters_only(target), step)
         _check_base(meta, base, f"resume from {self._ck.directory}")
-        policy = merge_trainable(state.params["policy"], base)
+        policy = ADAPTERS.merge(state.params["policy"], base)
         return dataclasses.replace(state, params=dict(state.params, policy=policy)), meta
 
 
@@ -108,8 +108,8 @@ def lora_checkpoints(cfg, ck):
 def base_model(graphdef, params) -> tuple[Any, Any, Any]:
     """``(graphdef, state, adapters)``: the model ``(graphdef, params)`` without its
     adapters (its base as a model of its own, for a phase that trains every weight of it)
-    and the adapters set aside; ``merge_trainable(adapters, state)`` puts them back."""
-    adapters, base = split_trainable(params)
+    and the adapters set aside; ``ADAPTERS.merge(adapters, state)`` puts them back."""
+    adapters, base = ADAPTERS.split(params)
     config = dataclasses.replace(nnx.merge(graphdef, params).config, lora=None)
     plain = nnx.graphdef(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
     return plain, base, adapters
@@ -151,9 +151,9 @@ def restore_lora_policy(ck, models: list, step: int | None, mesh=None, index: in
     (a run whose warm-up trained the base) base and adapters as saved. ``models``: the
     run's model, or one per seed of a several-seed run (its checkpoint stacks them; read
     on one device, ``mesh=None``), of which seed ``index`` is returned."""
-    states = [lora_base(*nnx.split(m)) for m in models]
+    states = [lora_base(*nnx.split(m), ADAPTERS) for m in models]
     state = states[0] if len(states) == 1 else stack_states(states)
-    adapters, base = split_trainable(state)
+    adapters, base = ADAPTERS.split(state)
     target = saved_target(state if whole else adapters, mesh)
     raw, meta = ck.restore_subtree({"params": {"policy": target}}, step)
     policy = _pure(base)

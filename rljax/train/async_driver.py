@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -83,12 +82,11 @@ def _collected(col, version: int) -> InFlight:
 
 
 def async_step(spec: StepSpec, source, state: TrainState, prompts: PromptSource, n: int,
-               max_staleness: int, *, teacher_params=None, layout: Callable | None = None,
-               ) -> StepOutput:
+               max_staleness: int, *, teacher_params=None) -> StepOutput:
     """One asynchronous RL step of ``state`` (module docstring): learn from the oldest
     in-flight batch while the batch ``max_staleness`` steps ahead is collected from
-    ``prompts`` (``n`` prompts a batch). ``layout``, ``teacher_params``: as
-    ``rljax.train.driver.rl_step``. Metrics: the learning program's on the learned batch,
+    ``prompts`` (``n`` prompts a batch). ``teacher_params``: as
+    ``rljax.train.driver.rl_step``; the spec's layout is sized for the learned batch. Metrics: the learning program's on the learned batch,
     its collection's host metrics, ``async/staleness`` (updates between the policy that
     sampled it and the one it updates) and ``async/inflight`` (batches in flight after
     the step)."""
@@ -105,8 +103,8 @@ def async_step(spec: StepSpec, source, state: TrainState, prompts: PromptSource,
         pos = col.next_pos
     batch = pending.pop(0)
     key, k_roll, k_learn = _split_key(key)
-    if layout is not None:  # the packed shape of the batch to learn: before any dispatch
-        spec = dataclasses.replace(spec, packing=layout(batch.rollout))
+    # The batch to learn sizes the layout (a packed one's bucket): before any dispatch.
+    spec = dataclasses.replace(spec, layout=spec.layout.for_rollout(batch.rollout))
     sampler = _copy(policy) if getattr(source, "samples_after_dispatch", False) else policy
     learned: list = []
 

@@ -17,7 +17,6 @@ layout packs, and the metrics dict out.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import numpy as np
@@ -49,12 +48,10 @@ class StepOutput:
 
 
 def rl_step(spec: StepSpec, source, state: TrainState, window: Window, *,
-            teacher_params=None, layout: Callable | None = None,
-            ph: PhaseTimes | None = None) -> StepOutput:
-    """One RL step of ``state`` on ``window``'s prompts from ``source``.
-
-    ``layout(rollout) -> PackSpec | None``: the packed batch's shape for a host source's
-    rollout (None: padded rows); ``teacher_params``: a distillation teacher's weights.
+            teacher_params=None, ph: PhaseTimes | None = None) -> StepOutput:
+    """One RL step of ``state`` on ``window``'s prompts from ``source``. A host source's
+    rollout sizes the spec's layout (``Packed.for_rollout``: the packed batch's bucket);
+    ``teacher_params``: a distillation teacher's weights.
     """
     ph = PhaseTimes() if ph is None else ph
     params, opt_state = put_on((state.params, state.opt_state), spec.out_shardings)
@@ -70,8 +67,7 @@ def rl_step(spec: StepSpec, source, state: TrainState, window: Window, *,
     else:
         key, k_roll, k_learn = _split_key(state.key)
         ro, pos, extra = source.collect(policy, window, k_roll, ph)
-        if layout is not None:
-            spec = dataclasses.replace(spec, packing=layout(ro))
+        spec = dataclasses.replace(spec, layout=spec.layout.for_rollout(ro))
         params, opt_state, out, m = ph.timed("learn", run, learn_step, spec, state.params,
                                              state.opt_state, scalars, state.ref_params, ro,
                                              k_learn, teacher_params)

@@ -31,7 +31,7 @@ from rljax.rewards.device import is_device_reward
 from rljax.sharding import check_process_blocks, output_shardings
 from rljax.train import hosts
 from rljax.train import throughput
-from rljax.train.batch import PromptSource, Rollout
+from rljax.train.batch import PromptSource
 from rljax.train.config import (AlgorithmConfig, OptimConfig, RLConfig, SamplingConfig,
                                 check_algorithm_sampling, check_packing)
 from rljax.train.config.checks import corrects_sampler
@@ -39,13 +39,13 @@ from rljax.train.async_driver import async_step
 from rljax.train.driver import rl_step
 from rljax.train.learn import algorithms as alg
 from rljax.train.learn.loss import rl_loss
-from rljax.train.learn.packing import PackSpec, choose_spec, pack_bins
-from rljax.models.lora import has_adapters, split_trainable
+from rljax.train.learn.layout import Layout
+from rljax.models.lora import trainable_of
 from rljax.train.learn.reference import lora_base, make_reference
 from rljax.train.learn.update import (NonFiniteError, TrainState, init_opt_state, new_train_state,
                                       num_micro_batches)
 from rljax.train.multiturn import MultiTurnConfig, MultiTurnRollouts
-from rljax.train.programs.paths import graph_model_config, resolve_paths
+from rljax.train.programs.paths import graph_model_config, resolve_layout, resolve_paths
 from rljax.train.programs.step import StepSpec, optimizers, schedule_updates
 from rljax.train.sources import Window
 from rljax.train.sources.device import DeviceRewardSource
@@ -164,8 +164,10 @@ class RLTrainer:
         overlong = alg.resolve_overlong_buffer(algorithm, budget)
         check_packing(rl, algorithm, self.device_reward is not None)
         _check_async(rl, algorithm, self.device_reward)
-        self.last_packing: PackSpec | None = None  # the latest step's (packing_for)
+        self.last_layout: Layout | None = None  # the latest step's (a packed one sized)
         self.num_params = 0  # the policy's parameter count (init_state): the step's FLOPs
+        # What of the policy trains (every parameter, or its adapters): decided here, once.
+        self.trainable = trainable_of(policy_graphdef)
         self.paths = resolve_paths(
             policy_graphdef, objective=alg.make_objective(algorithm, budget),
             one_pass_head=rl.one_pass_head,
@@ -196,12 +198,17 @@ class RLTrainer:
             self.source = Refill(self.source, max_refill_rounds=algorithm.max_refill_rounds)
         total = rl.steps * algorithm.num_epochs * algorithm.num_minibatches
         self.base_spec = StepSpec(
-            algorithm.spec(), self.old_mode, self.uses_ref, num_micro, rl.logp_chunk,
+            algorithm.spec(), self.old_mode, self.uses_ref,
+            resolve_layout(self.paths, num_micro, self._batch_shards()), rl.logp_chunk,
             sampling.temperature, budget, overlong, policy_graphdef,
             value_graphdef, self.teacher_gd, optim, schedule_updates(optim, total),
             rl.value_lr_ratio if value_graphdef is not None else 1.0, rl.remat, self.paths,
-            self.device_reward, mesh)
+            self.device_reward, mesh, trainable=self.trainable)
         self.txs = {k: v[0] for k, v in optimizers(self.base_spec).items()}
+
+    def _batch_shards(self) -> int:
+        """The batch shards (data x fsdp; 1 without a mesh)."""
+        return 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
     def _check_divisions(self) -> int:
         a = self.alg
@@ -214,26 +221,13 @@ class RLTrainer:
             raise ValueError(f"AlgorithmConfig.micro_batch_size={a.micro_batch_size} does not "
                              f"divide the minibatch of {mb} completions")
         num_micro = num_micro_batches(mb, a.micro_batch_size, "minibatch")
-        n_dev = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        n_dev = self._batch_shards()
         if (mb // num_micro) % n_dev:
             raise ValueError(f"micro-batches of {mb // num_micro} completions do not split over "
                              f"the data x fsdp = {n_dev} devices; choose prompts_per_step, "
                              f"num_minibatches and micro_batch_size so they are a multiple "
                              f"of {n_dev}")
         return num_micro
-
-    def packing_for(self, ro: Rollout) -> PackSpec | None:
-        """The packed batch's shape for ``ro`` (``rl.tokens_per_micro_batch``; None:
-        padded rows): packed rows of width ``P + T``, ``tokens_per_micro_batch`` slots a
-        micro-batch (at least one row per batch shard), and the bucket, from the plan's
-        packed-row count: one replicated scalar, the step's one packing transfer."""
-        tokens = self.rl.tokens_per_micro_batch
-        if not tokens:
-            return None
-        d = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        bins = hosts.fetch_scalars(pack_bins(ro.masked_by_weight().seqs(), d))
-        return choose_spec(int(bins), tokens, ro.prompt_BxP.shape[1] + ro.completion_BxT.shape[1],
-                           d)
 
     def step_spec(self, state: TrainState) -> StepSpec:
         """The spec of this trainer's step programs for ``state``: ``base_spec`` with, on a
@@ -254,14 +248,15 @@ class RLTrainer:
         The state takes ownership of ``policy_params`` / ``value_params``: updates donate
         their buffers, so do not use the passed arrays afterwards (copy them first)."""
         self.num_params = sum(x.size for x in jax.tree.leaves(policy_params))
-        params = {"policy": lora_base(self.gd, policy_params)}  # with adapters: the base in cd
+        params = {"policy": lora_base(self.gd, policy_params, self.trainable)}
         if self.value_gd is not None:
             if value_params is None:
                 raise ValueError("RLTrainer.init_state: value_params is required for PPO")
             params["value"] = value_params
-        ref = (make_reference(self.gd, policy_params, self.rl.ref_dtype) if self.uses_ref
-               else None)
-        return new_train_state(params, init_opt_state(self.txs, params, self.mesh), seed,
+        ref = (make_reference(self.gd, policy_params, self.rl.ref_dtype,
+                              trainable=self.trainable) if self.uses_ref else None)
+        opt_state = init_opt_state(self.txs, params, self.mesh, {"policy": self.trainable})
+        return new_train_state(params, opt_state, seed,
                                ref_params=ref, kl_coef=self.alg.kl_coef, mesh=self.mesh)
 
     # ------------------------------------------------------------------ one RL step
@@ -274,13 +269,12 @@ class RLTrainer:
         n = self.rl.prompts_per_step
         if self.rl.max_staleness:
             out = async_step(self.step_spec(state), self.source, state, source, n,
-                             self.rl.max_staleness, teacher_params=self.teacher_params,
-                             layout=self.packing_for)
+                             self.rl.max_staleness, teacher_params=self.teacher_params)
         else:
             window = Window(source, int(hosts.fetch_scalars(state.data_pos)), n)
             out = rl_step(self.step_spec(state), self.source, state, window,
-                          teacher_params=self.teacher_params, layout=self.packing_for)
-        self.last_packing = out.spec.packing
+                          teacher_params=self.teacher_params)
+        self.last_layout = out.spec.layout
         return out.state, self.finish_metrics(out.metrics, out.times, out.state.params)
 
     def finish_metrics(self, m: dict, ph: PhaseTimes, params: dict | None = None,
@@ -318,14 +312,14 @@ class RLTrainer:
         active = lambda gd, n: n if gd is None else throughput.active_count(
             n, graph_model_config(gd))
         policy = None if params is None else params.get("policy")
-        lora = policy is not None and has_adapters(policy)  # weight gradients: adapters only
+        lora = policy is not None and self.trainable.adapters  # weight gradients: adapters
         flops = throughput.step_model_flops(
             active(self.gd, self.num_params or size(policy)), gen_tokens=gen,
             seq_tokens=computed, extra_forwards=fwd, epochs=self.alg.num_epochs,
             teacher_params=active(self.teacher_gd, size(self.teacher_params)),
             prefill_tokens=prefill, value_params=active(
                 self.value_gd, size(None if params is None else params.get("value"))),
-            trainable_params=size(split_trainable(policy)[0]) if lora else None)
+            trainable_params=size(self.trainable.split(policy)[0]) if lora else None)
         chips, kind = throughput.chips_and_kind(self.mesh)
         m.update(throughput.step_throughput(
             gen_tokens=gen, seq_tokens=seq, epochs=self.alg.num_epochs, times=ph.times,

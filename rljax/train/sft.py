@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from rljax.models.lora import trainable_of
 from rljax.sharding import mesh_context, output_shardings, place_outputs, put_on
 from rljax.train.config import SFTConfig
 from rljax.train.learn.logprobs import policy_logprobs
@@ -53,13 +54,19 @@ def sft_optimizers(cfg: SFTConfig) -> dict:
     return {"policy": make_optimizer(cfg.optim, max(cfg.steps, 1))}
 
 
+def sft_trainables(graphdef) -> dict:
+    """``{"policy": filter}``: what of the model ``graphdef`` trains (its adapters when it
+    has them, ``rljax.models.lora.trainable_of``)."""
+    return {"policy": trainable_of(graphdef)}
+
+
 def sft_update_fn(graphdef, cfg: SFTConfig, num_micro: int, mesh=None):
     """The pure SFT update ``(params, opt_state, counters, batch, coef) -> (params,
     opt_state, counters, metrics)`` (``rljax.train.learn.update.make_update`` of :func:`sft_loss`
     with the config's optimiser)."""
     tx, schedule = sft_optimizers(cfg)["policy"]
     return make_update(sft_loss_fn(graphdef, cfg), {"policy": tx}, {"policy": schedule},
-                       num_micro, batch_constrainer(mesh))
+                       num_micro, batch_constrainer(mesh), trainables=sft_trainables(graphdef))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +118,7 @@ class SFTTrainer:
         self.learner = Learner(sft_loss_fn(graphdef, cfg), sft_optimizers(cfg),
                                micro_batch_size=cfg.micro_batch_size,
                                max_nonfinite=cfg.max_nonfinite_steps, mesh=mesh,
-                               program_for=self._program)
+                               program_for=self._program, trainables=sft_trainables(graphdef))
 
     def _program(self, state: TrainState, num_micro: int):
         """The update of ``state`` (``sft_update`` of this trainer's spec), its arguments

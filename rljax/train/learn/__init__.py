@@ -26,11 +26,11 @@ advantages come from the teacher in the objective (``rljax.objectives.distill``)
 task-reward advantages are zeros.
 
 The package holds the program's pieces: ``loss`` (the micro-batch loss, ``rl_loss``),
-``algorithms`` (config -> objective, coefficients, advantages), ``ppo``, ``logprobs`` and
-``onepass`` (the output head), ``micro`` (micro-batch layout), ``reference`` (the frozen KL
-reference), ``update`` (the jitted update and ``TrainState``, shared with SFT) and
-``packing`` (``spec.packing``: rows packed by real length, micro-batches by tokens; every
-forward on the packed rows, everything after them on the unpacked ``[B, T]``).
+``algorithms`` (config -> objective, coefficients, advantages), ``ppo``, ``logprobs``,
+``linear_head`` and ``onepass`` (the output head), ``layout`` (``spec.layout``: padded
+rows, shared prompts or packed rows, with the head's entry points), ``micro`` and
+``packing`` (the layouts' arrays), ``reference`` (the frozen KL reference) and ``update``
+(the jitted update and ``TrainState``, shared with SFT; its trainable filter).
 """
 
 from __future__ import annotations
@@ -42,11 +42,9 @@ import jax.numpy as jnp
 
 from rljax import objectives as obj
 from rljax.train.learn import algorithms as alg
-from rljax.train.learn import packing as pack
 from rljax.train.learn import ppo as ppo_lib
 from rljax.train.learn import router
-from rljax.train.learn.logprobs import policy_logprobs
-from rljax.train.learn.micro import merge_micro, split_micro
+from rljax.train.learn.layout import frozen_logprobs
 from rljax.train.learn.reference import reference_model
 from rljax.train.learn.update import make_update
 from rljax.train.batch import REPLAY_KEY, Rollout
@@ -54,41 +52,22 @@ from rljax.train.batch import REPLAY_KEY, Rollout
 Array = Any
 
 
-def _map_micro(fn: Callable, seqs: dict, num_micro: int, group: int = 1) -> Array:
-    """``fn(seqs)`` computed ``num_micro`` row-strided micro-batches at a time (strided by
-    whole groups of ``group`` rows), returned in row order."""
-    if num_micro == 1:
-        return fn(seqs)
-    out_MxNx = jax.lax.map(fn, jax.tree.map(lambda x: split_micro(x, num_micro, group), seqs))
-    return merge_micro(out_MxNx, group)
-
-
 def _logprobs(spec, graphdef, params, seqs: dict) -> Array:
-    """The decoder ``(graphdef, params)``'s completion log-probs over ``seqs``,
-    ``spec.num_micro`` micro-batches at a time (packed rows with ``spec.packing``)."""
-    if spec.packing is not None:
-        return pack.packed_logprobs(graphdef, params, seqs, spec.packing, chunk=spec.chunk,
-                                    temperature=spec.temperature)
-    g = spec.share_group
-    return _map_micro(lambda s: policy_logprobs(graphdef, params, s, chunk=spec.chunk,
-                                                temperature=spec.temperature, group=g)[0],
-                      seqs, spec.num_micro, g)
+    """``frozen_logprobs`` of the decoder ``(graphdef, params)`` on ``spec.layout``."""
+    return frozen_logprobs(spec.layout, graphdef, params, seqs, chunk=spec.chunk,
+                           temperature=spec.temperature)
 
 
 def _prepare(spec, params, ref_params, ro: Rollout, kl_coef, teacher_params=None):
     """Reference / old / value / teacher forwards and advantages -> ``(batch, extra
     metrics)``."""
-    a, g = spec.alg, spec.share_group
-    extra: dict = {}
-    seqs = ro.seqs()
-    if spec.packing is not None:  # the plan: from the masks, the same on every process
-        seqs.update(pack.make_plan(seqs, spec.packing))
-        extra["useful_token_frac"] = pack.useful_token_frac(seqs)
+    a, layout = spec.alg, spec.layout
+    seqs, extra = layout.plan(ro.seqs())
     mask_BxT = ro.loss_mask()  # what is trained on; seqs' completion mask is what is attended
     batch = dict(seqs, sampler_logp_BxT=ro.sampler_logp_BxT, loss_mask_BxT=mask_BxT)
     if spec.uses_ref:  # a LoRA policy's reference: its base with the reference's adapters
         batch["ref_logp_BxT"] = _logprobs(spec, *reference_model(
-            spec.policy_gd, params["policy"], ref_params), seqs)
+            spec.policy_gd, params["policy"], ref_params, spec.trainable), seqs)
     if spec.teacher_gd is not None:
         batch["teacher_logp_BxT"] = _logprobs(spec, spec.teacher_gd, teacher_params, seqs)
     if spec.old_mode == "recompute" or (a.needs_value_model and spec.old_mode == "self"):
@@ -103,10 +82,8 @@ def _prepare(spec, params, ref_params, ro: Rollout, kl_coef, teacher_params=None
                                                      spec.max_new_tokens, spec.overlong,
                                                      a.overlong_penalty)
     if a.needs_value_model:  # advantage_estimator="gae"
-        values_BxT = pack.packed_values(spec.value_gd, params["value"], seqs, spec.packing) if (
-            spec.packing is not None) else _map_micro(
-            lambda s: ppo_lib.value_predictions(spec.value_gd, params["value"], s), seqs,
-            spec.num_micro, g)
+        values_BxT = layout.over_micro(
+            lambda mb: layout.values(spec.value_gd, params["value"], mb), seqs)
         adv, ret, _ = ppo_lib.ppo_advantages(
             rewards_B, batch["old_logp_BxT"], batch.get("ref_logp_BxT"), values_BxT, mask_BxT,
             kl_coef=kl_coef, kl_kind=a.kl_kind, gamma=a.gamma, lam=a.lam,
@@ -187,7 +164,7 @@ def _updates(spec, update, params, opt_state, counters, batch, coef, key,
     a = spec.alg
     b = batch["loss_mask_BxT"].shape[0]
     keys = jax.random.split(key, a.num_epochs)
-    rows_UxN = jnp.concatenate([_minibatch_rows(k, b, a.num_minibatches, spec.share_group)
+    rows_UxN = jnp.concatenate([_minibatch_rows(k, b, a.num_minibatches, spec.layout.group)
                                 for k in keys])
     # Clip-Cov's draws: their own stream, so the minibatch permutation is unchanged.
     sel_keys_U = jax.random.split(jax.random.fold_in(key, 1), rows_UxN.shape[0])
@@ -234,13 +211,10 @@ def make_learn(spec, loss_fn, txs: dict, schedules: dict, constrain: Callable | 
     With ``spec.teacher_gd`` (on-policy distillation) ``teacher_params`` is the teacher's
     frozen state, global arrays like ``ref_params``.
     """
-    if spec.packing is not None and spec.alg.num_minibatches > 1:
-        raise ValueError(f"make_learn: packed rows (RLConfig.tokens_per_micro_batch) need "
-                         f"num_minibatches=1, got {spec.alg.num_minibatches}: the plan packs "
-                         "the whole batch once")
-    num_micro, split = ((spec.num_micro, None) if spec.packing is None
-                        else (spec.packing.num_micro, pack.split_packed))
-    update = make_update(loss_fn, txs, schedules, num_micro, constrain, spec.share_group, split)
+    layout = spec.layout
+    layout.check(spec.alg.num_minibatches)
+    update = make_update(loss_fn, txs, schedules, layout.num_micro, constrain, layout.group,
+                         layout.split, {"policy": spec.trainable})
     select = _cov_selector(spec)
 
     def learn(params, opt_state, counters, ref_params, ro: Rollout, kl_coef, key,

@@ -26,16 +26,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
-from rljax.models.layers import compute_dtype
-from rljax.sharding import constrain_logical, logical_axes
-from rljax.train.batch import REPLAY_KEY
+from rljax.sharding import constrain_logical
 from rljax.train.learn.linear_head import (DW_DXV_AXES, PARTIAL_DW_AXES, batch_shards,
                                            check_linear_args, chunk_grads, join_chunks,
                                            linear_chunk_stats, reduce_partial_dw, split_chunks)
-from rljax.train.learn.logprobs import completion_hidden, head_weight
 
 Array = Any
 #: ``token_grads(aux, logp_BxC, entropy_BxC, start) -> (a_BxC, e_BxC)``: the loss's
@@ -43,7 +39,7 @@ Array = Any
 #: start + C - 1`` of the (padded) completion; ``aux`` is the data it reads.
 TokenGrads = Callable[[Any, Array, Array, Array], tuple[Array, Array]]
 
-__all__ = ["TokenGrads", "one_pass_head", "padded_width", "policy_one_pass"]
+__all__ = ["TokenGrads", "one_pass_head", "padded_width"]
 
 
 def padded_width(t: int, chunk: int) -> int:
@@ -161,27 +157,3 @@ def one_pass_head(
         jnp.dtype(compute_dtype), 1.0 / float(temperature), min(chunk, t), bool(with_entropy),
         None if weight_names is None else tuple(weight_names))
     return surrogate, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent)
-
-
-def policy_one_pass(graphdef, params, seqs: dict, token_grads: TokenGrads, aux: Any, *,
-                    chunk: int, temperature: float = 1.0, remat: bool = False, group: int = 1,
-                    with_entropy: bool = False) -> tuple[Array, Array, Array] | None:
-    """:func:`one_pass_head` on the decoder ``(graphdef, params)``'s completion positions
-    (``seqs`` and ``group`` as in ``rljax.train.learn.logprobs.policy_logprobs``), or None for
-    a decoder without a linear head (then use ``policy_logprobs`` and autodiff).
-    Returns ``(surrogate, logp_BxT, entropy_BxT)``; the surrogate's gradient reaches
-    every decoder parameter (the head directly, the layers and the embedding through the
-    hidden states)."""
-    model = nnx.merge(graphdef, params)
-    head = head_weight(model)
-    if head is None:
-        return None
-    h_BxTxD = completion_hidden(model, seqs["prompt_BxP"], seqs["prompt_mask_BxP"],
-                                seqs["completion_BxT"], seqs["completion_mask_BxT"],
-                                remat=remat, group=group, replay_BxLxSxK=seqs.get(REPLAY_KEY))
-    w, vocab_major = head
-    names = logical_axes(getattr(model, "embed" if vocab_major else "lm_head"))
-    return one_pass_head(w, h_BxTxD, seqs["completion_BxT"], token_grads, aux,
-                         vocab_major=vocab_major, chunk=chunk, temperature=temperature,
-                         compute_dtype=compute_dtype(model.config), with_entropy=with_entropy,
-                         weight_names=names)

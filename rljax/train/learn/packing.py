@@ -41,19 +41,16 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from rljax.models.layers import compute_dtype
-from rljax.sharding import logical_axes
+from rljax.train.batch import REPLAY_KEY
 from rljax.train.learn import router
-from rljax.train.learn.logprobs import REPLAY_KEY, head_weight, hidden_logprobs
 from rljax.train.learn.micro import merge_micro, split_micro
-from rljax.train.learn.onepass import one_pass_head, padded_width
+from rljax.train.learn.onepass import padded_width
 
 Array = Any
-__all__ = ["PackSpec", "bins_needed", "choose_spec", "pack_bins", "make_plan",
-           "micro_logprobs", "micro_one_pass", "micro_values", "packed_logprobs",
-           "packed_values", "split_packed", "this_micro", "unpack", "useful_token_frac"]
+__all__ = ["PackSpec", "bins_needed", "choose_spec", "make_plan", "over_micro", "pack_bins",
+           "packed_hidden", "packed_token_grads", "split_packed", "this_micro", "unpack",
+           "unpack_micro", "useful_token_frac"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,14 +215,16 @@ def unpack(x_SxW: Array, batch: dict, d: int) -> Array:
                         x_SxW.shape[0] // d)
 
 
-def _unpack_micro(x_SxW: Array, mb: dict, d: int, m: int) -> Array:
+def unpack_micro(x_SxW: Array, mb: dict, d: int, m: int) -> Array:
     """:func:`unpack` of one micro-batch's packed rows (micro-batch ``i`` holds the rows
     whose packed row is ``i mod m``; the others' values are meaningless)."""
     return _gather_rows(x_SxW, mb["pack_bin_B"] // m, mb["pack_col_BxT"], d,
                         x_SxW.shape[0] // d)
 
 
-def _hidden(model, pk: dict, remat: bool) -> Array:
+def packed_hidden(model, pk: dict, remat: bool) -> Array:
+    """The decoder's hidden states ``[S, W, D]`` of the packed rows (segments attend
+    within themselves; routed by the packed replay ids when the model replays)."""
     seg = pk["pack_segments_SxW"]
     moe = getattr(model.config, "moe", None)
     replay = REPLAY_PACKED in pk and moe is not None and moe.router_replay == "replay"
@@ -240,40 +239,13 @@ def _hidden(model, pk: dict, remat: bool) -> Array:
     return h
 
 
-def _token_logprobs(graphdef, params, pk: dict, *, chunk, temperature, remat=False):
-    model = nnx.merge(graphdef, params)
-    return hidden_logprobs(graphdef, params, model, _hidden(model, pk, remat),
-                           pk["pack_targets_SxW"], chunk=chunk, temperature=temperature)
-
-
-def _token_values(graphdef, params, pk: dict, remat=False):
-    model = nnx.merge(graphdef, params)
-    return model.values_from_hidden(_hidden(model, pk, remat)).astype(jnp.float32)
-
-
-def _over_micro(fn: Callable, batch: dict, m: int) -> Array:
+def over_micro(fn: Callable, batch: dict, m: int) -> Array:
     """``fn(packed arrays) -> [S_m, W]`` over the ``m`` micro-batches' packed rows,
     ``[S, W]`` in packed-row order."""
     pk = {k: batch[k] for k in _packed_keys(batch)}
     if m == 1:
         return fn(pk)
     return merge_micro(jax.lax.map(fn, jax.tree.map(lambda x: split_micro(x, m), pk)))
-
-
-def packed_logprobs(graphdef, params, batch: dict, spec: PackSpec, *, chunk: int,
-                    temperature: float) -> Array:
-    """A frozen forward's (reference, old policy, teacher) completion log-probs ``[B, T]``
-    from the packed batch, ``spec.num_micro`` micro-batches at a time."""
-    fn = lambda pk: _token_logprobs(graphdef, params, pk, chunk=chunk,
-                                    temperature=temperature)[0]
-    return unpack(_over_micro(fn, batch, spec.num_micro), batch, spec.shards)
-
-
-def packed_values(graphdef, params, batch: dict, spec: PackSpec) -> Array:
-    """The value model's predictions ``[B, T]`` from the packed batch (as
-    ``rljax.train.learn.ppo.value_predictions``)."""
-    fn = lambda pk: _token_values(graphdef, params, pk)
-    return unpack(_over_micro(fn, batch, spec.num_micro), batch, spec.shards)
 
 
 def split_packed(batch: dict, num_micro: int) -> tuple[dict, dict]:
@@ -292,36 +264,16 @@ def this_micro(mb: dict, spec: PackSpec) -> dict:
     return dict(mb, **{key: mb[key] * mine_B[:, None]})
 
 
-def micro_logprobs(graphdef, params, mb: dict, spec: PackSpec, *, chunk, temperature, remat):
-    """The update's log-probs and entropies ``[B, T]`` from one packed micro-batch."""
-    return tuple(_unpack_micro(x, mb, spec.shards, spec.num_micro) for x in _token_logprobs(
-        graphdef, params, mb, chunk=chunk, temperature=temperature, remat=remat))
-
-
-def micro_values(graphdef, params, mb: dict, spec: PackSpec, *, remat):
-    """The update's value predictions ``[B, T]`` from one packed micro-batch."""
-    return _unpack_micro(_token_values(graphdef, params, mb, remat), mb, spec.shards,
-                         spec.num_micro)
-
-
-def micro_one_pass(graphdef, params, mb: dict, spec: PackSpec, loss_of: Callable, aux: Any, *,
-                   chunk: int, temperature: float, remat: bool, with_entropy: bool):
-    """``rljax.train.learn.onepass.one_pass_head`` over one packed micro-batch, or None for
-    a decoder without a linear head. ``loss_of(aux, logp_BxT, entropy_BxT)`` is the
-    (token-separable) loss on the ``[B, T]`` layout; each chunk of packed columns is put
-    into ``[B, T]`` (over the sampler's log-probs: any finite values do), differentiated
-    there and read back. Returns ``(surrogate, logp_BxT, entropy_BxT)``."""
-    model = nnx.merge(graphdef, params)
-    head = head_weight(model)
-    if head is None:
-        return None
-    w_head, vocab_major = head
-    d = spec.shards
+def packed_token_grads(loss_of: Callable, aux: Any, mb: dict, chunk: int, d: int):
+    """``(token_grads, aux)`` of the one-pass head over one packed micro-batch
+    (``rljax.train.learn.onepass.TokenGrads``). ``loss_of(aux, logp_BxT, entropy_BxT)`` is
+    the (token-separable) loss on the ``[B, T]`` layout; each chunk of packed columns is
+    put into ``[B, T]`` (over the sampler's log-probs: any finite values do),
+    differentiated there and read back."""
     b, t = mb["completion_mask_BxT"].shape
     s_m, w = mb["pack_tokens_SxW"].shape
     dst = jnp.pad(mb["pack_dst_SxW"], ((0, 0), (0, padded_width(w, chunk) - w)),
                   constant_values=(b // d) * t)
-    full = (aux, dst, mb["sampler_logp_BxT"])
 
     def token_grads(full, logp_SxC, ent_SxC, start):
         aux, dst, filler = full
@@ -336,11 +288,4 @@ def micro_one_pass(graphdef, params, mb: dict, spec: PackSpec, loss_of: Callable
             by(g), idx).reshape(s_m, c)
         return cut(a), cut(e)
 
-    names = logical_axes(getattr(model, "embed" if vocab_major else "lm_head"))
-    surrogate, logp, ent = one_pass_head(
-        w_head, _hidden(model, mb, remat), mb["pack_targets_SxW"], token_grads, full,
-        vocab_major=vocab_major, chunk=chunk, temperature=temperature,
-        compute_dtype=compute_dtype(model.config), with_entropy=with_entropy,
-        weight_names=names)
-    return (surrogate, _unpack_micro(logp, mb, d, spec.num_micro),
-            _unpack_micro(ent, mb, d, spec.num_micro))
+    return token_grads, (aux, dst, mb["sampler_logp_BxT"])

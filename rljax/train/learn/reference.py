@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rljax.models.layers import cast_matmul_weights, compute_dtype
-from rljax.models.lora import has_adapters, merge_trainable, split_trainable
+from rljax.models.lora import Trainable
 
 __all__ = ["lora_base", "make_reference", "reference_copy", "reference_model"]
 
@@ -68,17 +68,20 @@ def reference_copy(params: Any, dtype: str = "float32") -> Any:
     return _cast_tree(params, dtype)
 
 
-def make_reference(policy_gd, policy_params, dtype: str = "float32") -> Any:
+def make_reference(policy_gd, policy_params, dtype: str = "float32", *,
+                   trainable: Trainable) -> Any:
     """The frozen KL reference's parameters: the policy as it is now (the start of RL).
 
     Args:
       policy_gd, policy_params: the policy's graphdef and NNX state (global arrays).
       dtype: a full copy's storage dtype (:func:`reference_copy`, ``RLConfig.ref_dtype``).
+      trainable: the policy's filter (``rljax.models.lora.Trainable``): every parameter,
+        or its adapters.
 
     Returns:
-      :func:`reference_copy` of ``policy_params``; for a policy with LoRA adapters, a copy
-      of its adapters only (new buffers, each leaf's sharding kept), stored in the model's
-      compute dtype (``rljax.models.layers.compute_dtype``: the forward casts them to it,
+      :func:`reference_copy` of ``policy_params``; for a policy that trains its LoRA
+      adapters, a copy of its adapters only (new buffers, each leaf's sharding kept),
+      stored in the model's compute dtype (``rljax.models.layers.compute_dtype``: the forward casts them to it,
       so the reference computes what the policy computes now, bit for bit).
 
     Raises:
@@ -86,7 +89,7 @@ def make_reference(policy_gd, policy_params, dtype: str = "float32") -> Any:
         compute dtype, which the forward reads; rounding the adapters further would make
         the reference another model).
     """
-    if not has_adapters(policy_params):
+    if not trainable.adapters:
         return reference_copy(policy_params, dtype)
     if dtype != "float32":
         raise ValueError(f"RLConfig.ref_dtype={dtype!r} sets a reference copy's dtype; a LoRA "
@@ -94,28 +97,31 @@ def make_reference(policy_gd, policy_params, dtype: str = "float32") -> Any:
                          "its forward reads (its base is its own, stored in the compute "
                          "dtype): leave ref_dtype='float32'")
     cd = jnp.dtype(compute_dtype(nnx.merge(policy_gd, policy_params).config)).name
-    return _cast_tree(split_trainable(policy_params)[0], cd)
+    return _cast_tree(trainable.split(policy_params)[0], cd)
 
 
-def reference_model(policy_gd, policy_params, ref_params) -> tuple[Any, Any]:
+def reference_model(policy_gd, policy_params, ref_params,
+                    trainable: Trainable) -> tuple[Any, Any]:
     """``(graphdef, params)`` of the KL reference inside a program: ``ref_params`` under
-    the policy's graphdef, or, for a policy with LoRA adapters, the policy's frozen base
+    the policy's graphdef, or, for a policy whose filter ``trainable`` is its adapters,
+    the policy's frozen base
     (read in place, never copied) with the reference's adapters (:func:`make_reference`)
     in place of the trained ones."""
     if ref_params is None:
         raise ValueError("reference_model: no reference parameters (make_reference makes "
                          "them; a LoRA policy's are a copy of its adapters)")
-    if not has_adapters(policy_params):
+    if not trainable.adapters:
         return policy_gd, ref_params
-    return policy_gd, merge_trainable(ref_params, split_trainable(policy_params)[1])
+    return policy_gd, Trainable.merge(ref_params, trainable.split(policy_params)[1])
 
 
-def lora_base(policy_gd, policy_params) -> Any:
-    """A LoRA policy's state with its frozen base's matmul weights stored in the compute
-    dtype (``rljax.models.layers.cast_matmul_weights``: every forward casts them to it
-    anyway, so it computes the same, from half the bytes under bfloat16); adapters stay
-    float32. A policy without adapters is returned as it is."""
-    if not has_adapters(policy_params):
+def lora_base(policy_gd, policy_params, trainable: Trainable) -> Any:
+    """A LoRA policy's state (``trainable``: its adapters) with its frozen base's matmul
+    weights stored in the compute dtype (``rljax.models.layers.cast_matmul_weights``: every
+    forward casts them to it anyway, so it computes the same, from half the bytes under
+    bfloat16); adapters stay float32. A policy that trains every parameter is returned as
+    it is."""
+    if not trainable.adapters:
         return policy_params
     config = nnx.merge(policy_gd, policy_params).config
     return cast_matmul_weights(policy_params, compute_dtype(config))

@@ -10,9 +10,9 @@ A *loss function* here has the objective contract lifted to parameters:
 
 because ``d(sum/count)/dθ = (d sum/dθ)/count`` when the count does not depend on θ.
 
-A model with LoRA adapters (``rljax.models.lora``) trains only them: gradients, the
-optimiser and its state see the adapters alone (``trainable``), and the frozen base
-passes through every update bitwise unchanged.
+What of each model trains is its filter in ``trainables`` (``rljax.models.lora.Trainable``,
+chosen once per model; every parameter by default): gradients, the optimiser and its state
+see that part alone (:func:`trainable`); a frozen base passes through bitwise unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rljax.models.lora import merge_trainable, split_trainable
+from rljax.models.lora import ALL_PARAMETERS, Trainable
 from rljax.sharding import batch_sharding, mesh_context, on_mesh, output_shardings, replicated
 from rljax.train.config import OptimConfig
 from rljax.train.learn.micro import combine_metrics, extreme, num_micro_batches, split_micro
@@ -146,22 +146,21 @@ def accumulate(loss_fn: LossFn, params, batch: dict, coef, num_micro: int,
     return out
 
 
-def trainable(params: dict) -> tuple[dict, dict]:
-    """``(trainable, frozen)`` per model of ``params`` (``rljax.models.lora.split_trainable``:
-    a model with adapters trains only them; ``frozen[name]`` is None for a fully trained
-    model)."""
-    pairs = {k: split_trainable(v) for k, v in params.items()}
+def trainable(params: dict, trainables: dict | None = None) -> tuple[dict, dict]:
+    """``(trainable, frozen)`` per model of ``params`` by its filter in ``trainables`` (name
+    -> ``rljax.models.lora.Trainable``; a model not named: every parameter, frozen None)."""
+    pairs = {k: (trainables or {}).get(k, ALL_PARAMETERS).split(v) for k, v in params.items()}
     return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
 
 
 def with_frozen(train: dict, frozen: dict) -> dict:
     """The models' states from :func:`trainable`'s two halves."""
-    return {k: merge_trainable(train[k], frozen[k]) for k in train}
+    return {k: Trainable.merge(train[k], frozen[k]) for k in train}
 
 
 def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
                 constrain: Callable | None = None, group: int = 1,
-                split: Callable | None = None):
+                split: Callable | None = None, trainables: dict | None = None):
     """Build ``update(params, opt_state, counters, batch, coef) -> (params, opt_state,
     counters, metrics)``, the pure function the trainer jits with donation.
 
@@ -171,12 +170,12 @@ def make_update(loss_fn: LossFn, txs: dict, schedules: dict, num_micro: int,
     ``nonfinite_run``. Metrics: ``loss``, ``grad_norm`` (before clipping), ``lr`` (of the
     first model), ``skipped_update``, and each loss metric's mean. ``group``: micro-batches
     keep groups of that many consecutive rows whole (:func:`split_micro`); ``split`` as in
-    :func:`accumulate`.
+    :func:`accumulate`; ``trainables`` as in :func:`trainable`.
     """
 
     def update(all_params, opt_state, counters, batch, coef):
         updates, run, skipped = counters
-        params, frozen = trainable(all_params)
+        params, frozen = trainable(all_params, trainables)
         loss = lambda p, mb, c: loss_fn(with_frozen(p, frozen), mb, c)
         grads, loss_sum, count, msums = accumulate(loss, params, batch, coef, num_micro,
                                                    constrain, group, split)
@@ -242,11 +241,11 @@ def batch_constrainer(mesh):
         lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, max(x.ndim, 1))), mb)
 
 
-def opt_state_shardings(txs: dict, params: dict, mesh) -> dict:
+def opt_state_shardings(txs: dict, params: dict, mesh, trainables: dict | None = None) -> dict:
     """Shardings of ``init_opt_state``'s result: each moment sharded like its parameter,
     everything else (step counts) replicated. ``params``' leaves carry ``.sharding``
-    (arrays or abstract arrays)."""
-    params = trainable(params)[0]
+    (arrays or abstract arrays); ``trainables`` as in :func:`trainable`."""
+    params = trainable(params, trainables)[0]
     abstract = jax.eval_shape(lambda p: {k: txs[k].init(p[k]) for k in p}, params)
     p_sh = jax.tree.map(lambda x: x.sharding, params)
     rep = replicated(mesh)
@@ -254,22 +253,20 @@ def opt_state_shardings(txs: dict, params: dict, mesh) -> dict:
                                      transform_non_params=lambda _: rep) for k in abstract}
 
 
-def init_opt_state(txs: dict, params: dict, mesh=None) -> dict:
-    """Optimiser states for ``params`` (dict name -> NNX state; of a model with adapters,
-    for its adapters only: :func:`trainable`); on a mesh each moment is
-    sharded like its parameter (a jit left to choose placed the zeros replicated: every
-    chip held all of Adam's moments, 3.7 GiB per chip for Qwen2.5-0.5B).
-
-    The init is a module-level jit with the optimisers and the result's shardings static:
-    JAX's cache compiles it once per optimiser set and layout (a trainer making one state
-    per seed, or a resumed run's template, compiles it once). An optimiser that cannot be
-    hashed is jitted afresh."""
+def init_opt_state(txs: dict, params: dict, mesh=None, trainables: dict | None = None) -> dict:
+    """Optimiser states for the trainable part of ``params`` (dict name -> NNX state;
+    ``trainables`` as in :func:`trainable`); on a mesh each moment is sharded like its
+    parameter (a jit left to choose placed the zeros replicated: every chip held all of
+    Adam's moments, 3.7 GiB per chip for Qwen2.5-0.5B). The init is a module-level jit with
+    the optimisers and the result's shardings static: JAX's cache compiles it once per
+    optimiser set and layout (one state per seed, or a resumed run's template, compiles it
+    once). An optimiser that cannot be hashed is jitted afresh."""
     shardings = None
     if mesh is not None:
-        shardings = output_shardings(mesh, opt_state_shardings(txs, params, mesh),
+        shardings = output_shardings(mesh, opt_state_shardings(txs, params, mesh, trainables),
                                      of_shardings=True)
     items = tuple(sorted(txs.items()))
-    params = trainable(params)[0]
+    params = trainable(params, trainables)[0]
     try:
         hash(items)
     except TypeError:
@@ -319,11 +316,14 @@ class Learner:
         batch, coef)``: the caller's own compiled update (``rljax.train.sft``: a
         module-level jit of a frozen spec); by default the learner jits ``loss_fn``'s
         update itself, once per micro-batch count.
+      trainables: name -> ``rljax.models.lora.Trainable`` (:func:`trainable`; default:
+        every parameter of every model trains).
     """
 
     def __init__(self, loss_fn: LossFn, optims: dict, *, micro_batch_size: int = 0,
-                 max_nonfinite: int = 5, mesh=None, program_for: Callable | None = None):
-        self.loss_fn, self.program_for = loss_fn, program_for
+                 max_nonfinite: int = 5, mesh=None, program_for: Callable | None = None,
+                 trainables: dict | None = None):
+        self.loss_fn, self.program_for, self.trainables = loss_fn, program_for, trainables
         self.txs = {k: v[0] for k, v in optims.items()}
         self.schedules = {k: v[1] for k, v in optims.items()}
         self.micro_batch_size = micro_batch_size
@@ -333,7 +333,7 @@ class Learner:
 
     def init_opt_state(self, params: dict) -> dict:
         """Fresh optimiser states for ``params``."""
-        return init_opt_state(self.txs, params, self.mesh)
+        return init_opt_state(self.txs, params, self.mesh, self.trainables)
 
     def put_batch(self, batch: dict) -> dict:
         """Place host arrays on the mesh, leading axis over ("data", "fsdp")."""
@@ -355,7 +355,7 @@ class Learner:
             return self.program_for(state, num_micro)
         if num_micro not in self._jitted:
             upd = make_update(self.loss_fn, self.txs, self.schedules, num_micro,
-                              batch_constrainer(self.mesh))
+                              batch_constrainer(self.mesh), trainables=self.trainables)
             self._jitted[num_micro] = jit_update(upd, self.mesh, state.params,
                                                  state.opt_state, batch)
         return self._jitted[num_micro]

@@ -30,8 +30,9 @@ from rljax.models.config import ModelConfig
 from rljax.models.decoder import Decoder
 from rljax.models.grouped import can_share_prompts
 from rljax.models.scanned import effective_remat
+from rljax.train.learn.layout import Layout, Packed, Padded
 
-__all__ = ["HEADS", "ForwardPaths", "graph_model_config", "resolve_paths"]
+__all__ = ["HEADS", "ForwardPaths", "graph_model_config", "resolve_layout", "resolve_paths"]
 
 HEADS = ("one-pass", "chunked")
 # Where each attention kernel runs natively; elsewhere splash runs in Pallas interpret mode.
@@ -47,8 +48,8 @@ class ForwardPaths:
     prompt_group: G > 1 when the learning program's forwards share each group's prompt
       (``StepSpec.share_group``); 1: every row computes its prompt.
     packed_tokens: > 0 when rows are packed into sequences, this many token slots a
-      micro-batch (``RLConfig.tokens_per_micro_batch``; each step's bucket is
-      ``StepSpec.packing``); 0: padded rows.
+      micro-batch (``RLConfig.tokens_per_micro_batch``; each step's bucket is set on
+      ``StepSpec.layout``); 0: padded rows.
     layers: "scanned" or "unrolled".
     remat: what each layer keeps for the backward pass ("none", "full", "dots_saveable").
     notes: ``(choice, why)`` pairs for the defaults that fell back (or run other than
@@ -72,10 +73,9 @@ class ForwardPaths:
 
     @property
     def prompt_layout(self) -> str:
-        """``"shared(G=4)"``, ``"per-row"`` or ``"packed(tokens=1144)"``."""
-        if self.packed_tokens:
-            return f"packed(tokens={self.packed_tokens})"
-        return f"shared(G={self.prompt_group})" if self.prompt_group > 1 else "per-row"
+        """``"shared(G=4)"``, ``"per-row"`` or ``"packed(tokens=1144)"``: the name of
+        :func:`resolve_layout`'s layout."""
+        return resolve_layout(self).name
 
     def choices(self) -> dict:
         """``{"attention", "head", "prompts", "layers"}`` as the start-up line shows them."""
@@ -187,3 +187,13 @@ def resolve_paths(policy_gd, *, objective: Callable, one_pass_head: bool | None,
                         packed_tokens=tokens_per_micro_batch, layers=layers,
                         remat=effective_remat(getattr(config, "remat", "none"), remat),
                         notes=tuple(notes))
+
+
+def resolve_layout(paths: ForwardPaths, num_micro: int = 1, shards: int = 1) -> Layout:
+    """The learning batch's layout (``rljax.train.learn.layout``) of ``paths``' prompt
+    layout, chosen once with the trainer and held in its ``StepSpec``: ``Packed`` with
+    ``paths.packed_tokens`` slots a micro-batch within ``shards`` batch shards (sized per
+    batch), else ``Padded`` with the prompt group and ``num_micro`` micro-batches."""
+    if paths.packed_tokens:
+        return Packed(paths.packed_tokens, shards)
+    return Padded(paths.prompt_group, num_micro)

@@ -21,13 +21,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from rljax.models.lora import ALL_PARAMETERS, Trainable
 from rljax.sharding import mesh_context, place_outputs
 from rljax.train.config import OptimConfig
 from rljax.train.config.algorithm import AlgorithmSpec
 from rljax.train.learn import make_learn
 from rljax.train.learn import algorithms as alg
+from rljax.train.learn.layout import Layout
 from rljax.train.learn.loss import rl_loss
-from rljax.train.learn.packing import PackSpec
 from rljax.train.learn.update import batch_constrainer, make_optimizer
 from rljax.train.programs.device import device_rollout, split_step_key
 from rljax.train.programs.paths import ForwardPaths
@@ -45,7 +46,10 @@ class StepSpec:
     old_mode: "self" (one update per batch: the ratio's denominator is the current
       policy, stop-gradient), "recompute" (a forward before the updates) or "sampler".
     uses_ref: a KL term needs the frozen reference's log-probs.
-    num_micro: micro-batches per minibatch update (and per extra forward pass).
+    layout: the batch's rows (``rljax.train.learn.layout``: ``Padded`` per row or with
+      shared prompts, ``Packed``), their micro-batches per minibatch update (and per
+      frozen forward); resolved with the trainer (``rljax.train.programs.paths.
+      resolve_layout``), a packed one sized per batch (``Packed.for_rollout``).
     chunk, temperature: the log-prob chunk (``rl.logp_chunk``) and the sampling temperature.
     max_new_tokens: the response budget (Dr.GRPO's constant, overlong shaping): the
       completion width, or a multi-turn episode's model-token budget.
@@ -56,21 +60,21 @@ class StepSpec:
     remat: rematerialise each decoder layer in the backward pass.
     paths: the forward paths resolved when the trainer was built
       (:class:`~rljax.train.programs.paths.ForwardPaths`: attention, head form, prompt layout,
-      layers); the programs read the head form and the prompt layout
-      (:attr:`share_group`) from it.
+      layers); the programs read the head form from it, the prompt layout from ``layout``.
     device_reward: the JAX reward of the one-program step (None: a host reward).
     mesh: the device mesh (None: one device).
     out_shardings: on a mesh, ``(treedef, leaves)`` of the ``(params, opt_state)``
       shardings the program returns (those of the state it updates, so the next step's
       arguments match and their buffers are donated in place).
-    packing: the packed batch's shape (``rljax.train.learn.packing.PackSpec``: rows packed
-      into sequences, micro-batches by token budget); None: padded rows.
+    trainable: what of the policy trains (``rljax.models.lora.Trainable``: every
+      parameter, or its adapters), chosen once with the trainer: its gradients, optimiser
+      state and KL reference follow it; the value model trains every parameter.
     """
 
     alg: AlgorithmSpec
     old_mode: str
     uses_ref: bool
-    num_micro: int
+    layout: Layout
     chunk: int
     temperature: float
     max_new_tokens: int
@@ -86,14 +90,14 @@ class StepSpec:
     device_reward: Any = None
     mesh: Any = None
     out_shardings: tuple | None = None
-    packing: PackSpec | None = None
+    trainable: Trainable = ALL_PARAMETERS
 
     @property
     def share_group(self) -> int:
         """G > 1 when rows share their prompt in groups of G and every forward computes it
-        once (``policy_logprobs(group=G)``; micro-batches and minibatches then hold whole
-        groups); 1: every row computes its prompt."""
-        return self.paths.prompt_group
+        once (micro-batches and minibatches then hold whole groups); 1: every row computes
+        its prompt (``layout.group``)."""
+        return self.layout.group
 
 
 def schedule_updates(optim: OptimConfig, total: int) -> int:
@@ -123,7 +127,7 @@ def learn_fn(spec: StepSpec):
         objective=alg.make_objective(a, spec.max_new_tokens), chunk=spec.chunk,
         temperature=spec.temperature, remat=spec.remat, self_old=spec.old_mode == "self",
         use_sampler=alg.uses_sampler_logp(a), entropy_grad=a.entropy_coef != 0.0,
-        group=spec.share_group, one_pass=spec.paths.head == "one-pass", packing=spec.packing)
+        layout=spec.layout, one_pass=spec.paths.head == "one-pass")
     optims = optimizers(spec)
     return make_learn(spec, loss, {k: v[0] for k, v in optims.items()},
                       {k: v[1] for k, v in optims.items()}, batch_constrainer(spec.mesh))
