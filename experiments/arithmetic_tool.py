@@ -89,10 +89,12 @@ def config() -> ExperimentConfig:
 
 def smoke(cfg: ExperimentConfig) -> ExperimentConfig:
     """Two RL steps with a tiny one-layer model (8 episodes a step: they split over 8
-    devices too)."""
+    devices too), turns of 32 tokens (a tool call takes 85: the untrained smoke model
+    makes none, and its episodes still run two turns, the second after the reminder)."""
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, hidden_size=32, intermediate_size=64, num_layers=1),
+        sampling=dataclasses.replace(cfg.sampling, max_new_tokens=32),
         sft=dataclasses.replace(cfg.sft, steps=2, batch_size=8, stop_every=1, stop_prompts=8),
         algorithm=dataclasses.replace(cfg.algorithm, group_size=2),
         rl=dataclasses.replace(cfg.rl, steps=2, prompts_per_step=4, eval_prompts=8),
