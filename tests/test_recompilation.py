@@ -50,7 +50,7 @@ def _steps_compile_once_per_bucket(tr: RLTrainer, st, steps: int, bucket) -> lis
 
 
 def test_rl_steps_compile_once_per_prompt_bucket():
-    gd, st = tiny_model()
+    gd, st = tiny_model(num_layers=1)
     tr = RLTrainer(gd, TOK, length_reward,
                    algorithm=algorithm_preset("grpo", group_size=2, num_minibatches=2),
                    optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=3),
@@ -61,11 +61,12 @@ def test_rl_steps_compile_once_per_prompt_bucket():
 
 def test_packed_rl_steps_compile_once_per_prompt_and_micro_batch_bucket():
     """``rl.tokens_per_micro_batch``: the packed learning program's shape is (prompt width,
-    micro-batch count); a step whose pair was seen compiles nothing."""
-    gd, st = tiny_model()
+    micro-batch count); a step whose pair was seen compiles nothing. Seven steps: the
+    last one that repeats a pair (step 8 brought a new pair and nothing after it)."""
+    gd, st = tiny_model(num_layers=1)
     tr = RLTrainer(gd, TOK, length_reward, algorithm=algorithm_preset("grpo", group_size=2),
                    optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=3),
-                   rl=RLConfig(steps=8, prompts_per_step=N_PROMPTS, logp_chunk=2,
+                   rl=RLConfig(steps=7, prompts_per_step=N_PROMPTS, logp_chunk=2,
                                tokens_per_micro_batch=64), prompt_len=60)
-    _steps_compile_once_per_bucket(tr, st, 8, lambda width, tr: (width,
+    _steps_compile_once_per_bucket(tr, st, 7, lambda width, tr: (width,
                                                                  tr.last_layout.num_micro))
