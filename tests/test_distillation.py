@@ -166,7 +166,7 @@ def test_trainer_runs_a_distillation_step_with_a_loaded_teacher(tmp_path):
     from rljax.train.rl import RLTrainer
 
     tok = build_char_tokenizer()
-    cfg = tiny_config(vocab_size=len(tok))
+    cfg = tiny_config(vocab_size=len(tok), num_layers=1)
     student = Decoder(cfg, rngs=nnx.Rngs(0))
     teacher_dir = _save_hf(Decoder(cfg, rngs=nnx.Rngs(1)), tok, tmp_path / "teacher")
     self_dir = _save_hf(student, tok, tmp_path / "self")

@@ -347,7 +347,7 @@ def test_learning_program_wires_kl_cov_truncation_masking_and_sequence_is(monkey
     from rljax.train.rl import RLTrainer
     from rljax.train.batch import Rollout
 
-    gd, st = tiny_model()
+    gd, st = tiny_model(num_layers=1)  # the wiring, not the depth
     cfg = algorithm_preset("kl_cov", group_size=2, mask_truncated=True, is_level="sequence", tis_cap=2.0,
                            kl_cov_ratio=0.1)
     tr = RLTrainer(gd, CharTok(), lambda c, m: np.zeros(len(c), np.float32), algorithm=cfg,

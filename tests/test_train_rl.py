@@ -31,10 +31,10 @@ def starts_with_7(completions, metadata):
     return np.array([1.0 if c.startswith("7") else 0.0 for c in completions], np.float32)
 
 
-def one_layer(seed=0):
-    """The tiny decoder with one layer: for the tests whose checks are host logic or a
-    round trip, where depth plays no part (the learning tests keep two layers)."""
-    return tiny_model(seed=seed, num_layers=1)
+def one_layer(seed=0, mesh=None):
+    """The tiny decoder with one layer: depth plays no part in these checks (learning which
+    token comes first, host logic, a round trip), and each layer is compile time."""
+    return tiny_model(seed=seed, mesh=mesh, num_layers=1)
 
 
 def _trainer(gd, name="grpo", reward=starts_with_7, mesh=None, value_gd=None, steps=20,
@@ -56,12 +56,13 @@ def _run(tr, state, n):
 
 @pytest.mark.slow
 def test_grpo_learns_verifiable_task_on_8_devices(mesh8):
-    gd, st = tiny_model(mesh=mesh8)
+    gd, st = one_layer(mesh=mesh8)
     tr = _trainer(gd, "grpo", mesh=mesh8, group_size=8)
     state, ms = _run(tr, tr.init_state(st, seed=0), 20)
     first = np.mean([m["reward_mean"] for m in ms[:3]])
     last = np.mean([m["reward_mean"] for m in ms[-3:]])
-    # Stated margin: mean reward of the last 3 of 20 steps >= first 3 + 0.5.
+    # Stated margin: mean reward of the last 3 of 20 steps >= first 3 + 0.5 (measured:
+    # 0.04 -> 0.99).
     assert last >= first + 0.5, [round(m["reward_mean"], 3) for m in ms]
     for key in ("kl_ref", "entropy", "clip_frac_low", "clip_frac_high", "approx_kl_old",
                 "sampler_gap", "zero_var_frac", "grad_norm", "lr", "rollout_tok_s",
@@ -73,7 +74,7 @@ def test_grpo_learns_verifiable_task_on_8_devices(mesh8):
 
 @pytest.mark.slow
 def test_ppo_with_value_model_learns_on_8_devices(mesh8):
-    cfg = tiny_config()
+    cfg = tiny_config(num_layers=1)
     with jax.set_mesh(mesh8):
         policy = Decoder(cfg, rngs=nnx.Rngs(0))
         value = ValueModel.from_policy(policy, rngs=nnx.Rngs(1))
@@ -85,13 +86,13 @@ def test_ppo_with_value_model_learns_on_8_devices(mesh8):
     state, ms = _run(tr, tr.init_state(st, seed=0, value_params=vst), 20)
     first = np.mean([m["reward_mean"] for m in ms[:3]])
     last = np.mean([m["reward_mean"] for m in ms[-3:]])
-    assert last >= first + 0.4, [round(m["reward_mean"], 3) for m in ms]
+    assert last >= first + 0.4, [round(m["reward_mean"], 3) for m in ms]  # measured: 0.04 -> 1.0
     assert "value_loss" in ms[-1] and "kl_coef" in ms[-1]
     assert np.isfinite(ms[-1]["value_explained_var"]) and ms[-1]["value_explained_var"] <= 1.0
 
 
 def test_sft_lowers_heldout_loss():
-    gd, st = tiny_model()
+    gd, st = one_layer()
     sft = SFTTrainer(gd, SFTConfig(steps=30, batch_size=16,
                                    optim=OptimConfig(lr=3e-3, warmup_steps=3)))
     rng = np.random.default_rng(0)
@@ -107,7 +108,7 @@ def test_sft_lowers_heldout_loss():
     for _ in range(30):
         state, m = sft.step(state, pairs(16))
     after = sft.eval_loss(state, held)
-    assert after < before - 1.0, (before, after)  # from ~ln(19) = 2.9 nats
+    assert after < before - 1.0, (before, after)  # from ~ln(19) = 2.9 nats (1.27 here)
 
 
 def test_reward_errors_name_prompt_index_and_function():
@@ -135,7 +136,7 @@ def test_reward_errors_name_prompt_index_and_function():
 
 
 def test_bad_batch_shapes_and_algorithm_wiring():
-    gd, _ = tiny_model()
+    gd, _ = one_layer()
     with pytest.raises(ValueError, match="num_minibatches=3 does not divide the batch of 16"):
         _trainer(gd, group_size=4, num_minibatches=3)
     with pytest.raises(ValueError, match="micro_batch_size=3 does not divide the minibatch of 8"):
