@@ -64,7 +64,7 @@ def test_linear_logprobs_gradient_equals_autodiff(vocab_major):
 def test_policy_logprobs_gradient_equals_autodiff_of_the_head(tied):
     """Every decoder parameter's gradient (the tied embedding gets both the lookup's and
     the head's) equals autodiff of the generic chunked path."""
-    gd, st = tiny_model(tie_word_embeddings=tied)
+    gd, st = tiny_model(tie_word_embeddings=tied, num_layers=1)
     seqs = random_seqs(np.random.default_rng(1), 4, 3, 6)
     rng = np.random.default_rng(2)
     a = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
@@ -120,7 +120,7 @@ def test_frozen_head_forms_no_weight_gradient():
     from rljax.models.lora import LoraConfig, merge_trainable, split_trainable
     from rljax.train.learn.logprobs import completion_hidden
 
-    gd, st = tiny_model(lora=LoraConfig(rank=4, alpha=8.0))
+    gd, st = tiny_model(lora=LoraConfig(rank=4, alpha=8.0), num_layers=1)
     st = jax.tree.map(lambda x: x + 0.1 * jnp.ones_like(x) if x.ndim else x, st)  # B != 0
     train, base = split_trainable(st)
     seqs = random_seqs(np.random.default_rng(4), 4, 3, 6)

@@ -41,7 +41,7 @@ def _trainer(gd, reward=starts_with_7, mesh=None, name="grpo", prompts=4, **alg)
 
 
 def test_step_makes_only_the_named_host_transfers(mesh8):
-    gd, st = tiny_model(mesh=mesh8)
+    gd, st = tiny_model(mesh=mesh8, num_layers=1)
     tr = _trainer(gd, mesh=mesh8, group_size=2, num_minibatches=2, kl_coef=0.04)
     state, _ = tr.step(tr.init_state(st), source)  # compiles
     with jax.transfer_guard("disallow_explicit"):  # the steady state: no compile
@@ -66,7 +66,7 @@ def _padded_pair(rng):
 
 
 def test_padding_groups_change_neither_loss_nor_gradient_of_the_learning_program():
-    gd, st = tiny_model()
+    gd, st = tiny_model(num_layers=1)
     tr = _trainer(gd, name="dapo", group_size=2, overlong_buffer=0)  # token-mean
     kept, both = _padded_pair(np.random.default_rng(1))
     state = tr.init_state(st)
@@ -116,7 +116,7 @@ def sleeps_on_prompt_3(completion, meta):
 
 
 def test_hung_reward_is_cut_at_timeout_and_the_run_goes_on(caplog):
-    gd, st = tiny_model()
+    gd, st = tiny_model(num_layers=1)
     with RewardPool(2) as pool:
         tr = RLTrainer(gd, TOK, [sleeps_on_prompt_3], algorithm=algorithm_preset("grpo", group_size=2),
                        optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=3),
