@@ -20,7 +20,7 @@ from rljax.train.reward_model import (
 )
 
 PAD, EOS, GOOD = 0, 1, 3
-CFG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
+CFG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=1,
                   num_heads=4, num_kv_heads=2, max_position_embeddings=64)
 
 
