@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 __all__ = ["DCN_PREFIX", "KINDS", "Collective", "Instruction", "Loop", "activation_rows",
-           "group_axes", "module_index", "parse_collectives", "shapes_bytes",
-           "walk_instructions"]
+           "group_axes", "hlo_shapes", "module_index", "operand_names", "parse_collectives",
+           "shapes_bytes", "walk_instructions"]
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 #: XLA:TPU's collectives between slices (over DCN): host-transfer sends that the megascale
@@ -97,7 +97,8 @@ def shapes_bytes(shapes) -> int:
     return sum(math.prod(dims) * _DTYPE_BYTES.get(dt, 4) for dt, dims in shapes)
 
 
-def _shapes(text: str) -> tuple:
+def hlo_shapes(text: str) -> tuple:
+    """Every array type in HLO ``text`` (``f32[8,16]{1,0}``) as ``(dtype, dims)``."""
     return tuple((m.group(1), tuple(int(d) for d in m.group(2).split(",") if d))
                  for m in _SHAPE.finditer(text))
 
@@ -189,7 +190,7 @@ def _computations(hlo: str) -> tuple[dict, str]:
     return comps, entry
 
 
-def _args(rest: str) -> list[str]:
+def operand_names(rest: str) -> list[str]:
     """The operand names of an instruction (the text after ``op(``)."""
     return re.findall(r"%([\w.\-]+)", rest.split(")")[0])
 
@@ -201,7 +202,7 @@ def _constant(name: str, defs: dict, depth: int = 0) -> int | None:
         m = re.match(r"\s*(-?\d+)\)", rest)
         return int(m.group(1)) if m else None
     if op in ("copy", "convert", "bitcast") and depth < 8:
-        return _constant(_args(rest)[0], defs, depth + 1) if _args(rest) else None
+        return _constant(operand_names(rest)[0], defs, depth + 1) if operand_names(rest) else None
     return None
 
 
@@ -221,13 +222,13 @@ def _derived_trip(cond: list[str], body: list[str], init: str, defs: dict) -> in
     if n is None or gte is None:
         return None
     k = int(gte.group(1))
-    init_args = _args(defs.get(init, ("", ""))[1])
+    init_args = operand_names(defs.get(init, ("", ""))[1])
     start = _constant(init_args[k], defs) if k < len(init_args) else None
     broot = next((line for line in body if line.strip().startswith("ROOT")), "")
-    bargs = _args(broot.split(" tuple(", 1)[1]) if " tuple(" in broot else []
+    bargs = operand_names(broot.split(" tuple(", 1)[1]) if " tuple(" in broot else []
     step = 1
     if k < len(bargs) and defs.get(bargs[k], ("",))[0] == "add":
-        consts = [_constant(x, defs) for x in _args(defs[bargs[k]][1])]
+        consts = [_constant(x, defs) for x in operand_names(defs[bargs[k]][1])]
         step = next((c for c in consts if c), 1)
     return max(0, -(-(n - (start or 0)) // step))
 
@@ -240,7 +241,7 @@ def _op_name(line: str) -> str:
 def _unpad(name: str, defs: dict) -> str:
     """The instruction a ``pad`` pads (its first operand); ``name`` itself otherwise."""
     op, rest = defs.get(name, ("", ""))
-    args = _args(rest) if op == "pad" else []
+    args = operand_names(rest) if op == "pad" else []
     return args[0] if args else name
 
 
@@ -299,7 +300,7 @@ def walk_instructions(hlo: str, unknown_trip=None):
                 body = re.search(r"body=%?([\w.\-]+)", line).group(1)
                 cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
                 n = int(trip.group(1)) if trip else _derived_trip(
-                    comps.get(cond, []), comps.get(body, []), _args(rest)[0], ops)
+                    comps.get(cond, []), comps.get(body, []), operand_names(rest)[0], ops)
                 if n is None and unknown_trip is not None:
                     n = unknown_trip(name, loops)
                 yield from walk(body, loops + (Loop(name, n, _op_name(line)),), fused)
@@ -325,17 +326,17 @@ def parse_collectives(hlo: str) -> list[Collective]:
         name, rtype, op, rest, loops = ins.name, ins.rtype, ins.op, ins.rest, ins.loops
         base = op[:-6] if op.endswith("-start") else op
         if base in KINDS and not op.endswith("-done"):
-            args = _args(rest)
-            operands = tuple(s for a in args for s in _shapes(shapes.get(a, "")))
+            args = operand_names(rest)
+            operands = tuple(s for a in args for s in hlo_shapes(shapes.get(a, "")))
             unpadded = tuple(s for a in args
-                             for s in _shapes(shapes.get(_unpad(a, unpad_defs), "")))
-            result = _shapes(done_of.get(name, rtype)) if op.endswith("-start") else (
-                _shapes(rtype))
+                             for s in hlo_shapes(shapes.get(_unpad(a, unpad_defs), "")))
+            result = hlo_shapes(done_of.get(name, rtype)) if op.endswith("-start") else (
+                hlo_shapes(rtype))
             out.append(Collective(base, name, operands, result, _groups(rest), loops,
                                   _op_name(ins.line), unpadded))
         dcn = _DCN_TYPE.search(ins.line) if op == "send" else None
         if dcn:
-            sent = _shapes(rtype)[:1]  # (data, context, token): the data
+            sent = hlo_shapes(rtype)[:1]  # (data, context, token): the data
             kind = DCN_PREFIX + dcn.group(1).lower().replace("_", "-")
             out.append(Collective(kind, name, sent, sent, ((),), loops, _op_name(ins.line),
                                   sent))

@@ -26,8 +26,8 @@ import dataclasses
 import math
 import re
 
-from rljax.sharding.hlo_collectives import (KINDS, _args, _shapes, module_index, shapes_bytes,
-                                            walk_instructions)
+from rljax.sharding.hlo_collectives import (KINDS, hlo_shapes, module_index, operand_names,
+                                            shapes_bytes, walk_instructions)
 
 __all__ = ["OpCost", "conv_flops", "op_costs"]
 
@@ -105,12 +105,12 @@ def _dot_flops(lhs: tuple, out: tuple, rest: str) -> float:
 
 
 def _first_dims(shape_text: str) -> tuple:
-    found = _shapes(shape_text)
+    found = hlo_shapes(shape_text)
     return found[0][1] if found else ()
 
 
 def _math_flops(ins, types: dict) -> float:
-    args = _args(ins.rest)
+    args = operand_names(ins.rest)
     out = _first_dims(ins.rtype)
     if ins.op == "dot" and args:
         return _dot_flops(_first_dims(types.get(args[0], "")), out, ins.rest)
@@ -130,7 +130,7 @@ def _fused(comps: dict, callee: str) -> tuple[dict, dict, tuple | None]:
             continue
         if m.group(3) == "parameter":
             params[int(re.match(r"\s*(\d+)", m.group(4)).group(1))] = m.group(2)
-        for a in _args(m.group(4)):
+        for a in operand_names(m.group(4)):
             users.setdefault(a, []).append((m.group(3), m.group(2), m.group(4)))
         root = (m.group(3), m.group(4)) if m.group(1) else root
     return params, users, root
@@ -146,13 +146,13 @@ def _read_bytes(comps: dict, callee: str, index: int, full: int, defs: dict,
         return full
     total = 0
     for op, name, rest in uses:
-        if op == "dynamic-update-slice" and _args(rest)[0] == params[index]:
+        if op == "dynamic-update-slice" and operand_names(rest)[0] == params[index]:
             continue  # the buffer updated in place: only the update moves
         if op in _SLICES:
-            total += shapes_bytes(_shapes(defs[name][0]))
+            total += shapes_bytes(hlo_shapes(defs[name][0]))
         elif op == "fusion":
             inner = re.search(r"calls=%?([\w.\-]+)", rest).group(1)
-            total += _read_bytes(comps, inner, _args(rest).index(params[index]), full, defs,
+            total += _read_bytes(comps, inner, operand_names(rest).index(params[index]), full, defs,
                                  depth + 1)
         else:
             return full
@@ -163,24 +163,24 @@ def _fusion_bytes(ins, comps: dict, defs: dict, types: dict) -> int:
     """A fusion's operands and result at its boundary; operands only sliced inside count
     their slices, an in-place dynamic-update-slice root its update."""
     callee = re.search(r"calls=%?([\w.\-]+)", ins.rest).group(1)
-    args = _args(ins.rest)
-    total = sum(_read_bytes(comps, callee, i, shapes_bytes(_shapes(types.get(a, ""))), defs)
+    args = operand_names(ins.rest)
+    total = sum(_read_bytes(comps, callee, i, shapes_bytes(hlo_shapes(types.get(a, ""))), defs)
                 for i, a in enumerate(args))
     root = _fused(comps, callee)[2]
     if root is not None and root[0] == "dynamic-update-slice":  # in place: the update
-        return total + shapes_bytes(_shapes(defs[_args(root[1])[1]][0]))
-    return total + shapes_bytes(_shapes(ins.rtype))
+        return total + shapes_bytes(hlo_shapes(defs[operand_names(root[1])[1]][0]))
+    return total + shapes_bytes(hlo_shapes(ins.rtype))
 
 
 def _traffic(ins, comps: dict, defs: dict, types: dict) -> int:
     if ins.op == "fusion":
         return _fusion_bytes(ins, comps, defs, types)
     if ins.op == "dynamic-update-slice":
-        return 2 * shapes_bytes(_shapes(types.get(_args(ins.rest)[1], "")))
+        return 2 * shapes_bytes(hlo_shapes(types.get(operand_names(ins.rest)[1], "")))
     if ins.op in _SLICES:
-        return 2 * shapes_bytes(_shapes(ins.rtype))
-    return sum(shapes_bytes(_shapes(types.get(a, ""))) for a in _args(ins.rest)) + (
-        shapes_bytes(_shapes(ins.rtype)))
+        return 2 * shapes_bytes(hlo_shapes(ins.rtype))
+    return sum(shapes_bytes(hlo_shapes(types.get(a, ""))) for a in operand_names(ins.rest)) + (
+        shapes_bytes(hlo_shapes(ins.rtype)))
 
 
 def _braced(text: str, key: str) -> str:
@@ -219,7 +219,7 @@ def op_costs(hlo: str, unknown_trip=None) -> list[OpCost]:
         kernel, operands = "", ()
         if ins.op == "custom-call":
             kernel = ins.name.rsplit(".", 1)[0]
-            operands = _shapes(_braced(ins.rest, "operand_layout_constraints="))
+            operands = hlo_shapes(_braced(ins.rest, "operand_layout_constraints="))
         out.append(OpCost(ins.name, ins.op, flops, _traffic(ins, comps, defs, types),
                           executions, kernel, operands))
     return out
