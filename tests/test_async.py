@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,6 +24,7 @@ from rljax.train.driver import rl_step
 from rljax.train.config import OptimConfig, RLConfig, SamplingConfig, algorithm_preset
 from rljax.train.learn.logprobs import policy_logprobs
 from rljax.train.multiturn import MultiTurnConfig
+from rljax.train.programs.step import learn_step
 from rljax.train.rl import RLTrainer
 from rljax.train.sources import Window
 
@@ -138,23 +140,27 @@ def test_learning_is_dispatched_before_the_next_batch_is_scored(monkeypatch):
     assert seen == [0, 1, 2, 3]
 
 
-def test_a_resumed_async_run_equals_the_uninterrupted_one(tmp_path):
-    """Two steps, a checkpoint holding the in-flight batch, a fresh trainer restoring it
-    from the metadata's record: its next two steps equal the uninterrupted run's."""
-    gd, st = tiny_model(num_layers=1)
-    tr = _trainer(gd, 1)
-    state, first = _steps(tr, tr.init_state(jax.tree.map(np.copy, st), seed=1), 2)
+def test_a_resumed_async_run_equals_the_uninterrupted_one(tmp_path, mesh8):
+    """Two steps on the 8-device mesh, a checkpoint holding the in-flight batch, a fresh
+    trainer restoring it from the metadata's record: its next two steps equal the
+    uninterrupted run's, and the restored batch's shardings are those the learning
+    program was compiled for (no second compile)."""
+    gd, st = tiny_model(mesh=mesh8, num_layers=1)
+    tr = _trainer(gd, 1, mesh=mesh8)
+    state, first = _steps(tr, tr.init_state(jax.tree.map(jnp.copy, st), seed=1), 2)
     with Checkpointer(tmp_path / "ck", async_save=False) as ck:
         ck.save(2, state, {"inflight": inflight_meta(state)})
         _, rest = _steps(tr, state, 2)
         meta = ck.read_meta()
-        tr2 = _trainer(gd, 1)
-        fresh = tr2.init_state(jax.tree.map(np.copy, st), seed=1)
-        fresh = dataclasses.replace(fresh, inflight=inflight_target(meta["inflight"], None))
+        tr2 = _trainer(gd, 1, mesh=mesh8)
+        fresh = tr2.init_state(jax.tree.map(jnp.copy, st), seed=1)
+        fresh = dataclasses.replace(fresh, inflight=inflight_target(meta["inflight"], mesh8))
         restored, _ = ck.restore(fresh)
     assert restored.inflight[0].version == 1
+    compiled = learn_step._cache_size()
     _, again = _steps(tr2, restored, 2)
     assert again == rest
+    assert learn_step._cache_size() == compiled
 
 
 @pytest.mark.parametrize("kind", ["refill", "episodes", "packed"])

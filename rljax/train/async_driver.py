@@ -41,6 +41,7 @@ one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -77,8 +78,18 @@ class InFlight:
     metrics: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
 
-def _collected(col, version: int) -> InFlight:
-    return InFlight(col.rollout, version, tuple(sorted(col.metrics.items())))
+def _collected(col, version: int, mesh) -> InFlight:
+    """A collected batch in flight, its arrays with rows over the mesh's batch shards (as a
+    resume restores them, :func:`inflight_target`: the learning program sees the same
+    input shardings resumed or not, and compiles once)."""
+    ro = col.rollout if mesh is None else _on_rows(col.rollout, mesh)
+    return InFlight(ro, version, tuple(sorted(col.metrics.items())))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _on_rows(ro: Rollout, mesh) -> Rollout:
+    return jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim)), ro)
 
 
 def async_step(spec: StepSpec, source, state: TrainState, prompts: PromptSource, n: int,
@@ -99,7 +110,7 @@ def async_step(spec: StepSpec, source, state: TrainState, prompts: PromptSource,
     while len(pending) < max_staleness:  # the run's first step: sampled by this policy
         key, k_roll, _ = _split_key(key)
         col = source.collect(policy, Window(prompts, pos, n), k_roll, ph)
-        pending.append(_collected(col, step))
+        pending.append(_collected(col, step, spec.mesh))
         pos = col.next_pos
     batch = pending.pop(0)
     key, k_roll, k_learn = _split_key(key)
@@ -119,7 +130,7 @@ def async_step(spec: StepSpec, source, state: TrainState, prompts: PromptSource,
     t0 = time.perf_counter()
     params, opt_state, out, m = jax.block_until_ready(learned[0])
     ph.add("learn", time.perf_counter() - t0)  # the part not hidden behind the collection
-    pending.append(_collected(col, step))
+    pending.append(_collected(col, step, spec.mesh))
     out["key"] = key
     state = dataclasses.replace(
         state, params=params, opt_state=opt_state, inflight=tuple(pending),
@@ -146,6 +157,16 @@ def inflight_meta(state: TrainState) -> list:
     return out
 
 
+def _jit_form(sharding):
+    """``sharding`` as a jit output carries it (no trailing None in its spec): JAX keys
+    compiled programs by the argument shardings' form, so a restored batch then reuses
+    the learning program the uninterrupted run compiled."""
+    spec = tuple(sharding.spec)
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
 def inflight_target(records: list, mesh) -> tuple:
     """The restore target of a checkpoint's in-flight batches from their record
     (:func:`inflight_meta`): abstract arrays with rows over the mesh's batch shards."""
@@ -154,7 +175,7 @@ def inflight_target(records: list, mesh) -> tuple:
             return None
         shape, dtype = tuple(spec[0]), np.dtype(spec[1])
         sharding = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
-                    else batch_sharding(mesh, len(shape)))
+                    else _jit_form(batch_sharding(mesh, len(shape))))
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     return tuple(InFlight(Rollout(**{k: leaf(v) for k, v in r["arrays"].items()},
