@@ -76,7 +76,7 @@ class SigintCampaign:
     """Trials, resumes and checks (the module docstring); `run()` returns the summary."""
 
     def __init__(self, root: pathlib.Path, *, trials: int, per_run: int, seed: int,
-                 kinds: tuple[str, ...] = KINDS):
+                 kinds: tuple[str, ...] = KINDS, steps_left: int = 1):
         if trials < 1 or per_run < 1:
             raise ValueError(f"trials and per_run must be >= 1, got {trials} and {per_run}")
         if not kinds or not set(kinds) <= set(KINDS):
@@ -84,6 +84,7 @@ class SigintCampaign:
         # The kill campaign writes the experiment and its reward module into root.
         self.kc = Campaign(root, kills=trials, processes=1, kills_per_run=4, seed=seed)
         self.root, self.trials, self.per_run, self.kinds = root, trials, per_run, kinds
+        self.steps_left = steps_left  # an "rl" moment leaves at least this many steps
         self.rng = np.random.default_rng(seed)
         self.records: list[dict] = []
         self.problems: dict[str, list[str]] = {}
@@ -110,7 +111,8 @@ class SigintCampaign:
         if kind == "any":
             return float(self.rng.uniform(0, self._reference()))
         first = _steps_logged(run_dir) + 1
-        target = int(self.rng.integers(first, max(first + 1, self.kc.steps)))
+        target = int(self.rng.integers(first, max(first + 1,
+                                                   self.kc.steps + 1 - self.steps_left)))
         while _steps_logged(run_dir) < target:
             if attempt.procs[0].poll() is not None:
                 return None
@@ -226,11 +228,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--per-run", type=int, default=4, help="trials of one run (default 4)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"subset of {','.join(KINDS)}")
     p.add_argument("--seed", type=int, default=0, help="the campaign's random moments")
+    p.add_argument("--steps-left", type=int, default=1,
+                   help="an 'rl' moment comes after a step that leaves at least this many "
+                        "(default 1: any step but the last)")
     p.add_argument("--root", default=None, help="work folder (default: a new temporary one)")
     a = p.parse_args(argv)
     root = pathlib.Path(a.root or tempfile.mkdtemp(prefix="sigint_campaign_")).resolve()
     out = SigintCampaign(root, trials=a.trials, per_run=a.per_run, seed=a.seed,
-                         kinds=tuple(a.kinds.split(","))).run()
+                         kinds=tuple(a.kinds.split(",")), steps_left=a.steps_left).run()
     for name, problems in out["problems"].items():
         print(f"MISMATCH {name}:\n  " + "\n  ".join(problems), file=sys.stderr)
     print(f"work folder {root}")
